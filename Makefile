@@ -1,0 +1,28 @@
+# `make demo` and `make test` each set up .venv on a fresh machine, then do their job.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-pure bench clean
+
+$(STAMP): pyproject.toml setup.py cython_ext/_native.pyx
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/expertd demo
+
+# The suite runs twice: with the Cython hot paths and with their pure-Python twins.
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+	EXPERTD_PURE_PYTHON=1 $(BIN)/python -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[bench]"
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info expertd/*.so cython_ext/*.c

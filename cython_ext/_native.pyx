@@ -1,0 +1,204 @@
+# cython: boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
+"""Hot paths shared by the daemon and the client: seqlock remap, drain, row copies.
+
+Every function has a pure-Python twin in expertd/_fallback.py with the same signature; see
+expertd/native.py for the choice between them. The atomics are real acquire/release operations
+(GCC/Clang builtins), which Apple Silicon's weak memory ordering needs.
+"""
+
+from libc.stdint cimport int32_t, uint32_t, uint64_t, uint8_t
+from libc.string cimport memcpy
+
+cdef extern from *:
+    """
+    #include <sched.h>
+    #include <time.h>
+    static inline unsigned long long xd_load_acquire(const void *p) {
+        return __atomic_load_n((const unsigned long long *)p, __ATOMIC_ACQUIRE);
+    }
+    static inline unsigned long long xd_load_relaxed(const void *p) {
+        return __atomic_load_n((const unsigned long long *)p, __ATOMIC_RELAXED);
+    }
+    static inline void xd_store_release(void *p, unsigned long long v) {
+        __atomic_store_n((unsigned long long *)p, v, __ATOMIC_RELEASE);
+    }
+    static inline void xd_store_relaxed(void *p, unsigned long long v) {
+        __atomic_store_n((unsigned long long *)p, v, __ATOMIC_RELAXED);
+    }
+    static inline void xd_add_relaxed(void *p, unsigned long long v) {
+        __atomic_fetch_add((unsigned long long *)p, v, __ATOMIC_RELAXED);
+    }
+    static inline void xd_fence_acquire(void) { __atomic_thread_fence(__ATOMIC_ACQUIRE); }
+    static inline void xd_fence_release(void) { __atomic_thread_fence(__ATOMIC_RELEASE); }
+    static inline double xd_now(void) {
+        struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
+        return ts.tv_sec + ts.tv_nsec * 1e-9;
+    }
+    static inline void xd_pause(void) { sched_yield(); }
+    """
+    unsigned long long xd_load_acquire(const void *p) nogil
+    unsigned long long xd_load_relaxed(const void *p) nogil
+    void xd_store_release(void *p, unsigned long long v) nogil
+    void xd_store_relaxed(void *p, unsigned long long v) nogil
+    void xd_add_relaxed(void *p, unsigned long long v) nogil
+    void xd_fence_acquire() nogil
+    void xd_fence_release() nogil
+    double xd_now() nogil
+    void xd_pause() nogil
+
+# Slot record layout (shm/layout.py SLOT_DTYPE): keep in step.
+DEF SLOT_SIZE = 32
+DEF OFF_VERSION = 0
+DEF OFF_LAYER = 8
+DEF OFF_EXPERT = 12
+DEF OFF_STATE = 16
+DEF OFF_HITS = 24
+DEF STATE_FILLING = 1
+DEF STATE_READY = 2
+
+IMPLEMENTATION = "cython"
+
+
+cdef inline uint8_t* _slot(uint8_t* base, Py_ssize_t slots_offset, Py_ssize_t row) nogil:
+    return base + slots_offset + row * SLOT_SIZE
+
+
+def remap(uint8_t[::1] arena, Py_ssize_t slot_of_offset, Py_ssize_t slots_offset,
+          Py_ssize_t n_experts, int layer, const int32_t[::1] experts,
+          int32_t[::1] out_slots, uint64_t[::1] out_versions, int32_t[::1] out_filling):
+    """Look experts of one layer up in the slot table, lock-free.
+
+    For each expert: its row and the even seqlock version seen, or -1 when it is not READY.
+    ``out_filling`` gets the row of an expert that is being filled right now (else -1), so the
+    caller can drain it instead of asking the daemon. Returns the number of experts not READY.
+    """
+    cdef uint8_t* base = &arena[0]
+    cdef const int32_t* slot_of = <const int32_t*>(base + slot_of_offset)
+    cdef Py_ssize_t i, n = experts.shape[0]
+    cdef int32_t e, row
+    cdef uint8_t* rec
+    cdef unsigned long long v
+    cdef int missing = 0
+    with nogil:
+        for i in range(n):
+            e = experts[i]
+            out_filling[i] = -1
+            row = (<volatile int32_t*>slot_of)[layer * n_experts + e]
+            out_slots[i] = -1
+            if row < 0:
+                missing += 1
+                continue
+            rec = _slot(base, slots_offset, row)
+            v = xd_load_acquire(rec + OFF_VERSION)
+            if ((<volatile int32_t*>(rec + OFF_LAYER))[0] != layer
+                    or (<volatile int32_t*>(rec + OFF_EXPERT))[0] != e):
+                missing += 1
+                continue
+            if (v & 1) or (<volatile uint32_t*>(rec + OFF_STATE))[0] != STATE_READY:
+                if (<volatile uint32_t*>(rec + OFF_STATE))[0] == STATE_FILLING:
+                    out_filling[i] = row
+                missing += 1
+                continue
+            out_slots[i] = row
+            out_versions[i] = v
+    return missing
+
+
+def validate(uint8_t[::1] arena, Py_ssize_t slots_offset, const int32_t[::1] slots,
+             const uint64_t[::1] versions):
+    """True if no row in ``slots`` changed since its version was read (seqlock check)."""
+    cdef uint8_t* base = &arena[0]
+    cdef Py_ssize_t i, n = slots.shape[0]
+    cdef bint ok = True
+    with nogil:
+        xd_fence_acquire()
+        for i in range(n):
+            if xd_load_relaxed(_slot(base, slots_offset, slots[i]) + OFF_VERSION) != versions[i]:
+                ok = False
+                break
+    return ok
+
+
+def drain(uint8_t[::1] arena, Py_ssize_t slots_offset, int layer, const int32_t[::1] experts,
+          const int32_t[::1] rows, int32_t[::1] out_slots, uint64_t[::1] out_versions,
+          double timeout):
+    """Wait until in-flight fills of ``rows`` (holding ``experts`` of ``layer``) are READY.
+
+    Rows that become READY with the right key go to ``out_slots``/``out_versions``; a row that
+    fails, changes hands or is not ready within ``timeout`` seconds is left at -1. Returns the
+    number left at -1.
+    """
+    cdef uint8_t* base = &arena[0]
+    cdef Py_ssize_t i, n = rows.shape[0]
+    cdef uint8_t* rec
+    cdef unsigned long long v
+    cdef uint32_t state
+    cdef double deadline
+    cdef int left = 0
+    with nogil:
+        deadline = xd_now() + timeout
+        for i in range(n):
+            out_slots[i] = -1
+            if rows[i] < 0:
+                left += 1
+                continue
+            rec = _slot(base, slots_offset, rows[i])
+            while True:
+                v = xd_load_acquire(rec + OFF_VERSION)
+                if ((<volatile int32_t*>(rec + OFF_LAYER))[0] != layer
+                        or (<volatile int32_t*>(rec + OFF_EXPERT))[0] != experts[i]):
+                    break
+                state = (<volatile uint32_t*>(rec + OFF_STATE))[0]
+                if not (v & 1) and state == STATE_READY:
+                    out_slots[i] = rows[i]
+                    out_versions[i] = v
+                    break
+                if state != STATE_FILLING or xd_now() > deadline:
+                    break
+                xd_pause()
+            if out_slots[i] < 0:
+                left += 1
+    return left
+
+
+def copy_rows(uint8_t[::1] arena, Py_ssize_t rows_offset, Py_ssize_t stride,
+              const int32_t[::1] slots, Py_ssize_t seg_offset, Py_ssize_t seg_nbytes,
+              uint8_t[:, ::1] dest):
+    """dest[i] = bytes [seg_offset, seg_offset + seg_nbytes) of row slots[i], GIL released."""
+    cdef uint8_t* base = &arena[0]
+    cdef Py_ssize_t i, n = slots.shape[0]
+    if dest.shape[0] < n or dest.shape[1] != seg_nbytes:
+        raise ValueError("destination shape does not match the rows and segment")
+    if seg_offset < 0 or seg_offset + seg_nbytes > stride:
+        raise ValueError("segment lies outside the row")
+    for i in range(n):
+        if slots[i] < 0 or rows_offset + (slots[i] + 1) * stride > arena.shape[0]:
+            raise ValueError("row outside the arena")
+    with nogil:
+        for i in range(n):
+            memcpy(&dest[i, 0], base + rows_offset + slots[i] * stride + seg_offset, seg_nbytes)
+
+
+def bump_hits(uint8_t[::1] arena, Py_ssize_t slots_offset, const int32_t[::1] slots):
+    """Count one use of each row for the daemon's LFU (relaxed atomic add)."""
+    cdef uint8_t* base = &arena[0]
+    cdef Py_ssize_t i, n = slots.shape[0]
+    with nogil:
+        for i in range(n):
+            xd_add_relaxed(_slot(base, slots_offset, slots[i]) + OFF_HITS, 1)
+
+
+def begin_write(uint8_t[::1] arena, Py_ssize_t slots_offset, Py_ssize_t row):
+    """Daemon side: make the row's version odd before its key or bytes change."""
+    cdef uint8_t* rec = _slot(&arena[0], slots_offset, row)
+    cdef unsigned long long v = xd_load_relaxed(rec + OFF_VERSION)
+    if not (v & 1):
+        xd_store_relaxed(rec + OFF_VERSION, v + 1)
+    xd_fence_release()
+
+
+def end_write(uint8_t[::1] arena, Py_ssize_t slots_offset, Py_ssize_t row):
+    """Daemon side: publish the row's key, state and bytes with an even version (release)."""
+    cdef uint8_t* rec = _slot(&arena[0], slots_offset, row)
+    cdef unsigned long long v = xd_load_relaxed(rec + OFF_VERSION)
+    xd_store_release(rec + OFF_VERSION, v + 1 if (v & 1) else v + 2)

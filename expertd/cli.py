@@ -1,0 +1,104 @@
+"""The ``expertd`` command: one entry point, one subcommand per job."""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .errors import ExpertdError
+
+DESCRIPTION = """\
+expertd runs Mixture-of-Experts models larger than memory by streaming the routed experts from
+the SSD. One daemon per blob directory keeps the warm experts in shared memory for every client.
+
+Typical use:
+  expertd convert ~/models/Qwen3-30B-A3B-4bit ~/blobs/qwen3-30b    # once
+  expertd start --blobs ~/blobs/qwen3-30b --cache-gb 8
+  expertd generate --blobs ~/blobs/qwen3-30b --prompt "Hello"
+  expertd stop --blobs ~/blobs/qwen3-30b
+"""
+
+
+def _cmd_synth(args) -> int:
+    from .synth import SynthConfig, synthesize
+
+    cfg = SynthConfig(family=args.family, layers=args.layers, experts=args.experts,
+                      top_k=args.top_k, hidden=args.hidden, moe_inter=args.moe_inter,
+                      bits=args.bits, mode=args.mode, dtype=args.dtype, seed=args.seed)
+    out = synthesize(cfg, Path(args.out))
+    print(f"wrote a synthetic {cfg.family} checkpoint to {out}")
+    return 0
+
+
+def _cmd_convert(args) -> int:
+    from .convert import convert
+
+    manifest = convert(Path(args.model_dir), Path(args.blob_dir), progress=not args.quiet)
+    gib = manifest.total_expert_bytes / 2**30
+    print(f"wrote {len(manifest.layers)} MoE layers ({gib:.2f} GiB of experts, stride "
+          f"{manifest.stride} bytes) and trunk/ to {args.blob_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="expertd", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("synth", help="write a synthetic MoE checkpoint (random weights)",
+                       description="Write a random-weight MoE checkpoint in mlx-lm format, built "
+                       "with mlx-lm's own model classes, with an offline tokenizer. "
+                       "`mlx_lm.load(OUT)` loads it.")
+    p.add_argument("--family", default="qwen3_moe",
+                   choices=("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"),
+                   help="mlx-lm model family (default: qwen3_moe)")
+    p.add_argument("--out", required=True, help="output directory (must not exist)")
+    p.add_argument("--layers", type=int, default=4, help="transformer layers (default: 4)")
+    p.add_argument("--experts", type=int, default=16, help="routed experts per layer (default: 16)")
+    p.add_argument("--top-k", type=int, default=4, help="experts per token (default: 4)")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size (default: 128)")
+    p.add_argument("--moe-inter", type=int, default=64,
+                   help="expert intermediate size (default: 64)")
+    p.add_argument("--bits", type=int, default=4, help="quantization bits (default: 4)")
+    p.add_argument("--mode", default="affine",
+                   choices=("affine", "mxfp4", "mxfp8", "nvfp4", "none"),
+                   help="quantization mode; 'none' keeps --dtype weights (default: affine)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="dtype of the unquantized weights (default: bfloat16)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.set_defaults(func=_cmd_synth)
+
+    p = sub.add_parser("convert", help="split an mlx-lm MoE checkpoint into expert blobs + trunk",
+                       description="Split an mlx-lm MoE checkpoint into one blob file per MoE "
+                       "layer (each expert at expert * stride) plus trunk/, an mlx-lm model "
+                       "directory without the routed experts. Streams tensor by tensor: memory "
+                       "stays small whatever the model size. The output appears atomically.")
+    p.add_argument("model_dir", help="mlx-lm model directory (config.json + *.safetensors)")
+    p.add_argument("blob_dir", help="output blob directory (must not exist)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_convert)
+
+    from . import commands
+
+    commands.add_subcommands(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s expertd %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except (ExpertdError, FileExistsError, ValueError) as exc:
+        print(f"expertd {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"expertd {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Split an mlx-lm MoE checkpoint into per-layer expert blobs plus a trunk model directory.
+
+Generic: every parameter under a ``SwitchGLU`` / ``SwitchMLP`` module whose leading dimension is
+the number of experts is sliced per expert. The model is never loaded: tensors are streamed
+byte range by byte range from the safetensors shards, so memory stays bounded by one expert row
+plus one copy chunk. The output appears atomically (written under a temporary name, renamed).
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import xxhash
+
+from .errors import ModelDirError
+from .manifest import STRIDE_ALIGN, Manifest, MoeLayer, Segment
+from .safetensors import SafetensorsWriter, read_header
+
+_SEGMENT_ALIGN = 64
+
+
+def find_switch_modules(config: dict) -> list:
+    """``[(module_path, num_experts, {proj: input_dims})]`` for every switch module of the model.
+
+    The model is built from mlx-lm's own classes; its parameters stay lazy (never evaluated), so
+    this costs no memory whatever the model's size.
+    """
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP, SwitchLinear
+    from mlx_lm.utils import _get_classes
+
+    try:
+        model_class, args_class = _get_classes(config)
+    except ValueError as exc:
+        raise ModelDirError(f"mlx-lm does not know this model: {exc}") from None
+    model = model_class(args_class.from_dict(config))
+    found = []
+    for path, module in model.named_modules():
+        if isinstance(module, (SwitchGLU, SwitchMLP)):
+            projs = [(name, child) for name, child in module.named_modules()
+                     if isinstance(child, SwitchLinear)]
+            if not projs:
+                continue
+            num_experts = projs[0][1].weight.shape[0]
+            found.append((path, num_experts, {n: c.weight.shape[-1] for n, c in projs}))
+    found.sort(key=lambda item: _natural_key(item[0]))
+    return found
+
+
+def _natural_key(path: str):
+    return [int(p) if p.isdigit() else p for p in path.split(".")]
+
+
+def _quant_params(module: str, proj: str, in_dims: int, tensors: dict) -> dict | None:
+    """Recover how a projection was quantized from its tensors (as mlx-lm does on load)."""
+    scales = tensors.get(f"{module}.{proj}.scales")
+    if scales is None:
+        return None
+    weight = tensors[f"{module}.{proj}.weight"]
+    group_size = in_dims // scales.shape[-1]
+    bits = weight.shape[-1] * 32 // in_dims
+    if scales.dtype != "U8":
+        params = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    else:
+        modes = {(4, 16): "nvfp4", (4, 32): "mxfp4", (8, 32): "mxfp8"}
+        if (bits, group_size) not in modes:
+            raise ModelDirError(f"cannot tell the quantization of {module}.{proj}: "
+                                f"{bits} bits, group size {group_size}")
+        params = {"group_size": group_size, "bits": bits, "mode": modes[(bits, group_size)]}
+    if f"{module}.{proj}.global_scale" in tensors:
+        params["global_scale"] = True
+    return params
+
+
+def plan(model_dir: Path):
+    """Read config and shard headers; return (config, tensors, layers, stride, trunk tensors).
+
+    Raises:
+        ModelDirError: not a model directory, no MoE layers, or an unknown tensor layout.
+    """
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not model_dir.is_dir() or not config_path.is_file():
+        raise ModelDirError(f"{model_dir} is not an mlx-lm model directory (no config.json)")
+    shards = sorted(model_dir.glob("model*.safetensors"))
+    if not shards:
+        raise ModelDirError(f"{model_dir} is not an mlx-lm model directory "
+                            "(no model*.safetensors)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelDirError(f"{config_path} is not valid JSON: {exc}") from None
+    if "model_type" not in config:
+        raise ModelDirError(f"{config_path} has no model_type")
+    tensors = {}
+    for shard in shards:
+        try:
+            tensors.update(read_header(shard))
+        except ValueError as exc:
+            raise ModelDirError(str(exc)) from None
+
+    switches = find_switch_modules(config)
+    if not switches:
+        raise ModelDirError(f"{model_dir}: model type {config['model_type']!r} has no MoE "
+                            "layers (no SwitchGLU / SwitchMLP module)")
+    layers, expert_names = [], set()
+    quant_overrides = {}
+    for index, (module, num_experts, projections) in enumerate(switches):
+        names = sorted(n for n in tensors if n.startswith(module + "."))
+        if not names:
+            raise ModelDirError(
+                f"unknown layout: no tensor under {module}; is this an mlx-lm checkpoint "
+                "(made by mlx_lm.convert), with the experts stacked?")
+        segments, offset = [], 0
+        for name in names:
+            t = tensors[name]
+            if not t.shape or t.shape[0] != num_experts:
+                raise ModelDirError(f"unknown layout: {name} has shape {list(t.shape)}, "
+                                    f"expected a leading dimension of {num_experts} experts")
+            nbytes = t.nbytes // num_experts
+            segments.append(Segment(name[len(module) + 1:], t.dtype, t.shape[1:], offset, nbytes))
+            offset += -(-nbytes // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+            expert_names.add(name)
+        for proj, in_dims in projections.items():
+            params = _quant_params(module, proj, in_dims, tensors)
+            if params is not None:
+                quant_overrides[f"{module}.{proj}"] = params
+        expert_bytes = segments[-1].offset + segments[-1].nbytes
+        layers.append(MoeLayer(index, module, f"layer-{index:03d}.blob", num_experts,
+                               expert_bytes, tuple(segments), ()))
+    stride = -(-max(layer.expert_bytes for layer in layers) // STRIDE_ALIGN) * STRIDE_ALIGN
+    trunk = [tensors[n] for n in sorted(tensors) if n not in expert_names]
+    if "quantization" in config:
+        quant = dict(config["quantization"])
+        for path, params in quant_overrides.items():
+            quant.setdefault(path, params)
+        config = dict(config, quantization=quant, quantization_config=quant)
+    return config, tensors, layers, stride, trunk
+
+
+def convert(model_dir: Path, blob_dir: Path, progress: bool = True) -> Manifest:
+    """Convert ``model_dir`` into ``blob_dir`` (which must not exist).
+
+    A leftover temporary directory from an interrupted run is removed and the work restarts.
+
+    Returns:
+        The manifest written.
+    Raises:
+        ModelDirError: see :func:`plan`.
+        FileExistsError: if ``blob_dir`` exists.
+    """
+    from tqdm import tqdm
+
+    model_dir, blob_dir = Path(model_dir), Path(blob_dir)
+    if blob_dir.exists():
+        raise FileExistsError(f"{blob_dir} already exists; remove it or choose another path")
+    config, tensors, layers, stride, trunk = plan(model_dir)
+    tmp = blob_dir.parent / f".{blob_dir.name}.partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+
+    total = sum(layer.num_experts * layer.expert_bytes for layer in layers)
+    total += sum(t.nbytes for t in trunk)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+               desc="convert", dynamic_ncols=True)
+    try:
+        done_layers = []
+        source_fds = {}
+        try:
+            for i, layer in enumerate(layers):
+                bar.set_postfix_str(f"layer {i + 1}/{len(layers)}")
+                done_layers.append(_write_layer(tmp, layer, stride,
+                                                [tensors[f"{layer.module}.{seg.name}"]
+                                                 for seg in layer.segments],
+                                                source_fds, bar.update))
+        finally:
+            for fd in source_fds.values():
+                os.close(fd)
+        bar.set_postfix_str("trunk")
+        _write_trunk(model_dir, tmp / "trunk", config, trunk, bar.update)
+        manifest = Manifest(config["model_type"], stride,
+                            int(config.get("num_experts_per_tok", 1)), tuple(done_layers))
+        manifest.save(tmp / "manifest.json")
+        _fsync_dir(tmp)
+        os.rename(tmp, blob_dir)
+        _fsync_dir(blob_dir.parent)
+    except BaseException:
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    bar.close()
+    return manifest
+
+
+def _write_layer(out: Path, layer: MoeLayer, stride: int, sources: list, fds: dict,
+                 advance) -> MoeLayer:
+    """Assemble each expert's row from its tensor slices, hash it, write it at e * stride."""
+    row = bytearray(stride)
+    view = memoryview(row)
+    checksums = []
+    fd_out = os.open(out / layer.file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(fd_out, layer.num_experts * stride)
+        for e in range(layer.num_experts):
+            for seg, src in zip(layer.segments, sources):
+                fd = fds.get(src.path)
+                if fd is None:
+                    fd = fds[src.path] = os.open(src.path, os.O_RDONLY)
+                got = os.preadv(fd, [view[seg.offset:seg.offset + seg.nbytes]],
+                                src.start + e * seg.nbytes)
+                if got != seg.nbytes:
+                    raise ModelDirError(f"{src.path}: short read in {src.name}")
+            checksums.append(xxhash.xxh3_64_intdigest(view[:layer.expert_bytes]))
+            os.pwrite(fd_out, view, e * stride)
+            advance(layer.expert_bytes)
+        os.fsync(fd_out)
+    finally:
+        os.close(fd_out)
+    return MoeLayer(layer.index, layer.module, layer.file, layer.num_experts, layer.expert_bytes,
+                    layer.segments, tuple(checksums))
+
+
+def _write_trunk(model_dir: Path, trunk_dir: Path, config: dict, trunk: list, advance) -> None:
+    trunk_dir.mkdir()
+    for item in model_dir.iterdir():
+        if item.name.endswith(".safetensors") or item.name == "model.safetensors.index.json":
+            continue
+        if item.name == "config.json" or not item.is_file():
+            continue
+        shutil.copy2(item, trunk_dir / item.name)
+    (trunk_dir / "config.json").write_text(json.dumps(config, indent=4))
+    writer = SafetensorsWriter(trunk_dir / "model.safetensors", trunk)
+    writer.copy_all(progress=advance)
+    writer.close()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def expert_slice(tensor, expert: int) -> bytes:
+    """The bytes of one expert's slice of a stacked tensor (for tests and checks)."""
+    nbytes = tensor.nbytes // tensor.shape[0]
+    with open(tensor.path, "rb") as f:
+        f.seek(tensor.start + expert * nbytes)
+        return f.read(nbytes)
+

@@ -1,0 +1,34 @@
+"""The exception hierarchy shared by the daemon, the client and the command line."""
+
+
+class ExpertdError(Exception):
+    """Base class: every error expertd raises on purpose."""
+
+
+class ModelDirError(ExpertdError):
+    """The input is not a usable mlx-lm MoE model directory."""
+
+
+class BlobStoreError(ExpertdError):
+    """A blob directory is missing, malformed or corrupt."""
+
+
+class ChecksumError(BlobStoreError):
+    """An expert's bytes do not match the checksum in the manifest."""
+
+    def __init__(self, layer: int, expert: int, path: str):
+        super().__init__(f"checksum mismatch for layer {layer} expert {expert} in {path}")
+        self.layer = layer
+        self.expert = expert
+
+
+class ProtocolError(ExpertdError):
+    """A message on the wire is malformed, of the wrong version or refused."""
+
+
+class DaemonError(ExpertdError):
+    """The daemon refused a request, is not running, or died."""
+
+
+class DaemonNotRunning(DaemonError):
+    """No expertd serves the requested blob directory."""

@@ -1,0 +1,104 @@
+"""Streaming access to safetensors files: headers and byte ranges, never whole tensors.
+
+The format: an 8-byte little-endian header length, a JSON header mapping tensor names to
+dtype, shape and data offsets, then the raw data.
+"""
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+
+DTYPE_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple
+    path: Path
+    start: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+def read_header(path: Path) -> dict:
+    """Every tensor of one safetensors file, as ``{name: TensorInfo}``.
+
+    Raises:
+        ValueError: if the file is not a well-formed safetensors file.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: too short for a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(_MAX_HEADER, size - 8):
+            raise ValueError(f"{path}: safetensors header length {n} is not plausible")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: safetensors header is not JSON ({exc})") from None
+    base = 8 + n
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        if dtype not in DTYPE_SIZES:
+            raise ValueError(f"{path}: tensor {name} has unknown dtype {dtype}")
+        if end - begin != prod(shape) * DTYPE_SIZES[dtype] or base + end > size:
+            raise ValueError(f"{path}: tensor {name} has inconsistent offsets")
+        tensors[name] = TensorInfo(name, dtype, shape, path, base + begin, end - begin)
+    return tensors
+
+
+class SafetensorsWriter:
+    """Writes a safetensors file whose tensor list is known up front, data streamed in order."""
+
+    def __init__(self, path: Path, tensors: list, metadata: dict | None = None):
+        header = {"__metadata__": metadata or {"format": "mlx"}}
+        offset = 0
+        for t in tensors:
+            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
+                              "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+        self._file = open(path, "wb")
+        self._file.write(struct.pack("<Q", len(blob)) + blob)
+        self._tensors = tensors
+
+    def copy_all(self, chunk: int = 64 << 20, progress=None) -> None:
+        """Copy every tensor's bytes from its source file, ``chunk`` bytes at a time."""
+        fds = {}
+        try:
+            for t in self._tensors:
+                fd = fds.get(t.path)
+                if fd is None:
+                    fd = fds[t.path] = os.open(t.path, os.O_RDONLY)
+                done = 0
+                while done < t.nbytes:
+                    data = os.pread(fd, min(chunk, t.nbytes - done), t.start + done)
+                    if not data:
+                        raise ValueError(f"{t.path}: unexpected end of file in {t.name}")
+                    self._file.write(data)
+                    done += len(data)
+                    if progress is not None:
+                        progress(len(data))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def close(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()

@@ -1,0 +1,168 @@
+"""Synthetic MoE checkpoints in mlx-lm format, built with mlx-lm's own model classes.
+
+Nothing is downloaded: the weights are random (deterministic by seed), the tokenizer is trained
+offline on a built-in text. The result loads with ``mlx_lm.load(DIR)``.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+MODES = ("affine", "mxfp4", "mxfp8", "nvfp4", "none")
+# Group sizes that each quantization mode allows (mlx.core.quantize).
+_MODE_GROUP = {"affine": 64, "mxfp4": 32, "mxfp8": 32, "nvfp4": 16}
+_MODE_BITS = {"mxfp4": 4, "mxfp8": 8, "nvfp4": 4}
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    family: str = "qwen3_moe"
+    layers: int = 4
+    experts: int = 16
+    top_k: int = 4
+    hidden: int = 128
+    moe_inter: int = 64
+    bits: int = 4
+    mode: str = "affine"
+    dtype: str = "bfloat16"
+    vocab: int = 512
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.layers < 1:
+            raise ValueError("layers must be at least 1")
+        if self.family == "deepseek_v3" and self.layers < 2:
+            raise ValueError("deepseek_v3 needs at least 2 layers (the first one is dense)")
+        if self.experts < 2:
+            raise ValueError("experts must be at least 2")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError("top-k must be between 1 and the number of experts")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError("dtype must be bfloat16, float16 or float32")
+        if self.mode == "affine" and self.bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError("affine bits must be one of 2, 3, 4, 5, 6, 8")
+        if self.mode in _MODE_BITS and self.bits not in (_MODE_BITS[self.mode], 4):
+            raise ValueError(f"{self.mode} uses {_MODE_BITS[self.mode]} bits")
+        group = _MODE_GROUP.get(self.mode, 1)
+        for name, dim in (("hidden", self.hidden), ("moe-inter", self.moe_inter)):
+            if dim % max(group, 32) != 0:
+                raise ValueError(f"{name} must be a multiple of {max(group, 32)}")
+
+    def model_config(self, vocab_size: int) -> dict:
+        heads = max(2, self.hidden // 32)
+        common = {
+            "model_type": self.family,
+            "vocab_size": vocab_size,
+            "hidden_size": self.hidden,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": max(1, heads // 2),
+            "num_experts_per_tok": self.top_k,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 4096,
+        }
+        if self.family == "qwen3_moe":
+            return common | {
+                "intermediate_size": self.moe_inter * 2,
+                "num_experts": self.experts,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "moe_intermediate_size": self.moe_inter,
+                "head_dim": self.hidden // heads,
+                "norm_topk_prob": True,
+            }
+        if self.family == "mixtral":
+            return common | {"intermediate_size": self.moe_inter, "num_local_experts": self.experts}
+        if self.family == "deepseek_v3":
+            return common | {
+                "intermediate_size": self.moe_inter * 2,
+                "moe_intermediate_size": self.moe_inter,
+                "n_shared_experts": 1,
+                "n_routed_experts": self.experts,
+                "routed_scaling_factor": 2.5,
+                "kv_lora_rank": 32,
+                "q_lora_rank": 64,
+                "qk_rope_head_dim": 16,
+                "v_head_dim": 32,
+                "qk_nope_head_dim": 32,
+                "topk_method": "noaux_tc",
+                "scoring_func": "sigmoid",
+                "norm_topk_prob": True,
+                "n_group": 1,
+                "topk_group": 1,
+                "moe_layer_freq": 1,
+                "first_k_dense_replace": 1,
+            }
+        # gpt_oss: alternating sliding and full attention, biases on every expert projection.
+        return common | {
+            "num_local_experts": self.experts,
+            "intermediate_size": self.moe_inter,
+            "head_dim": 32,
+            "sliding_window": 64,
+            "layer_types": [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.layers)
+            ],
+        }
+
+
+def synthesize(cfg: SynthConfig, out_dir: Path) -> Path:
+    """Write a random-weight MoE checkpoint for ``cfg`` into ``out_dir`` (which must not exist).
+
+    Returns:
+        The output directory.
+    Raises:
+        ValueError: on an invalid configuration.
+        FileExistsError: if ``out_dir`` already exists and is not empty.
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+    from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+
+    cfg.validate()
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} already exists and is not empty")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    vocab_size = build_tokenizer_into(out_dir, cfg.vocab)
+    config = cfg.model_config(vocab_size)
+    mx.random.seed(cfg.seed)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    dtype = getattr(mx, cfg.dtype)
+    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
+                          model.parameters()))
+    # Random biases where mlx-lm starts them at zero, so a lost bias would change the output.
+    _randomize_biases(model, nn)
+    if cfg.mode != "none":
+        model, config = quantize_model(
+            model, config, _MODE_GROUP[cfg.mode], cfg.bits, mode=cfg.mode
+        )
+    mx.eval(model.parameters())
+    save_model(out_dir, model)
+    save_config(config, out_dir / "config.json")
+    (out_dir / "expertd-synth.json").write_text(json.dumps(cfg.__dict__, indent=2))
+    return out_dir
+
+
+def build_tokenizer_into(out_dir: Path, vocab: int) -> int:
+    from .tokenizer import build_tokenizer
+
+    return build_tokenizer(out_dir, vocab)
+
+
+def _randomize_biases(model, nn) -> None:
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    for _, module in model.named_modules():
+        if isinstance(module, SwitchLinear) and "bias" in module:
+            module.bias = (mx.random.normal(module.bias.shape) * 0.02).astype(module.bias.dtype)
