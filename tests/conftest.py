@@ -1,6 +1,8 @@
 """Shared fixtures: tiny synthetic models and their blob directories, built once per session."""
 
 import os
+import shutil
+import tempfile
 import sys
 from pathlib import Path
 
@@ -49,12 +51,16 @@ def models(tmp_path_factory) -> ModelCache:
 
 @pytest.fixture
 def isolated_env(tmp_path, monkeypatch):
-    """Per-test runtime and state directories, so daemons of different tests never meet."""
-    runtime = tmp_path / "run"
+    """Per-test runtime and state directories, so daemons of different tests never meet.
+
+    The runtime directory is short on purpose: unix socket paths are limited to 104 bytes.
+    """
+    runtime = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))
     state = tmp_path / "state"
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     monkeypatch.setenv("XDG_STATE_HOME", str(state))
-    return {"XDG_RUNTIME_DIR": str(runtime), "XDG_STATE_HOME": str(state)}
+    yield {"XDG_RUNTIME_DIR": str(runtime), "XDG_STATE_HOME": str(state)}
+    shutil.rmtree(runtime, ignore_errors=True)
 
 
 def python_env(extra: dict | None = None) -> dict:
