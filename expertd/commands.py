@@ -1,5 +1,118 @@
-"""Subcommands that talk to the daemon: start, stop, status, generate, demo."""
+"""Subcommands that talk to the daemon: start, stop, status (generate and demo: see client)."""
+
+import json
+import sys
+from pathlib import Path
+
+from .errors import DaemonError, DaemonNotRunning
+
+
+def _cmd_start(args) -> int:
+    from .daemon import run_foreground, start_detached
+    from .server import ServerConfig
+
+    config = ServerConfig(
+        blob_dir=Path(args.blobs).resolve(), cache_bytes=int(args.cache_gb * 2**30),
+        workers=args.workers, io=args.io, verify=not args.no_verify,
+        client_timeout=args.client_timeout, heartbeat_interval=args.heartbeat,
+        pin_file=Path(args.pin_file) if args.pin_file else None, auto_pin=args.auto_pin)
+    from .blobstore import BlobStore
+
+    BlobStore(config.blob_dir).close()  # refuse a bad directory here, not in the detached child
+    if args.foreground:
+        return run_foreground(config, Path(args.state_file) if args.state_file else None)
+    argv = [a for a in args.argv_all if a not in ("-v", "--verbose")]
+    stats = start_detached(config.blob_dir, argv)
+    print(f"expertd serving {stats['blob_dir']} on {stats['endpoint']} (pid {stats['pid']}, "
+          f"{stats['arena_rows']} rows, {stats['arena_bytes'] / 2**30:.2f} GiB arena)")
+    return 0
+
+
+def _cmd_stop(args) -> int:
+    from .daemon import stop
+
+    pid = stop(Path(args.blobs), timeout=args.timeout)
+    print(f"stopped expertd pid {pid}")
+    return 0
+
+
+def _status_lines(s: dict) -> list:
+    return [
+        f"expertd pid {s['pid']} serving {s['blob_dir']}",
+        f"  endpoint     {s['endpoint']}",
+        f"  uptime       {s['uptime_s']:.1f} s",
+        f"  arena        {s['arena_bytes'] / 2**30:.3f} GiB, {s['rows_used']}/{s['arena_rows']} "
+        f"rows used, {s['pinned']} pinned",
+        f"  hits/misses  {s['hits']}/{s['misses']} (hit rate {s['hit_rate']:.1%})",
+        f"  read         {s['bytes_read'] / 2**20:.1f} MiB in {s['fills']} fills, "
+        f"{s['fill_gbps']:.2f} GB/s while filling",
+        f"  clients      {s['clients']} connected, {s['leases']} leases",
+    ]
+
+
+def _cmd_status(args) -> int:
+    from .connection import Connection
+    from .daemon import list_sockets
+    from .protocol import Op
+
+    targets = [dict(blob_dir=args.blobs)] if args.blobs else [
+        dict(socket=str(s)) for s in list_sockets()]
+    results = []
+    for target in targets:
+        try:
+            with Connection(**target) as conn:
+                results.append(conn.request(Op.STATS, timeout=args.timeout))
+        except DaemonError as exc:
+            if args.blobs:
+                raise
+            print(f"{target['socket']}: not answering ({exc})", file=sys.stderr)
+    if args.json:
+        print(json.dumps(results[0] if args.blobs else results, indent=2))
+    elif not results:
+        raise DaemonNotRunning("no expertd is running")
+    else:
+        for stats in results:
+            print("\n".join(_status_lines(stats)))
+    return 0
 
 
 def add_subcommands(sub) -> None:
-    """Registers the daemon-facing subcommands (filled in as they are built)."""
+    p = sub.add_parser("start", help="start the daemon for a blob directory",
+                       description="Start the expertd daemon that serves BLOB_DIR: it creates "
+                       "the shared-memory expert cache and listens on a per-user socket derived "
+                       "from the directory. Returns once the daemon answers, unless "
+                       "--foreground (for launchd/systemd or debugging).")
+    p.add_argument("--blobs", required=True, metavar="BLOB_DIR", help="blob directory to serve")
+    p.add_argument("--cache-gb", type=float, default=4.0,
+                   help="size of the shared expert cache in GiB (default: 4)")
+    p.add_argument("--workers", type=int, default=8, help="parallel pread workers (default: 8)")
+    p.add_argument("--io", choices=("direct", "buffered"), default="direct",
+                   help="direct: bypass the page cache (O_DIRECT / F_NOCACHE), so the arena is "
+                   "the only copy; buffered: trust the page cache (default: direct)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not verify expert checksums on fill")
+    p.add_argument("--pin-file", metavar="JSON", help="JSON list of [layer, expert] to pin")
+    p.add_argument("--auto-pin", type=int, default=0, metavar="N",
+                   help="keep the N hottest resident experts pinned (default: 0, off)")
+    p.add_argument("--client-timeout", type=float, default=10.0, metavar="S",
+                   help="reclaim a client's leases after S seconds without a heartbeat")
+    p.add_argument("--heartbeat", type=float, default=1.0, metavar="S",
+                   help="heartbeat interval clients are told to use (default: 1)")
+    p.add_argument("--state-file", help="where the hot set is saved (default: per-user state dir)")
+    p.add_argument("--foreground", action="store_true", help="serve in this process")
+    p.set_defaults(func=_cmd_start)
+
+    p = sub.add_parser("stop", help="stop the daemon of a blob directory",
+                       description="SIGTERM the daemon: it fails in-flight requests, saves its "
+                       "hot set, unlinks the arena and exits; SIGKILL after --timeout.")
+    p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds before SIGKILL")
+    p.set_defaults(func=_cmd_stop)
+
+    p = sub.add_parser("status", help="show what a daemon is doing",
+                       description="Cache use, hits, misses, bytes read, fill throughput, "
+                       "clients. Without --blobs: every daemon of this user.")
+    p.add_argument("--blobs", metavar="BLOB_DIR")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.set_defaults(func=_cmd_status)

@@ -25,6 +25,10 @@ class ChecksumError(BlobStoreError):
 class ProtocolError(ExpertdError):
     """A message on the wire is malformed, of the wrong version or refused."""
 
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
 
 class DaemonError(ExpertdError):
     """The daemon refused a request, is not running, or died."""

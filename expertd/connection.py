@@ -1,0 +1,86 @@
+"""A request/reply connection to the daemon serving a blob directory (one thread owns it)."""
+
+import os
+import time
+
+import zmq
+
+from .errors import DaemonError, DaemonNotRunning
+from .paths import daemon_paths
+from .protocol import CLIENT_ID_BYTES, Op, parse_reply, request
+
+
+class Connection:
+    """A DEALER socket to the expertd of ``blob_dir`` (or at ``socket``, a socket path).
+
+    Raises:
+        DaemonNotRunning: if no daemon socket exists for the directory.
+    """
+
+    def __init__(self, blob_dir=None, client_id: bytes | None = None, socket=None):
+        if socket is not None:
+            self.endpoint = f"ipc://{socket}"
+            exists = os.path.exists(socket)
+            what = socket
+        else:
+            paths = daemon_paths(blob_dir)
+            self.endpoint, exists, what = paths.endpoint, paths.socket.exists(), paths.blob_dir
+        if not exists:
+            raise DaemonNotRunning(f"no expertd serves {what} (start one with: "
+                                   f"expertd start --blobs {what})")
+        self.client_id = client_id or os.urandom(CLIENT_ID_BYTES)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTING_ID, self.client_id)
+        self.sock.connect(self.endpoint)
+        self._counter = 0
+
+    def _rid(self) -> bytes:
+        self._counter += 1
+        return self._counter.to_bytes(8, "little")
+
+    def send(self, op: Op, body: dict) -> bytes:
+        """Fire and forget; returns the request id."""
+        rid = self._rid()
+        self.sock.send_multipart(request(rid, op, body))
+        return rid
+
+    def request(self, op: Op, body: dict | None = None, timeout: float = 10.0) -> dict:
+        """Send one request and wait for its reply.
+
+        Raises:
+            DaemonError: on an error reply (``.code`` set) or when no reply comes in time.
+        """
+        rid = self.send(op, body or {})
+        return self.wait(rid, timeout)
+
+    def wait(self, rid: bytes, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
+                if time.monotonic() >= deadline:
+                    raise DaemonError(f"expertd ({self.endpoint}) did not answer within "
+                                      f"{timeout:g} s")
+                continue
+            got_rid, _, body = parse_reply(self.sock.recv_multipart())
+            if got_rid != rid:
+                if not body.get("ok", False):
+                    self.stray_error = body.get("error")
+                continue  # a late reply, or the error of a fire-and-forget message
+            if not body.get("ok", False):
+                err = DaemonError(str(body.get("error", "unknown error")))
+                err.code = body.get("code")
+                raise err
+            return body
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

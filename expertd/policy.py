@@ -1,0 +1,384 @@
+"""The arena's cache policy: LFU with decay and pins, as pure logic driven by events.
+
+Frequencies are kept per key (layer, expert), not per row, so an expert that was evicted and
+comes back keeps its history. No I/O, threads or logging here: the daemon owns the locking.
+"""
+
+import math
+import operator
+
+import numpy as np
+
+STATE_FORMAT = "expertd-policy"
+STATE_VERSION = 1
+# Decayed frequencies below this are flushed to zero: such keys are cold, and subnormal floats
+# would slow every later pass over the array.
+FREQUENCY_FLOOR = 1e-12
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def _count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+class LfuPolicy:
+    """Chooses which arena rows to evict: empty rows, then the least frequently used keys.
+
+    Args:
+        n_rows: rows in the arena.
+        n_layers: MoE layers; keys have ``0 <= layer < n_layers``.
+        n_experts: experts per layer (the largest layer's count); ``0 <= expert < n_experts``.
+        decay_interval: touches (sum of counts) after which every frequency is multiplied by
+            ``decay_factor``; 0 means ``8 * n_rows``.
+        decay_factor: in (0, 1]; 1 disables decay.
+    Raises:
+        ValueError: on any argument out of range.
+    """
+
+    def __init__(self, n_rows: int, n_layers: int, n_experts: int, *,
+                 decay_interval: int = 0, decay_factor: float = 0.5):
+        self.n_rows = _positive_int("n_rows", n_rows)
+        self.n_layers = _positive_int("n_layers", n_layers)
+        self.n_experts = _positive_int("n_experts", n_experts)
+        decay_interval = _count("decay_interval", decay_interval)
+        if isinstance(decay_factor, bool) or not isinstance(decay_factor, (int, float, np.floating)):
+            raise ValueError(f"decay_factor must be a number, got {decay_factor!r}")
+        if not 0.0 < decay_factor <= 1.0:
+            raise ValueError(f"decay_factor must be in (0, 1], got {decay_factor}")
+        self.decay_interval = decay_interval or 8 * self.n_rows
+        self.decay_factor = float(decay_factor)
+
+        n_keys = self.n_layers * self.n_experts
+        # Keys are stored flat as layer * n_experts + expert; -1 means "none".
+        self._freq = np.zeros(n_keys, dtype=np.float64)
+        self._last_used = np.zeros(n_keys, dtype=np.int64)  # logical clock, for ties
+        self._key_row = np.full(n_keys, -1, dtype=np.int64)
+        self._row_key = np.full(self.n_rows, -1, dtype=np.int64)
+        self._explicit_pins = np.zeros(n_keys, dtype=bool)
+        self._auto_pins = np.zeros(n_keys, dtype=bool)
+        self._pinned = np.zeros(n_keys, dtype=bool)  # explicit | auto, kept in step
+        self._clock = 0
+        self._since_decay = 0
+
+    # --- keys and rows ---
+
+    def _flat(self, key) -> int:
+        try:
+            layer, expert = key
+            layer, expert = operator.index(layer), operator.index(expert)
+        except (TypeError, ValueError):
+            raise ValueError(f"key must be a pair of integers (layer, expert), got {key!r}") from None
+        if not (0 <= layer < self.n_layers and 0 <= expert < self.n_experts):
+            raise ValueError(f"key ({layer}, {expert}) out of range "
+                             f"(layers 0..{self.n_layers - 1}, experts 0..{self.n_experts - 1})")
+        return layer * self.n_experts + expert
+
+    def _key(self, flat: int) -> tuple[int, int]:
+        return divmod(int(flat), self.n_experts)
+
+    def _check_row(self, row: int) -> int:
+        if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
+            raise ValueError(f"row must be an integer, got {row!r}")
+        if not 0 <= row < self.n_rows:
+            raise ValueError(f"row {row} out of range (0..{self.n_rows - 1})")
+        return int(row)
+
+    def row_of(self, key) -> int | None:
+        """The row holding ``key``, or None if it is not resident."""
+        row = self._key_row[self._flat(key)]
+        return None if row < 0 else int(row)
+
+    def key_of(self, row: int) -> tuple[int, int] | None:
+        """The key held by ``row``, or None if the row is empty."""
+        flat = self._row_key[self._check_row(row)]
+        return None if flat < 0 else self._key(flat)
+
+    # --- events ---
+
+    def on_filled(self, row: int, key) -> None:
+        """``row`` now holds ``key``; counts as one touch of ``key``.
+
+        A row that held another key is simply overwritten.
+
+        Raises:
+            ValueError: if ``key`` is already resident in another row, or on out-of-range input.
+        """
+        row = self._check_row(row)
+        flat = self._flat(key)
+        held_by = self._key_row[flat]
+        if held_by >= 0 and held_by != row:
+            raise ValueError(f"key {tuple(key)} is already in row {held_by}, cannot fill row {row}")
+        old = self._row_key[row]
+        if old >= 0:
+            self._key_row[old] = -1
+        self._row_key[row] = flat
+        self._key_row[flat] = row
+        self._touch(flat, 1)
+
+    def on_touched(self, key, count: int = 1) -> None:
+        """``key`` was used ``count`` times, resident or not (client hits, demands)."""
+        flat = self._flat(key)
+        count = _count("count", count)
+        if count:
+            self._touch(flat, count)
+
+    def touch_many(self, layer: int, experts: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Vectorized ``on_touched`` for several experts of one layer; repeated experts add up.
+
+        Args:
+            layer: the MoE layer.
+            experts: integer array of expert ids.
+            counts: integer array of the same shape, non-negative; None means one use each.
+        """
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise ValueError(f"layer must be an integer, got {layer!r}")
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(f"layer {layer} out of range (0..{self.n_layers - 1})")
+        experts = np.asarray(experts).ravel()
+        if experts.size == 0:
+            return
+        if experts.dtype.kind not in "iu":
+            raise ValueError(f"experts must be an integer array, got dtype {experts.dtype}")
+        if experts.min() < 0 or experts.max() >= self.n_experts:
+            raise ValueError(f"experts out of range (0..{self.n_experts - 1})")
+        experts = experts.astype(np.intp, copy=False)
+        if counts is None:
+            per_expert = np.bincount(experts, minlength=self.n_experts)
+        else:
+            counts = np.asarray(counts).ravel()
+            if counts.shape != experts.shape or counts.dtype.kind not in "iu":
+                raise ValueError("counts must be an integer array of the same length as experts")
+            if counts.min() < 0:
+                raise ValueError("counts must be non-negative")
+            per_expert = np.bincount(experts, weights=counts, minlength=self.n_experts)
+        used = np.flatnonzero(per_expert)
+        if used.size == 0:
+            return
+        base = int(layer) * self.n_experts
+        self._freq[base:base + self.n_experts] += per_expert
+        # One clock tick per expert keeps recency a strict order among resident keys.
+        self._last_used[base + used] = self._clock + 1 + np.arange(used.size)
+        self._clock += int(used.size)
+        self._add_touches(int(per_expert.sum()))
+
+    def on_removed(self, row: int) -> None:
+        """``row`` is empty now (evicted or freed); the key keeps its frequency."""
+        row = self._check_row(row)
+        flat = self._row_key[row]
+        if flat >= 0:
+            self._key_row[flat] = -1
+            self._row_key[row] = -1
+
+    def _touch(self, flat: int, count: int) -> None:
+        self._freq[flat] += count
+        self._clock += 1
+        self._last_used[flat] = self._clock
+        self._add_touches(count)
+
+    def _add_touches(self, count: int) -> None:
+        self._since_decay += count
+        if self._since_decay >= self.decay_interval:
+            steps, self._since_decay = divmod(self._since_decay, self.decay_interval)
+            self._scale(self.decay_factor ** steps)
+
+    def decay(self) -> None:
+        """Multiply every frequency by ``decay_factor`` (also done every ``decay_interval`` touches)."""
+        self._scale(self.decay_factor)
+
+    def _scale(self, factor: float) -> None:
+        self._freq *= factor
+        self._freq[self._freq < FREQUENCY_FLOOR] = 0.0
+
+    def frequency(self, key) -> float:
+        """The decayed frequency of ``key``."""
+        return float(self._freq[self._flat(key)])
+
+    # --- pins ---
+
+    def pin(self, key) -> None:
+        """Never evict ``key`` while it is pinned; it need not be resident yet."""
+        flat = self._flat(key)
+        self._explicit_pins[flat] = True
+        self._pinned[flat] = True
+
+    def unpin(self, key) -> None:
+        """Drop an explicit pin; an automatic pin of the same key stays."""
+        flat = self._flat(key)
+        self._explicit_pins[flat] = False
+        self._pinned[flat] = self._auto_pins[flat]
+
+    def is_pinned(self, key) -> bool:
+        """True if ``key`` is pinned explicitly or automatically."""
+        return bool(self._pinned[self._flat(key)])
+
+    @property
+    def pinned_keys(self) -> set:
+        """Every pinned key, explicit or automatic."""
+        return {self._key(flat) for flat in np.flatnonzero(self._pinned)}
+
+    @property
+    def n_pinned_rows(self) -> int:
+        """Resident rows whose key is pinned."""
+        resident = self._row_key[self._row_key >= 0]
+        return int(np.count_nonzero(self._pinned[resident]))
+
+    def auto_pin(self, n: int) -> list[tuple[int, int]]:
+        """Replace the automatic pins with the ``n`` hottest resident keys.
+
+        Keys pinned explicitly are not candidates (they are protected already) and their pins are
+        left alone; keys with zero frequency are never auto-pinned.
+
+        Returns:
+            The auto-pinned keys, hottest first (fewer than ``n`` if not enough qualify).
+        """
+        n = _count("n", n)
+        self._auto_pins[:] = False
+        resident = self._row_key[self._row_key >= 0]
+        candidates = resident[~self._explicit_pins[resident] & (self._freq[resident] > 0)]
+        chosen = self._hottest(candidates, n)
+        self._auto_pins[chosen] = True
+        np.logical_or(self._explicit_pins, self._auto_pins, out=self._pinned)
+        return [self._key(flat) for flat in chosen]
+
+    # --- choices ---
+
+    def _hottest(self, flats: np.ndarray, limit: int) -> np.ndarray:
+        """Up to ``limit`` of ``flats``, by frequency then recency, highest first."""
+        if limit == 0:
+            return flats[:0]
+        if limit < flats.size:
+            freq = self._freq[flats]
+            # Keep every key tied with the limit-th one, then let the sort break the tie.
+            kth = np.partition(freq, flats.size - limit)[flats.size - limit]
+            flats = flats[freq >= kth]
+        order = np.lexsort((-self._last_used[flats], -self._freq[flats]))
+        return flats[order[:limit]]
+
+    def victims(self, n: int, eligible: np.ndarray) -> list[int]:
+        """Up to ``n`` rows to evict, best first.
+
+        Empty rows come first (lowest row first), then rows whose key has the lowest decayed
+        frequency, ties broken by least recent fill or touch. Rows with ``eligible[row]`` False
+        and rows holding a pinned key are never returned.
+
+        Args:
+            n: how many rows are wanted.
+            eligible: bool array of ``n_rows``; the daemon clears leased and filling rows.
+        Returns:
+            Distinct row numbers, fewer than ``n`` if not enough rows qualify.
+        """
+        n = _count("n", n)
+        eligible = np.asarray(eligible)
+        if eligible.shape != (self.n_rows,) or eligible.dtype != np.bool_:
+            raise ValueError(f"eligible must be a bool array of shape ({self.n_rows},), "
+                             f"got {eligible.dtype} {eligible.shape}")
+        if n == 0:
+            return []
+        empty = np.flatnonzero(eligible & (self._row_key < 0))
+        if empty.size >= n:
+            return empty[:n].tolist()
+        need = n - empty.size
+        rows = np.flatnonzero(eligible & (self._row_key >= 0))
+        keys = self._row_key[rows]
+        unpinned = ~self._pinned[keys]
+        rows, keys = rows[unpinned], keys[unpinned]
+        if rows.size > need:
+            freq = self._freq[keys]
+            kth = np.partition(freq, need - 1)[need - 1]
+            below = np.flatnonzero(freq < kth)
+            tied = np.flatnonzero(freq == kth)
+            n_tied = need - below.size
+            if tied.size > n_tied:
+                tied = tied[np.argpartition(self._last_used[keys[tied]], n_tied - 1)[:n_tied]]
+            chosen = np.concatenate((below, tied))
+            rows, keys = rows[chosen], keys[chosen]
+        order = np.lexsort((self._last_used[keys], self._freq[keys]))
+        return empty.tolist() + rows[order].tolist()
+
+    def hot_keys(self, limit: int) -> list[tuple[int, int]]:
+        """Up to ``limit`` keys with nonzero frequency, highest first (for the warm-restart file)."""
+        limit = _count("limit", limit)
+        chosen = self._hottest(np.flatnonzero(self._freq > 0), limit)
+        return [self._key(flat) for flat in chosen]
+
+    # --- persistence ---
+
+    def state(self) -> dict:
+        """A JSON-serialisable snapshot of the nonzero frequencies and the explicit pins."""
+        hot = self._hottest(np.flatnonzero(self._freq > 0), self._freq.size)
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "frequencies": [[*self._key(flat), float(self._freq[flat])] for flat in hot],
+            "pins": [list(self._key(flat)) for flat in np.flatnonzero(self._explicit_pins)],
+        }
+
+    def load_state(self, d: dict) -> None:
+        """Replace the frequencies and explicit pins with those of a ``state()`` snapshot.
+
+        Entries whose layer or expert is out of range (e.g. another model) are ignored; rows
+        and automatic pins are left as they are. The order of the entries ranks equal frequencies.
+
+        Raises:
+            ValueError: if the snapshot is malformed; nothing is changed then.
+        """
+        if not isinstance(d, dict) or d.get("format") != STATE_FORMAT:
+            raise ValueError(f"not an {STATE_FORMAT} state")
+        if d.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported policy state version {d.get('version')!r}, "
+                             f"expected {STATE_VERSION}")
+        frequencies, pins = d.get("frequencies"), d.get("pins")
+        if not isinstance(frequencies, list) or not isinstance(pins, list):
+            raise ValueError("policy state needs 'frequencies' and 'pins' lists")
+        freq = np.zeros_like(self._freq)
+        loaded = []
+        for entry in frequencies:
+            if not (isinstance(entry, list) and len(entry) == 3):
+                raise ValueError(f"bad frequency entry {entry!r}: expected [layer, expert, value]")
+            layer, expert, value = entry
+            flat = self._state_key(layer, expert)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0):
+                raise ValueError(f"bad frequency entry {entry!r}: value must be finite and >= 0")
+            if flat is not None:
+                freq[flat] = value
+                loaded.append(flat)
+        explicit = np.zeros_like(self._explicit_pins)
+        for entry in pins:
+            if not (isinstance(entry, list) and len(entry) == 2):
+                raise ValueError(f"bad pin entry {entry!r}: expected [layer, expert]")
+            flat = self._state_key(*entry)
+            if flat is not None:
+                explicit[flat] = True
+        self._freq = freq
+        # state() lists ties most recent first; negative ticks keep that order, older than any event.
+        self._last_used[loaded] = -1 - np.arange(len(loaded))
+        self._explicit_pins = explicit
+        np.logical_or(self._explicit_pins, self._auto_pins, out=self._pinned)
+
+    def _state_key(self, layer, expert) -> int | None:
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (layer, expert)):
+            raise ValueError(f"bad key [{layer!r}, {expert!r}]: layer and expert must be integers")
+        if 0 <= layer < self.n_layers and 0 <= expert < self.n_experts:
+            return layer * self.n_experts + expert
+        return None
+
+    @classmethod
+    def from_state(cls, d: dict, n_rows: int, n_layers: int, n_experts: int, **options) -> "LfuPolicy":
+        """A new policy with the given shape (``options`` as for the constructor), loaded from ``d``."""
+        policy = cls(n_rows, n_layers, n_experts, **options)
+        policy.load_state(d)
+        return policy

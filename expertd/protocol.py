@@ -1,0 +1,177 @@
+"""The wire protocol between expertd and its clients (ZeroMQ DEALER -> ROUTER).
+
+Frames, client to daemon: ``[request_id, op, body]``; the ROUTER prepends the peer identity.
+Replies: ``[request_id, op, body]`` where body is a msgpack map with ``ok`` true, or ``ok``
+false plus ``error`` (a message) and ``code``. ``prefetch`` and ``release`` are fire-and-forget:
+they are answered only when they fail. Nothing from the wire is trusted: bodies are decoded with
+size limits and turned into typed requests here, at the edge.
+"""
+
+import enum
+from dataclasses import dataclass
+
+import msgpack
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_BODY = 64 * 1024
+MAX_REQUEST_ID = 16
+MAX_EXPERTS = 4096
+
+
+class Op(enum.IntEnum):
+    """Operation codes; a value is never reused for another meaning."""
+
+    HELLO = 1
+    DEMAND = 2
+    PREFETCH = 3
+    RELEASE = 4
+    PIN = 5
+    UNPIN = 6
+    STATS = 7
+    SHUTDOWN = 8
+    HEARTBEAT = 9
+
+
+class ErrorCode(enum.IntEnum):
+    BAD_FRAME = 1
+    BAD_REQUEST = 2
+    VERSION = 3
+    UNKNOWN_OP = 4
+    OUT_OF_RANGE = 5
+    CHECKSUM = 6
+    IO = 7
+    BUSY = 8
+    SHUTTING_DOWN = 9
+    NOT_HELLO = 10
+
+
+@dataclass(frozen=True)
+class Hello:
+    version: int
+    client: bytes
+    pid: int
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Body of DEMAND, PREFETCH, PIN and UNPIN: one layer, distinct experts."""
+
+    layer: int
+    experts: tuple
+
+
+@dataclass(frozen=True)
+class Release:
+    lease: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    client: bytes
+
+
+@dataclass(frozen=True)
+class Empty:
+    pass
+
+
+def pack(body: dict) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def unpack(raw: bytes) -> dict:
+    """Decode a body with limits; raise ProtocolError on anything but a string-keyed map."""
+    if len(raw) > MAX_BODY:
+        raise ProtocolError(f"body of {len(raw)} bytes exceeds {MAX_BODY}")
+    try:
+        body = msgpack.unpackb(raw, raw=False, strict_map_key=True,
+                               max_str_len=4096, max_bin_len=4096, max_array_len=MAX_EXPERTS,
+                               max_map_len=64, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"body is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("body must be a map")
+    return body
+
+
+def _int(body: dict, key: str, lo: int = 0, hi: int = 2**63 - 1) -> int:
+    value = body.get(key)
+    if type(value) is not int or not lo <= value <= hi:
+        raise ProtocolError(f"{key} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def _bytes(body: dict, key: str, size: int) -> bytes:
+    value = body.get(key)
+    if not isinstance(value, bytes) or len(value) != size:
+        raise ProtocolError(f"{key} must be {size} bytes")
+    return value
+
+
+def _experts(body: dict) -> Experts:
+    layer = _int(body, "layer", 0, 2**31 - 1)
+    experts = body.get("experts")
+    if not isinstance(experts, list) or not experts:
+        raise ProtocolError("experts must be a non-empty list")
+    if any(type(e) is not int or not 0 <= e < 2**31 for e in experts):
+        raise ProtocolError("experts must be non-negative integers")
+    if len(set(experts)) != len(experts):
+        raise ProtocolError("experts must be distinct")
+    return Experts(layer, tuple(experts))
+
+
+CLIENT_ID_BYTES = 16
+
+
+def parse_request(frames: list):
+    """``[request_id, op, body]`` -> (request_id, Op, typed request).
+
+    Raises:
+        ProtocolError: with the request id when it could be read (else b"").
+    """
+    if len(frames) != 3:
+        raise ProtocolError(f"expected 3 frames, got {len(frames)}")
+    rid, op_raw, raw = frames
+    if len(rid) > MAX_REQUEST_ID:
+        raise ProtocolError("request id too long")
+    if len(op_raw) != 1:
+        raise ProtocolError("op must be one byte")
+    try:
+        op = Op(op_raw[0])
+    except ValueError:
+        raise ProtocolError(f"unknown op {op_raw[0]}", ErrorCode.UNKNOWN_OP) from None
+    body = unpack(raw)
+    if op is Op.HELLO:
+        req = Hello(_int(body, "version"), _bytes(body, "client", CLIENT_ID_BYTES),
+                    _int(body, "pid"))
+    elif op in (Op.DEMAND, Op.PREFETCH, Op.PIN, Op.UNPIN):
+        req = _experts(body)
+    elif op is Op.RELEASE:
+        req = Release(_int(body, "lease"))
+    elif op is Op.HEARTBEAT:
+        req = Heartbeat(_bytes(body, "client", CLIENT_ID_BYTES))
+    else:
+        req = Empty()
+    return rid, op, req
+
+
+def request(rid: bytes, op: Op, body: dict) -> list:
+    return [rid, bytes([op]), pack(body)]
+
+
+def reply_ok(rid: bytes, op: Op, **fields) -> list:
+    return [rid, bytes([op]), pack({"ok": True, **fields})]
+
+
+def reply_error(rid: bytes, op_byte: bytes, code: ErrorCode, message: str) -> list:
+    return [rid, op_byte[:1] or b"\0", pack({"ok": False, "code": int(code), "error": message})]
+
+
+def parse_reply(frames: list) -> tuple:
+    """``[request_id, op, body]`` -> (request_id, op byte value, body map)."""
+    if len(frames) != 3:
+        raise ProtocolError(f"reply has {len(frames)} frames, expected 3")
+    rid, op_raw, raw = frames
+    return rid, op_raw[0] if op_raw else 0, unpack(raw)

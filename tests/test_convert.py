@@ -1,0 +1,444 @@
+"""The converter: exact expert bytes, a bit-exact reassembled model, refusals, atomicity, memory."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load_model
+
+from conftest import PYTHON, TINY
+from expertd.blobstore import BlobStore
+from expertd.convert import convert, expert_slice
+from expertd.errors import ModelDirError
+from expertd.manifest import STRIDE_ALIGN, Manifest
+from expertd.safetensors import read_header
+from expertd.synth import SynthConfig, synthesize
+
+EXPERTD = str(Path(sys.executable).with_name("expertd"))
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, 1 2 3!"
+
+MX_DTYPES = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32,
+             "U8": mx.uint8, "I32": mx.int32, "U16": mx.uint16, "I8": mx.int8}
+
+# Where each family keeps its switch module, and its first MoE layer.
+SWITCH = {"qwen3_moe": "mlp.switch_mlp", "mixtral": "block_sparse_moe.switch_mlp",
+          "deepseek_v3": "mlp.switch_mlp", "gpt_oss": "mlp.experts"}
+FIRST_MOE_LAYER = {"deepseek_v3": 1}
+# The per-expert tensors of each projection, by quantization mode.
+PARTS = {"affine": ("weight", "scales", "biases"), "mxfp4": ("weight", "scales"),
+         "mxfp8": ("weight", "scales"), "nvfp4": ("weight", "scales"), "none": ("weight",)}
+
+CASES = [
+    pytest.param("qwen3_moe", "affine", 4, "bfloat16", id="qwen3_moe-affine4"),
+    pytest.param("mixtral", "affine", 8, "bfloat16", id="mixtral-affine8"),
+    pytest.param("deepseek_v3", "affine", 4, "bfloat16", id="deepseek_v3-affine4"),
+    pytest.param("gpt_oss", "mxfp4", 4, "bfloat16", id="gpt_oss-mxfp4"),
+    pytest.param("qwen3_moe", "mxfp8", 8, "bfloat16", id="qwen3_moe-mxfp8"),
+    pytest.param("qwen3_moe", "nvfp4", 4, "bfloat16", id="qwen3_moe-nvfp4"),
+    pytest.param("qwen3_moe", "none", 4, "bfloat16", id="qwen3_moe-none-bf16"),
+    pytest.param("mixtral", "none", 4, "float16", id="mixtral-none-f16"),
+    pytest.param("qwen3_moe", "none", 4, "float32", id="qwen3_moe-none-f32"),
+    pytest.param("qwen3_moe", "affine", 2, "bfloat16", id="qwen3_moe-affine2"),
+]
+
+
+class _closing:
+    """An opened BlobStore, closed on exit."""
+
+    def __init__(self, blob_dir):
+        self.store = BlobStore(blob_dir)
+
+    def __enter__(self):
+        return self.store
+
+    def __exit__(self, *exc):
+        self.store.close()
+
+
+def checkpoint_tensors(model_dir: Path) -> dict:
+    tensors = {}
+    for shard in sorted(model_dir.glob("model*.safetensors")):
+        tensors.update(read_header(shard))
+    return tensors
+
+
+def tensor_bytes(info) -> bytes:
+    with open(info.path, "rb") as f:
+        f.seek(info.start)
+        return f.read(info.nbytes)
+
+
+def reassemble(blob_dir: Path, order=None):
+    """The trunk plus every expert read back from the blobs, as one mlx-lm model.
+
+    ``order(layer)`` may permute a layer's experts (to show the comparison can fail).
+    """
+    store = BlobStore(blob_dir)
+    weights = []
+    try:
+        for layer in store.layers:
+            experts = list(range(layer.num_experts))
+            if order is not None:
+                experts = order(layer.index, experts)
+            rows = [np.frombuffer(store.read_expert(layer.index, e), np.uint8) for e in experts]
+            for seg in layer.segments:
+                stacked = np.stack([row[seg.offset:seg.offset + seg.nbytes] for row in rows])
+                array = mx.array(stacked).view(MX_DTYPES[seg.dtype])
+                weights.append((f"{layer.module}.{seg.name}",
+                                array.reshape((layer.num_experts,) + tuple(seg.shape))))
+    finally:
+        store.close()
+    model, _ = load_model(blob_dir / "trunk", lazy=True, strict=False)
+    model.load_weights(weights, strict=False)
+    return model
+
+
+def runnable(model, dtype: str):
+    # mlx's CPU gather_mm only supports float32: run unquantized half-precision models in float32.
+    if dtype != "float32" and mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32)
+    return model
+
+
+def assert_same_parameters(a, b) -> None:
+    pa, pb = dict(tree_flatten(a.parameters())), dict(tree_flatten(b.parameters()))
+    assert sorted(pa) == sorted(pb)
+    differ = [k for k in pa if pa[k].dtype != pb[k].dtype or not mx.array_equal(pa[k], pb[k])]
+    assert not differ, f"parameters differ: {differ[:5]}"
+
+
+@pytest.mark.parametrize("family,mode,bits,dtype", CASES)
+def test_blobs_hold_exact_expert_slices(models, family, mode, bits, dtype):
+    model_dir = models.model(family=family, mode=mode, bits=bits, dtype=dtype)
+    blob_dir = models.blobs(family=family, mode=mode, bits=bits, dtype=dtype)
+    original = checkpoint_tensors(model_dir)
+    manifest = Manifest.load(blob_dir)
+
+    first = FIRST_MOE_LAYER.get(family, 0)
+    assert [layer.module for layer in manifest.layers] == [
+        f"model.layers.{i}.{SWITCH[family]}" for i in range(first, TINY["layers"])]
+    parts = PARTS[mode] + (("bias",) if family == "gpt_oss" else ())
+    expected_segments = sorted(f"{proj}.{part}" for proj in ("gate_proj", "up_proj", "down_proj")
+                               for part in parts)
+    assert manifest.stride % STRIDE_ALIGN == 0
+    assert manifest.top_k == TINY["top_k"]
+
+    expert_names = set()
+    with _closing(blob_dir) as store:
+        for layer in store.layers:
+            assert layer.num_experts == TINY["experts"]
+            assert sorted(seg.name for seg in layer.segments) == expected_segments
+            for expert in range(layer.num_experts):
+                row = store.read_expert(layer.index, expert)  # verifies the checksum
+                assert len(row) == layer.expert_bytes <= store.stride
+                for seg in layer.segments:
+                    info = original[f"{layer.module}.{seg.name}"]
+                    assert (seg.dtype, seg.shape) == (info.dtype, info.shape[1:])
+                    assert row[seg.offset:seg.offset + seg.nbytes] == expert_slice(info, expert)
+            expert_names.update(f"{layer.module}.{seg.name}" for seg in layer.segments)
+
+    # The trunk holds every other tensor, byte for byte, and no expert.
+    trunk = checkpoint_tensors(blob_dir / "trunk")
+    assert not expert_names & set(trunk)
+    assert set(trunk) | expert_names == set(original)
+    for name, info in trunk.items():
+        assert (info.dtype, info.shape) == (original[name].dtype, original[name].shape)
+        assert tensor_bytes(info) == tensor_bytes(original[name]), name
+
+
+@pytest.mark.parametrize("family,mode,bits,dtype", CASES)
+def test_trunk_plus_experts_is_bit_exact(models, family, mode, bits, dtype):
+    model_dir = models.model(family=family, mode=mode, bits=bits, dtype=dtype)
+    blob_dir = models.blobs(family=family, mode=mode, bits=bits, dtype=dtype)
+    original, tokenizer = mlx_lm.load(str(model_dir))
+    rebuilt = reassemble(blob_dir)
+    assert_same_parameters(original, rebuilt)
+
+    x = mx.array([tokenizer.encode(PROMPT)])
+    if mode == "none":
+        original, rebuilt = runnable(original, dtype), runnable(rebuilt, dtype)
+    expected, got = original(x), rebuilt(x)
+    assert got.shape == expected.shape == (1, x.shape[1], tokenizer.vocab_size)
+    assert got.dtype == expected.dtype
+    assert mx.array_equal(expected, got).item()
+
+
+def test_reassembly_check_sees_misplaced_experts(models):
+    """Control for the test above: experts put back in the wrong rows change the logits."""
+    model_dir, blob_dir = models.model(), models.blobs()
+    original, tokenizer = mlx_lm.load(str(model_dir))
+    rebuilt = reassemble(blob_dir, order=lambda layer, experts: experts[::-1] if layer == 0
+                         else experts)
+    x = mx.array([tokenizer.encode(PROMPT)])
+    assert not mx.array_equal(original(x), rebuilt(x)).item()
+
+
+def test_cli_synth_then_convert(tmp_path):
+    model_dir, blob_dir = tmp_path / "model", tmp_path / "blobs"
+    synth = subprocess.run([EXPERTD, "synth", "--family", "mixtral", "--layers", "2",
+                            "--experts", "4", "--top-k", "2", "--out", str(model_dir)],
+                           capture_output=True, text=True, timeout=120)
+    assert synth.returncode == 0, synth.stderr
+    assert (model_dir / "config.json").is_file()
+
+    run = subprocess.run([EXPERTD, "convert", str(model_dir), str(blob_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "wrote 2 MoE layers" in run.stdout and str(blob_dir) in run.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blobs", "model"]  # no partial left
+
+    with _closing(blob_dir) as store:
+        assert store.manifest.model_type == "mixtral"
+        assert [layer.num_experts for layer in store.layers] == [4, 4]
+        for layer in store.layers:
+            for expert in range(layer.num_experts):
+                store.read_expert(layer.index, expert)  # verifies the checksum
+
+
+# Refusals: each names what is wrong, and leaves nothing behind.
+
+def write_dense_model(out: Path) -> Path:
+    """A tiny llama checkpoint (no MoE layer), saved with mlx-lm's own utilities."""
+    from mlx_lm.models import llama
+    from mlx_lm.utils import save_config, save_model
+
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
+              "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
+    out.mkdir()
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    return out
+
+
+def rewrite_weights(model_dir: Path, out: Path, edit) -> Path:
+    """Copy a checkpoint with its weights passed through ``edit(dict) -> dict``."""
+    shutil.copytree(model_dir, out)
+    shards = sorted(out.glob("model*.safetensors"))
+    weights = {}
+    for shard in shards:
+        weights.update(mx.load(str(shard)))
+        shard.unlink()
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), edit(weights), metadata={"format": "mlx"})
+    return out
+
+
+def drop_last_expert(weights: dict) -> dict:
+    name = "model.layers.1.mlp.switch_mlp.up_proj.scales"
+    return weights | {name: weights[name][:-1]}
+
+
+def unstack_experts(weights: dict) -> dict:
+    """The Hugging Face layout: one tensor per expert instead of one stacked tensor."""
+    out = {}
+    for name, array in weights.items():
+        if ".switch_mlp." not in name:
+            out[name] = array
+            continue
+        module, rest = name.split(".switch_mlp.")
+        for e in range(array.shape[0]):
+            out[f"{module}.experts.{e}.{rest}"] = array[e]
+    return out
+
+
+def test_refuses_missing_dir(tmp_path):
+    with pytest.raises(ModelDirError, match=r"not an mlx-lm model directory \(no config.json\)"):
+        convert(tmp_path / "nowhere", tmp_path / "blobs", progress=False)
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_refuses_empty_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelDirError, match=r"empty is not an mlx-lm model directory"
+                                            r" \(no config.json\)"):
+        convert(tmp_path / "empty", tmp_path / "blobs", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_refuses_dir_without_weights(models, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(models.model(), model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(ModelDirError, match=r"no model\*\.safetensors"):
+        convert(model_dir, tmp_path / "blobs", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_refuses_unknown_model_type(models, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(models.model(), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"model_type": "no_such_moe"}))
+    with pytest.raises(ModelDirError, match="mlx-lm does not know this model.*no_such_moe"):
+        convert(model_dir, tmp_path / "blobs", progress=False)
+
+
+def test_refuses_dense_model(tmp_path):
+    model_dir = write_dense_model(tmp_path / "dense")
+    load_model(model_dir)  # a real checkpoint that mlx-lm loads
+    with pytest.raises(ModelDirError, match=r"model type 'llama' has no MoE layers"):
+        convert(model_dir, tmp_path / "blobs", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
+
+
+def test_refuses_wrong_expert_count(models, tmp_path):
+    model_dir = rewrite_weights(models.model(), tmp_path / "model", drop_last_expert)
+    n = TINY["experts"]
+    with pytest.raises(ModelDirError, match=(
+            rf"unknown layout: model\.layers\.1\.mlp\.switch_mlp\.up_proj\.scales has shape "
+            rf"\[{n - 1}, .*\], expected a leading dimension of {n} experts")):
+        convert(model_dir, tmp_path / "blobs", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_refuses_unstacked_experts(models, tmp_path):
+    model_dir = rewrite_weights(models.model(), tmp_path / "model", unstack_experts)
+    with pytest.raises(ModelDirError, match=r"unknown layout: no tensor under "
+                                            r"model\.layers\.0\.mlp\.switch_mlp.*stacked"):
+        convert(model_dir, tmp_path / "blobs", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_refuses_existing_output(models, tmp_path):
+    blob_dir = tmp_path / "blobs"
+    blob_dir.mkdir()
+    (blob_dir / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=rf"{blob_dir} already exists"):
+        convert(models.model(), blob_dir, progress=False)
+    assert [p.name for p in blob_dir.iterdir()] == ["keep.txt"]
+    assert (blob_dir / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("case", ["dense", "exists"])
+def test_cli_refusal_is_one_clear_line(models, tmp_path, case):
+    if case == "dense":
+        model_dir, blob_dir = write_dense_model(tmp_path / "dense"), tmp_path / "blobs"
+        expected = "has no MoE layers"
+    else:
+        model_dir, blob_dir = models.model(), tmp_path / "blobs"
+        blob_dir.mkdir()
+        expected = "already exists"
+    run = subprocess.run([EXPERTD, "convert", str(model_dir), str(blob_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, run.stderr
+    assert lines[0].startswith("expertd convert: error: ") and expected in lines[0]
+    assert "Traceback" not in run.stderr
+
+
+# Atomicity and memory, on a checkpoint large enough to take a while.
+
+BIG = dict(family="qwen3_moe", mode="none", dtype="bfloat16", layers=4, experts=64, top_k=4,
+           hidden=512, moe_inter=512)  # about 400 MB of bfloat16 experts
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory) -> Path:
+    return synthesize(SynthConfig(**BIG), tmp_path_factory.mktemp("big") / "model")
+
+
+def wait_for(condition, proc, what: str, timeout: float = 60.0) -> None:
+    """Poll ``condition`` while ``proc`` runs; fail if it exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"converter exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def assert_valid(blob_dir: Path) -> None:
+    with _closing(blob_dir) as store:
+        for layer in store.layers:
+            for expert in range(layer.num_experts):
+                store.read_expert(layer.index, expert)
+    assert (blob_dir / "trunk" / "model.safetensors").is_file()
+
+
+def test_killed_run_leaves_no_output_and_rerun_succeeds(big_model, tmp_path):
+    blob_dir, partial = tmp_path / "blobs", tmp_path / ".blobs.partial"
+    proc = subprocess.Popen([EXPERTD, "convert", "-q", str(big_model), str(blob_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        # Kill once the second layer is being written: mid-way through the experts.
+        wait_for(lambda: (partial / "layer-001.blob").exists(), proc, "layer 1 started")
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert not blob_dir.exists()
+    assert partial.is_dir()  # nothing could clean up after SIGKILL
+
+    manifest = convert(big_model, blob_dir, progress=False)
+    assert not partial.exists()
+    assert len(manifest.layers) == BIG["layers"]
+    assert_valid(blob_dir)
+
+
+def test_interrupted_run_cleans_up(big_model, tmp_path):
+    blob_dir, partial = tmp_path / "blobs", tmp_path / ".blobs.partial"
+    proc = subprocess.Popen([EXPERTD, "convert", "-q", str(big_model), str(blob_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (partial / "layer-001.blob").exists(), proc, "layer 1 started")
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_leftover_partial_dir_is_replaced(models, tmp_path):
+    blob_dir, partial = tmp_path / "blobs", tmp_path / ".blobs.partial"
+    partial.mkdir()
+    (partial / "layer-000.blob").write_bytes(b"stale")
+    (partial / "junk").write_text("from an earlier run")
+    convert(models.model(), blob_dir, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blobs"]
+    assert not (blob_dir / "junk").exists()
+    assert_valid(blob_dir)
+
+
+MEMORY_PROBE = """
+import json, sys
+from pathlib import Path
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+import mlx.core, mlx_lm.utils, mlx_lm.models.qwen3_moe, tqdm, xxhash
+from expertd.convert import convert
+
+before = status("VmRSS")
+convert(Path(sys.argv[1]), Path(sys.argv[2]), progress=False)
+print(json.dumps({"before": before, "peak": status("VmHWM")}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status")
+def test_memory_stays_small(big_model, tmp_path):
+    checkpoint = sum(p.stat().st_size for p in big_model.glob("*.safetensors"))
+    run = subprocess.run([PYTHON, "-c", MEMORY_PROBE, str(big_model), str(tmp_path / "blobs")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    rss = json.loads(run.stdout.strip().splitlines()[-1])
+    growth = rss["peak"] - rss["before"]
+    manifest = Manifest.load(tmp_path / "blobs")
+    assert manifest.total_expert_bytes > 0.9 * checkpoint  # the experts are most of the model
+    assert growth < 0.25 * checkpoint, (
+        f"converter grew by {growth / 2**20:.0f} MiB for a {checkpoint / 2**20:.0f} MiB checkpoint")
