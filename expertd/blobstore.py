@@ -83,6 +83,9 @@ class BlobStore:
         """
         self.check_index(layer, expert)
         view = memoryview(buf)[:self.stride]
+        if view.nbytes < self.stride:
+            raise ValueError(f"buffer of {view.nbytes} bytes: a row needs at least "
+                             f"{self.stride} bytes")
         got = os.preadv(self._fds[layer], [view], expert * self.stride)
         if got != self.stride:
             raise BlobStoreError(f"{self.dir / self.manifest.layers[layer].file}: short read "
@@ -91,6 +94,7 @@ class BlobStore:
 
     def verify(self, layer: int, expert: int, buf) -> None:
         """Raise :class:`ChecksumError` unless ``buf`` holds the expert's exact bytes."""
+        self.check_index(layer, expert)
         info = self.manifest.layers[layer]
         if xxhash.xxh3_64_intdigest(memoryview(buf)[:info.expert_bytes]) != info.checksums[expert]:
             raise ChecksumError(layer, expert, str(self.dir / info.file))

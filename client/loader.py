@@ -1,0 +1,55 @@
+"""``load(BLOB_DIR)``: an ordinary mlx-lm model whose routed experts stream through expertd."""
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from expertd.errors import BlobStoreError
+
+from .session import Session
+from .switch import make_streamed
+
+
+def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = None):
+    """Build the model of ``blob_dir`` with mlx-lm's classes, experts served by expertd.
+
+    Args:
+        blob_dir: a directory written by ``expertd convert``, served by a running daemon.
+        reconnect_timeout: seconds to wait for a daemon that died to come back.
+        max_group: most experts of one layer held by this process at once (default: 64 or
+            4 x top-k, within what the daemon allows).
+    Returns:
+        ``(model, tokenizer)``, usable with ``mlx_lm.generate`` / ``stream_generate``.
+    Raises:
+        DaemonNotRunning: no daemon serves ``blob_dir`` (the message says how to start one).
+        DaemonError: the daemon serves another directory or another version of it.
+        BlobStoreError: the blob directory is not valid.
+    """
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    from expertd.safetensors import read_header
+
+    session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group)
+    trunk = session.paths.blob_dir / "trunk"
+    model, config = load_model(trunk, lazy=True, strict=False)
+    modules = dict(model.named_modules())
+    manifest = session.manifest
+    staging = np.empty(session.max_group * max(layer.expert_bytes for layer in manifest.layers),
+                       dtype=np.uint8)
+    for layer in manifest.layers:
+        module = modules.get(layer.module)
+        if not isinstance(module, (SwitchGLU, SwitchMLP)):
+            raise BlobStoreError(f"{trunk}: the model has no switch module at {layer.module}")
+        make_streamed(module, session, layer, staging)
+    stored = set()
+    for path in trunk.glob("model*.safetensors"):
+        stored.update(read_header(path))
+    absent = sorted(set(dict(tree_flatten(model.parameters()))) - stored)
+    if absent:
+        raise BlobStoreError(f"{trunk}: weights missing from the trunk: {', '.join(absent[:5])}")
+    mx.eval(model.parameters())
+    tokenizer = load_tokenizer(trunk, eos_token_ids=config.get("eos_token_id"))
+    model.expertd_session = session
+    return model, tokenizer
+

@@ -1,0 +1,134 @@
+"""Synthetic checkpoints: real mlx-lm models, deterministic by seed, validated sizes."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx.utils import tree_flatten
+
+from conftest import FAMILY_MODES, TINY
+from expertd.synth import SynthConfig, synthesize
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Words the corpus never saw: zygote, quixotic, Xerxes; and 12345678.",
+    "naïve café – 日本語 🙂",
+    "  two  spaces,\n\ta tab and a trailing space ",
+    "",
+]
+
+
+@pytest.mark.parametrize("family,mode,bits", FAMILY_MODES)
+def test_every_family_loads_and_runs(models, family, mode, bits):
+    model_dir = models.model(family=family, mode=mode, bits=bits)
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["model_type"] == family
+    assert len(model.layers) == TINY["layers"]
+    assert config["quantization"]["mode"] == mode and config["quantization"]["bits"] == bits
+
+    # One stacked (experts, out, in) weight per projection of every MoE layer.
+    moe_layers = TINY["layers"] - (1 if family == "deepseek_v3" else 0)
+    stacked = [p.shape[0] for name, p in tree_flatten(model.parameters())
+               if name.endswith("_proj.weight") and p.ndim == 3]
+    assert stacked == [TINY["experts"]] * (3 * moe_layers)
+
+    x = mx.array([tokenizer.encode(TEXTS[0])])
+    logits = model(x)
+    assert logits.shape == (1, x.shape[1], config["vocab_size"])
+    assert mx.all(mx.isfinite(logits)).item()
+
+
+@pytest.mark.parametrize("mode,bits,dtype", [
+    ("affine", 3, "bfloat16"), ("affine", 6, "float16"), ("mxfp8", 8, "bfloat16"),
+    ("nvfp4", 4, "bfloat16"), ("none", 4, "float32"),
+])
+def test_quantization_modes_load(models, mode, bits, dtype):
+    model_dir = models.model(family="qwen3_moe", mode=mode, bits=bits, dtype=dtype)
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    config = json.loads((model_dir / "config.json").read_text())
+    if mode == "none":
+        assert "quantization" not in config
+        assert {p.dtype for _, p in tree_flatten(model.parameters())} == {getattr(mx, dtype)}
+    else:
+        assert (config["quantization"]["mode"], config["quantization"]["bits"]) == (mode, bits)
+    logits = model(mx.array([tokenizer.encode(TEXTS[0])]))
+    assert mx.all(mx.isfinite(logits)).item()
+
+
+def test_expert_biases_are_random(models):
+    """A lost per-expert bias must change the output, so none is left at zero."""
+    model, _ = mlx_lm.load(str(models.model(family="gpt_oss", mode="mxfp4", bits=4)))
+    biases = [(n, p) for n, p in tree_flatten(model.parameters())
+              if ".experts." in n and n.endswith(".bias")]
+    assert len(biases) == 3 * TINY["layers"]
+    for name, bias in biases:
+        assert bias.shape[0] == TINY["experts"]
+        assert mx.all(mx.any(bias != 0, axis=-1)).item(), name  # every expert's row
+
+
+def files(directory: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_same_seed_same_files(tmp_path):
+    cfg = SynthConfig(**TINY, family="mixtral", seed=7)
+    a = files(synthesize(cfg, tmp_path / "a"))
+    b = files(synthesize(cfg, tmp_path / "b"))
+    assert "model.safetensors" in a
+    assert a.keys() == b.keys()
+    assert [name for name in a if a[name] != b[name]] == []
+
+
+def test_other_seed_other_weights(tmp_path):
+    a = files(synthesize(SynthConfig(**TINY, seed=1), tmp_path / "a"))
+    b = files(synthesize(SynthConfig(**TINY, seed=2), tmp_path / "b"))
+    assert a["model.safetensors"] != b["model.safetensors"]
+    assert a["tokenizer.json"] == b["tokenizer.json"]  # the tokenizer does not depend on the seed
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(family="llama"), "family must be one of"),
+    (dict(mode="int4"), "mode must be one of"),
+    (dict(layers=0), "layers must be at least 1"),
+    (dict(family="deepseek_v3", layers=1), "deepseek_v3 needs at least 2 layers"),
+    (dict(experts=1, top_k=1), "experts must be at least 2"),
+    (dict(experts=4, top_k=5), "top-k must be between 1 and the number of experts"),
+    (dict(top_k=0), "top-k must be between 1 and the number of experts"),
+    (dict(dtype="int8"), "dtype must be"),
+    (dict(bits=7), "affine bits must be one of"),
+    (dict(mode="mxfp8", bits=6), "mxfp8 uses 8 bits"),
+    (dict(hidden=100), "hidden must be a multiple of 64"),
+    (dict(moe_inter=48), "moe-inter must be a multiple of 64"),
+    (dict(mode="mxfp4", hidden=80), "hidden must be a multiple of 32"),
+])
+def test_invalid_config_is_refused(tmp_path, change, message):
+    out = tmp_path / "model"
+    with pytest.raises(ValueError, match=message):
+        synthesize(SynthConfig(**{**TINY, **change}), out)
+    assert not out.exists()  # refused before writing anything
+
+
+def test_refuses_non_empty_output(tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="already exists and is not empty"):
+        synthesize(SynthConfig(**TINY), out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_tokenizer_round_trips_text(models):
+    model_dir = models.model()
+    _, tokenizer = mlx_lm.load(str(model_dir))
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    assert tokenizer.vocab_size == vocab
+    assert tokenizer.eos_token_id is not None
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assert all(0 <= i < vocab for i in ids)
+        assert tokenizer.decode(ids) == text
+    # BPE merges learned from the built-in text: a familiar phrase takes few tokens.
+    assert len(tokenizer.encode(TEXTS[0])) < len(TEXTS[0]) / 3
