@@ -230,6 +230,11 @@ class LfuPolicy:
         return {self._key(flat) for flat in np.flatnonzero(self._pinned)}
 
     @property
+    def n_explicit_pins(self) -> int:
+        """Keys pinned with :meth:`pin` (not counting automatic pins)."""
+        return int(np.count_nonzero(self._explicit_pins))
+
+    @property
     def n_pinned_rows(self) -> int:
         """Resident rows whose key is pinned."""
         resident = self._row_key[self._row_key >= 0]

@@ -110,6 +110,7 @@ class ExpertServer:
         self.background_in_flight = 0
         self.background_rows: set = set()
         self.warm_total = self.warm_done = 0
+        self._ticks = 0
         self._next_lease = 1
         self._last_hits = np.zeros(g.cache_rows, dtype=np.uint64)
         self.started = time.monotonic()
@@ -247,7 +248,8 @@ class ExpertServer:
             self.background.extend((req.layer, e) for e in req.experts)
             self._top_up_background()
         elif op is Op.PIN:
-            if len(self.policy.pinned_keys | {(req.layer, e) for e in req.experts}) > self.max_pins:
+            new = sum(not self.policy.is_pinned((req.layer, e)) for e in req.experts)
+            if self.policy.n_explicit_pins + new > self.max_pins:
                 raise ProtocolError(f"at most {self.max_pins} experts can be pinned in this "
                                     "cache", ErrorCode.OUT_OF_RANGE)
             for e in req.experts:
@@ -447,8 +449,10 @@ class ExpertServer:
                     self._release(lease, client)
                 del self.clients[identity]
                 self.queued = deque(p for p in self.queued if p.client != identity)
-        if self.config.auto_pin:
-            self.policy.auto_pin(min(self.config.auto_pin, self.max_pins))
+        self._ticks += 1
+        if self.config.auto_pin and self._ticks % 10 == 0:
+            room = self.max_pins - self.policy.n_explicit_pins
+            self.policy.auto_pin(max(0, min(self.config.auto_pin, room)))
 
     def stats(self) -> dict:
         c = self.counters

@@ -22,7 +22,7 @@ def blob_dir(models, tmp_path) -> Path:
 
 
 def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+    return len(os.listdir("/dev/fd"))
 
 
 def edit_manifest(blob_dir: Path, edit) -> Path:

@@ -1,4 +1,5 @@
-"""The converter: exact expert bytes, a bit-exact reassembled model, refusals, atomicity, memory."""
+"""The converter: exact expert bytes, a bit-exact reassembled model, refusals, atomicity and
+bounded memory."""
 
 import json
 import shutil
@@ -80,7 +81,7 @@ def tensor_bytes(info) -> bytes:
 def reassemble(blob_dir: Path, order=None):
     """The trunk plus every expert read back from the blobs, as one mlx-lm model.
 
-    ``order(layer)`` may permute a layer's experts (to show the comparison can fail).
+    ``order(layer_index, experts)`` may permute a layer's experts (to show the check can fail).
     """
     store = BlobStore(blob_dir)
     weights = []
@@ -282,6 +283,7 @@ def test_refuses_unknown_model_type(models, tmp_path):
     (model_dir / "config.json").write_text(json.dumps(config | {"model_type": "no_such_moe"}))
     with pytest.raises(ModelDirError, match="mlx-lm does not know this model.*no_such_moe"):
         convert(model_dir, tmp_path / "blobs", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_refuses_dense_model(tmp_path):
@@ -366,17 +368,29 @@ def assert_valid(blob_dir: Path) -> None:
     assert (blob_dir / "trunk" / "model.safetensors").is_file()
 
 
-def test_killed_run_leaves_no_output_and_rerun_succeeds(big_model, tmp_path):
-    blob_dir, partial = tmp_path / "blobs", tmp_path / ".blobs.partial"
-    proc = subprocess.Popen([EXPERTD, "convert", "-q", str(big_model), str(blob_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def signal_mid_conversion(model_dir: Path, blob_dir: Path, signum: int):
+    """Run ``expertd convert``, send ``signum`` once the second layer is being written.
+
+    Returns:
+        (exit code, stderr) of the converter.
+    """
+    partial = blob_dir.parent / f".{blob_dir.name}.partial"
+    proc = subprocess.Popen([EXPERTD, "convert", "-q", str(model_dir), str(blob_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        # Kill once the second layer is being written: mid-way through the experts.
         wait_for(lambda: (partial / "layer-001.blob").exists(), proc, "layer 1 started")
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()
-        proc.communicate(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+        proc.wait()
+    return proc.returncode, stderr
+
+
+def test_killed_run_leaves_no_output_and_rerun_succeeds(big_model, tmp_path):
+    blob_dir, partial = tmp_path / "blobs", tmp_path / ".blobs.partial"
+    returncode, stderr = signal_mid_conversion(big_model, blob_dir, signal.SIGKILL)
+    assert returncode == -signal.SIGKILL, stderr
     assert not blob_dir.exists()
     assert partial.is_dir()  # nothing could clean up after SIGKILL
 
@@ -387,18 +401,10 @@ def test_killed_run_leaves_no_output_and_rerun_succeeds(big_model, tmp_path):
 
 
 def test_interrupted_run_cleans_up(big_model, tmp_path):
-    blob_dir, partial = tmp_path / "blobs", tmp_path / ".blobs.partial"
-    proc = subprocess.Popen([EXPERTD, "convert", "-q", str(big_model), str(blob_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(lambda: (partial / "layer-001.blob").exists(), proc, "layer 1 started")
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, stderr
-    assert "interrupted" in stderr
-    assert sorted(tmp_path.iterdir()) == []
+    returncode, stderr = signal_mid_conversion(big_model, tmp_path / "blobs", signal.SIGINT)
+    assert returncode == 130, stderr
+    assert stderr.strip() == "expertd convert: interrupted"
+    assert sorted(tmp_path.iterdir()) == []  # neither the output nor the partial directory
 
 
 def test_leftover_partial_dir_is_replaced(models, tmp_path):
@@ -413,24 +419,22 @@ def test_leftover_partial_dir_is_replaced(models, tmp_path):
 
 
 MEMORY_PROBE = """
-import json, sys
+import json, resource, sys
 from pathlib import Path
 
-def status(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
+def peak_rss():
+    kib_or_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib_or_bytes if sys.platform == "darwin" else kib_or_bytes * 1024
 
 import mlx.core, mlx_lm.utils, mlx_lm.models.qwen3_moe, tqdm, xxhash
 from expertd.convert import convert
 
-before = status("VmRSS")
+before = peak_rss()  # the high-water mark once everything is imported
 convert(Path(sys.argv[1]), Path(sys.argv[2]), progress=False)
-print(json.dumps({"before": before, "peak": status("VmHWM")}))
+print(json.dumps({"before": before, "peak": peak_rss()}))
 """
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status")
 def test_memory_stays_small(big_model, tmp_path):
     checkpoint = sum(p.stat().st_size for p in big_model.glob("*.safetensors"))
     run = subprocess.run([PYTHON, "-c", MEMORY_PROBE, str(big_model), str(tmp_path / "blobs")],
@@ -441,4 +445,5 @@ def test_memory_stays_small(big_model, tmp_path):
     manifest = Manifest.load(tmp_path / "blobs")
     assert manifest.total_expert_bytes > 0.9 * checkpoint  # the experts are most of the model
     assert growth < 0.25 * checkpoint, (
-        f"converter grew by {growth / 2**20:.0f} MiB for a {checkpoint / 2**20:.0f} MiB checkpoint")
+        f"converter grew by {growth / 2**20:.0f} MiB "
+        f"for a {checkpoint / 2**20:.0f} MiB checkpoint")

@@ -1,0 +1,56 @@
+"""``expertd generate``: a client process that streams text through the daemon."""
+
+import sys
+import time
+
+
+def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, seed: int = 0,
+             out=sys.stdout) -> dict:
+    """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
+
+    Returns:
+        dict with prompt/generation token counts and tok/s, the tokens, and the daemon's
+        hits, misses and bytes read during the run.
+    """
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from expertd.client import load
+
+    model, tokenizer = load(blob_dir)
+    session = model.expertd_session
+    if getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                               add_generation_prompt=True, tokenize=False)
+    mx.random.seed(seed)
+    before = session.stats()
+    tokens, last = [], None
+    started = time.perf_counter()
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                    sampler=make_sampler(temp)):
+        out.write(response.text)
+        out.flush()
+        tokens.append(response.token)
+        last = response
+    elapsed = time.perf_counter() - started
+    after = session.stats()
+    session.close()
+    hits = after["hits"] - before["hits"]
+    misses = after["misses"] - before["misses"]
+    return dict(
+        prompt_tokens=last.prompt_tokens if last else 0,
+        prompt_tps=last.prompt_tps if last else 0.0,
+        generation_tokens=last.generation_tokens if last else 0,
+        generation_tps=last.generation_tps if last else 0.0,
+        seconds=elapsed, tokens=tokens, hits=hits, misses=misses,
+        hit_rate=hits / max(1, hits + misses),
+        bytes_read=after["bytes_read"] - before["bytes_read"],
+        fast_hits=session.counters["fast_hits"], demanded=session.counters["demanded"],
+    )
+
+
+def summary_line(s: dict) -> str:
+    return (f"[expertd] prompt {s['prompt_tokens']} tok @ {s['prompt_tps']:.1f} tok/s | "
+            f"generation {s['generation_tokens']} tok @ {s['generation_tps']:.1f} tok/s | "
+            f"hit rate {s['hit_rate']:.1%} | read {s['bytes_read'] / 2**20:.1f} MiB")
