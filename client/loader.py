@@ -1,13 +1,12 @@
 """``load(BLOB_DIR)``: an ordinary mlx-lm model whose routed experts stream through expertd."""
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 
 from expertd.errors import BlobStoreError
 
 from .session import Session
-from .switch import make_streamed
+from .switch import Staging, make_streamed
 
 
 def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = None):
@@ -35,8 +34,7 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
     model, config = load_model(trunk, lazy=True, strict=False)
     modules = dict(model.named_modules())
     manifest = session.manifest
-    staging = np.empty(session.max_group * max(layer.expert_bytes for layer in manifest.layers),
-                       dtype=np.uint8)
+    staging = Staging(session.staging_bytes())
     for layer in manifest.layers:
         module = modules.get(layer.module)
         if not isinstance(module, (SwitchGLU, SwitchMLP)):

@@ -58,6 +58,10 @@ class Session:
         self.requested_group = max_group or max(64, 4 * self.manifest.top_k)
         self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0)
         self.conn = self.arena = self._heartbeat = None
+        self._segment_tables = [
+            (np.array([seg.offset for seg in layer.segments], dtype=np.intp),
+             np.array([seg.nbytes for seg in layer.segments], dtype=np.intp))
+            for layer in self.manifest.layers]
         self._attach()
 
     # ---- attachment ------------------------------------------------------------------------
@@ -158,20 +162,19 @@ class Session:
 
     # ---- the hot path ----------------------------------------------------------------------
 
-    def fetch(self, layer: int, experts: np.ndarray, staging: np.ndarray) -> list:
-        """Copy the rows of ``experts`` (sorted, distinct int32) of ``layer`` into ``staging``.
+    def fetch(self, layer: int, experts: np.ndarray, dest: np.ndarray) -> np.ndarray:
+        """Copy the rows of ``experts`` (distinct int32) of ``layer`` into ``dest``.
 
-        ``staging`` is a uint8 array of at least ``len(experts) * stride`` bytes; segment ``s``
-        of expert ``i`` lands at ``seg_base[s] + i * nbytes``. Returns per-segment views
-        ``(n, nbytes)`` into it.
+        ``dest`` is a uint8 array of at least :meth:`staging_bytes` bytes. Segment ``s`` of
+        expert ``i`` lands at ``bases[s] + i * nbytes[s]``; returns ``bases``.
         """
         while True:
             try:
-                return self._fetch_once(layer, experts, staging)
+                return self._fetch_once(layer, experts, dest)
             except DaemonDied as exc:
                 self._reconnect(str(exc))
 
-    def _fetch_once(self, layer: int, experts: np.ndarray, staging: np.ndarray) -> list:
+    def _fetch_once(self, layer: int, experts: np.ndarray, dest: np.ndarray) -> np.ndarray:
         n = len(experts)
         slots = np.empty(n, np.int32)
         versions = np.empty(n, np.uint64)
@@ -184,19 +187,19 @@ class Session:
             self._drain(layer, experts, slots, versions, filling)
         if (slots < 0).any():
             lease = self._demand(layer, experts, slots, versions)
-        views = self._copy(layer, slots, staging)
+        bases = self._copy(layer, slots, dest)
         if lease is None and not native.validate(raw, self._slots_offset, slots, versions):
             # A row found without a lease was evicted while we copied: take the leased path.
             self.counters["retries"] += 1
             lease = self._demand(layer, experts, slots, versions)
-            views = self._copy(layer, slots, staging)
+            bases = self._copy(layer, slots, dest)
         if lease is None:
             # Rows found without the daemon are counted through the table for its LFU.
             native.bump_hits(raw, self._slots_offset, slots)
             self.counters["fast_hits"] += n
         else:
             self.conn.send(Op.RELEASE, {"lease": lease})
-        return views
+        return bases
 
     def _demand(self, layer, experts, slots, versions) -> int:
         """One round trip for the whole group: the daemon leases what is resident (so filling
@@ -218,15 +221,19 @@ class Session:
         versions[idx[ok]] = out_versions[ok]
         self.counters["drained"] += int(ok.sum())
 
-    def _copy(self, layer: int, slots: np.ndarray, staging: np.ndarray) -> list:
-        views, base, n = [], 0, len(slots)
-        for seg in self.manifest.layers[layer].segments:
-            dest = staging[base:base + n * seg.nbytes].reshape(n, seg.nbytes)
-            native.copy_rows(self.raw, self._rows_offset, self._stride, slots, seg.offset,
-                             seg.nbytes, dest)
-            views.append(dest)
-            base += n * seg.nbytes
-        return views
+    def _copy(self, layer: int, slots: np.ndarray, dest: np.ndarray) -> np.ndarray:
+        offsets, nbytes = self._segment_tables[layer]
+        sizes = (len(slots) * nbytes + 63) // 64 * 64  # each segment 64-byte aligned
+        bases = np.zeros_like(sizes)
+        np.cumsum(sizes[:-1], out=bases[1:])
+        native.copy_segments(self.raw, self._rows_offset, self._stride, slots, offsets, nbytes,
+                             bases, dest)
+        return bases
+
+    def staging_bytes(self) -> int:
+        """Bytes a destination needs for ``max_group`` experts of any layer."""
+        return max(self.max_group * layer.expert_bytes + 64 * len(layer.segments)
+                   for layer in self.manifest.layers)
 
     def stats(self) -> dict:
         return self.request(Op.STATS, {})

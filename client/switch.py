@@ -7,10 +7,46 @@ only difference is that the expert stacks hold just the experts this call routes
 indices are remapped onto them.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
+
+
+class StagingBuffer:
+    """MLX-owned memory the rows are copied into, and the last output computed from it."""
+
+    def __init__(self, nbytes: int):
+        self.array = mx.zeros((nbytes,), dtype=mx.uint8)
+        mx.eval(self.array)
+        self.host = np.array(self.array, copy=False)  # a writable view, not a copy
+        if not (self.host.flags.writeable and self.host.flags.c_contiguous):
+            raise RuntimeError("this MLX build does not expose array memory to numpy")
+        self.last = None
+
+
+@dataclass
+class Staging:
+    """Two buffers used in turn, so a layer's copy never overwrites rows still being read.
+
+    Before a buffer is reused, the output last computed from it is evaluated. In a forward pass
+    that output was already evaluated by the next layer's router sync, so this costs nothing;
+    it only matters when a caller builds several lazy forwards before evaluating them.
+    """
+
+    nbytes: int
+    buffers: list = field(default_factory=list)
+    turn: int = 0
+
+    def acquire(self) -> StagingBuffer:
+        if not self.buffers:
+            self.buffers = [StagingBuffer(self.nbytes), StagingBuffer(self.nbytes)]
+        buf = self.buffers[self.turn]
+        self.turn ^= 1
+        if buf.last is not None:
+            mx.eval(buf.last)
+            buf.last = None
+        return buf
 
 
 @dataclass
@@ -19,8 +55,8 @@ class StreamedLayer:
 
     session: object
     layer: int
-    segments: list  # [(projection module, attribute, mlx dtype, per-expert shape)]
-    staging: np.ndarray
+    segments: list  # [(projection module, attribute, mlx dtype, per-expert shape, nbytes)]
+    staging: Staging
 
 
 class StreamedSwitch:
@@ -32,8 +68,7 @@ class StreamedSwitch:
         unique = np.unique(idx).astype(np.int32)
         size = st.session.max_group
         if len(unique) <= size:
-            self._load(st, unique)
-            return self._compute(st, x, np.searchsorted(unique, idx).astype(idx.dtype))
+            return self._run(st, x, unique, np.searchsorted(unique, idx).astype(idx.dtype))
         # More distinct experts than may be fetched at once: run each group over every token
         # (same shapes, same kernel path) and keep each slot's result from its own group.
         out = None
@@ -41,30 +76,30 @@ class StreamedSwitch:
             group = unique[start:start + size]
             member = np.isin(idx, group)
             local = np.where(member, np.searchsorted(group, idx).clip(max=len(group) - 1), 0)
-            self._load(st, group)
-            y = self._compute(st, x, local.astype(idx.dtype))
+            y = self._run(st, x, group, local.astype(idx.dtype))
             out = y if out is None else mx.where(mx.array(member)[..., None], y, out)
         return out
 
-    def _load(self, st: StreamedLayer, experts: np.ndarray) -> None:
-        views = st.session.fetch(st.layer, experts, st.staging)
+    def _run(self, st: StreamedLayer, x, experts: np.ndarray, local: np.ndarray):
+        buf = st.staging.acquire()
+        bases = st.session.fetch(st.layer, experts, buf.host)
         n = len(experts)
-        for (module, attr, dtype, shape), view in zip(st.segments, views):
-            module[attr] = mx.array(view).view(dtype).reshape((n, *shape))
-
-    def _compute(self, st: StreamedLayer, x, local: np.ndarray):
+        for (module, attr, dtype, shape, nbytes), base in zip(st.segments, bases.tolist()):
+            flat = buf.array[base:base + n * nbytes]
+            module[attr] = flat.view(dtype).reshape((n, *shape))
         try:
-            return super().__call__(x, mx.array(local))
+            buf.last = super().__call__(x, mx.array(local))
         finally:
-            # The graph keeps what it needs; the module holds no expert memory between calls.
-            for module, attr, _, _ in st.segments:
+            # The graph keeps what it needs; the module holds no expert arrays between calls.
+            for module, attr, _, _, _ in st.segments:
                 del module[attr]
+        return buf.last
 
 
 _CLASSES: dict = {}
 
 
-def make_streamed(module, session, layer, staging: np.ndarray) -> None:
+def make_streamed(module, session, layer, staging: Staging) -> None:
     """Turn an mlx-lm switch module into a streamed one, in place, and drop its expert arrays."""
     from .session import MLX_DTYPES
 
@@ -80,7 +115,7 @@ def make_streamed(module, session, layer, staging: np.ndarray) -> None:
             child = child[part]
         if attr in child:
             del child[attr]
-        segments.append((child, attr, MLX_DTYPES[seg.dtype], seg.shape))
+        segments.append((child, attr, MLX_DTYPES[seg.dtype], seg.shape, seg.nbytes))
     module.__class__ = streamed
     # A plain attribute, not a child: the session is not part of the model's parameters.
     module.__dict__["_expertd"] = StreamedLayer(session, layer.index, segments, staging)

@@ -179,6 +179,33 @@ def copy_rows(uint8_t[::1] arena, Py_ssize_t rows_offset, Py_ssize_t stride,
             memcpy(&dest[i, 0], base + rows_offset + slots[i] * stride + seg_offset, seg_nbytes)
 
 
+def copy_segments(uint8_t[::1] arena, Py_ssize_t rows_offset, Py_ssize_t stride,
+                  const int32_t[::1] slots, const Py_ssize_t[::1] seg_offsets,
+                  const Py_ssize_t[::1] seg_nbytes, const Py_ssize_t[::1] dest_bases,
+                  uint8_t[::1] dest):
+    """Gather each segment of each row into ``dest``, GIL released.
+
+    Segment ``s`` of row ``slots[i]`` lands at ``dest_bases[s] + i * seg_nbytes[s]``.
+    """
+    cdef uint8_t* base = &arena[0]
+    cdef Py_ssize_t i, s, n = slots.shape[0], m = seg_offsets.shape[0]
+    if seg_nbytes.shape[0] != m or dest_bases.shape[0] != m:
+        raise ValueError("segment tables differ in length")
+    for s in range(m):
+        if seg_offsets[s] < 0 or seg_offsets[s] + seg_nbytes[s] > stride:
+            raise ValueError("segment lies outside the row")
+        if dest_bases[s] < 0 or dest_bases[s] + n * seg_nbytes[s] > dest.shape[0]:
+            raise ValueError("destination too small")
+    for i in range(n):
+        if slots[i] < 0 or rows_offset + (slots[i] + 1) * stride > arena.shape[0]:
+            raise ValueError("row outside the arena")
+    with nogil:
+        for s in range(m):
+            for i in range(n):
+                memcpy(&dest[dest_bases[s] + i * seg_nbytes[s]],
+                       base + rows_offset + slots[i] * stride + seg_offsets[s], seg_nbytes[s])
+
+
 def bump_hits(uint8_t[::1] arena, Py_ssize_t slots_offset, const int32_t[::1] slots):
     """Count one use of each row for the daemon's LFU (relaxed atomic add)."""
     cdef uint8_t* base = &arena[0]

@@ -93,6 +93,25 @@ def copy_rows(arena, rows_offset, stride, slots, seg_offset, seg_nbytes, dest):
         dest[i, :] = src[start:start + seg_nbytes]
 
 
+def copy_segments(arena, rows_offset, stride, slots, seg_offsets, seg_nbytes, dest_bases, dest):
+    if not len(seg_offsets) == len(seg_nbytes) == len(dest_bases):
+        raise ValueError("segment tables differ in length")
+    n = len(slots)
+    for off, nbytes, base in zip(seg_offsets, seg_nbytes, dest_bases):
+        if off < 0 or off + nbytes > stride:
+            raise ValueError("segment lies outside the row")
+        if base < 0 or base + n * nbytes > len(dest):
+            raise ValueError("destination too small")
+    src = np.frombuffer(arena, dtype=np.uint8)
+    for s in slots:
+        if s < 0 or rows_offset + (int(s) + 1) * stride > len(src):
+            raise ValueError("row outside the arena")
+    for off, nbytes, base in zip(seg_offsets, seg_nbytes, dest_bases):
+        for i, s in enumerate(slots):
+            start = rows_offset + int(s) * stride + off
+            dest[base + i * nbytes:base + (i + 1) * nbytes] = src[start:start + nbytes]
+
+
 def bump_hits(arena, slots_offset, slots):
     table = _slots(arena, slots_offset)
     for s in slots:

@@ -368,6 +368,12 @@ def assert_valid(blob_dir: Path) -> None:
     assert (blob_dir / "trunk" / "model.safetensors").is_file()
 
 
+# The expertd command, with Ctrl-C raising KeyboardInterrupt even when this test runs in a
+# background job (which starts with SIGINT ignored, and Python then keeps it ignored).
+CLI_WITH_SIGINT = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                   "from expertd.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
 def signal_mid_conversion(model_dir: Path, blob_dir: Path, signum: int):
     """Run ``expertd convert``, send ``signum`` once the second layer is being written.
 
@@ -375,7 +381,8 @@ def signal_mid_conversion(model_dir: Path, blob_dir: Path, signum: int):
         (exit code, stderr) of the converter.
     """
     partial = blob_dir.parent / f".{blob_dir.name}.partial"
-    proc = subprocess.Popen([EXPERTD, "convert", "-q", str(model_dir), str(blob_dir)],
+    proc = subprocess.Popen([PYTHON, "-c", CLI_WITH_SIGINT, "convert", "-q", str(model_dir),
+                             str(blob_dir)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (partial / "layer-001.blob").exists(), proc, "layer 1 started")
