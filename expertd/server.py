@@ -92,6 +92,12 @@ class ExpertServer:
         self.geometry = Geometry.for_budget(len(m.layers), m.max_experts, m.stride,
                                             config.cache_bytes, side_rows=m.top_k)
         g = self.geometry
+        # Checked before anything is created: more pins than PIN allows would leave demands
+        # too few rows, and they would wait forever.
+        self.pins = _read_pin_file(config.pin_file) if config.pin_file is not None else []
+        if len(set(self.pins)) > g.cache_rows // 4:
+            raise ValueError(f"{config.pin_file}: {len(set(self.pins))} experts to pin, but a "
+                             f"cache of {g.cache_rows} rows can pin at most {g.cache_rows // 4}")
         self.epoch = int.from_bytes(os.urandom(8), "little") >> 1
         self.arena = Arena.create(paths.shm_name, g, os.getpid(), self.epoch)
         self.raw = self.arena.raw
@@ -218,7 +224,10 @@ class ExpertServer:
             if req.version != PROTOCOL_VERSION:
                 raise ProtocolError(f"protocol version {req.version} is not supported "
                                     f"(this expertd speaks {PROTOCOL_VERSION})", ErrorCode.VERSION)
-            self.clients[identity] = Client(identity, req.pid, now)
+            # A second hello must not orphan the leases the client already holds.
+            old = self.clients.get(identity)
+            self.clients[identity] = Client(identity, req.pid, now,
+                                            old.leases if old is not None else set())
             self._send(identity, reply_ok(rid, op, **self._hello()))
             return
         if op is Op.STATS:
@@ -233,7 +242,9 @@ class ExpertServer:
             raise ProtocolError("say hello first", ErrorCode.NOT_HELLO)
         client.last_seen = now
         if op is Op.RELEASE:
-            self._release(req.lease, client)
+            entry = self.leases.get(req.lease)
+            if entry is not None and entry[0] == identity:  # only its owner may release a lease
+                self._release(req.lease, client)
             return
         self._check_range(req)
         if op is Op.DEMAND:
@@ -494,9 +505,8 @@ class ExpertServer:
                 keys = [tuple(k) for k in state.get("hot", [])]
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring unreadable state file %s: %s", self.state_file, exc)
-        if self.config.pin_file is not None:
-            for layer, expert in _read_pin_file(self.config.pin_file):
-                self.policy.pin((layer, expert))
+        for layer, expert in self.pins:
+            self.policy.pin((layer, expert))
         keys = list(dict.fromkeys(sorted(self.policy.pinned_keys) + keys))
         keys = [(int(l), int(e)) for l, e in keys
                 if 0 <= int(l) < len(self.n_experts) and 0 <= int(e) < self.n_experts[int(l)]]

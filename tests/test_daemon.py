@@ -1,0 +1,386 @@
+"""End-to-end tests of the expertd daemon: real processes, real shared memory, real sockets.
+
+Each test starts its own ``expertd start --foreground`` on the session's tiny model (3 MoE
+layers of 16 experts, 16 KiB rows) in per-test runtime and state directories; faults are
+injected by killing processes and corrupting blob files.
+"""
+
+import json
+import re
+import shutil
+import stat
+import subprocess
+import time
+
+import pytest
+
+from daemon_helpers import (SMALL_CACHE_GB, TINY_CACHE_GB, RawClient, expected_bytes,
+                            expertd_cli, kill_serving_daemon, query_stats, read_json_line,
+                            running_daemon, shm_file, spawn_client, stop_process, wait_until)
+from expertd.errors import DaemonError
+from expertd.manifest import Manifest
+from expertd.paths import daemon_paths
+from expertd.protocol import ErrorCode, Op
+from expertd.shm.layout import SlotState
+
+# Timeouts that make lease reclamation quick enough to test.
+FAST_TIMEOUTS = ("--client-timeout", "1.5", "--heartbeat", "0.3")
+
+
+@pytest.fixture
+def blobs(models):
+    return models.blobs()
+
+
+def _groups(experts, size):
+    return [experts[i:i + size] for i in range(0, len(experts), size)]
+
+
+def _pressure(client, skip=(), rounds=2, group=4):
+    """Demand every expert of every layer but ``skip``, in groups, ``rounds`` times."""
+    for _ in range(rounds):
+        for layer in client.manifest.layers:
+            experts = [e for e in range(layer.num_experts) if (layer.index, e) not in skip]
+            for chunk in _groups(experts, group):
+                client.fetch(layer.index, chunk)
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# ---- exact bytes ---------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cache_gb", [SMALL_CACHE_GB, TINY_CACHE_GB], ids=["fits", "evicts"])
+def test_demand_returns_the_exact_bytes_of_every_expert(blobs, isolated_env, cache_gb):
+    want = expected_bytes(blobs)
+    with running_daemon(blobs, isolated_env, "--cache-gb", cache_gb), RawClient(blobs) as c:
+        rows = c.hello["cache_rows"]
+        group = min(4, c.hello["max_demand"])
+        # Forward, then backward: with a tiny cache the second pass refills evicted rows.
+        for order in (1, -1):
+            for layer in c.manifest.layers:
+                for chunk in _groups(list(range(layer.num_experts))[::order], group):
+                    for e, data in zip(chunk, c.fetch(layer.index, chunk)):
+                        assert data == want[(layer.index, e)], f"layer {layer.index} expert {e}"
+        stats = c.request(Op.STATS)
+    assert stats["arena_rows"] == rows
+    assert stats["fill_errors"] == 0
+    if rows >= len(want):
+        assert stats["fills"] == stats["misses"] == len(want)  # the second pass only hit
+    else:
+        assert rows == 9
+        # At most `rows` experts can survive from the first pass to the second.
+        assert stats["fills"] >= 2 * len(want) - rows
+        assert stats["rows_used"] <= rows
+
+
+# ---- several client processes under eviction pressure ----------------------------------------
+
+@pytest.mark.timeout(120)
+def test_concurrent_clients_under_eviction_never_read_torn_rows(blobs, isolated_env, tmp_path):
+    n_clients, iterations = 4, 400
+    stop_file = tmp_path / "stop-readers"
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "4"):
+        with RawClient(blobs) as probe:
+            assert probe.hello["cache_rows"] == 9  # far less than 4 clients x 2-4 experts
+        reader = spawn_client("lockfree", blobs, stop_file, 7, 60)
+        clients = [spawn_client("leased", blobs, iterations, seed) for seed in range(n_clients)]
+        deadline = time.monotonic() + 60
+        results = []
+        try:
+            for proc in clients:
+                try:
+                    out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pytest.fail(f"client pid {proc.pid} did not finish {iterations} demands "
+                                "within 60 s (livelock or lost reply)")
+                assert proc.returncode == 0, f"client failed: {out}\n{err}"
+                results.append(json.loads(out))
+        finally:
+            stop_file.touch()
+            for proc in clients:
+                stop_process(proc)
+        out, err = reader.communicate(timeout=20)
+        assert reader.returncode == 0, f"lock-free reader failed: {out}\n{err}"
+        lockfree = json.loads(out)
+        stats = wait_until(lambda: (s := query_stats(blobs))["leases"] == 0 and s,
+                           10, "every lease to be released")
+
+    for r in results:
+        assert r["errors"] == []
+        assert r["verified"] >= 2 * iterations
+    assert lockfree["errors"] == []
+    assert lockfree["accepted"] > 100, lockfree  # the lock-free path really was exercised
+    assert stats["misses"] > 10 * stats["arena_rows"]  # rows really were evicted and refilled
+    assert stats["fill_errors"] == 0
+
+
+# ---- client death --------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_sigkilled_clients_leave_no_lease_behind(blobs, isolated_env):
+    want = expected_bytes(blobs)
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS) as d:
+        procs = []
+        try:
+            # Two clients lease 8 of the 9 rows; a third one's demand for 4 more must queue.
+            for layer in (0, 1):
+                procs.append(spawn_client("hold", blobs, layer, "0,1,2,3", "wait"))
+                assert read_json_line(procs[-1], 20)["lease"] > 0
+            procs.append(spawn_client("hold", blobs, 2, "0,1,2,3", "nowait"))
+            read_json_line(procs[-1], 20)
+            wait_until(lambda: query_stats(blobs)["demands"] == 3, 10, "the third demand")
+            # Heartbeats keep all three alive well past the client timeout.
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                s = query_stats(blobs)
+                assert (s["clients"], s["leases"]) == (3, 2), s
+                time.sleep(0.1)
+            for proc in procs:
+                proc.kill()
+                proc.wait(5)
+            wait_until(lambda: (s := query_stats(blobs))["leases"] == 0 and s["clients"] == 0,
+                       10, "the daemon to reclaim the killed clients' leases")
+        finally:
+            for proc in procs:
+                stop_process(proc)
+        # The rows are free again: a demand for 4 experts (the queued one's) is served.
+        with RawClient(blobs) as c:
+            got = c.fetch(2, [0, 1, 2, 3])
+            assert got == [want[(2, e)] for e in range(4)]
+        assert d.proc.poll() is None
+
+
+@pytest.mark.timeout(60)
+def test_a_second_hello_keeps_the_clients_leases_reclaimable(blobs, isolated_env):
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS):
+        with RawClient(blobs) as c:
+            c.demand(0, [1, 2])  # leased, never released
+            c.request(Op.HELLO, {"version": 1, "client": c.conn.client_id, "pid": 1})
+            assert query_stats(blobs)["leases"] == 1
+        # The client went silent: its lease goes once its heartbeat times out.
+        wait_until(lambda: (s := query_stats(blobs))["clients"] == 0 and s["leases"] == 0,
+                   10, "the silent client's lease to be reclaimed")
+
+
+@pytest.mark.timeout(60)
+def test_a_client_cannot_release_another_clients_lease(blobs, isolated_env):
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+        with RawClient(blobs) as owner, RawClient(blobs) as other:
+            lease = owner.demand(0, [1, 2, 3])["lease"]
+            other.release(lease)
+            other.request(Op.STATS)  # the release was handled before this reply
+            assert query_stats(blobs)["leases"] == 1
+            owner.release(lease)
+            wait_until(lambda: query_stats(blobs)["leases"] == 0, 10, "the owner's release")
+        assert d.proc.poll() is None
+
+
+# ---- daemon death and the command line ------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_sigkilled_daemon_is_cleaned_up_by_the_next_start(blobs, isolated_env):
+    want = expected_bytes(blobs)
+    paths = daemon_paths(blobs)
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+        with RawClient(blobs) as c:
+            c.fetch(0, [1, 2])
+        d.proc.kill()
+        d.proc.wait(5)
+    assert shm_file(blobs).exists(), "SIGKILL should leave the arena behind"
+    assert paths.socket.exists(), "SIGKILL should leave the socket behind"
+    try:
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", TINY_CACHE_GB)
+        assert started.returncode == 0, started.stderr
+        log = paths.log.read_text()
+        assert "removed a stale arena" in log and "removed a stale socket" in log, log
+        pid = query_stats(blobs)["pid"]
+        assert pid != d.proc.pid and f"pid {pid}" in started.stdout
+        with RawClient(blobs) as c:
+            assert c.fetch(1, [3, 4]) == [want[(1, 3)], want[(1, 4)]]
+
+        for extra in ((), ("--foreground",)):
+            again = expertd_cli("start", "--blobs", blobs, "--cache-gb", TINY_CACHE_GB, *extra,
+                                timeout=30)
+            assert again.returncode == 1, again
+            assert f"pid {pid}" in again.stderr and "already serves" in again.stderr
+        assert query_stats(blobs)["pid"] == pid
+
+        stopped = expertd_cli("stop", "--blobs", blobs)
+        assert stopped.returncode == 0, stopped.stderr
+        assert f"pid {pid}" in stopped.stdout
+        assert not shm_file(blobs).exists()
+        assert not paths.socket.exists()
+        again = expertd_cli("stop", "--blobs", blobs)
+        assert again.returncode == 1 and "no expertd serves" in again.stderr
+    finally:
+        kill_serving_daemon(blobs)
+
+
+@pytest.mark.timeout(60)
+def test_status_reports_the_daemon_and_fails_without_one(blobs, isolated_env):
+    stride = Manifest.load(blobs).stride
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+        with RawClient(blobs) as c:
+            c.fetch(0, [0, 1, 2])
+            got = expertd_cli("status", "--blobs", blobs, "--json")
+            assert got.returncode == 0, got.stderr
+            s = json.loads(got.stdout)
+            types = dict(endpoint=str, pid=int, arena_bytes=int, rows_used=int, arena_rows=int,
+                         hits=int, misses=int, bytes_read=int, fill_gbps=float, pinned=int,
+                         clients=int, uptime_s=float)
+            assert {k: type(s.get(k)) for k in types} == types
+            assert s["endpoint"] == daemon_paths(blobs).endpoint
+            assert s["pid"] == d.proc.pid
+            assert (s["arena_rows"], s["rows_used"], s["misses"]) == (9, 3, 3)
+            assert s["bytes_read"] == 3 * stride
+            assert s["arena_bytes"] >= 9 * stride
+            assert s["clients"] == 1 and s["pinned"] == 0
+            assert s["uptime_s"] > 0 and s["fill_gbps"] >= 0
+
+        plain = expertd_cli("status", "--blobs", blobs)
+        assert plain.returncode == 0, plain.stderr
+        assert f"expertd pid {d.proc.pid} serving" in plain.stdout
+        assert "3/9 rows used" in plain.stdout
+        every = expertd_cli("status")
+        assert every.returncode == 0 and f"expertd pid {d.proc.pid}" in every.stdout
+
+    for extra in ((), ("--json",)):
+        none = expertd_cli("status", "--blobs", blobs, *extra)
+        assert none.returncode == 1
+        assert "no expertd serves" in none.stderr
+
+
+# ---- warm restart, pins ----------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_warm_restart_refills_the_hot_experts(blobs, isolated_env):
+    want = expected_bytes(blobs)
+    hot = {0: [1, 2], 1: [5, 9], 2: [7, 8]}
+    hot_keys = [(layer, e) for layer, experts in hot.items() for e in experts]
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+        with RawClient(blobs) as c:
+            for _ in range(10):
+                for layer, experts in hot.items():
+                    c.fetch(layer, experts)
+            _pressure(c, skip=set(hot_keys), rounds=1)
+        stopped = expertd_cli("stop", "--blobs", blobs)
+        assert stopped.returncode == 0, stopped.stderr
+        assert d.proc.wait(10) == 0
+    saved = json.loads(daemon_paths(blobs).state_file.read_text())
+    assert set(hot_keys) <= {tuple(k) for k in saved["hot"]}
+
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+        with RawClient(blobs) as c:
+            wait_until(lambda: all(c.slot(*k)[1] == SlotState.READY for k in hot_keys), 20,
+                       "the hot experts to be read back")
+            for key in hot_keys:
+                assert c.row_bytes(c.slot(*key)[0], key[0]) == want[key]
+            stats = c.request(Op.STATS)
+        assert stats["demands"] == 0 and stats["misses"] == 0
+        assert stats["rows_used"] >= len(hot_keys)
+        assert "warming" in d.log_text()
+
+
+@pytest.mark.timeout(60)
+def test_pinned_experts_survive_eviction_and_unpinned_ones_do_not(blobs, isolated_env):
+    pins = [(0, 3), (0, 7)]
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB), RawClient(blobs) as c:
+        assert c.hello["cache_rows"] == 9  # so at most 9 // 4 = 2 pins
+        assert c.request(Op.PIN, {"layer": 0, "experts": [3, 7]})["pinned"] == 2
+        wait_until(lambda: all(c.slot(*k)[1] == SlotState.READY for k in pins), 10,
+                   "the pinned experts to be filled")
+        before = {k: c.slot(*k) for k in pins}
+        _pressure(c, skip=set(pins))
+        # Same row, same seqlock version: the pinned rows were never rewritten.
+        assert {k: c.slot(*k) for k in pins} == before
+        assert c.request(Op.STATS)["pinned"] == 2
+
+        with pytest.raises(DaemonError) as refused:
+            c.request(Op.PIN, {"layer": 1, "experts": [0]})
+        assert refused.value.code == ErrorCode.OUT_OF_RANGE
+        assert "at most 2" in str(refused.value)
+        assert c.request(Op.STATS)["pinned"] == 2
+
+        assert c.request(Op.UNPIN, {"layer": 0, "experts": [3, 7]})["pinned"] == 0
+        _pressure(c, skip=set(pins))
+        assert all(c.slot(*k)[0] == -1 for k in pins), "unpinned experts should be evicted"
+
+
+@pytest.mark.timeout(60)
+def test_pin_file_pins_experts_at_start(blobs, isolated_env, tmp_path):
+    pins = [(1, 4), (2, 11)]
+    pin_file = tmp_path / "pins.json"
+    pin_file.write_text(json.dumps([list(k) for k in pins]))
+    want = expected_bytes(blobs)
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB,
+                        "--pin-file", pin_file), RawClient(blobs) as c:
+        wait_until(lambda: all(c.slot(*k)[1] == SlotState.READY for k in pins), 10,
+                   "the experts of the pin file to be filled")
+        stats = c.request(Op.STATS)
+        assert stats["pinned"] == 2 and stats["misses"] == 0
+        before = {k: c.slot(*k) for k in pins}
+        _pressure(c, skip=set(pins))
+        assert {k: c.slot(*k) for k in pins} == before
+        for key in pins:
+            assert c.row_bytes(before[key][0], key[0]) == want[key]
+
+
+@pytest.mark.timeout(60)
+def test_pin_file_with_more_pins_than_the_cache_allows_is_refused(blobs, isolated_env, tmp_path):
+    pin_file = tmp_path / "pins.json"
+    pin_file.write_text(json.dumps([[0, e] for e in range(9)]))  # the whole 9-row cache
+    refused = expertd_cli("start", "--blobs", blobs, "--cache-gb", TINY_CACHE_GB, "--foreground",
+                          "--pin-file", pin_file, timeout=30)
+    assert refused.returncode == 1
+    assert "9 experts to pin" in refused.stderr and "at most 2" in refused.stderr
+    assert not shm_file(blobs).exists()
+
+
+# ---- bad blobs ---------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_corrupt_expert_is_refused_by_name_and_the_rest_served(models, isolated_env, tmp_path):
+    src = models.blobs()
+    blobs = tmp_path / "blobs"
+    shutil.copytree(src, blobs)
+    manifest = Manifest.load(blobs)
+    layer, expert = 1, 5
+    with open(blobs / manifest.layers[layer].file, "r+b") as f:
+        f.seek(expert * manifest.stride + 100)
+        byte = f.read(1)[0]
+        f.seek(expert * manifest.stride + 100)
+        f.write(bytes([byte ^ 0xFF]))
+    want = expected_bytes(src)
+
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d, \
+            RawClient(blobs) as c:
+        for experts in ([expert], [expert - 1, expert, expert + 1]):
+            with pytest.raises(DaemonError) as err:
+                c.demand(layer, experts)
+            message = str(err.value)
+            assert err.value.code == ErrorCode.CHECKSUM, message
+            assert re.search(rf"\blayer {layer}\b", message), message
+            assert re.search(rf"\bexpert {expert}\b", message), message
+        stats = c.request(Op.STATS)
+        assert stats["leases"] == 0 and stats["fill_errors"] == 2
+        for key in [(layer, expert - 1), (layer, expert + 1), (0, expert), (2, expert)]:
+            assert c.fetch(key[0], [key[1]]) == [want[key]]
+        assert d.proc.poll() is None
+
+
+# ---- permissions -------------------------------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_daemon_files_are_owner_only(blobs, isolated_env):
+    paths = daemon_paths(blobs)
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+        wait_until(paths.state_file.exists, 10, "the state file")
+        assert _mode(shm_file(blobs)) == 0o600
+        assert _mode(paths.socket) == 0o600
+        assert _mode(paths.socket.parent) == 0o700
+        assert _mode(paths.lock) == 0o600
+        assert _mode(paths.state_file) == 0o600
+        assert _mode(paths.state_file.parent) == 0o700
