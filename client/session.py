@@ -33,6 +33,7 @@ MLX_DTYPES = {
 NP_STAGING = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 DRAIN_TIMEOUT = 5.0
 POLL_SLICE = 0.2
+REQUEST_TIMEOUT = 300.0  # a live daemon that does not answer for this long is stuck
 
 
 class DaemonDied(DaemonError):
@@ -67,6 +68,7 @@ class Session:
     # ---- attachment ------------------------------------------------------------------------
 
     def _attach(self) -> None:
+        self._check_not_dead()
         conn = Connection(self.paths.blob_dir)
         try:
             hello = conn.request(Op.HELLO, {"version": PROTOCOL_VERSION, "client": conn.client_id,
@@ -95,6 +97,21 @@ class Session:
         self.max_group = min(hello["max_demand"], self.requested_group)
         self._heartbeat = Heartbeat(self.paths.endpoint, conn.client_id,
                                     hello["heartbeat_interval"])
+
+    def _check_not_dead(self) -> None:
+        """A daemon killed with SIGKILL leaves its socket and pid file: do not wait on them."""
+        try:
+            pid = int(self.paths.pidfile.read_text())
+        except (OSError, ValueError):
+            return  # no pid file: the connection decides
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            blob = self.paths.blob_dir
+            raise DaemonNotRunning(f"no expertd serves {blob}: the one that did (pid {pid}) is "
+                                   f"gone (start one with: expertd start --blobs {blob})") from None
+        except PermissionError:
+            pass
 
     def _detach(self) -> None:
         if self._heartbeat is not None:
@@ -148,17 +165,26 @@ class Session:
                 self._reconnect(str(exc))
 
     def _wait(self, rid: bytes) -> dict:
+        deadline = time.monotonic() + REQUEST_TIMEOUT
         while True:
             try:
                 return self.conn.wait(rid, POLL_SLICE)
             except DaemonError as exc:
                 if getattr(exc, "code", None) == ErrorCode.SHUTTING_DOWN:
                     raise DaemonDied(f"expertd (pid {self.daemon_pid}) is shutting down") from None
+                if getattr(exc, "code", None) == ErrorCode.NOT_HELLO:
+                    # A daemon restarted before we noticed got this request on the old socket
+                    # path (or ours timed out our heartbeat): attach again.
+                    raise DaemonDied(f"expertd serving {self.paths.blob_dir} no longer knows "
+                                     f"this client (restarted?)") from None
                 if getattr(exc, "code", None) is not None:
                     raise
             if not self._daemon_alive():
                 raise DaemonDied(f"expertd (pid {self.daemon_pid}) serving "
                                  f"{self.paths.blob_dir} died")
+            if time.monotonic() > deadline:
+                raise DaemonError(f"expertd (pid {self.daemon_pid}) is alive but has not "
+                                  f"answered for {REQUEST_TIMEOUT:g} s")
 
     # ---- the hot path ----------------------------------------------------------------------
 

@@ -56,15 +56,19 @@ def run_foreground(config, state_file: Path | None = None) -> int:
         if paths.socket.exists():
             paths.socket.unlink()
             log.warning("removed a stale socket %s", paths.socket)
-        paths.pidfile.write_text(str(os.getpid()))
+        fd = os.open(paths.pidfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
         server = ExpertServer(config, paths, state_file or paths.state_file)
         signal.signal(signal.SIGTERM, server.request_stop)
         signal.signal(signal.SIGINT, server.request_stop)
         server.serve()
         return 0
     finally:
-        if server is None:
+        if server is None:  # start-up failed: leave nothing behind
             unlink_arena(paths.shm_name)
+            if paths.socket.exists():
+                paths.socket.unlink()
         try:
             paths.pidfile.unlink()
         except FileNotFoundError:

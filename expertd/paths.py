@@ -65,8 +65,10 @@ class DaemonPaths:
 def daemon_paths(blob_dir) -> DaemonPaths:
     """The paths of the daemon serving ``blob_dir`` (which need not be running)."""
     real = Path(blob_dir).resolve()
-    ident = hashlib.sha256(f"{real}\0{os.getuid()}".encode()).hexdigest()[:16]
     run = runtime_dir()
+    # The runtime directory is part of the name: daemons in two runtime directories (which
+    # cannot see each other's sockets) must not take each other's arenas for stale ones.
+    ident = hashlib.sha256(f"{real}\0{os.getuid()}\0{run}".encode()).hexdigest()[:16]
     socket = run / f"{ident}.sock"
     if len(str(socket).encode()) > MAX_SOCKET_PATH:
         raise ValueError(f"socket path {socket} is longer than {MAX_SOCKET_PATH} bytes; "

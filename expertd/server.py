@@ -224,6 +224,8 @@ class ExpertServer:
             if req.version != PROTOCOL_VERSION:
                 raise ProtocolError(f"protocol version {req.version} is not supported "
                                     f"(this expertd speaks {PROTOCOL_VERSION})", ErrorCode.VERSION)
+            if req.client != identity:
+                raise ProtocolError("the client id must be the socket's routing id")
             # A second hello must not orphan the leases the client already holds.
             old = self.clients.get(identity)
             self.clients[identity] = Client(identity, req.pid, now,
@@ -485,6 +487,9 @@ class ExpertServer:
             in_flight=self.in_flight, io=self.config.io, workers=self.config.workers,
             verify=self.config.verify, implementation=native.IMPLEMENTATION)
 
+    def _valid_key(self, layer, expert) -> bool:
+        return _valid_key_of(self.n_experts, layer, expert)
+
     # ---- warm restart ----------------------------------------------------------------------
 
     def _save_state(self) -> None:
@@ -502,20 +507,30 @@ class ExpertServer:
             try:
                 state = json.loads(self.state_file.read_text())
                 self.policy.load_state(state["policy"])
-                keys = [tuple(k) for k in state.get("hot", [])]
+                keys = [tuple(k) for k in state.get("hot", [])
+                        if isinstance(k, list) and len(k) == 2]
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring unreadable state file %s: %s", self.state_file, exc)
-        for layer, expert in self.pins:
-            self.policy.pin((layer, expert))
+        for key in self.pins:
+            if not self._valid_key(*key):
+                raise ValueError(f"{self.config.pin_file}: no expert {key[1]} in layer {key[0]}")
+            self.policy.pin(key)
+        for key in sorted(self.policy.pinned_keys)[self.max_pins:]:
+            log.warning("not pinning %s: the cache can pin at most %d", key, self.max_pins)
+            self.policy.unpin(key)
         keys = list(dict.fromkeys(sorted(self.policy.pinned_keys) + keys))
-        keys = [(int(l), int(e)) for l, e in keys
-                if 0 <= int(l) < len(self.n_experts) and 0 <= int(e) < self.n_experts[int(l)]]
+        keys = [(int(l), int(e)) for l, e in keys if self._valid_key(l, e)]
         keys = keys[:self.geometry.cache_rows]
         if keys:
             log.info("warming %d experts from %s", len(keys), self.state_file)
         self.warm_total = len(keys)
         self.background.extend(keys)
         self._top_up_background()
+
+
+def _valid_key_of(n_experts: list, layer, expert) -> bool:
+    return (type(layer) is int and type(expert) is int and 0 <= layer < len(n_experts)
+            and 0 <= expert < n_experts[layer])
 
 
 def _read_pin_file(path: Path) -> list:
