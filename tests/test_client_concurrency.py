@@ -1,0 +1,88 @@
+"""Several client processes on one daemon: invariants 1-2 under eviction pressure, and the
+shared cache reading the SSD once for clients that need the same experts."""
+
+import os
+
+import mlx_lm
+import pytest
+
+from client_helpers import (ROWS_ALL, ROWS_MEDIUM, Daemon, greedy_tokens, prompt_ids,
+                            routed_model, run_together, wait_for)
+from expertd.manifest import Manifest
+
+FAMILY = ("qwen3_moe", "affine", 4)
+PROMPT_LEN = 17
+MAX_TOKENS = 24
+SHARING_BOUND = 1.10
+IMPLEMENTATION = ("python" if os.environ.get("EXPERTD_PURE_PYTHON", "") not in ("", "0")
+                  else "cython")
+
+
+@pytest.fixture
+def qwen(models):
+    model_dir, blob_dir = routed_model(models, *FAMILY)
+    return model_dir, blob_dir, mlx_lm.load(str(model_dir))[0]
+
+
+def solo_tokens(resident, seed: int) -> list:
+    prompt = prompt_ids(PROMPT_LEN, resident.args.vocab_size, seed)
+    return greedy_tokens(resident, prompt, MAX_TOKENS)
+
+
+def wait_released(daemon, timeout: float = 15.0) -> None:
+    """Leases released and clients forgotten once the clients are gone (invariant 5)."""
+    last = {}
+
+    def released():
+        last.update(daemon.stats())
+        return last["leases"] == 0 and last["clients"] == 0
+
+    try:
+        wait_for(released, timeout, "the clients' leases to be released")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {last['leases']} leases, {last['clients']} clients") from None
+
+
+@pytest.mark.parametrize("n_clients", [2, 3])
+def test_concurrent_clients_under_eviction_match_solo(qwen, isolated_env, tmp_path, n_clients):
+    model_dir, blob_dir, resident = qwen
+    every_expert = sum(layer.num_experts for layer in Manifest.load(blob_dir).layers)
+    seeds = list(range(1, n_clients + 1))
+    expected = [solo_tokens(resident, seed) for seed in seeds]
+    assert len({tuple(t) for t in expected}) == n_clients, "prompts should differ"
+    with Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_MEDIUM,
+                client_timeout=3.0) as daemon:
+        assert daemon.ready["arena_rows"] == ROWS_MEDIUM < every_expert
+        results = run_together(blob_dir, isolated_env, tmp_path,
+                               [(PROMPT_LEN, seed) for seed in seeds], MAX_TOKENS)
+        stats = daemon.stats()
+        wait_released(daemon)
+    for seed, want, got in zip(seeds, expected, results):
+        assert got["error"] is None, got["error"]
+        assert got["implementation"] == IMPLEMENTATION
+        assert got["tokens"] == want, f"client with prompt seed {seed} diverged from its solo run"
+        assert got["counters"]["demanded"] > 0
+    # Eviction pressure: rows were refilled with other experts while the clients ran.
+    assert stats["fills"] > stats["arena_rows"]
+    assert stats["fill_errors"] == 0
+
+
+def test_three_clients_read_the_ssd_once(qwen, isolated_env, tmp_path):
+    """Sharing: 3 clients on the same prompt read about what 1 client alone reads."""
+    model_dir, blob_dir, resident = qwen
+    expected = solo_tokens(resident, 1)
+    reads = {}
+    for n in (1, 3):
+        # A fresh state file each time, so the daemon starts cold (no warm-up reads).
+        with Daemon(blob_dir, isolated_env, tmp_path / f"state-{n}.json", ROWS_ALL) as daemon:
+            assert daemon.ready["bytes_read"] == 0
+            results = run_together(blob_dir, isolated_env, tmp_path / f"run-{n}",
+                                   [(PROMPT_LEN, 1)] * n, MAX_TOKENS)
+            reads[n] = daemon.stats()["bytes_read"]
+        for result in results:
+            assert result["error"] is None, result["error"]
+            assert result["tokens"] == expected
+    assert reads[1] > 0
+    ratio = reads[3] / reads[1]
+    assert ratio <= SHARING_BOUND, (
+        f"3 clients read {reads[3]} bytes, 1 client alone {reads[1]}: ratio {ratio:.3f}")
