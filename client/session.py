@@ -94,7 +94,8 @@ class Session:
         g = arena.geometry
         self._slot_of_offset, self._slots_offset = g.slot_of_offset, g.slots_offset
         self._rows_offset, self._stride, self._n_experts = g.rows_offset, g.stride, g.n_experts
-        self.max_group = min(hello["max_demand"], self.requested_group)
+        # No layer needs more rows at once than it has experts.
+        self.max_group = min(hello["max_demand"], self.requested_group, self.manifest.max_experts)
         self._heartbeat = Heartbeat(self.paths.endpoint, conn.client_id,
                                     hello["heartbeat_interval"])
 

@@ -122,7 +122,6 @@ def synthesize(cfg: SynthConfig, out_dir: Path) -> Path:
         FileExistsError: if ``out_dir`` already exists and is not empty.
     """
     import mlx.core as mx
-    import mlx.nn as nn
     from mlx.utils import tree_map
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
@@ -140,8 +139,9 @@ def synthesize(cfg: SynthConfig, out_dir: Path) -> Path:
     dtype = getattr(mx, cfg.dtype)
     model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
                           model.parameters()))
-    # Random biases where mlx-lm starts them at zero, so a lost bias would change the output.
-    _randomize_biases(model, nn)
+    # Random values where mlx-lm starts at zero (expert biases, deepseek's router), so that a
+    # lost bias changes the output and routing spreads over the experts.
+    _randomize_zeros(model)
     if cfg.mode != "none":
         model, config = quantize_model(
             model, config, _MODE_GROUP[cfg.mode], cfg.bits, mode=cfg.mode
@@ -159,10 +159,17 @@ def build_tokenizer_into(out_dir: Path, vocab: int) -> int:
     return build_tokenizer(out_dir, vocab)
 
 
-def _randomize_biases(model, nn) -> None:
+def _randomize_zeros(model) -> None:
     import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.models.switch_layers import SwitchLinear
 
+    updates = []
+    for name, p in tree_flatten(model.parameters()):
+        if p.ndim >= 2 and mx.issubdtype(p.dtype, mx.floating) and not mx.any(p).item():
+            scale = p.shape[-1] ** -0.5
+            updates.append((name, mx.random.uniform(-scale, scale, p.shape).astype(p.dtype)))
+    model.update(tree_unflatten(updates))
     for _, module in model.named_modules():
         if isinstance(module, SwitchLinear) and "bias" in module:
             module.bias = (mx.random.normal(module.bias.shape) * 0.02).astype(module.bias.dtype)

@@ -1,0 +1,96 @@
+"""Shared pieces of the benchmarks: cached synthetic models, a real daemon, side-by-side timing."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+OUT = ROOT / "out"
+
+# Expert shapes of Qwen3-30B-A3B (hidden 2048, expert intermediate 768, top-8, 4-bit), fewer
+# layers and experts so that it builds in seconds; the per-layer work is the real model's.
+QWEN3_30B_LIKE = dict(family="qwen3_moe", layers=12, experts=16, top_k=8, hidden=2048,
+                      moe_inter=768, bits=4, mode="affine", seed=1)
+MEDIUM = dict(family="qwen3_moe", layers=8, experts=32, top_k=8, hidden=512, moe_inter=384,
+              bits=4, mode="affine", seed=3)
+SMALL = dict(family="qwen3_moe", layers=8, experts=32, top_k=4, hidden=256, moe_inter=256,
+             bits=4, mode="affine", seed=2)
+
+
+def ensure_model(name: str, spec: dict) -> tuple:
+    """(model_dir, blob_dir) of a synthetic model, built and converted once."""
+    from expertd.convert import convert
+    from expertd.synth import SynthConfig, synthesize
+
+    model_dir, blob_dir = OUT / "models" / name, OUT / "blobs" / name
+    if not (model_dir / "config.json").exists():
+        synthesize(SynthConfig(**spec), model_dir)
+    if not (blob_dir / "manifest.json").exists():
+        blob_dir.parent.mkdir(parents=True, exist_ok=True)
+        convert(model_dir, blob_dir, progress=False)
+    return model_dir, blob_dir
+
+
+def bench_env() -> dict:
+    run = Path("/tmp") / f"xdbench{os.getpid()}"
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(run), XDG_STATE_HOME=str(OUT / "state"))
+    os.environ.update(XDG_RUNTIME_DIR=env["XDG_RUNTIME_DIR"], XDG_STATE_HOME=env["XDG_STATE_HOME"])
+    return env
+
+
+@contextmanager
+def daemon(blob_dir: Path, cache_gb: float, *flags: str):
+    """A real expertd on ``blob_dir`` with a fresh (cold) state; yields its pid."""
+    from expertd.connection import Connection
+    from expertd.errors import DaemonError
+    from expertd.protocol import Op
+
+    env = bench_env()
+    state = OUT / "state" / f"bench-{os.getpid()}.json"
+    state.unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "expertd", "start", "--blobs", str(blob_dir),
+                             "--foreground", "--cache-gb", f"{cache_gb:.6f}", "--state-file",
+                             str(state), *flags], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with Connection(blob_dir) as conn:
+                conn.request(Op.STATS, timeout=1.0)
+            break
+        except DaemonError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the benchmark daemon did not start")
+            time.sleep(0.05)
+    try:
+        yield proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        state.unlink(missing_ok=True)
+
+
+def stats(blob_dir: Path) -> dict:
+    from expertd.connection import Connection
+    from expertd.protocol import Op
+
+    with Connection(blob_dir) as conn:
+        return conn.request(Op.STATS)
+
+
+def rss_breakdown(pid: int) -> dict:
+    """Anonymous, file and shared-memory resident bytes of a process (Linux)."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
