@@ -79,10 +79,12 @@ class Session:
         if hello["blob_dir"] != str(self.paths.blob_dir):
             conn.close()
             raise DaemonError(f"the daemon serves {hello['blob_dir']}, not {self.paths.blob_dir}")
-        if hello["n_layers"] != len(self.manifest.layers) or hello["stride"] != self.manifest.stride:
+        if hello["manifest"] != self.manifest.digest:
             conn.close()
-            raise DaemonError("the daemon's blob directory does not match this manifest "
-                              "(converted again since it started?); restart the daemon")
+            raise DaemonError(f"the daemon serves another version of {self.paths.blob_dir} "
+                              "(converted again since it started?); restart it with: expertd stop "
+                              f"--blobs {self.paths.blob_dir} && expertd start --blobs "
+                              f"{self.paths.blob_dir}")
         arena = Arena.attach(hello["arena"])
         if arena.epoch != hello["epoch"]:
             arena.close()

@@ -1,5 +1,6 @@
 """The blob directory's manifest: what each blob file holds and where."""
 
+import hashlib
 import json
 from dataclasses import dataclass
 from math import prod
@@ -55,6 +56,7 @@ class Manifest:
     top_k: int
     layers: tuple
     checksum: str = CHECKSUM
+    digest: str = ""  # sha256 of the manifest file: tells two conversions apart
 
     @property
     def max_experts(self) -> int:
@@ -84,7 +86,8 @@ class Manifest:
             raise BlobStoreError(f"{blob_dir} is not a blob directory: {path} is missing "
                                  "(create one with: expertd convert MODEL_DIR BLOB_DIR)")
         try:
-            data = json.loads(path.read_text())
+            text = path.read_bytes()
+            data = json.loads(text)
             if data.get("format") != FORMAT:
                 raise BlobStoreError(f"{path}: not an expertd manifest")
             if data.get("version") != FORMAT_VERSION:
@@ -95,7 +98,8 @@ class Manifest:
             stride = int(data["stride"])
             layers = tuple(_layer_from_json(path, i, raw, stride)
                            for i, raw in enumerate(data["layers"]))
-            manifest = cls(str(data["model_type"]), stride, int(data["top_k"]), layers)
+            manifest = cls(str(data["model_type"]), stride, int(data["top_k"]), layers,
+                           digest=hashlib.sha256(text).hexdigest())
         except BlobStoreError:
             raise
         except (ValueError, KeyError, TypeError) as exc:

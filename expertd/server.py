@@ -290,7 +290,8 @@ class ExpertServer:
         m = self.store.manifest
         return dict(version=PROTOCOL_VERSION, arena=self.arena.name, epoch=self.epoch,
                     pid=os.getpid(), blob_dir=str(self.store.dir), model_type=m.model_type,
-                    n_layers=g.n_layers, n_experts=g.n_experts, cache_rows=g.cache_rows,
+                    manifest=m.digest, n_layers=g.n_layers, n_experts=g.n_experts,
+                    cache_rows=g.cache_rows,
                     side_rows=g.side_rows, stride=g.stride, max_demand=self.max_demand,
                     heartbeat_interval=self.config.heartbeat_interval,
                     client_timeout=self.config.client_timeout)
