@@ -173,14 +173,14 @@ class Session:
             try:
                 return self.conn.wait(rid, POLL_SLICE)
             except DaemonError as exc:
-                if getattr(exc, "code", None) == ErrorCode.SHUTTING_DOWN:
+                if exc.code == ErrorCode.SHUTTING_DOWN:
                     raise DaemonDied(f"expertd (pid {self.daemon_pid}) is shutting down") from None
-                if getattr(exc, "code", None) == ErrorCode.NOT_HELLO:
+                if exc.code == ErrorCode.NOT_HELLO:
                     # A daemon restarted before we noticed got this request on the old socket
                     # path (or ours timed out our heartbeat): attach again.
                     raise DaemonDied(f"expertd serving {self.paths.blob_dir} no longer knows "
                                      f"this client (restarted?)") from None
-                if getattr(exc, "code", None) is not None:
+                if exc.code is not None:
                     raise
             if not self._daemon_alive():
                 raise DaemonDied(f"expertd (pid {self.daemon_pid}) serving "

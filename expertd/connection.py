@@ -35,6 +35,7 @@ class Connection:
         self.sock.setsockopt(zmq.ROUTING_ID, self.client_id)
         self.sock.connect(self.endpoint)
         self._counter = 0
+        self.stray_errors = 0
 
     def _rid(self) -> bytes:
         self._counter += 1
@@ -66,13 +67,11 @@ class Connection:
                 continue
             got_rid, _, body = parse_reply(self.sock.recv_multipart())
             if got_rid != rid:
-                if not body.get("ok", False):
-                    self.stray_error = body.get("error")
-                continue  # a late reply, or the error of a fire-and-forget message
+                # A late reply, or the error answer to a fire-and-forget message.
+                self.stray_errors += not body.get("ok", False)
+                continue
             if not body.get("ok", False):
-                err = DaemonError(str(body.get("error", "unknown error")))
-                err.code = body.get("code")
-                raise err
+                raise DaemonError(str(body.get("error", "unknown error")), body.get("code"))
             return body
 
     def close(self) -> None:

@@ -31,7 +31,14 @@ class ProtocolError(ExpertdError):
 
 
 class DaemonError(ExpertdError):
-    """The daemon refused a request, is not running, or died."""
+    """The daemon refused a request, is not running, or died.
+
+    ``code`` is the protocol's error code when the daemon answered with an error, else None.
+    """
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class DaemonNotRunning(DaemonError):
