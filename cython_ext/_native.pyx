@@ -161,24 +161,6 @@ def drain(uint8_t[::1] arena, Py_ssize_t slots_offset, int layer, const int32_t[
     return left
 
 
-def copy_rows(uint8_t[::1] arena, Py_ssize_t rows_offset, Py_ssize_t stride,
-              const int32_t[::1] slots, Py_ssize_t seg_offset, Py_ssize_t seg_nbytes,
-              uint8_t[:, ::1] dest):
-    """dest[i] = bytes [seg_offset, seg_offset + seg_nbytes) of row slots[i], GIL released."""
-    cdef uint8_t* base = &arena[0]
-    cdef Py_ssize_t i, n = slots.shape[0]
-    if dest.shape[0] < n or dest.shape[1] != seg_nbytes:
-        raise ValueError("destination shape does not match the rows and segment")
-    if seg_offset < 0 or seg_offset + seg_nbytes > stride:
-        raise ValueError("segment lies outside the row")
-    for i in range(n):
-        if slots[i] < 0 or rows_offset + (slots[i] + 1) * stride > arena.shape[0]:
-            raise ValueError("row outside the arena")
-    with nogil:
-        for i in range(n):
-            memcpy(&dest[i, 0], base + rows_offset + slots[i] * stride + seg_offset, seg_nbytes)
-
-
 def copy_segments(uint8_t[::1] arena, Py_ssize_t rows_offset, Py_ssize_t stride,
                   const int32_t[::1] slots, const Py_ssize_t[::1] seg_offsets,
                   const Py_ssize_t[::1] seg_nbytes, const Py_ssize_t[::1] dest_bases,

@@ -80,19 +80,6 @@ def drain(arena, slots_offset, layer, experts, rows, out_slots, out_versions, ti
     return left
 
 
-def copy_rows(arena, rows_offset, stride, slots, seg_offset, seg_nbytes, dest):
-    if dest.shape[0] < len(slots) or dest.shape[1] != seg_nbytes:
-        raise ValueError("destination shape does not match the rows and segment")
-    if seg_offset < 0 or seg_offset + seg_nbytes > stride:
-        raise ValueError("segment lies outside the row")
-    src = np.frombuffer(arena, dtype=np.uint8)
-    for i, s in enumerate(slots):
-        start = rows_offset + int(s) * stride + seg_offset
-        if s < 0 or rows_offset + (int(s) + 1) * stride > len(src):
-            raise ValueError("row outside the arena")
-        dest[i, :] = src[start:start + seg_nbytes]
-
-
 def copy_segments(arena, rows_offset, stride, slots, seg_offsets, seg_nbytes, dest_bases, dest):
     if not len(seg_offsets) == len(seg_nbytes) == len(dest_bases):
         raise ValueError("segment tables differ in length")

@@ -16,5 +16,5 @@ else:
         from expertd._fallback import *  # noqa: F401,F403
         from expertd._fallback import IMPLEMENTATION
 
-__all__ = ["IMPLEMENTATION", "remap", "validate", "drain", "copy_rows", "copy_segments", "bump_hits",
+__all__ = ["IMPLEMENTATION", "remap", "validate", "drain", "copy_segments", "bump_hits",
            "begin_write", "end_write"]

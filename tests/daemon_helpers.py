@@ -278,7 +278,9 @@ def lockfree_worker(blob_dir: str, stop_file: str, seed: int, max_seconds: float
             continue
         rows, vers, keys = slots[found], versions[found], experts[found]
         dest = np.empty((len(rows), stride), np.uint8)
-        native.copy_rows(raw, g.rows_offset, stride, np.ascontiguousarray(rows), 0, stride, dest)
+        whole_row = np.array([0], np.intp), np.array([stride], np.intp), np.array([0], np.intp)
+        native.copy_segments(raw, g.rows_offset, stride, np.ascontiguousarray(rows), *whole_row,
+                             dest.reshape(-1))
         if not native.validate(raw, g.slots_offset, np.ascontiguousarray(rows),
                                np.ascontiguousarray(vers)):
             discarded += len(rows)
