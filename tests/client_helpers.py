@@ -42,46 +42,9 @@ def cache_gb(blob_dir, rows: int) -> str:
 
 
 def routed_model(models, family: str, mode: str, bits: int) -> tuple:
-    """``(model_dir, blob_dir)`` of the conftest model, with a router that really routes.
-
-    mlx-lm starts some routers at zero (deepseek_v3's ``MoEGate``), so a synthetic model of
-    that family sends every token to the same experts and never needs more than a few rows.
-    Such routers get random weights here (in a copy), so parity covers spread routing too.
-    """
-    import shutil
-
-    import mlx.core as mx
-
-    from expertd.convert import convert
-
-    model = models.model(family=family, mode=mode, bits=bits)
-    weights, metadata = {}, {}
-    files = sorted(model.glob("model*.safetensors"))
-    zero = []
-    for path in files:
-        weights[path.name], metadata[path.name] = mx.load(str(path), return_metadata=True)
-        zero += [(path.name, k) for k, v in weights[path.name].items()
-                 if k.endswith("mlp.gate.weight") and not mx.any(v).item()]
-    if not zero:
-        return model, models.blobs(family=family, mode=mode, bits=bits)
-    out = models.root / "routed" / model.name
-    blobs = models.root / "routed-blobs" / model.name
-    if not (blobs / "manifest.json").exists():
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(model, tmp)
-        key = mx.random.key(1234)
-        for name, k in zero:
-            key, sub = mx.random.split(key)
-            w = weights[name][k]
-            weights[name][k] = mx.random.normal(w.shape, key=sub).astype(w.dtype)
-        for name in {name for name, _ in zero}:
-            mx.save_safetensors(str(tmp / name), weights[name], metadata=metadata[name])
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-        blobs.parent.mkdir(parents=True, exist_ok=True)
-        convert(out, blobs, progress=False)
-    return out, blobs
+    """``(model_dir, blob_dir)`` of the conftest model of one family and quantization."""
+    return (models.model(family=family, mode=mode, bits=bits),
+            models.blobs(family=family, mode=mode, bits=bits))
 
 
 def greedy_tokens(model, prompt: list, n: int) -> list:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
@@ -67,6 +68,20 @@ def test_expert_biases_are_random(models):
     for name, bias in biases:
         assert bias.shape[0] == TINY["experts"]
         assert mx.all(mx.any(bias != 0, axis=-1)).item(), name  # every expert's row
+
+
+def test_deepseek_router_spreads_tokens(models):
+    """mlx-lm starts deepseek_v3's router at zero; synth must not, or every token would take
+    the same experts and no cache test would see eviction."""
+    model, tokenizer = mlx_lm.load(str(models.model(family="deepseek_v3", mode="affine", bits=4)))
+    gates = [(n, p) for n, p in tree_flatten(model.parameters()) if n.endswith("mlp.gate.weight")]
+    assert gates
+    for name, weight in gates:
+        assert mx.any(weight != 0).item(), name
+    layer = model.model.layers[1].mlp
+    x = model.model.embed_tokens(mx.array([tokenizer.encode(TEXTS[0] * 4)]))
+    indices, _ = layer.gate(x)
+    assert len(set(np.array(indices).ravel().tolist())) > TINY["top_k"]
 
 
 def files(directory: Path) -> dict:
