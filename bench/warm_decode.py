@@ -85,7 +85,9 @@ def _hit_path(session, top_k: int) -> dict:
         t1 = time.perf_counter_ns()
         session.fetch(layer, experts, dest)
         t2 = time.perf_counter_ns()
-        session._copy(layer, slots, dest)
+        offsets, nbytes = session._segment_tables[layer]
+        native.copy_segments(raw, session._rows_offset, session._stride, slots, offsets, nbytes,
+                             session.bases(layer, top_k), dest)
         t3 = time.perf_counter_ns()
         if missing or not ok:
             continue  # evicted in between: not a hit-path sample

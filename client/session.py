@@ -59,6 +59,7 @@ class Session:
         self.requested_group = max_group or max(64, 4 * self.manifest.top_k)
         self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0)
         self.conn = self.arena = self._heartbeat = None
+        self.max_group = None
         self._segment_tables = [
             (np.array([seg.offset for seg in layer.segments], dtype=np.intp),
              np.array([seg.nbytes for seg in layer.segments], dtype=np.intp))
@@ -96,10 +97,15 @@ class Session:
         g = arena.geometry
         self._slot_of_offset, self._slots_offset = g.slot_of_offset, g.slots_offset
         self._rows_offset, self._stride, self._n_experts = g.rows_offset, g.stride, g.n_experts
-        # No layer needs more rows at once than it has experts.
-        self.max_group = min(hello["max_demand"], self.requested_group, self.manifest.max_experts)
+        # Fixed at the first attach: the staging buffers are sized for it. A daemon restarted
+        # with a smaller cache is served in chunks of what it leases at once.
+        if self.max_group is None:
+            # No layer needs more rows at once than it has experts.
+            self.max_group = min(hello["max_demand"], self.requested_group,
+                                 self.manifest.max_experts)
+        self.demand_limit = hello["max_demand"]
         self._heartbeat = Heartbeat(self.paths.endpoint, conn.client_id,
-                                    hello["heartbeat_interval"])
+                                    hello["heartbeat_interval"], self.daemon_pid)
 
     def _check_not_dead(self) -> None:
         """A daemon killed with SIGKILL leaves its socket and pid file: do not wait on them."""
@@ -162,10 +168,13 @@ class Session:
         """A request that survives a daemon restart: re-attaches and retries once it is back."""
         while True:
             try:
-                rid = self.conn.send(op, body)
-                return self._wait(rid)
+                return self._ask(op, body)
             except DaemonDied as exc:
                 self._reconnect(str(exc))
+
+    def _ask(self, op: Op, body: dict) -> dict:
+        """One request to the daemon attached now; DaemonDied if it is gone."""
+        return self._wait(self.conn.send(op, body))
 
     def _wait(self, rid: bytes) -> dict:
         deadline = time.monotonic() + REQUEST_TIMEOUT
@@ -197,13 +206,31 @@ class Session:
         ``dest`` is a uint8 array of at least :meth:`staging_bytes` bytes. Segment ``s`` of
         expert ``i`` lands at ``bases[s] + i * nbytes[s]``; returns ``bases``.
         """
+        offsets, nbytes = self._segment_tables[layer]
+        bases = self.bases(layer, len(experts))
+        if self._heartbeat.lost:
+            # The daemon died while every expert was a hit: leave its arena now, or this process
+            # would keep a dead daemon's whole cache mapped.
+            self._reconnect(f"expertd (pid {self.daemon_pid}) serving {self.paths.blob_dir} died")
         while True:
             try:
-                return self._fetch_once(layer, experts, dest)
+                # A daemon restarted with a smaller cache may lease fewer rows at once.
+                limit = self.demand_limit
+                for start in range(0, len(experts), limit):
+                    self._fetch_chunk(layer, experts[start:start + limit], dest,
+                                      bases + start * nbytes, offsets, nbytes)
+                return bases
             except DaemonDied as exc:
                 self._reconnect(str(exc))
 
-    def _fetch_once(self, layer: int, experts: np.ndarray, dest: np.ndarray) -> np.ndarray:
+    def bases(self, layer: int, n: int) -> np.ndarray:
+        """Where each segment of ``n`` experts starts in a destination (64-byte aligned)."""
+        sizes = (n * self._segment_tables[layer][1] + 63) // 64 * 64
+        bases = np.zeros_like(sizes)
+        np.cumsum(sizes[:-1], out=bases[1:])
+        return bases
+
+    def _fetch_chunk(self, layer, experts, dest, bases, offsets, nbytes) -> None:
         n = len(experts)
         slots = np.empty(n, np.int32)
         versions = np.empty(n, np.uint64)
@@ -211,29 +238,33 @@ class Session:
         raw = self.raw
         missing = native.remap(raw, self._slot_of_offset, self._slots_offset, self._n_experts,
                                layer, experts, slots, versions, filling)
-        lease = None
         if missing and (filling >= 0).any():
             self._drain(layer, experts, slots, versions, filling)
-        if (slots < 0).any():
-            lease = self._demand(layer, experts, slots, versions)
-        bases = self._copy(layer, slots, dest)
-        if lease is None and not native.validate(raw, self._slots_offset, slots, versions):
-            # A row found without a lease was evicted while we copied: take the leased path.
+        lease = self._demand(layer, experts, slots, versions) if (slots < 0).any() else None
+        while True:
+            native.copy_segments(raw, self._rows_offset, self._stride, slots, offsets, nbytes,
+                                 bases, dest)
+            if native.validate(raw, self._slots_offset, slots, versions):
+                break
+            # A row changed while we copied: found without a lease and evicted, or our lease
+            # lapsed (this process was silent past the client timeout). Lease them again.
             self.counters["retries"] += 1
+            if lease is not None:
+                self.conn.send(Op.RELEASE, {"lease": lease})
             lease = self._demand(layer, experts, slots, versions)
-            bases = self._copy(layer, slots, dest)
         if lease is None:
             # Rows found without the daemon are counted through the table for its LFU.
             native.bump_hits(raw, self._slots_offset, slots)
             self.counters["fast_hits"] += n
         else:
             self.conn.send(Op.RELEASE, {"lease": lease})
-        return bases
 
     def _demand(self, layer, experts, slots, versions) -> int:
         """One round trip for the whole group: the daemon leases what is resident (so filling
         the rest cannot evict it under us) and fills the rest in parallel."""
-        reply = self.request(Op.DEMAND, {"layer": layer, "experts": experts.tolist()})
+        # Not self.request: rows named by a restarted daemon belong to its new arena, so a
+        # restart must unwind to fetch(), which starts over on the new arena.
+        reply = self._ask(Op.DEMAND, {"layer": layer, "experts": experts.tolist()})
         slots[:] = reply["rows"]
         versions[:] = reply["versions"]
         self.counters["demanded"] += len(experts)
@@ -250,15 +281,6 @@ class Session:
         versions[idx[ok]] = out_versions[ok]
         self.counters["drained"] += int(ok.sum())
 
-    def _copy(self, layer: int, slots: np.ndarray, dest: np.ndarray) -> np.ndarray:
-        offsets, nbytes = self._segment_tables[layer]
-        sizes = (len(slots) * nbytes + 63) // 64 * 64  # each segment 64-byte aligned
-        bases = np.zeros_like(sizes)
-        np.cumsum(sizes[:-1], out=bases[1:])
-        native.copy_segments(self.raw, self._rows_offset, self._stride, slots, offsets, nbytes,
-                             bases, dest)
-        return bases
-
     def staging_bytes(self) -> int:
         """Bytes a destination needs for ``max_group`` experts of any layer."""
         return max(self.max_group * layer.expert_bytes + 64 * len(layer.segments)
@@ -269,13 +291,25 @@ class Session:
 
 
 class Heartbeat:
-    """A thread with its own socket that tells the daemon this client is alive."""
+    """A thread with its own socket that tells the daemon this client is alive, and notices
+    when the daemon is gone (``lost``), so that a client living on hits alone learns it too."""
 
-    def __init__(self, endpoint: str, client_id: bytes, interval: float):
+    def __init__(self, endpoint: str, client_id: bytes, interval: float, daemon_pid: int):
+        self.lost = False
+        self._pid = daemon_pid
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(endpoint, client_id, interval),
                                         name="expertd-heartbeat", daemon=True)
         self._thread.start()
+
+    def _daemon_alive(self) -> bool:
+        try:
+            os.kill(self._pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
     def _run(self, endpoint: str, client_id: bytes, interval: float) -> None:
         from expertd.protocol import request
@@ -287,6 +321,9 @@ class Heartbeat:
         n = 0
         try:
             while not self._stop.wait(interval):
+                if not self._daemon_alive():
+                    self.lost = True
+                    return
                 n += 1
                 sock.send_multipart(request(n.to_bytes(8, "little"), Op.HEARTBEAT,
                                             {"client": client_id}))

@@ -36,18 +36,30 @@ def serving_pid(paths) -> int | None:
     return None
 
 
+def _take_lock(fd: int, patience: float = 0.5) -> bool:
+    """Take the directory's lock; retry briefly, since ``serving_pid`` probes hold it for an
+    instant and must not make a starting daemon give up."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+
+
 def run_foreground(config, state_file: Path | None = None) -> int:
     """Serve until SIGTERM/SIGINT or a shutdown request. Returns the exit status."""
     from .server import ExpertServer
 
     paths = daemon_paths(config.blob_dir)
     lock = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not _take_lock(lock):
         os.close(lock)
         pid = serving_pid(paths)
-        raise DaemonError(f"an expertd (pid {pid}) already serves {paths.blob_dir}") from None
+        raise DaemonError(f"an expertd (pid {pid}) already serves {paths.blob_dir}")
     server = None
     try:
         # We hold the lock, so whatever is left belongs to a daemon that died.
@@ -113,32 +125,41 @@ def stop(blob_dir, timeout: float = 10.0) -> int:
         The stopped daemon's pid.
     Raises:
         DaemonNotRunning: if none serves the directory.
+        DaemonError: if the lock is held but no pid can be found to signal.
     """
     paths = daemon_paths(blob_dir)
     pid = serving_pid(paths)
+    deadline = time.monotonic() + 1.0
+    while pid == -1 and time.monotonic() < deadline:  # a daemon writing its pid file right now
+        time.sleep(0.02)
+        pid = serving_pid(paths)
     if pid is None:
         raise DaemonNotRunning(f"no expertd serves {paths.blob_dir}")
-    if pid > 0:
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while serving_pid(paths) is not None:
-        if time.monotonic() > deadline:
-            if pid > 0:
-                log.warning("expertd pid %d did not stop within %g s; killing it", pid, timeout)
-                os.kill(pid, signal.SIGKILL)
-                _wait_gone(paths, 5.0)
+    if pid < 0:
+        raise DaemonError(f"an expertd holds {paths.lock} but {paths.pidfile} names no pid")
+    os.kill(pid, signal.SIGTERM)
+    if not _wait_gone(paths, timeout):
+        log.warning("expertd pid %d did not stop within %g s; killing it", pid, timeout)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if _wait_gone(paths, 5.0):
+            # Only now that nobody holds the lock is what it left behind surely stale.
             unlink_arena(paths.shm_name)
             if paths.socket.exists():
                 paths.socket.unlink()
-            break
-        time.sleep(0.02)
     return pid
 
 
-def _wait_gone(paths, timeout: float) -> None:
+def _wait_gone(paths, timeout: float) -> bool:
+    """True once nobody holds the directory's lock, False if ``timeout`` passes first."""
     deadline = time.monotonic() + timeout
-    while serving_pid(paths) is not None and time.monotonic() < deadline:
+    while serving_pid(paths) is not None:
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.02)
+    return True
 
 
 def list_sockets() -> list:

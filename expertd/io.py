@@ -5,7 +5,7 @@ import queue
 from concurrent.futures import ThreadPoolExecutor
 
 from .blobstore import BlobStore
-from .errors import BlobStoreError, ChecksumError
+from .errors import ChecksumError
 from .protocol import ErrorCode
 
 
@@ -44,7 +44,7 @@ class FillPool:
                 self.store.verify(layer, expert, view)
         except ChecksumError as exc:
             error = (ErrorCode.CHECKSUM, str(exc))
-        except (OSError, BlobStoreError, ValueError) as exc:
+        except Exception as exc:  # a fill must always complete, or its waiters hang
             error = (ErrorCode.IO, f"reading layer {layer} expert {expert}: {exc}")
         self._done.put((row, layer, expert, error))
         try:

@@ -121,6 +121,7 @@ class ExpertServer:
         self._last_hits = np.zeros(g.cache_rows, dtype=np.uint64)
         self.started = time.monotonic()
         self.running = True
+        self.stopping = False
         self.counters = dict(demand_hits=0, client_hits=0, misses=0, bytes_read=0, fills=0,
                              fill_errors=0, bad_requests=0, demands=0)
         self.in_flight = 0
@@ -147,6 +148,12 @@ class ExpertServer:
         log.info("serving %s on %s (%d rows of %d bytes, %.2f GiB)", self.store.dir,
                  self.paths.endpoint, self.geometry.cache_rows, self.geometry.stride,
                  self.geometry.total_size / 2**30)
+        try:
+            self._serve_loop(poller, next_tick, next_save)
+        finally:
+            self._shutdown()
+
+    def _serve_loop(self, poller, next_tick: float, next_save: float) -> None:
         while self.running:
             events = dict(poller.poll(int(TICK * 1000)))
             if self.pool.wake_fd in events:
@@ -165,32 +172,41 @@ class ExpertServer:
             if now >= next_save:
                 next_save = now + self.config.save_interval
                 self._save_state()
-        self._shutdown()
 
     def request_stop(self, *_):
         self.running = False
 
     def _shutdown(self) -> None:
+        """Fail what waits, let running reads finish (bounded), save, unlink, whatever fails."""
         log.info("shutting down")
-        for p in list(self.queued) + [p for ps in self.waiters.values() for p in ps]:
-            self._send(p.identity, reply_error(p.rid, bytes([Op.DEMAND]),
-                                               ErrorCode.SHUTTING_DOWN, "expertd is stopping"))
-        deadline = time.monotonic() + SHUTDOWN_GRACE
-        while self.in_flight and time.monotonic() < deadline:
-            time.sleep(0.01)
-            self._completions()
-        self._save_state()
-        self.arena.header["serving"] = 0
-        self.pool.close(wait=False)
-        self.router.close(linger=0)
-        self.ctx.term()
-        self.store.close()
-        self.arena.unlink()
-        self.arena.close()
+        self.stopping = True
+        pending = {id(p): p for p in self.queued}
+        pending.update((id(p), p) for ps in self.waiters.values() for p in ps)
+        self.queued.clear()
+        self.waiters.clear()
+        self.background.clear()
         try:
-            os.unlink(self.paths.socket)
-        except FileNotFoundError:
-            pass
+            for p in pending.values():
+                self._send(p.identity, reply_error(p.rid, bytes([Op.DEMAND]),
+                                                   ErrorCode.SHUTTING_DOWN, "expertd is stopping"))
+            deadline = time.monotonic() + SHUTDOWN_GRACE
+            while self.in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)
+                self._completions()
+            self._save_state()
+            self.arena.header["serving"] = 0
+        finally:
+            self.pool.close(wait=self.in_flight == 0)
+            self.router.close(linger=0)
+            self.ctx.term()
+            if self.in_flight == 0:  # a read still stuck in the kernel keeps its descriptor
+                self.store.close()
+            self.arena.unlink()
+            self.arena.close()
+            try:
+                os.unlink(self.paths.socket)
+            except FileNotFoundError:
+                pass
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -258,7 +274,8 @@ class ExpertServer:
             if not self._start(p):
                 self.queued.append(p)
         elif op is Op.PREFETCH:
-            self.background.extend((req.layer, e) for e in req.experts)
+            room = self.geometry.cache_rows - len(self.background)  # hints past this are dropped
+            self.background.extend((req.layer, e) for e in req.experts[:max(0, room)])
             self._top_up_background()
         elif op is Op.PIN:
             new = sum(not self.policy.is_pinned((req.layer, e)) for e in req.experts)
@@ -368,7 +385,8 @@ class ExpertServer:
         self.pool.submit(row, layer, expert)
 
     def _completions(self) -> None:
-        for row, layer, expert, error in self.pool.completions():
+        done = self.pool.completions()
+        for row, layer, expert, error in done:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.fill_seconds += time.monotonic() - self._busy_since
@@ -395,7 +413,10 @@ class ExpertServer:
                     p.error = error
                 if not p.waiting:
                     self._finish(p)
-        self._top_up_background()
+        if done and not self.stopping:
+            # Rows that were filling are eligible again: demands queued behind them may fit.
+            self._retry_queued()
+            self._top_up_background()
 
     def _finish(self, p: Pending) -> None:
         if p.error is not None:
@@ -459,10 +480,13 @@ class ExpertServer:
             if now - client.last_seen > self.config.client_timeout:
                 log.info("client pid %d timed out; reclaiming %d leases", client.pid,
                          len(client.leases))
-                for lease in list(client.leases):
-                    self._release(lease, client)
+                # Forget the client first, so releasing its leases cannot start its own queued
+                # demands (which would take new leases nobody releases).
                 del self.clients[identity]
                 self.queued = deque(p for p in self.queued if p.client != identity)
+                while client.leases:
+                    self._release(client.leases.pop(), client)
+        self._retry_queued()
         self._ticks += 1
         if self.config.auto_pin and self._ticks % 10 == 0:
             room = self.max_pins - self.policy.n_explicit_pins
@@ -494,6 +518,12 @@ class ExpertServer:
     # ---- warm restart ----------------------------------------------------------------------
 
     def _save_state(self) -> None:
+        try:
+            self._write_state()
+        except OSError as exc:
+            log.warning("could not save the hot set to %s: %s", self.state_file, exc)
+
+    def _write_state(self) -> None:
         state = {"blob_dir": str(self.store.dir), "policy": self.policy.state(),
                  "hot": [list(k) for k in self.policy.hot_keys(self.geometry.cache_rows)]}
         tmp = self.state_file.with_suffix(".tmp")

@@ -8,7 +8,7 @@ import time
 import mlx_lm
 import pytest
 
-from client_helpers import (ROWS_TINY, Daemon, finish_client, greedy_tokens, prompt_ids,
+from client_helpers import (ROWS_ALL, ROWS_TINY, Daemon, finish_client, greedy_tokens, prompt_ids,
                             read_tokens, reap, routed_model, spawn_client, wait_for)
 
 FAMILY = ("qwen3_moe", "affine", 4)
@@ -115,3 +115,39 @@ def test_client_reports_a_daemon_that_does_not_come_back(qwen, isolated_env, tmp
     assert "did not come back" in message
     # The client gave up about when it was told to (plus process exit), not much later.
     assert waited < reconnect_timeout + 4.0, waited
+
+
+@pytest.mark.parametrize("rows", [(ROWS_ALL, ROWS_TINY), (ROWS_TINY, ROWS_ALL)],
+                         ids=["cache-shrinks", "cache-grows"])
+def test_restarted_daemon_with_another_cache_size(qwen, isolated_env, tmp_path, rows):
+    """The staging buffers are sized at load; a daemon that comes back with a smaller cache
+    (leasing fewer rows at once) or a larger one must still give exactly the same logits."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from expertd.client import load
+
+    _, blob_dir, resident = qwen
+    prompt = mx.array([prompt_ids(PROMPT_LEN, resident.args.vocab_size)])
+    daemon = Daemon(blob_dir, isolated_env, tmp_path / "state.json", rows[0])
+    try:
+        streamed, _ = load(blob_dir, reconnect_timeout=30.0)
+        caches = make_prompt_cache(resident), make_prompt_cache(streamed)
+        a, b = resident(prompt, cache=caches[0]), streamed(prompt, cache=caches[1])
+        assert mx.array_equal(a, b).item()
+        daemon.kill()
+        # Every expert may be a hit in the dead daemon's arena; the client must notice anyway.
+        wait_for(lambda: streamed.expertd_session._heartbeat.lost, 10.0, "the death noticed")
+        daemon = Daemon(blob_dir, isolated_env, tmp_path / "state.json", rows[1])
+        for step in range(6):
+            token = mx.argmax(a[:, -1:], axis=-1)
+            a, b = resident(token, cache=caches[0]), streamed(token, cache=caches[1])
+            assert mx.array_equal(a, b).item(), f"decode step {step} after the restart"
+        # A prompt wide enough to need more rows than the small cache leases at once.
+        a = resident(prompt, cache=make_prompt_cache(resident))
+        b = streamed(prompt, cache=make_prompt_cache(streamed))
+        assert mx.array_equal(a, b).item()
+        assert streamed.expertd_session.counters["reconnects"] == 1
+        streamed.expertd_session.close()
+    finally:
+        daemon.kill()

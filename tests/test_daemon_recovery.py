@@ -1,0 +1,64 @@
+"""Daemon paths that only show when things go wrong: demands queued behind fills, clients that
+vanish with a demand queued, a state file that cannot be written."""
+
+import shutil
+import signal
+
+from daemon_helpers import (STOP_TIMEOUT, TINY_CACHE_GB, RawClient, running_daemon, shm_file,
+                            wait_until)
+from expertd.paths import daemon_paths
+from expertd.protocol import Op
+
+FAST_TIMEOUTS = ("--client-timeout", "1.5", "--heartbeat", "0.3")
+
+
+def test_demand_queued_behind_prefetch_fills_is_answered(models, isolated_env):
+    """A demand that finds every row busy filling must start once those fills complete, even
+    if no lease is ever released."""
+    blobs = models.blobs()
+    # As many workers as rows: every row is FILLING when the demand arrives.
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "16"):
+        with RawClient(blobs) as c:
+            rows = c.hello["cache_rows"]
+            c.conn.send(Op.PREFETCH, {"layer": 0, "experts": list(range(rows))})
+            reply = c.demand(1, [0, 1, 2, 3], timeout=20.0)
+            assert len(reply["rows"]) == 4
+            assert c.fetch(1, [0, 1, 2, 3]) == [c.row_bytes(r, 1) for r in reply["rows"]]
+            c.release(reply["lease"])
+            wait_until(lambda: c.request(Op.STATS)["leases"] == 0, 10.0, "the lease to go")
+
+
+def test_vanished_client_with_a_queued_demand_leaks_no_lease(models, isolated_env):
+    blobs = models.blobs()
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS):
+        with RawClient(blobs) as watcher, RawClient(blobs) as gone:
+            half = watcher.hello["cache_rows"] // 2
+            gone.demand(0, list(range(half)))  # two leases that are never released
+            gone.demand(1, list(range(half)))
+            gone.conn.send(Op.DEMAND, {"layer": 2, "experts": list(range(half))})  # queued
+            wait_until(lambda: watcher.request(Op.STATS)["demands"] == 3, 10.0,
+                       "the third demand to arrive")
+            assert watcher.request(Op.STATS)["leases"] == 2
+            # `gone` sends nothing more: its heartbeat times out; `watcher` keeps its own alive.
+            wait_until(lambda: watcher.heartbeat() and watcher.request(Op.STATS)["clients"] == 1,
+                       15.0, "the silent client to be forgotten")
+            stats = watcher.request(Op.STATS)
+            assert stats["leases"] == 0, stats
+            assert len(watcher.fetch(2, list(range(watcher.hello["cache_rows"] // 2)))) == half
+
+
+def test_unwritable_state_file_does_not_leave_shared_memory_behind(models, isolated_env,
+                                                                   tmp_path):
+    blobs = models.blobs()
+    state_dir = tmp_path / "state-here"
+    state_dir.mkdir()
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--state-file",
+                        state_dir / "hot.json") as d:
+        with RawClient(blobs) as c:
+            c.fetch(0, [1, 2])
+        shutil.rmtree(state_dir)  # the state file can no longer be written
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=STOP_TIMEOUT) == 0, d.log_text()
+        assert "could not save the hot set" in d.log_text()
+    assert not shm_file(blobs).exists()
+    assert not daemon_paths(blobs).socket.exists()
