@@ -74,7 +74,7 @@ def daemon_fill(blob_dir, threads: int, seed: int, verify: bool) -> dict:
     from expertd.protocol import Op, parse_reply
 
     manifest = Manifest.load(blob_dir)
-    flags = ["--workers", str(threads), "--io", "direct"] + ([] if verify else ["--no-verify"])
+    flags = ["--workers", str(threads), "--io", "direct"] + ["--verify", "always" if verify else "never"]
     with daemon(blob_dir, manifest.total_expert_bytes * 1.2 / 2**30 + 0.01, *flags):
         with Connection(blob_dir) as conn:
             hello = conn.request(Op.HELLO, {"version": 1, "client": conn.client_id,

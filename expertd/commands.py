@@ -14,7 +14,7 @@ def _cmd_start(args) -> int:
 
     config = ServerConfig(
         blob_dir=Path(args.blobs).resolve(), cache_bytes=int(args.cache_gb * 2**30),
-        workers=args.workers, io=args.io, verify=not args.no_verify,
+        workers=args.workers, io=args.io, verify=args.verify,
         client_timeout=args.client_timeout, heartbeat_interval=args.heartbeat,
         pin_file=Path(args.pin_file) if args.pin_file else None, auto_pin=args.auto_pin)
     from .blobstore import BlobStore
@@ -90,8 +90,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("--io", choices=("direct", "buffered"), default="direct",
                    help="direct: bypass the page cache (O_DIRECT / F_NOCACHE), so the arena is "
                    "the only copy; buffered: trust the page cache (default: direct)")
-    p.add_argument("--no-verify", action="store_true",
-                   help="do not verify expert checksums on fill")
+    p.add_argument("--verify", choices=("first", "always", "never"), default="first",
+                   help="check expert checksums on the first fill of each expert (a corrupt "
+                   "blob is caught the first time it is read), on every fill, or never "
+                   "(default: first)")
     p.add_argument("--pin-file", metavar="JSON", help="JSON list of [layer, expert] to pin")
     p.add_argument("--auto-pin", type=int, default=0, metavar="N",
                    help="keep the N hottest resident experts pinned (default: 0, off)")

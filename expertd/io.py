@@ -4,6 +4,8 @@ import os
 import queue
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from .blobstore import BlobStore
 from .errors import ChecksumError
 from .protocol import ErrorCode
@@ -16,12 +18,16 @@ class FillPool:
     next to its ZeroMQ socket.
     """
 
-    def __init__(self, store: BlobStore, arena, workers: int, verify: bool):
+    def __init__(self, store: BlobStore, arena, workers: int, verify: str):
         if workers < 1:
             raise ValueError("workers must be at least 1")
         self.store = store
         self.arena = arena
         self.verify = verify
+        # With verify="first": experts whose bytes were checked once. The blob files do not
+        # change under a running daemon, so a checked expert reads back the same (the SSD's
+        # own ECC covers transient errors); later fills skip the hash.
+        self._checked = [np.zeros(layer.num_experts, dtype=bool) for layer in store.layers]
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="expertd-fill")
         self._done = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
@@ -40,8 +46,10 @@ class FillPool:
         try:
             view = self.arena.row(row)
             self.store.read_into(layer, expert, view)
-            if self.verify:
+            if self.verify == "always" or (self.verify == "first"
+                                           and not self._checked[layer][expert]):
                 self.store.verify(layer, expert, view)
+                self._checked[layer][expert] = True
         except ChecksumError as exc:
             error = (ErrorCode.CHECKSUM, str(exc))
         except Exception as exc:  # a fill must always complete, or its waiters hang

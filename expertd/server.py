@@ -38,7 +38,7 @@ class ServerConfig:
     cache_bytes: int
     workers: int = 8
     io: str = "direct"
-    verify: bool = True
+    verify: str = "first"
     client_timeout: float = 10.0
     heartbeat_interval: float = 1.0
     pin_file: Path | None = None
@@ -52,6 +52,8 @@ class ServerConfig:
             raise ValueError("workers must be at least 1")
         if self.io not in ("direct", "buffered"):
             raise ValueError("io must be 'direct' or 'buffered'")
+        if self.verify not in ("first", "always", "never"):
+            raise ValueError("verify must be 'first', 'always' or 'never'")
         if self.client_timeout <= self.heartbeat_interval:
             raise ValueError("client timeout must exceed the heartbeat interval")
         if self.auto_pin < 0:
@@ -100,6 +102,7 @@ class ExpertServer:
                              f"cache of {g.cache_rows} rows can pin at most {g.cache_rows // 4}")
         self.epoch = int.from_bytes(os.urandom(8), "little") >> 1
         self.arena = Arena.create(paths.shm_name, g, os.getpid(), self.epoch)
+        self.arena.populate()
         self.raw = self.arena.raw
         self.slots = self.arena.slots
         self.slot_of = self.arena.slot_of.reshape(g.n_layers, g.n_experts)

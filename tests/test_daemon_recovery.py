@@ -4,8 +4,12 @@ vanish with a demand queued, a state file that cannot be written."""
 import shutil
 import signal
 
-from daemon_helpers import (STOP_TIMEOUT, TINY_CACHE_GB, RawClient, running_daemon, shm_file,
-                            wait_until)
+import pytest
+
+from daemon_helpers import (STOP_TIMEOUT, TINY_CACHE_GB, RawClient, expected_bytes,
+                            running_daemon, shm_file, wait_until)
+from expertd.errors import DaemonError
+from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
 from expertd.protocol import Op
 
@@ -62,3 +66,55 @@ def test_unwritable_state_file_does_not_leave_shared_memory_behind(models, isola
         assert "could not save the hot set" in d.log_text()
     assert not shm_file(blobs).exists()
     assert not daemon_paths(blobs).socket.exists()
+
+
+def _flip_byte(blobs, layer: int, expert: int) -> None:
+    manifest = Manifest.load(blobs)
+    with open(blobs / manifest.layers[layer].file, "r+b") as f:
+        f.seek(expert * manifest.stride + 100)
+        byte = f.read(1)[0]
+        f.seek(expert * manifest.stride + 100)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def _evict(client, layer: int, expert: int) -> None:
+    """Fetch other layers' experts until (layer, expert) has left the cache."""
+    step = client.hello["cache_rows"] // 2
+    for _ in range(4):
+        for other in {0, 1, 2} - {layer}:
+            for start in range(0, 16, step):
+                client.fetch(other, list(range(start, min(16, start + step))))
+        if client.slot(layer, expert)[0] < 0:
+            return
+    raise AssertionError(f"layer {layer} expert {expert} stayed in the cache")
+
+
+def test_verify_always_catches_corruption_after_a_good_first_read(models, isolated_env,
+                                                                  tmp_path):
+    blobs = tmp_path / "blobs"
+    shutil.copytree(models.blobs(), blobs)
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--verify", "always"):
+        with RawClient(blobs) as c:
+            assert c.fetch(1, [5]) == [expected_bytes(models.blobs())[(1, 5)]]
+            _flip_byte(blobs, 1, 5)
+            _evict(c, 1, 5)
+            with pytest.raises(DaemonError, match="layer 1 expert 5"):
+                c.demand(1, [5])
+
+
+def test_verify_first_checks_each_expert_once(models, isolated_env, tmp_path):
+    """The default: the first fill of an expert is checked, its refills are not (the blob
+    files do not change under a running daemon)."""
+    blobs = tmp_path / "blobs"
+    shutil.copytree(models.blobs(), blobs)
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+        with RawClient(blobs) as c:
+            c.fetch(1, [5])
+            _flip_byte(blobs, 1, 5)
+            _evict(c, 1, 5)
+            assert c.request(Op.STATS)["fill_errors"] == 0
+            c.fetch(1, [5])  # refilled without a check: served
+            assert c.request(Op.STATS)["fill_errors"] == 0
+            _flip_byte(blobs, 1, 6)  # never read yet: its first fill is checked
+            with pytest.raises(DaemonError, match="layer 1 expert 6"):
+                c.demand(1, [6])
