@@ -60,6 +60,7 @@ class Session:
         self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0)
         self.conn = self.arena = self._heartbeat = None
         self.max_group = None
+        self._bases: dict = {}
         self._segment_tables = [
             (np.array([seg.offset for seg in layer.segments], dtype=np.intp),
              np.array([seg.nbytes for seg in layer.segments], dtype=np.intp))
@@ -216,6 +217,9 @@ class Session:
             try:
                 # A daemon restarted with a smaller cache may lease fewer rows at once.
                 limit = self.demand_limit
+                if len(experts) <= limit:
+                    self._fetch_chunk(layer, experts, dest, bases, offsets, nbytes)
+                    return bases
                 for start in range(0, len(experts), limit):
                     self._fetch_chunk(layer, experts[start:start + limit], dest,
                                       bases + start * nbytes, offsets, nbytes)
@@ -225,9 +229,12 @@ class Session:
 
     def bases(self, layer: int, n: int) -> np.ndarray:
         """Where each segment of ``n`` experts starts in a destination (64-byte aligned)."""
-        sizes = (n * self._segment_tables[layer][1] + 63) // 64 * 64
-        bases = np.zeros_like(sizes)
-        np.cumsum(sizes[:-1], out=bases[1:])
+        bases = self._bases.get((layer, n))
+        if bases is None:
+            sizes = (n * self._segment_tables[layer][1] + 63) // 64 * 64
+            bases = np.zeros_like(sizes)
+            np.cumsum(sizes[:-1], out=bases[1:])
+            self._bases[(layer, n)] = bases
         return bases
 
     def _fetch_chunk(self, layer, experts, dest, bases, offsets, nbytes) -> None:

@@ -23,6 +23,11 @@ class StagingBuffer:
         if not (self.host.flags.writeable and self.host.flags.c_contiguous):
             raise RuntimeError("this MLX build does not expose array memory to numpy")
         self.last = None
+        # Typed views of the buffer per (segment layout, expert count). Slices, dtype views and
+        # reshapes of a contiguous buffer share its memory, so a view made once shows whatever
+        # the latest copy put there; building them again for every layer costs more than the
+        # rest of the hit path.
+        self.views: dict = {}
 
 
 @dataclass
@@ -57,6 +62,7 @@ class StreamedLayer:
     layer: int
     segments: list  # [(projection module, attribute, mlx dtype, per-expert shape, nbytes)]
     staging: Staging
+    layout: tuple = ()  # what the segment views depend on: (dtype, shape, nbytes) per segment
 
 
 class StreamedSwitch:
@@ -65,7 +71,10 @@ class StreamedSwitch:
     def __call__(self, x, indices):
         st: StreamedLayer = self.__dict__["_expertd"]
         idx = np.array(indices)  # the one host sync of this layer: the router's choice
-        unique = np.unique(idx).astype(np.int32)
+        if idx.size <= 64:  # decode: a handful of ids, cheaper without numpy's sort machinery
+            unique = np.array(sorted(set(idx.ravel().tolist())), dtype=np.int32)
+        else:
+            unique = np.unique(idx).astype(np.int32)
         size = st.session.max_group
         if len(unique) <= size:
             return self._run(st, x, unique, np.searchsorted(unique, idx).astype(idx.dtype))
@@ -84,9 +93,13 @@ class StreamedSwitch:
         buf = st.staging.acquire()
         bases = st.session.fetch(st.layer, experts, buf.host)
         n = len(experts)
-        for (module, attr, dtype, shape, nbytes), base in zip(st.segments, bases.tolist()):
-            flat = buf.array[base:base + n * nbytes]
-            module[attr] = flat.view(dtype).reshape((n, *shape))
+        views = buf.views.get((st.layout, n))
+        if views is None:
+            views = buf.views[(st.layout, n)] = [
+                buf.array[base:base + n * nbytes].view(dtype).reshape((n, *shape))
+                for (_, _, dtype, shape, nbytes), base in zip(st.segments, bases.tolist())]
+        for (module, attr, _, _, _), view in zip(st.segments, views):
+            module[attr] = view
         try:
             buf.last = super().__call__(x, mx.array(local))
         finally:
@@ -118,4 +131,5 @@ def make_streamed(module, session, layer, staging: Staging) -> None:
         segments.append((child, attr, MLX_DTYPES[seg.dtype], seg.shape, seg.nbytes))
     module.__class__ = streamed
     # A plain attribute, not a child: the session is not part of the model's parameters.
-    module.__dict__["_expertd"] = StreamedLayer(session, layer.index, segments, staging)
+    layout = tuple((seg.dtype, seg.shape, seg.nbytes) for seg in layer.segments)
+    module.__dict__["_expertd"] = StreamedLayer(session, layer.index, segments, staging, layout)
