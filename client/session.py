@@ -36,6 +36,16 @@ POLL_SLICE = 0.2
 REQUEST_TIMEOUT = 300.0  # a live daemon that does not answer for this long is stuck
 
 
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, someone else's
+    return True
+
+
 class DaemonDied(DaemonError):
     """The daemon this client was attached to is gone."""
 
@@ -114,14 +124,10 @@ class Session:
             pid = int(self.paths.pidfile.read_text())
         except (OSError, ValueError):
             return  # no pid file: the connection decides
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not process_alive(pid):
             blob = self.paths.blob_dir
             raise DaemonNotRunning(f"no expertd serves {blob}: the one that did (pid {pid}) is "
-                                   f"gone (start one with: expertd start --blobs {blob})") from None
-        except PermissionError:
-            pass
+                                   f"gone (start one with: expertd start --blobs {blob})")
 
     def _detach(self) -> None:
         if self._heartbeat is not None:
@@ -155,13 +161,7 @@ class Session:
                 time.sleep(0.1)
 
     def _daemon_alive(self) -> bool:
-        try:
-            os.kill(self.daemon_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return bool(self.arena.header["serving"][0])
+        return process_alive(self.daemon_pid) and bool(self.arena.header["serving"][0])
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -309,15 +309,6 @@ class Heartbeat:
                                         name="expertd-heartbeat", daemon=True)
         self._thread.start()
 
-    def _daemon_alive(self) -> bool:
-        try:
-            os.kill(self._pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-
     def _run(self, endpoint: str, client_id: bytes, interval: float) -> None:
         from expertd.protocol import request
 
@@ -328,7 +319,7 @@ class Heartbeat:
         n = 0
         try:
             while not self._stop.wait(interval):
-                if not self._daemon_alive():
+                if not process_alive(self._pid):
                     self.lost = True
                     return
                 n += 1
