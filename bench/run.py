@@ -86,7 +86,7 @@ def plots(results: dict) -> list:
     ax.bar(names, values, color=["tab:blue", "tab:blue", "tab:green", "tab:orange"])
     ax.scatter(names, bars, color="black", marker="_", s=600, label="bar", zorder=3)
     ax.set_ylabel("ratio")
-    ax.legend()
+    ax.legend(loc="lower left")
     ax.set_title("expertd ratios (measured side by side)")
     fig.tight_layout()
     fig.savefig(ROOT / "ratios.png", dpi=110)
