@@ -5,7 +5,6 @@ until it releases them (or its heartbeat stops), so they cannot be evicted while
 Fills run on the pread pool and come back through a wake-up pipe polled next to the socket.
 """
 
-import json
 import logging
 import os
 import time
@@ -19,6 +18,7 @@ import zmq
 from . import native
 from .blobstore import BlobStore
 from .errors import ProtocolError
+from .hotset import load_hot_set, read_pin_file, save_hot_set
 from .io import FillPool
 from .policy import LfuPolicy
 from .protocol import PROTOCOL_VERSION, ErrorCode, Op, parse_request, reply_error, reply_ok
@@ -96,7 +96,7 @@ class ExpertServer:
         g = self.geometry
         # Checked before anything is created: more pins than PIN allows would leave demands
         # too few rows, and they would wait forever.
-        self.pins = _read_pin_file(config.pin_file) if config.pin_file is not None else []
+        self.pins = read_pin_file(config.pin_file) if config.pin_file is not None else []
         if len(set(self.pins)) > g.cache_rows // 4:
             raise ValueError(f"{config.pin_file}: {len(set(self.pins))} experts to pin, but a "
                              f"cache of {g.cache_rows} rows can pin at most {g.cache_rows // 4}")
@@ -516,35 +516,19 @@ class ExpertServer:
             verify=self.config.verify, implementation=native.IMPLEMENTATION)
 
     def _valid_key(self, layer, expert) -> bool:
-        return _valid_key_of(self.n_experts, layer, expert)
+        return (type(layer) is int and type(expert) is int and 0 <= layer < len(self.n_experts)
+                and 0 <= expert < self.n_experts[layer])
 
     # ---- warm restart ----------------------------------------------------------------------
 
     def _save_state(self) -> None:
         try:
-            self._write_state()
+            save_hot_set(self.state_file, self.store.dir, self.policy, self.geometry.cache_rows)
         except OSError as exc:
             log.warning("could not save the hot set to %s: %s", self.state_file, exc)
 
-    def _write_state(self) -> None:
-        state = {"blob_dir": str(self.store.dir), "policy": self.policy.state(),
-                 "hot": [list(k) for k in self.policy.hot_keys(self.geometry.cache_rows)]}
-        tmp = self.state_file.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(state, f)
-        os.replace(tmp, self.state_file)
-
     def _load_state(self) -> None:
-        keys = []
-        if self.state_file.exists():
-            try:
-                state = json.loads(self.state_file.read_text())
-                self.policy.load_state(state["policy"])
-                keys = [tuple(k) for k in state.get("hot", [])
-                        if isinstance(k, list) and len(k) == 2]
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("ignoring unreadable state file %s: %s", self.state_file, exc)
+        keys = load_hot_set(self.state_file, self.policy)
         for key in self.pins:
             if not self._valid_key(*key):
                 raise ValueError(f"{self.config.pin_file}: no expert {key[1]} in layer {key[0]}")
@@ -553,25 +537,9 @@ class ExpertServer:
             log.warning("not pinning %s: the cache can pin at most %d", key, self.max_pins)
             self.policy.unpin(key)
         keys = list(dict.fromkeys(sorted(self.policy.pinned_keys) + keys))
-        keys = [(int(l), int(e)) for l, e in keys if self._valid_key(l, e)]
-        keys = keys[:self.geometry.cache_rows]
+        keys = [key for key in keys if self._valid_key(*key)][:self.geometry.cache_rows]
         if keys:
             log.info("warming %d experts from %s", len(keys), self.state_file)
         self.warm_total = len(keys)
         self.background.extend(keys)
         self._top_up_background()
-
-
-def _valid_key_of(n_experts: list, layer, expert) -> bool:
-    return (type(layer) is int and type(expert) is int and 0 <= layer < len(n_experts)
-            and 0 <= expert < n_experts[layer])
-
-
-def _read_pin_file(path: Path) -> list:
-    """A JSON list of [layer, expert] pairs (or {"pins": [...]})."""
-    data = json.loads(Path(path).read_text())
-    pins = data.get("pins") if isinstance(data, dict) else data
-    if not isinstance(pins, list) or not all(
-            isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p) for p in pins):
-        raise ValueError(f"{path}: expected a JSON list of [layer, expert] pairs")
-    return [tuple(p) for p in pins]
