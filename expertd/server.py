@@ -64,9 +64,8 @@ class ServerConfig:
 class Pending:
     """A demand waiting for fills (or for rows to become free)."""
 
-    identity: bytes
+    identity: bytes  # the client's routing id: leases and expiry are keyed by it
     rid: bytes
-    client: bytes
     layer: int
     experts: tuple
     rows: list = field(default_factory=list)
@@ -94,12 +93,14 @@ class ExpertServer:
         self.geometry = Geometry.for_budget(len(m.layers), m.max_experts, m.stride,
                                             config.cache_bytes, side_rows=m.top_k)
         g = self.geometry
+        self.max_demand = max(1, g.cache_rows // 2)
+        self.max_pins = g.cache_rows // 4
         # Checked before anything is created: more pins than PIN allows would leave demands
         # too few rows, and they would wait forever.
         self.pins = read_pin_file(config.pin_file) if config.pin_file is not None else []
-        if len(set(self.pins)) > g.cache_rows // 4:
+        if len(set(self.pins)) > self.max_pins:
             raise ValueError(f"{config.pin_file}: {len(set(self.pins))} experts to pin, but a "
-                             f"cache of {g.cache_rows} rows can pin at most {g.cache_rows // 4}")
+                             f"cache of {g.cache_rows} rows can pin at most {self.max_pins}")
         self.epoch = int.from_bytes(os.urandom(8), "little") >> 1
         self.arena = Arena.create(paths.shm_name, g, os.getpid(), self.epoch)
         self.arena.populate()
@@ -108,16 +109,13 @@ class ExpertServer:
         self.slot_of = self.arena.slot_of.reshape(g.n_layers, g.n_experts)
         self.policy = LfuPolicy(g.cache_rows, g.n_layers, g.n_experts)
         self.pool = FillPool(self.store, self.arena, config.workers, config.verify)
-        self.max_demand = max(1, g.cache_rows // 2)
-        self.max_pins = g.cache_rows // 4
         self.leased = np.zeros(g.total_rows, dtype=np.int32)
         self.leases: dict = {}
         self.clients: dict = {}
         self.waiters: dict = {}
         self.queued: deque = deque()
         self.background: deque = deque()
-        self.background_in_flight = 0
-        self.background_rows: set = set()
+        self.background_rows: set = set()  # rows being filled for warm-up, prefetch or pins
         self.warm_total = self.warm_done = 0
         self._ticks = 0
         self._next_lease = 1
@@ -273,7 +271,7 @@ class ExpertServer:
             if len(req.experts) > self.max_demand:
                 raise ProtocolError(f"{len(req.experts)} experts in one demand; at most "
                                     f"{self.max_demand} fit", ErrorCode.OUT_OF_RANGE)
-            p = Pending(identity, rid, identity, req.layer, req.experts)
+            p = Pending(identity, rid, req.layer, req.experts)
             if not self._start(p):
                 self.queued.append(p)
         elif op is Op.PREFETCH:
@@ -361,8 +359,8 @@ class ExpertServer:
         p.rows, p.waiting = rows, waiting
         p.lease = self._next_lease
         self._next_lease += 1
-        self.leases[p.lease] = (p.client, rows)
-        client = self.clients.get(p.client)
+        self.leases[p.lease] = (p.identity, rows)
+        client = self.clients.get(p.identity)
         if client is not None:
             client.leases.add(p.lease)
         for row in waiting:
@@ -408,7 +406,6 @@ class ExpertServer:
             native.end_write(self.raw, self.geometry.slots_offset, row)
             if row in self.background_rows:
                 self.background_rows.discard(row)
-                self.background_in_flight -= 1
                 self._warm_progress()
             for p in self.waiters.pop(row, ()):
                 p.waiting.discard(row)
@@ -423,7 +420,7 @@ class ExpertServer:
 
     def _finish(self, p: Pending) -> None:
         if p.error is not None:
-            self._release(p.lease, self.clients.get(p.client))
+            self._release(p.lease, self.clients.get(p.identity))
             self._send(p.identity, reply_error(p.rid, bytes([Op.DEMAND]), *p.error))
             return
         versions = [int(v) for v in self.slots["version"][p.rows]]
@@ -442,12 +439,12 @@ class ExpertServer:
     def _retry_queued(self) -> None:
         for _ in range(len(self.queued)):
             p = self.queued.popleft()
-            if p.client in self.clients and not self._start(p):
+            if p.identity in self.clients and not self._start(p):
                 self.queued.append(p)
 
     def _top_up_background(self) -> None:
         """Start queued background fills (warm-up, prefetch, pins) while workers are free."""
-        while self.background and self.background_in_flight < self.config.workers:
+        while self.background and len(self.background_rows) < self.config.workers:
             layer, expert = self.background.popleft()
             if self._resident(layer, expert)[1] != SlotState.EMPTY:
                 continue
@@ -458,7 +455,6 @@ class ExpertServer:
             row = int(victims[0])
             self._fill(row, layer, expert)
             self.background_rows.add(row)
-            self.background_in_flight += 1
 
     def _warm_progress(self) -> None:
         if self.warm_done >= self.warm_total:
@@ -486,7 +482,7 @@ class ExpertServer:
                 # Forget the client first, so releasing its leases cannot start its own queued
                 # demands (which would take new leases nobody releases).
                 del self.clients[identity]
-                self.queued = deque(p for p in self.queued if p.client != identity)
+                self.queued = deque(p for p in self.queued if p.identity != identity)
                 while client.leases:
                     self._release(client.leases.pop(), client)
         self._retry_queued()

@@ -23,6 +23,10 @@ def qwen(models):
     return model_dir, blob_dir, mlx_lm.load(str(model_dir))[0]
 
 
+def undisturbed_tokens(resident) -> list:
+    return greedy_tokens(resident, prompt_ids(PROMPT_LEN, resident.args.vocab_size), MAX_TOKENS)
+
+
 def start_generating(blob_dir, env, tmp_path, reconnect_timeout: float):
     tokens_file, out = tmp_path / "tokens.txt", tmp_path / "client.json"
     proc = spawn_client("generate", ["--blobs", blob_dir, "--prompt-len", PROMPT_LEN,
@@ -40,8 +44,7 @@ def start_generating(blob_dir, env, tmp_path, reconnect_timeout: float):
 
 def test_client_survives_daemon_kill_and_restart(qwen, isolated_env, tmp_path):
     model_dir, blob_dir, resident = qwen
-    expected = greedy_tokens(resident, prompt_ids(PROMPT_LEN, resident.args.vocab_size),
-                             MAX_TOKENS)
+    expected = undisturbed_tokens(resident)
     first = Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_TINY)
     proc = None
     try:
@@ -69,8 +72,7 @@ def test_client_paused_across_a_restart_attaches_again(qwen, isolated_env, tmp_p
     client's next request reaches the new daemon on the old connection before the client
     could notice the death: it must attach again, not fail."""
     model_dir, blob_dir, resident = qwen
-    expected = greedy_tokens(resident, prompt_ids(PROMPT_LEN, resident.args.vocab_size),
-                             MAX_TOKENS)
+    expected = undisturbed_tokens(resident)
     daemon = Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_TINY)
     proc = None
     try:
