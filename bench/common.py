@@ -23,8 +23,8 @@ SMALL = dict(family="qwen3_moe", layers=8, experts=32, top_k=4, hidden=256, moe_
 
 def ensure_model(name: str, spec: dict) -> tuple:
     """(model_dir, blob_dir) of a synthetic model, built and converted once."""
-    from expertd.convert import convert
-    from expertd.synth import SynthConfig, synthesize
+    from expertd.tools.convert import convert
+    from expertd.tools.synth import SynthConfig, synthesize
 
     model_dir, blob_dir = OUT / "models" / name, OUT / "blobs" / name
     if not (model_dir / "config.json").exists():

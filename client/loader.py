@@ -27,7 +27,7 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
     from mlx_lm.utils import load_model, load_tokenizer
 
-    from expertd.safetensors import read_header
+    from expertd.tools.safetensors import read_header
 
     session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group)
     trunk = session.paths.blob_dir / "trunk"

@@ -20,7 +20,7 @@ Typical use:
 
 
 def _cmd_synth(args) -> int:
-    from .synth import SynthConfig, synthesize
+    from .tools.synth import SynthConfig, synthesize
 
     cfg = SynthConfig(family=args.family, layers=args.layers, experts=args.experts,
                       top_k=args.top_k, hidden=args.hidden, moe_inter=args.moe_inter,
@@ -31,7 +31,7 @@ def _cmd_synth(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    from .convert import convert
+    from .tools.convert import convert
 
     manifest = convert(Path(args.model_dir), Path(args.blob_dir), progress=not args.quiet)
     gib = manifest.total_expert_bytes / 2**30

@@ -124,7 +124,7 @@ def add_subcommands(sub) -> None:
 
 
 def _cmd_generate(args) -> int:
-    from .generate import generate, summary_line
+    from expertd.client.generate import generate, summary_line
 
     summary = generate(Path(args.blobs), args.prompt, max_tokens=args.max_tokens,
                        temp=args.temp, seed=args.seed)
@@ -136,7 +136,7 @@ def _cmd_generate(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .tools.demo import run_demo
 
     return run_demo(Path(args.workdir) if args.workdir else None, rebuild=args.rebuild)
 

@@ -7,7 +7,7 @@ from math import prod
 from pathlib import Path
 
 from .errors import BlobStoreError
-from .safetensors import DTYPE_SIZES
+from .tools.safetensors import DTYPE_SIZES
 
 FORMAT = "expertd-blobs"
 FORMAT_VERSION = 1

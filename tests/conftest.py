@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from expertd.convert import convert
-from expertd.synth import SynthConfig, synthesize
+from expertd.tools.convert import convert
+from expertd.tools.synth import SynthConfig, synthesize
 
 # Small enough to build in a second, big enough that routing spreads over many experts.
 TINY = dict(layers=3, experts=16, top_k=4, hidden=128, moe_inter=64)

@@ -18,11 +18,11 @@ from mlx_lm.utils import load_model
 
 from conftest import PYTHON, TINY
 from expertd.blobstore import BlobStore
-from expertd.convert import convert, expert_slice
+from expertd.tools.convert import convert, expert_slice
 from expertd.errors import ModelDirError
 from expertd.manifest import STRIDE_ALIGN, Manifest
-from expertd.safetensors import read_header
-from expertd.synth import SynthConfig, synthesize
+from expertd.tools.safetensors import read_header
+from expertd.tools.synth import SynthConfig, synthesize
 
 EXPERTD = str(Path(sys.executable).with_name("expertd"))
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, 1 2 3!"
@@ -434,7 +434,7 @@ def peak_rss():
     return kib_or_bytes if sys.platform == "darwin" else kib_or_bytes * 1024
 
 import mlx.core, mlx_lm.utils, mlx_lm.models.qwen3_moe, tqdm, xxhash
-from expertd.convert import convert
+from expertd.tools.convert import convert
 
 before = peak_rss()  # the high-water mark once everything is imported
 convert(Path(sys.argv[1]), Path(sys.argv[2]), progress=False)

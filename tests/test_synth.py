@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import FAMILY_MODES, TINY
-from expertd.synth import SynthConfig, synthesize
+from expertd.tools.synth import SynthConfig, synthesize
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -123,7 +123,9 @@ def synthesize(cfg: SynthConfig, out_dir: Path) -> Path:
     """
     import mlx.core as mx
     from mlx.utils import tree_map
-    from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    from .mlxlm import model_classes
 
     cfg.validate()
     out_dir = Path(out_dir)
@@ -134,7 +136,7 @@ def synthesize(cfg: SynthConfig, out_dir: Path) -> Path:
     vocab_size = build_tokenizer_into(out_dir, cfg.vocab)
     config = cfg.model_config(vocab_size)
     mx.random.seed(cfg.seed)
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     dtype = getattr(mx, cfg.dtype)
     model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import xxhash
 
-from .errors import ModelDirError
-from .manifest import STRIDE_ALIGN, Manifest, MoeLayer, Segment
+from expertd.errors import ModelDirError
+from expertd.manifest import STRIDE_ALIGN, Manifest, MoeLayer, Segment
 from .safetensors import SafetensorsWriter, read_header
 
 _SEGMENT_ALIGN = 64
@@ -27,10 +27,10 @@ def find_switch_modules(config: dict) -> list:
     this costs no memory whatever the model's size.
     """
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP, SwitchLinear
-    from mlx_lm.utils import _get_classes
+    from .mlxlm import model_classes
 
     try:
-        model_class, args_class = _get_classes(config)
+        model_class, args_class = model_classes(config)
     except ValueError as exc:
         raise ModelDirError(f"mlx-lm does not know this model: {exc}") from None
     model = model_class(args_class.from_dict(config))

@@ -29,9 +29,9 @@ def default_workdir() -> Path:
 
 def run_demo(workdir: Path | None = None, rebuild: bool = False) -> int:
     from .convert import convert
-    from .daemon import serving_pid, start_detached, stop
-    from .manifest import Manifest
-    from .paths import daemon_paths
+    from expertd.daemon import serving_pid, start_detached, stop
+    from expertd.manifest import Manifest
+    from expertd.paths import daemon_paths
     from .synth import synthesize
 
     workdir = workdir or default_workdir()
@@ -110,8 +110,8 @@ def run_demo(workdir: Path | None = None, rebuild: bool = False) -> int:
 
 
 def _daemon_stats(blob_dir: Path) -> dict:
-    from .connection import Connection
-    from .protocol import Op
+    from expertd.connection import Connection
+    from expertd.protocol import Op
 
     with Connection(blob_dir) as conn:
         return conn.request(Op.STATS)

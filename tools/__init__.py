@@ -1,0 +1,1 @@
+"""Tools that are neither the daemon nor the client: convert, synth, demo and their helpers."""
