@@ -90,10 +90,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("--io", choices=("direct", "buffered"), default="direct",
                    help="direct: bypass the page cache (O_DIRECT / F_NOCACHE), so the arena is "
                    "the only copy; buffered: trust the page cache (default: direct)")
-    p.add_argument("--verify", choices=("first", "always", "never"), default="first",
-                   help="check expert checksums on the first fill of each expert (a corrupt "
-                   "blob is caught the first time it is read), on every fill, or never "
-                   "(default: first)")
+    p.add_argument("--verify", choices=("always", "first", "never"), default="always",
+                   help="check each expert's checksum every time it is read from the disk "
+                   "(a corrupt blob is refused by name, never served), only the first time, "
+                   "or never (default: always)")
     p.add_argument("--pin-file", metavar="JSON", help="JSON list of [layer, expert] to pin")
     p.add_argument("--auto-pin", type=int, default=0, metavar="N",
                    help="keep the N hottest resident experts pinned (default: 0, off)")

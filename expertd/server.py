@@ -38,7 +38,7 @@ class ServerConfig:
     cache_bytes: int
     workers: int = 8
     io: str = "direct"
-    verify: str = "first"
+    verify: str = "always"
     client_timeout: float = 10.0
     heartbeat_interval: float = 1.0
     pin_file: Path | None = None
@@ -497,7 +497,7 @@ class ExpertServer:
         g = self.geometry
         busy = self.fill_seconds + (time.monotonic() - self._busy_since if self.in_flight else 0)
         return dict(
-            endpoint=self.paths.endpoint, pid=os.getpid(), blob_dir=str(self.store.dir),
+            endpoint=self.paths.endpoint, arena=self.arena.name, pid=os.getpid(), blob_dir=str(self.store.dir),
             epoch=self.epoch, uptime_s=round(time.monotonic() - self.started, 3),
             arena_bytes=g.total_size, arena_rows=g.cache_rows, stride=g.stride,
             rows_used=int(np.count_nonzero(self.slots["state"][:g.cache_rows] != SlotState.EMPTY)),
