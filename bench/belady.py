@@ -58,17 +58,20 @@ def policy_hits(trace, capacity: int, **options) -> int:
     keys, n_layers, n_experts = _flat(trace)
     policy = LfuPolicy(capacity, n_layers, n_experts, **options)
     eligible = np.ones(capacity, dtype=bool)
+    # The slot table, as the daemon keeps it: flat key per row (-1 empty) and row per key.
+    row_keys = np.full(capacity, -1, dtype=np.int64)
+    key_row = {}
     hits = 0
     for flat in keys.tolist():
         key = divmod(flat, n_experts)
-        if policy.row_of(key) is not None:
+        if flat in key_row:
             hits += 1
-            policy.on_touched(key)
-            continue
-        row = policy.victims(1, eligible)[0]
-        if policy.key_of(row) is not None:
-            policy.on_removed(row)
-        policy.on_filled(row, key)
+        else:
+            row = policy.victims(1, eligible, row_keys)[0]
+            key_row.pop(int(row_keys[row]), None)
+            row_keys[row] = flat
+            key_row[flat] = row
+        policy.on_touched(key)  # the hit, or the fill the miss brought (one touch, as the daemon)
     return hits
 
 

@@ -1,7 +1,9 @@
 """The arena's cache policy: LFU with decay and pins, as pure logic driven by events.
 
 Frequencies are kept per key (layer, expert), not per row, so an expert that was evicted and
-comes back keeps its history. No I/O, threads or logging here: the daemon owns the locking.
+comes back keeps its history. Which row holds which key is not kept here: the daemon's slot table
+is the one map of that, and passes it in as ``row_keys`` (flat key per row, -1 for an empty row)
+to the calls that need it. No I/O, threads or logging here: the daemon owns the locking.
 """
 
 import math
@@ -65,11 +67,11 @@ class LfuPolicy:
         # Keys are stored flat as layer * n_experts + expert; -1 means "none".
         self._freq = np.zeros(n_keys, dtype=np.float64)
         self._last_used = np.zeros(n_keys, dtype=np.int64)  # logical clock, for ties
-        self._key_row = np.full(n_keys, -1, dtype=np.int64)
-        self._row_key = np.full(self.n_rows, -1, dtype=np.int64)
         self._explicit_pins = np.zeros(n_keys, dtype=bool)
         self._auto_pins = np.zeros(n_keys, dtype=bool)
-        self._pinned = np.zeros(n_keys, dtype=bool)  # explicit | auto, kept in step
+        # Clients' pins, counted per key: two clients holding one key need two drops.
+        self._holds = np.zeros(n_keys, dtype=np.int64)
+        self._pinned = np.zeros(n_keys, dtype=bool)  # explicit | auto | held, kept in step
         self._clock = 0
         self._since_decay = 0
 
@@ -89,47 +91,21 @@ class LfuPolicy:
     def _key(self, flat: int) -> tuple[int, int]:
         return divmod(int(flat), self.n_experts)
 
-    def _check_row(self, row: int) -> int:
-        if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
-            raise ValueError(f"row must be an integer, got {row!r}")
-        if not 0 <= row < self.n_rows:
-            raise ValueError(f"row {row} out of range (0..{self.n_rows - 1})")
-        return int(row)
-
-    def row_of(self, key) -> int | None:
-        """The row holding ``key``, or None if it is not resident."""
-        row = self._key_row[self._flat(key)]
-        return None if row < 0 else int(row)
-
-    def key_of(self, row: int) -> tuple[int, int] | None:
-        """The key held by ``row``, or None if the row is empty."""
-        flat = self._row_key[self._check_row(row)]
-        return None if flat < 0 else self._key(flat)
+    def _check_row_keys(self, row_keys) -> np.ndarray:
+        """``row_keys`` as an int64 array, after checking its shape, dtype and range."""
+        row_keys = np.asarray(row_keys)
+        if row_keys.shape != (self.n_rows,) or row_keys.dtype.kind not in "iu":
+            raise ValueError(f"row_keys must be an integer array of shape ({self.n_rows},), "
+                             f"got {row_keys.dtype} {row_keys.shape}")
+        if row_keys.size and (row_keys.min() < -1 or row_keys.max() >= self._freq.size):
+            raise ValueError(f"row_keys out of range: each must be -1 (empty) or a flat key "
+                             f"0..{self._freq.size - 1} (layer * n_experts + expert)")
+        return row_keys.astype(np.int64, copy=False)
 
     # --- events ---
 
-    def on_filled(self, row: int, key) -> None:
-        """``row`` now holds ``key``; counts as one touch of ``key``.
-
-        A row that held another key is simply overwritten.
-
-        Raises:
-            ValueError: if ``key`` is already resident in another row, or on out-of-range input.
-        """
-        row = self._check_row(row)
-        flat = self._flat(key)
-        held_by = self._key_row[flat]
-        if held_by >= 0 and held_by != row:
-            raise ValueError(f"key {tuple(key)} is already in row {held_by}, cannot fill row {row}")
-        old = self._row_key[row]
-        if old >= 0:
-            self._key_row[old] = -1
-        self._row_key[row] = flat
-        self._key_row[flat] = row
-        self._touch(flat, 1)
-
     def on_touched(self, key, count: int = 1) -> None:
-        """``key`` was used ``count`` times, resident or not (client hits, demands)."""
+        """``key`` was used ``count`` times, resident or not (client hits, demands, fills)."""
         flat = self._flat(key)
         count = _count("count", count)
         if count:
@@ -174,14 +150,6 @@ class LfuPolicy:
         self._clock += int(used.size)
         self._add_touches(int(per_expert.sum()))
 
-    def on_removed(self, row: int) -> None:
-        """``row`` is empty now (evicted or freed); the key keeps its frequency."""
-        row = self._check_row(row)
-        flat = self._row_key[row]
-        if flat >= 0:
-            self._key_row[flat] = -1
-            self._row_key[row] = -1
-
     def _touch(self, flat: int, count: int) -> None:
         self._freq[flat] += count
         self._clock += 1
@@ -208,54 +176,95 @@ class LfuPolicy:
 
     # --- pins ---
 
+    def _repin(self, flat) -> None:
+        """Recompute the combined pin flag of ``flat`` (a key, or a slice for all of them)."""
+        held = self._holds[flat] > 0
+        self._pinned[flat] = self._explicit_pins[flat] | self._auto_pins[flat] | held
+
     def pin(self, key) -> None:
-        """Never evict ``key`` while it is pinned; it need not be resident yet."""
+        """Pin ``key`` explicitly (the pin file's kind, saved in :meth:`state`); it need not be
+        resident yet. Pinned keys are never evicted."""
         flat = self._flat(key)
         self._explicit_pins[flat] = True
         self._pinned[flat] = True
 
     def unpin(self, key) -> None:
-        """Drop an explicit pin; an automatic pin of the same key stays."""
+        """Drop an explicit pin; an automatic pin or a client's hold on the same key stays."""
         flat = self._flat(key)
         self._explicit_pins[flat] = False
-        self._pinned[flat] = self._auto_pins[flat]
+        self._repin(flat)
+
+    def hold(self, key) -> None:
+        """A client pins ``key`` for as long as it lives: reference-counted, never saved.
+
+        The daemon calls :meth:`drop` once per hold when the client unpins or goes away, so a
+        vanished client's pins do not outlive it.
+        """
+        flat = self._flat(key)
+        self._holds[flat] += 1
+        self._pinned[flat] = True
+
+    def drop(self, key) -> None:
+        """Release one :meth:`hold` of ``key``.
+
+        Raises:
+            ValueError: if ``key`` is not held (a drop without its hold is a daemon bug).
+        """
+        flat = self._flat(key)
+        if self._holds[flat] <= 0:
+            raise ValueError(f"key {self._key(flat)} is not held: drop without a matching hold")
+        self._holds[flat] -= 1
+        self._repin(flat)
 
     def is_pinned(self, key) -> bool:
-        """True if ``key`` is pinned explicitly or automatically."""
+        """True if ``key`` is pinned explicitly, automatically or held by a client."""
         return bool(self._pinned[self._flat(key)])
 
     @property
     def pinned_keys(self) -> set:
-        """Every pinned key, explicit or automatic."""
+        """Every pinned key: explicit, automatic or held."""
         return {self._key(flat) for flat in np.flatnonzero(self._pinned)}
 
     @property
     def n_explicit_pins(self) -> int:
-        """Keys pinned with :meth:`pin` (not counting automatic pins)."""
+        """Keys pinned with :meth:`pin` (not counting automatic pins or holds)."""
         return int(np.count_nonzero(self._explicit_pins))
 
     @property
-    def n_pinned_rows(self) -> int:
-        """Resident rows whose key is pinned."""
-        resident = self._row_key[self._row_key >= 0]
-        return int(np.count_nonzero(self._pinned[resident]))
+    def n_pinned_keys(self) -> int:
+        """Keys pinned explicitly or held by a client (what the daemon's pin cap counts)."""
+        return int(np.count_nonzero(self._explicit_pins | (self._holds > 0)))
 
-    def auto_pin(self, n: int) -> list[tuple[int, int]]:
+    def n_pinned_rows(self, row_keys: np.ndarray) -> int:
+        """Resident rows whose key is pinned (any kind).
+
+        Args:
+            row_keys: the slot table's flat key per row, -1 for an empty row.
+        """
+        row_keys = self._check_row_keys(row_keys)
+        return int(np.count_nonzero(self._pinned[row_keys[row_keys >= 0]]))
+
+    def auto_pin(self, n: int, row_keys: np.ndarray) -> list[tuple[int, int]]:
         """Replace the automatic pins with the ``n`` hottest resident keys.
 
         Keys pinned explicitly are not candidates (they are protected already) and their pins are
-        left alone; keys with zero frequency are never auto-pinned.
+        left alone; held keys are candidates, since a hold ends with its client. Keys with zero
+        frequency are never auto-pinned.
 
+        Args:
+            n: how many keys to pin.
+            row_keys: the slot table's flat key per row, -1 for an empty row.
         Returns:
             The auto-pinned keys, hottest first (fewer than ``n`` if not enough qualify).
         """
         n = _count("n", n)
+        row_keys = self._check_row_keys(row_keys)
         self._auto_pins[:] = False
-        resident = self._row_key[self._row_key >= 0]
+        resident = np.unique(row_keys[row_keys >= 0])
         candidates = resident[~self._explicit_pins[resident] & (self._freq[resident] > 0)]
         chosen = self._hottest(candidates, n)
         self._auto_pins[chosen] = True
-        np.logical_or(self._explicit_pins, self._auto_pins, out=self._pinned)
+        self._repin(slice(None))
         return [self._key(flat) for flat in chosen]
 
     # --- choices ---
@@ -272,16 +281,17 @@ class LfuPolicy:
         order = np.lexsort((-self._last_used[flats], -self._freq[flats]))
         return flats[order[:limit]]
 
-    def victims(self, n: int, eligible: np.ndarray) -> list[int]:
+    def victims(self, n: int, eligible: np.ndarray, row_keys: np.ndarray) -> list[int]:
         """Up to ``n`` rows to evict, best first.
 
         Empty rows come first (lowest row first), then rows whose key has the lowest decayed
         frequency, ties broken by least recent fill or touch. Rows with ``eligible[row]`` False
-        and rows holding a pinned key are never returned.
+        and rows holding a pinned key (explicit, automatic or held) are never returned.
 
         Args:
             n: how many rows are wanted.
             eligible: bool array of ``n_rows``; the daemon clears leased and filling rows.
+            row_keys: the slot table's flat key per row, -1 for an empty row.
         Returns:
             Distinct row numbers, fewer than ``n`` if not enough rows qualify.
         """
@@ -290,14 +300,15 @@ class LfuPolicy:
         if eligible.shape != (self.n_rows,) or eligible.dtype != np.bool_:
             raise ValueError(f"eligible must be a bool array of shape ({self.n_rows},), "
                              f"got {eligible.dtype} {eligible.shape}")
+        row_keys = self._check_row_keys(row_keys)
         if n == 0:
             return []
-        empty = np.flatnonzero(eligible & (self._row_key < 0))
+        empty = np.flatnonzero(eligible & (row_keys < 0))
         if empty.size >= n:
             return empty[:n].tolist()
         need = n - empty.size
-        rows = np.flatnonzero(eligible & (self._row_key >= 0))
-        keys = self._row_key[rows]
+        rows = np.flatnonzero(eligible & (row_keys >= 0))
+        keys = row_keys[rows]
         unpinned = ~self._pinned[keys]
         rows, keys = rows[unpinned], keys[unpinned]
         if rows.size > need:
@@ -322,7 +333,8 @@ class LfuPolicy:
     # --- persistence ---
 
     def state(self) -> dict:
-        """A JSON-serialisable snapshot of the nonzero frequencies and the explicit pins."""
+        """A JSON-serialisable snapshot of the nonzero frequencies and the explicit pins
+        (automatic pins and clients' holds are not saved)."""
         hot = self._hottest(np.flatnonzero(self._freq > 0), self._freq.size)
         return {
             "format": STATE_FORMAT,
@@ -334,8 +346,8 @@ class LfuPolicy:
     def load_state(self, d: dict) -> None:
         """Replace the frequencies and explicit pins with those of a ``state()`` snapshot.
 
-        Entries whose layer or expert is out of range (e.g. another model) are ignored; rows
-        and automatic pins are left as they are. The order of the entries ranks equal frequencies.
+        Entries whose layer or expert is out of range (e.g. another model) are ignored; automatic
+        pins and clients' holds are left as they are. The order of the entries ranks equal frequencies.
 
         Raises:
             ValueError: if the snapshot is malformed; nothing is changed then.
@@ -372,7 +384,7 @@ class LfuPolicy:
         # state() lists ties most recent first; negative ticks keep that order, older than any event.
         self._last_used[loaded] = -1 - np.arange(len(loaded))
         self._explicit_pins = explicit
-        np.logical_or(self._explicit_pins, self._auto_pins, out=self._pinned)
+        self._repin(slice(None))
 
     def _state_key(self, layer, expert) -> int | None:
         if any(isinstance(v, bool) or not isinstance(v, int) for v in (layer, expert)):

@@ -14,51 +14,52 @@ def all_rows(policy: LfuPolicy) -> np.ndarray:
     return np.ones(policy.n_rows, dtype=bool)
 
 
-def filled(n_rows: int, n_layers: int = 2, n_experts: int = 8, **options) -> LfuPolicy:
-    """A policy whose rows hold keys (0, 0), (0, 1), ... in row order."""
+def filled(n_rows: int, n_layers: int = 2, n_experts: int = 8,
+           **options) -> tuple[LfuPolicy, np.ndarray]:
+    """A policy and its slot table (flat key per row) whose rows hold keys (0, 0), (0, 1), ...
+    in row order; each fill counts one touch, as the daemon's fills do."""
     policy = LfuPolicy(n_rows, n_layers, n_experts, **options)
     for row in range(n_rows):
-        policy.on_filled(row, divmod(row, n_experts))
-    return policy
+        policy.on_touched(divmod(row, n_experts))
+    return policy, np.arange(n_rows, dtype=np.int64)
 
 
 def test_empty_rows_come_first_in_row_order():
-    policy = filled(4)
+    policy, rows = filled(4)
     policy.on_touched((0, 2), 5)
-    policy.on_removed(3)
-    policy.on_removed(1)
-    assert policy.victims(3, all_rows(policy)) == [1, 3, 0]
-    assert policy.victims(2, all_rows(policy)) == [1, 3]
+    rows[[3, 1]] = -1
+    assert policy.victims(3, all_rows(policy), rows) == [1, 3, 0]
+    assert policy.victims(2, all_rows(policy), rows) == [1, 3]
 
 
 def test_lowest_frequency_first():
-    policy = filled(4)
+    policy, rows = filled(4)
     for key, count in [((0, 0), 7), ((0, 1), 2), ((0, 2), 9), ((0, 3), 4)]:
         policy.on_touched(key, count)
-    assert policy.victims(4, all_rows(policy)) == [1, 3, 0, 2]
-    assert policy.victims(1, all_rows(policy)) == [1]
+    assert policy.victims(4, all_rows(policy), rows) == [1, 3, 0, 2]
+    assert policy.victims(1, all_rows(policy), rows) == [1]
 
 
 def test_ties_go_to_least_recently_used():
-    policy = filled(3)  # every key filled once: equal frequencies
+    policy, rows = filled(3)  # every key filled once: equal frequencies
     policy.on_touched((0, 0))
     policy.on_touched((0, 2))
     policy.on_touched((0, 1))
-    assert policy.victims(3, all_rows(policy)) == [0, 2, 1]
+    assert policy.victims(3, all_rows(policy), rows) == [0, 2, 1]
     policy.touch_many(0, np.array([1, 0, 2]))  # recency within one call: expert order
-    assert policy.victims(3, all_rows(policy)) == [0, 1, 2]
+    assert policy.victims(3, all_rows(policy), rows) == [0, 1, 2]
 
 
 def test_decay_lets_a_formerly_hot_key_go_before_a_recently_warm_one():
-    policy = filled(2, decay_interval=100, decay_factor=0.5)
+    policy, rows = filled(2, decay_interval=100, decay_factor=0.5)
     policy.on_touched((0, 0), 98)  # 99 + 1 (the fill of row 1) = 100 touches: one decay
     assert policy.frequency((0, 0)) == pytest.approx(99 / 2)
-    assert policy.victims(1, all_rows(policy)) == [1]
+    assert policy.victims(1, all_rows(policy), rows) == [1]
     for _ in range(4):  # 400 touches of the warm key, four decays
         policy.on_touched((0, 1), 100)
     assert policy.frequency((0, 0)) == pytest.approx(99 / 32)
     assert policy.frequency((0, 1)) > policy.frequency((0, 0))
-    assert policy.victims(1, all_rows(policy)) == [0]
+    assert policy.victims(1, all_rows(policy), rows) == [0]
 
 
 def test_default_decay_interval_is_eight_times_rows():
@@ -83,77 +84,132 @@ def test_decay_flushes_tiny_frequencies_to_zero():
 
 
 def test_explicit_pins_are_never_victims():
-    policy = filled(4)
+    policy, rows = filled(4)
     policy.pin((0, 0))
     policy.pin((0, 2))
     policy.pin((1, 7))  # not resident: allowed
     assert policy.is_pinned((0, 0)) and not policy.is_pinned((0, 1))
     assert policy.pinned_keys == {(0, 0), (0, 2), (1, 7)}
-    assert policy.n_pinned_rows == 2
-    assert policy.victims(4, all_rows(policy)) == [1, 3]
+    assert policy.n_pinned_rows(rows) == 2
+    assert policy.n_explicit_pins == policy.n_pinned_keys == 3
+    assert policy.victims(4, all_rows(policy), rows) == [1, 3]
     policy.unpin((0, 0))
-    assert sorted(policy.victims(4, all_rows(policy))) == [0, 1, 3]
+    assert sorted(policy.victims(4, all_rows(policy), rows)) == [0, 1, 3]
 
 
 def test_auto_pins_take_the_hottest_resident_keys_and_replace_each_other():
-    policy = filled(5)
+    policy, rows = filled(5)
     for expert, count in enumerate([5, 1, 9, 3, 7]):
         policy.on_touched((0, expert), count)
     policy.on_touched((1, 0), 100)  # hottest, but not resident
     policy.pin((0, 2))  # explicit pins are not auto-pin candidates
-    assert policy.auto_pin(2) == [(0, 4), (0, 0)]
+    assert policy.auto_pin(2, rows) == [(0, 4), (0, 0)]
     assert policy.pinned_keys == {(0, 2), (0, 4), (0, 0)}
-    assert policy.n_pinned_rows == 3
-    assert policy.victims(5, all_rows(policy)) == [1, 3]
+    assert policy.n_pinned_rows(rows) == 3
+    assert policy.n_pinned_keys == 1  # automatic pins are not counted against the cap
+    assert policy.victims(5, all_rows(policy), rows) == [1, 3]
 
     policy.on_touched((0, 1), 50)
-    assert policy.auto_pin(1) == [(0, 1)]
+    assert policy.auto_pin(1, rows) == [(0, 1)]
     assert policy.pinned_keys == {(0, 2), (0, 1)}
-    assert policy.victims(5, all_rows(policy)) == [3, 0, 4]
+    assert policy.victims(5, all_rows(policy), rows) == [3, 0, 4]
 
     policy.unpin((0, 2))
-    assert policy.auto_pin(0) == []
+    assert policy.auto_pin(0, rows) == []
     assert policy.pinned_keys == set()
-    assert len(policy.victims(5, all_rows(policy))) == 5
+    assert len(policy.victims(5, all_rows(policy), rows)) == 5
 
 
 def test_auto_and_explicit_pins_are_separate():
-    policy = filled(3)
+    policy, rows = filled(3)
     policy.on_touched((0, 1), 10)
-    assert policy.auto_pin(1) == [(0, 1)]
+    assert policy.auto_pin(1, rows) == [(0, 1)]
     policy.pin((0, 1))
     policy.unpin((0, 1))  # drops the explicit pin only
     assert policy.is_pinned((0, 1))
     policy.pin((0, 0))
-    policy.auto_pin(0)  # drops the automatic pins only
+    policy.auto_pin(0, rows)  # drops the automatic pins only
     assert policy.pinned_keys == {(0, 0)}
 
 
+def test_holds_are_reference_counted_and_never_victims():
+    policy, rows = filled(4)
+    policy.hold((0, 1))
+    policy.hold((0, 1))  # a second client, or the same one twice
+    policy.hold((1, 5))  # not resident: allowed
+    assert policy.is_pinned((0, 1)) and policy.is_pinned((1, 5))
+    assert policy.pinned_keys == {(0, 1), (1, 5)}
+    assert policy.n_pinned_keys == 2 and policy.n_explicit_pins == 0
+    assert policy.n_pinned_rows(rows) == 1
+    assert policy.victims(4, all_rows(policy), rows) == [0, 2, 3]
+    policy.drop((0, 1))
+    assert policy.is_pinned((0, 1))  # one hold is left
+    assert 1 not in policy.victims(4, all_rows(policy), rows)
+    policy.drop((0, 1))
+    assert not policy.is_pinned((0, 1))
+    assert sorted(policy.victims(4, all_rows(policy), rows)) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"\(0, 1\) is not held"):
+        policy.drop((0, 1))
+    assert policy.pinned_keys == {(1, 5)}  # the failed drop changed nothing
+
+
+def test_holds_explicit_and_auto_pins_are_separate():
+    policy, rows = filled(3)
+    policy.on_touched((0, 2), 10)
+    policy.hold((0, 0))
+    policy.pin((0, 0))
+    policy.unpin((0, 0))  # the hold stays
+    assert policy.is_pinned((0, 0))
+    policy.pin((0, 1))
+    policy.hold((0, 1))
+    policy.drop((0, 1))  # the explicit pin stays
+    assert policy.is_pinned((0, 1))
+    policy.hold((0, 2))
+    assert policy.auto_pin(1, rows) == [(0, 2)]  # held keys stay candidates: holds end
+    policy.drop((0, 2))
+    assert policy.is_pinned((0, 2))  # still auto-pinned
+    policy.auto_pin(0, rows)
+    assert policy.pinned_keys == {(0, 0), (0, 1)}
+    assert policy.n_pinned_keys == 2 and policy.n_explicit_pins == 1
+
+
+def test_holds_are_not_saved():
+    policy, rows = filled(2)
+    policy.hold((0, 0))
+    policy.pin((1, 1))
+    state = policy.state()
+    assert state["pins"] == [[1, 1]]
+    restored = LfuPolicy.from_state(state, 2, 2, 8)
+    assert restored.pinned_keys == {(1, 1)}
+    policy.load_state(state)  # loading replaces explicit pins only; live clients keep theirs
+    assert policy.pinned_keys == {(0, 0), (1, 1)}
+
+
 def test_ineligible_rows_are_never_victims():
-    policy = filled(6)
-    policy.on_removed(5)
+    policy, rows = filled(6)
+    rows[5] = -1
     eligible = np.array([True, False, True, False, True, False])
-    assert policy.victims(6, eligible) == [0, 2, 4]
-    assert policy.victims(6, np.zeros(6, dtype=bool)) == []
+    assert policy.victims(6, eligible, rows) == [0, 2, 4]
+    assert policy.victims(6, np.zeros(6, dtype=bool), rows) == []
 
 
 def test_fewer_victims_when_not_enough_qualify():
-    policy = filled(4)
+    policy, rows = filled(4)
     policy.pin((0, 3))
     eligible = np.array([True, True, False, True])
-    assert policy.victims(10, eligible) == [0, 1]
-    assert policy.victims(0, eligible) == []
+    assert policy.victims(10, eligible, rows) == [0, 1]
+    assert policy.victims(0, eligible, rows) == []
 
 
 def test_history_survives_eviction():
-    policy = filled(2, decay_interval=1000)
+    policy, rows = filled(2, decay_interval=1000)
     policy.on_touched((0, 0), 20)
-    policy.on_removed(0)
-    assert policy.row_of((0, 0)) is None and policy.key_of(0) is None
+    rows[0] = -1
     policy.on_touched((0, 1), 3)
-    policy.on_filled(0, (0, 0))  # comes back with its 21 uses, plus one; a per-row count would be 1
+    rows[0] = 0
+    policy.on_touched((0, 0))  # refilled with its 21 uses, plus one; a per-row count would be 1
     assert policy.frequency((0, 0)) == 22
-    assert policy.victims(1, all_rows(policy)) == [1]
+    assert policy.victims(1, all_rows(policy), rows) == [1]
 
 
 def test_touch_many_adds_up_like_on_touched():
@@ -171,18 +227,17 @@ def test_touch_many_adds_up_like_on_touched():
     assert many.frequency((0, 2)) == 2
 
 
-def test_row_and_key_lookups_follow_fills_and_removals():
+def test_row_keys_of_any_integer_dtype_are_accepted():
     policy = LfuPolicy(3, 2, 4)
-    assert policy.key_of(1) is None and policy.row_of((1, 3)) is None
-    policy.on_filled(1, (1, 3))
-    assert policy.key_of(1) == (1, 3) and policy.row_of((1, 3)) == 1
-    policy.on_filled(1, (0, 2))  # overwrites the row's old key
-    assert policy.row_of((1, 3)) is None and policy.row_of((0, 2)) == 1
-    with pytest.raises(ValueError, match="already in row 1"):
-        policy.on_filled(0, (0, 2))
-    policy.on_removed(1)
-    policy.on_removed(1)  # idempotent
-    assert policy.key_of(1) is None and policy.row_of((0, 2)) is None
+    policy.on_touched((1, 3), 2)
+    policy.on_touched((0, 2))
+    for dtype in (np.int8, np.int32, np.int64):
+        rows = np.array([-1, 7, 2], dtype=dtype)
+        assert policy.victims(3, all_rows(policy), rows) == [0, 2, 1]
+        assert policy.auto_pin(1, rows) == [(1, 3)]
+        assert policy.n_pinned_rows(rows) == 1
+        policy.auto_pin(0, rows)
+    assert policy.victims(3, all_rows(policy), np.array([2, 1, 0], dtype=np.uint16)) == [1, 2, 0]
 
 
 def test_hot_keys_by_frequency_then_recency():
@@ -196,13 +251,13 @@ def test_hot_keys_by_frequency_then_recency():
 
 
 def test_state_round_trip_through_json():
-    policy = filled(4, decay_interval=1000)
+    policy, rows = filled(4, decay_interval=1000)
     for expert, count in enumerate([5, 1, 9, 3]):
         policy.on_touched((0, expert), count)
     policy.on_touched((1, 6), 2)
     policy.decay()
     policy.pin((1, 7))
-    policy.auto_pin(1)  # automatic pins are not saved
+    policy.auto_pin(1, rows)  # automatic pins are not saved
     snapshot = json.loads(json.dumps(policy.state()))
     assert len(snapshot["frequencies"]) == 5
 
@@ -264,6 +319,9 @@ def test_constructor_rejects_bad_arguments(args, options, message):
         LfuPolicy(*args, **options)
 
 
+EMPTY = np.full(3, -1, dtype=np.int64)  # the slot table of a 3-row arena with nothing in it
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda p: p.on_touched((2, 0)), "out of range"),
     (lambda p: p.on_touched((-1, 0)), "out of range"),  # no negative-index wrap-around
@@ -271,21 +329,29 @@ def test_constructor_rejects_bad_arguments(args, options, message):
     (lambda p: p.on_touched((0, 1.0)), "pair of integers"),
     (lambda p: p.on_touched((0, 1, 2)), "pair of integers"),
     (lambda p: p.on_touched((0, 1), -1), "count must be a non-negative integer"),
-    (lambda p: p.on_filled(3, (0, 0)), "row 3 out of range"),
-    (lambda p: p.on_removed(-1), "row -1 out of range"),
-    (lambda p: p.key_of(3), "row 3 out of range"),
     (lambda p: p.pin((0, 9)), "out of range"),
+    (lambda p: p.hold((2, 0)), "out of range"),
+    (lambda p: p.drop((0, 0)), "not held"),
     (lambda p: p.touch_many(2, np.array([0])), "layer 2 out of range"),
     (lambda p: p.touch_many(0, np.array([0, 4])), "experts out of range"),
     (lambda p: p.touch_many(0, np.array([0, -1])), "experts out of range"),
     (lambda p: p.touch_many(0, np.array([0.0])), "integer array"),
     (lambda p: p.touch_many(0, np.array([0, 1]), np.array([1])), "same length"),
     (lambda p: p.touch_many(0, np.array([0, 1]), np.array([1, -1])), "non-negative"),
-    (lambda p: p.victims(-1, np.ones(3, dtype=bool)), "n must be a non-negative integer"),
-    (lambda p: p.victims(1, np.ones(4, dtype=bool)), r"shape \(3,\)"),
-    (lambda p: p.victims(1, np.ones(3, dtype=np.int8)), "bool array"),
+    (lambda p: p.victims(-1, np.ones(3, dtype=bool), EMPTY), "n must be a non-negative integer"),
+    (lambda p: p.victims(1, np.ones(4, dtype=bool), EMPTY), r"shape \(3,\)"),
+    (lambda p: p.victims(1, np.ones(3, dtype=np.int8), EMPTY), "bool array"),
+    (lambda p: p.victims(1, np.ones(3, dtype=bool), EMPTY[:2]), r"row_keys .* shape \(3,\)"),
+    (lambda p: p.victims(1, np.ones(3, dtype=bool), EMPTY.astype(float)), "integer array"),
+    (lambda p: p.victims(1, np.ones(3, dtype=bool), np.array([0, 8, -1])), "row_keys out of range"),
+    (lambda p: p.victims(1, np.ones(3, dtype=bool), np.array([0, -2, 1])), "row_keys out of range"),
+    (lambda p: p.victims(0, np.ones(3, dtype=bool), np.array([9, 0, 1])), "row_keys out of range"),
     (lambda p: p.hot_keys(-1), "limit must be a non-negative integer"),
-    (lambda p: p.auto_pin(-2), "n must be a non-negative integer"),
+    (lambda p: p.auto_pin(-2, EMPTY), "n must be a non-negative integer"),
+    (lambda p: p.auto_pin(1, [[0, 1, 2]]), "row_keys must be an integer array"),
+    (lambda p: p.auto_pin(1, np.array([0, 1, 8])), "row_keys out of range"),
+    (lambda p: p.n_pinned_rows(np.array([-1, -1])), "row_keys must be"),
+    (lambda p: p.n_pinned_rows(np.array([-1, -1, 99])), "row_keys out of range"),
 ])
 def test_methods_reject_bad_input(call, message):
     policy = LfuPolicy(3, 2, 4)
@@ -293,18 +359,18 @@ def test_methods_reject_bad_input(call, message):
         call(policy)
 
 
-def reference_order(policy: LfuPolicy, eligible: np.ndarray) -> list[int]:
+def reference_order(policy: LfuPolicy, eligible: np.ndarray, row_keys: np.ndarray) -> list[int]:
     """Every qualifying row by a full sort: empty rows, then (frequency, recency)."""
     empty, resident = [], []
     for row in range(policy.n_rows):
-        key = policy.key_of(row)
+        flat = int(row_keys[row])
         if not eligible[row]:
             continue
-        if key is None:
+        key = divmod(flat, policy.n_experts)
+        if flat < 0:
             empty.append(row)
         elif not policy.is_pinned(key):
             # Recency is internal; the clock value of the key's last fill or touch.
-            flat = key[0] * policy.n_experts + key[1]
             resident.append((policy.frequency(key), int(policy._last_used[flat]), row))
     return empty + [row for _, _, row in sorted(resident)]
 
@@ -313,21 +379,22 @@ def test_large_arena_matches_a_full_sort():
     rng = np.random.default_rng(0)
     n_rows, n_layers, n_experts = 100_000, 100, 1500
     policy = LfuPolicy(n_rows, n_layers, n_experts, decay_interval=10**9)
-    keys = rng.choice(n_layers * n_experts, size=n_rows, replace=False)
-    for row, flat in enumerate(keys):
-        policy.on_filled(row, divmod(int(flat), n_experts))
+    row_keys = rng.choice(n_layers * n_experts, size=n_rows, replace=False).astype(np.int64)
+    for flat in row_keys:
+        policy.on_touched(divmod(int(flat), n_experts))  # the fills
     for layer in range(n_layers):
         # Few distinct counts, so the ties at the cut are large and recency decides them.
         experts = rng.integers(0, n_experts, size=3000)
         policy.touch_many(layer, experts, rng.integers(0, 3, size=3000))
-    for row in rng.choice(n_rows, size=1000, replace=False):
-        policy.on_removed(int(row))
-    for flat in rng.choice(keys, size=500, replace=False):
+    for flat in rng.choice(row_keys, size=500, replace=False):
         policy.pin(divmod(int(flat), n_experts))
+    for flat in rng.choice(row_keys, size=300, replace=False):
+        policy.hold(divmod(int(flat), n_experts))
+    row_keys[rng.choice(n_rows, size=1000, replace=False)] = -1
     eligible = rng.random(n_rows) < 0.9
-    expected = reference_order(policy, eligible)
+    expected = reference_order(policy, eligible, row_keys)
     for n in [1, 500, 5000, 40_000, 100_000]:
-        assert policy.victims(n, eligible) == expected[:n]
+        assert policy.victims(n, eligible, row_keys) == expected[:n]
 
 
 class PolicyMachine(RuleBasedStateMachine):
@@ -339,11 +406,22 @@ class PolicyMachine(RuleBasedStateMachine):
         super().__init__()
         self.policy = LfuPolicy(self.N_ROWS, self.N_LAYERS, self.N_EXPERTS,
                                 decay_interval=self.INTERVAL, decay_factor=0.5)
-        self.rows = {}  # row -> key
+        self.rows = {}  # row -> key: the model of the daemon's slot table
         self.freq = {}  # key -> frequency, mirrored exactly (powers of two)
         self.since_decay = 0
         self.explicit = set()
         self.auto = set()
+        self.holds = {}  # key -> count of clients' holds, zero counts removed
+
+    def row_keys(self) -> np.ndarray:
+        """The slot table as the daemon passes it: flat key per row, -1 for an empty row."""
+        table = np.full(self.N_ROWS, -1, dtype=np.int64)
+        for row, (layer, expert) in self.rows.items():
+            table[row] = layer * self.N_EXPERTS + expert
+        return table
+
+    def pinned(self) -> set:
+        return self.explicit | self.auto | set(self.holds)
 
     keys = st.tuples(st.integers(0, N_LAYERS - 1), st.integers(0, N_EXPERTS - 1))
     row_numbers = st.integers(0, N_ROWS - 1)
@@ -360,18 +438,15 @@ class PolicyMachine(RuleBasedStateMachine):
 
     @rule(row=row_numbers, key=keys)
     def fill(self, row, key):
-        holder = next((r for r, k in self.rows.items() if k == key), None)
-        if holder is not None and holder != row:
-            with pytest.raises(ValueError):
-                self.policy.on_filled(row, key)
+        # The slot table holds a key in one row at most; a fill is one touch of its key.
+        if key in self.rows.values() and self.rows.get(row) != key:
             return
-        self.policy.on_filled(row, key)
         self.rows[row] = key
+        self.policy.on_touched(key)
         self._touched(key, 1)
 
     @rule(row=row_numbers)
     def remove(self, row):
-        self.policy.on_removed(row)
         self.rows.pop(row, None)
 
     @rule(key=keys, count=st.integers(0, 4))
@@ -411,9 +486,25 @@ class PolicyMachine(RuleBasedStateMachine):
             self.policy.unpin(key)
             self.explicit.discard(key)
 
+    @rule(key=keys)
+    def hold(self, key):
+        self.policy.hold(key)
+        self.holds[key] = self.holds.get(key, 0) + 1
+
+    @rule(key=keys)
+    def drop(self, key):
+        if key not in self.holds:
+            with pytest.raises(ValueError, match="not held"):
+                self.policy.drop(key)
+            return
+        self.policy.drop(key)
+        self.holds[key] -= 1
+        if not self.holds[key]:
+            del self.holds[key]
+
     @rule(n=st.integers(0, 3))
     def auto_pin(self, n):
-        chosen = self.policy.auto_pin(n)
+        chosen = self.policy.auto_pin(n, self.row_keys())
         candidates = {k for k in self.rows.values()
                       if k not in self.explicit and self.freq.get(k, 0) > 0}
         assert len(chosen) == min(n, len(candidates)) == len(set(chosen))
@@ -428,8 +519,8 @@ class PolicyMachine(RuleBasedStateMachine):
                                                        max_size=N_ROWS))
     def victims(self, n, mask):
         eligible = np.array(mask, dtype=bool)
-        chosen = self.policy.victims(n, eligible)
-        pinned = self.explicit | self.auto
+        chosen = self.policy.victims(n, eligible, self.row_keys())
+        pinned = self.pinned()
         qualify = {r for r in range(self.N_ROWS)
                    if eligible[r] and (r not in self.rows or self.rows[r] not in pinned)}
         assert all(isinstance(r, int) for r in chosen)
@@ -447,25 +538,22 @@ class PolicyMachine(RuleBasedStateMachine):
                 assert self.freq[self.rows[r]] >= freqs[-1]
 
     @invariant()
-    def lookups_agree_with_the_model(self):
-        for row in range(self.N_ROWS):
-            key = self.policy.key_of(row)
-            assert key == self.rows.get(row)
-            if key is not None:
-                assert self.policy.row_of(key) == row
-        resident = set(self.rows.values())
+    def frequencies_agree_with_the_model(self):
         for layer in range(self.N_LAYERS):
             for expert in range(self.N_EXPERTS):
                 key = (layer, expert)
-                row = self.policy.row_of(key)
-                assert (row is not None) == (key in resident)
                 assert self.policy.frequency(key) == self.freq.get(key, 0.0)
 
     @invariant()
     def pins_agree_with_the_model(self):
-        assert self.policy.pinned_keys == self.explicit | self.auto
-        assert self.policy.n_pinned_rows == sum(k in self.explicit | self.auto
-                                                for k in self.rows.values())
+        pinned = self.pinned()
+        assert self.policy.pinned_keys == pinned
+        assert all(self.policy.is_pinned(k) for k in pinned)
+        assert self.policy.n_pinned_rows(self.row_keys()) == sum(k in pinned
+                                                                 for k in self.rows.values())
+        assert self.policy.n_explicit_pins == len(self.explicit)
+        assert self.policy.n_pinned_keys == len(self.explicit | set(self.holds))
+        assert self.policy.state()["pins"] == [list(k) for k in sorted(self.explicit)]
 
 
 PolicyMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40,
