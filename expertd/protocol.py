@@ -2,8 +2,8 @@
 
 Frames, client to daemon: ``[request_id, op, body]``; the ROUTER prepends the peer identity.
 Replies: ``[request_id, op, body]`` where body is a msgpack map with ``ok`` true, or ``ok``
-false plus ``error`` (a message) and ``code``. ``prefetch`` and ``release`` are fire-and-forget:
-they are answered only when they fail. Nothing from the wire is trusted: bodies are decoded with
+false plus ``error`` (a message) and ``code``. ``prefetch``, ``release`` and ``goodbye`` are
+fire-and-forget: they are answered only when they fail. Nothing from the wire is trusted: bodies are decoded with
 size limits and turned into typed requests here, at the edge.
 """
 
@@ -14,7 +14,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_BODY = 64 * 1024
 MAX_REQUEST_ID = 16
 MAX_EXPERTS = 4096
@@ -32,6 +32,7 @@ class Op(enum.IntEnum):
     STATS = 7
     SHUTDOWN = 8
     HEARTBEAT = 9
+    GOODBYE = 10
 
 
 class ErrorCode(enum.IntEnum):
@@ -45,6 +46,7 @@ class ErrorCode(enum.IntEnum):
     BUSY = 8
     SHUTTING_DOWN = 9
     NOT_HELLO = 10
+    INTERNAL = 11  # a bug in the daemon; it logged it and keeps serving
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,10 @@ class Release:
 
 @dataclass(frozen=True)
 class Heartbeat:
+    """Sent from the client's own heartbeat socket: the token from the hello proves who it is."""
+
     client: bytes
+    token: bytes
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,7 @@ def _experts(body: dict) -> Experts:
 
 
 CLIENT_ID_BYTES = 16
+HEARTBEAT_TOKEN_BYTES = 16
 
 
 def parse_request(frames: list):
@@ -151,7 +157,8 @@ def parse_request(frames: list):
     elif op is Op.RELEASE:
         req = Release(_int(body, "lease"))
     elif op is Op.HEARTBEAT:
-        req = Heartbeat(_bytes(body, "client", CLIENT_ID_BYTES))
+        req = Heartbeat(_bytes(body, "client", CLIENT_ID_BYTES),
+                        _bytes(body, "token", HEARTBEAT_TOKEN_BYTES))
     else:
         req = Empty()
     return rid, op, req

@@ -1,33 +1,40 @@
-"""The serving loop: one thread owns the ROUTER socket, the slot table and the policy.
+"""The serving loop: one thread owns the ROUTER socket and dispatches each request.
 
-Demands are answered once every row they need is filled; the rows are leased to the client
-until it releases them (or its heartbeat stops), so they cannot be evicted while it copies.
-Fills run on the pread pool and come back through a wake-up pipe polled next to the socket.
+What it decides lives in rooms of its own: the slot table (which row holds which expert), the
+policy (which rows to evict), the lease book (which client holds which rows, which demands
+wait) and the client registry (hello, heartbeat, time-to-dead). Fills run on the pread pool and
+come back through a wake-up pipe polled next to the socket.
 """
 
 import logging
+import math
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import zmq
 
 from . import native
 from .blobstore import BlobStore
+from .clients import ClientRegistry
 from .errors import ProtocolError
 from .hotset import load_hot_set, read_pin_file, save_hot_set
 from .io import FillPool
+from .leases import Demand, LeaseBook
 from .policy import LfuPolicy
-from .protocol import PROTOCOL_VERSION, ErrorCode, Op, parse_request, reply_error, reply_ok
+from .protocol import (MAX_BODY, PROTOCOL_VERSION, ErrorCode, Op, parse_request, reply_error,
+                       reply_ok)
 from .shm.layout import Arena, Geometry, SlotState
+from .slots import SlotTable
 
 log = logging.getLogger("expertd")
 
 TICK = 0.1
 SHUTDOWN_GRACE = 5.0
+MAX_QUEUED_PER_CLIENT = 32
+RECV_BATCH = 256
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,7 @@ class ServerConfig:
     verify: str = "always"
     client_timeout: float = 10.0
     heartbeat_interval: float = 1.0
+    lease_timeout: float = 30.0
     pin_file: Path | None = None
     auto_pin: int = 0
     save_interval: float = 60.0
@@ -53,91 +61,97 @@ class ServerConfig:
         if self.io not in ("direct", "buffered"):
             raise ValueError("io must be 'direct' or 'buffered'")
         if self.verify not in ("first", "always", "never"):
-            raise ValueError("verify must be 'first', 'always' or 'never'")
+            raise ValueError("verify must be 'always', 'first' or 'never'")
+        for name in ("client_timeout", "heartbeat_interval", "lease_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name.replace('_', ' ')} must be a positive number of seconds")
         if self.client_timeout <= self.heartbeat_interval:
             raise ValueError("client timeout must exceed the heartbeat interval")
         if self.auto_pin < 0:
             raise ValueError("auto-pin must not be negative")
 
 
-@dataclass
-class Pending:
-    """A demand waiting for fills (or for rows to become free)."""
+def cache_limits(cache_rows: int) -> tuple:
+    """``(max_pins, max_demand, client_cap)`` for a cache of ``cache_rows`` rows.
 
-    identity: bytes  # the client's routing id: leases and expiry are keyed by it
-    rid: bytes
-    layer: int
-    experts: tuple
-    rows: list = field(default_factory=list)
-    waiting: set = field(default_factory=set)
-    lease: int = 0
-    error: tuple | None = None
-
-
-@dataclass
-class Client:
-    identity: bytes
-    pid: int
-    last_seen: float
-    leases: set = field(default_factory=set)
+    Pins take at most a quarter of the rows. A demand (one client's group) takes at most half of
+    the rest, and one client holds at most what leaves room for another client's largest group
+    beside every pin: no client, however greedy, can starve the others.
+    """
+    max_pins = cache_rows // 4
+    max_demand = max(1, (cache_rows - max_pins) // 2)
+    client_cap = max(max_demand, cache_rows - max_pins - max_demand)
+    return max_pins, max_demand, client_cap
 
 
 class ExpertServer:
-    def __init__(self, config: ServerConfig, paths, state_file: Path):
+    """The daemon's state and serving loop.
+
+    Args:
+        config: the validated start-up configuration.
+        paths: the daemon's :class:`~expertd.paths.DaemonPaths`.
+        state_file: where the hot set is saved and read back.
+        arena_name: the shared-memory name to create (random per start).
+        epoch: this start's identity, published in the arena header and the hello.
+    """
+
+    def __init__(self, config: ServerConfig, paths, state_file: Path, arena_name: str,
+                 epoch: int):
         self.config = config
         self.paths = paths
         self.state_file = state_file
+        self.epoch = epoch
         self.store = BlobStore(config.blob_dir, direct=config.io == "direct")
         m = self.store.manifest
         self.n_experts = [layer.num_experts for layer in m.layers]
-        self.geometry = Geometry.for_budget(len(m.layers), m.max_experts, m.stride,
-                                            config.cache_bytes, side_rows=m.top_k)
-        g = self.geometry
-        self.max_demand = max(1, g.cache_rows // 2)
-        self.max_pins = g.cache_rows // 4
+        g = self.geometry = Geometry.for_budget(len(m.layers), m.max_experts, m.stride,
+                                                config.cache_bytes, side_rows=m.top_k)
+        self.max_pins, self.max_demand, client_cap = cache_limits(g.cache_rows)
         # Checked before anything is created: more pins than PIN allows would leave demands
         # too few rows, and they would wait forever.
         self.pins = read_pin_file(config.pin_file) if config.pin_file is not None else []
         if len(set(self.pins)) > self.max_pins:
             raise ValueError(f"{config.pin_file}: {len(set(self.pins))} experts to pin, but a "
                              f"cache of {g.cache_rows} rows can pin at most {self.max_pins}")
-        self.epoch = int.from_bytes(os.urandom(8), "little") >> 1
-        self.arena = Arena.create(paths.shm_name, g, os.getpid(), self.epoch)
-        self.arena.populate()
-        self.raw = self.arena.raw
-        self.slots = self.arena.slots
-        self.slot_of = self.arena.slot_of.reshape(g.n_layers, g.n_experts)
-        self.policy = LfuPolicy(g.cache_rows, g.n_layers, g.n_experts)
-        self.pool = FillPool(self.store, self.arena, config.workers, config.verify)
-        self.leased = np.zeros(g.total_rows, dtype=np.int32)
-        self.leases: dict = {}
-        self.clients: dict = {}
-        self.waiters: dict = {}
-        self.queued: deque = deque()
-        self.background: deque = deque()
-        self.background_rows: set = set()  # rows being filled for warm-up, prefetch or pins
-        self.warm_total = self.warm_done = 0
-        self._ticks = 0
-        self._next_lease = 1
-        self._last_hits = np.zeros(g.cache_rows, dtype=np.uint64)
-        self.started = time.monotonic()
-        self.running = True
-        self.stopping = False
-        self.counters = dict(demand_hits=0, client_hits=0, misses=0, bytes_read=0, fills=0,
-                             fill_errors=0, bad_requests=0, demands=0)
-        self.in_flight = 0
-        self._busy_since = 0.0
-        self.fill_seconds = 0.0
-        self.ctx = zmq.Context()
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        old = os.umask(0o177)  # the socket file is created 0600
+        self.arena = Arena.create(arena_name, g, os.getpid(), epoch)
         try:
-            self.router.bind(paths.endpoint)
-        finally:
-            os.umask(old)
-        self._load_state()
+            self.arena.populate()
+            self.table = SlotTable(self.arena)
+            self.policy = LfuPolicy(g.cache_rows, g.n_layers, g.n_experts)
+            self.book = LeaseBook(g.cache_rows, client_cap, MAX_QUEUED_PER_CLIENT,
+                                  config.lease_timeout)
+            self.clients = ClientRegistry(config.client_timeout)
+            self.pool = FillPool(self.store, self.arena, config.workers, config.verify)
+            self.background: deque = deque()
+            self.background_rows: set = set()  # rows being filled for warm-up, prefetch or pins
+            self.warm_total = self.warm_done = 0
+            self._ticks = 0
+            self._room_changed = False
+            self.started = time.monotonic()
+            self.running = True
+            self.stopping = False
+            self.counters = dict(demand_hits=0, client_hits=0, misses=0, bytes_read=0, fills=0,
+                                 fill_errors=0, bad_requests=0, demands=0, internal_errors=0,
+                                 busy=0, clients_timed_out=0)
+            self.in_flight = 0
+            self._busy_since = 0.0
+            self.fill_seconds = 0.0
+            self.ctx = zmq.Context()
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            # ZeroMQ drops (and disconnects) a peer whose frame is larger than any valid one,
+            # before Python ever allocates it.
+            self.router.setsockopt(zmq.MAXMSGSIZE, MAX_BODY)
+            old = os.umask(0o177)  # the socket file is created 0600
+            try:
+                self.router.bind(paths.endpoint)
+            finally:
+                os.umask(old)
+            self._load_state()
+        except BaseException:
+            self.arena.unlink()
+            raise
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -145,27 +159,29 @@ class ExpertServer:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.pool.wake_fd, zmq.POLLIN)
-        next_tick = next_save = time.monotonic()
-        log.info("serving %s on %s (%d rows of %d bytes, %.2f GiB)", self.store.dir,
+        log.info("serving %s on %s (%d rows of %d bytes, %.2f GiB, arena %s)", self.store.dir,
                  self.paths.endpoint, self.geometry.cache_rows, self.geometry.stride,
-                 self.geometry.total_size / 2**30)
+                 self.geometry.total_size / 2**30, self.arena.name)
         try:
-            self._serve_loop(poller, next_tick, next_save)
+            self._serve_loop(poller)
         finally:
             self._shutdown()
 
-    def _serve_loop(self, poller, next_tick: float, next_save: float) -> None:
+    def _serve_loop(self, poller) -> None:
+        next_tick = next_save = time.monotonic()
         while self.running:
             events = dict(poller.poll(int(TICK * 1000)))
             if self.pool.wake_fd in events:
                 self._completions()
             if self.router in events:
-                for _ in range(256):
+                for _ in range(RECV_BATCH):
                     try:
                         frames = self.router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._dispatch(frames)
+            if self._room_changed and not self.stopping:
+                self._retry_queued()
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + TICK
@@ -181,15 +197,11 @@ class ExpertServer:
         """Fail what waits, let running reads finish (bounded), save, unlink, whatever fails."""
         log.info("shutting down")
         self.stopping = True
-        pending = {id(p): p for p in self.queued}
-        pending.update((id(p), p) for ps in self.waiters.values() for p in ps)
-        self.queued.clear()
-        self.waiters.clear()
         self.background.clear()
         try:
-            for p in pending.values():
-                self._send(p.identity, reply_error(p.rid, bytes([Op.DEMAND]),
-                                                   ErrorCode.SHUTTING_DOWN, "expertd is stopping"))
+            for d in self.book.pending():
+                self._send(d.owner, reply_error(d.rid, bytes([Op.DEMAND]),
+                                                ErrorCode.SHUTTING_DOWN, "expertd is stopping"))
             deadline = time.monotonic() + SHUTDOWN_GRACE
             while self.in_flight and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -197,10 +209,10 @@ class ExpertServer:
             self._save_state()
             self.arena.header["serving"] = 0
         finally:
-            self.pool.close(wait=self.in_flight == 0)
+            readers_done = self.pool.close(timeout=1.0)
             self.router.close(linger=0)
             self.ctx.term()
-            if self.in_flight == 0:  # a read still stuck in the kernel keeps its descriptor
+            if readers_done:  # a read still stuck in the kernel keeps its descriptor
                 self.store.close()
             self.arena.unlink()
             self.arena.close()
@@ -219,23 +231,27 @@ class ExpertServer:
 
     def _dispatch(self, frames: list) -> None:
         identity, body = frames[0], frames[1:]
+        rid = body[0] if body and len(body[0]) <= 16 else b""
+        op_byte = body[1][:1] if len(body) > 1 else b""
         try:
             rid, op, req = parse_request(body)
             self._handle(identity, rid, op, req)
         except ProtocolError as exc:
             self.counters["bad_requests"] += 1
             log.warning("bad request from %s: %s", identity.hex()[:12], exc)
-            rid = body[0] if body and len(body[0]) <= 16 else b""
-            op_byte = body[1][:1] if len(body) > 1 else b""
             self._send(identity, reply_error(rid, op_byte, ErrorCode(exc.code), str(exc)))
+        except Exception:
+            # A bug in a handler: say so in the log and to the client, and keep serving.
+            self.counters["internal_errors"] += 1
+            log.exception("internal error handling a request from %s", identity.hex()[:12])
+            self._send(identity, reply_error(rid, op_byte, ErrorCode.INTERNAL,
+                                             "internal error in expertd (see its log)"))
 
     def _handle(self, identity: bytes, rid: bytes, op: Op, req) -> None:
         now = time.monotonic()
         if op is Op.HEARTBEAT:
-            client = self.clients.get(req.client)
-            if client is not None:
-                client.last_seen = now
-            self._send(identity, reply_ok(rid, op, epoch=self.epoch, known=client is not None))
+            known = self.clients.heartbeat(req.client, req.token, now)
+            self._send(identity, reply_ok(rid, op, epoch=self.epoch, known=known))
             return
         if op is Op.HELLO:
             if req.version != PROTOCOL_VERSION:
@@ -243,55 +259,39 @@ class ExpertServer:
                                     f"(this expertd speaks {PROTOCOL_VERSION})", ErrorCode.VERSION)
             if req.client != identity:
                 raise ProtocolError("the client id must be the socket's routing id")
-            # A second hello must not orphan the leases the client already holds.
-            old = self.clients.get(identity)
-            self.clients[identity] = Client(identity, req.pid, now,
-                                            old.leases if old is not None else set())
-            self._send(identity, reply_ok(rid, op, **self._hello()))
+            client = self.clients.hello(identity, req.pid, now)
+            self._send(identity, reply_ok(rid, op, token=client.token, **self._hello()))
             return
         if op is Op.STATS:
             self._send(identity, reply_ok(rid, op, **self.stats()))
             return
+        client = self.clients.seen(identity, now)
+        if client is None:
+            raise ProtocolError("say hello first", ErrorCode.NOT_HELLO)
         if op is Op.SHUTDOWN:
             self._send(identity, reply_ok(rid, op))
             self.running = False
-            return
-        client = self.clients.get(identity)
-        if client is None:
-            raise ProtocolError("say hello first", ErrorCode.NOT_HELLO)
-        client.last_seen = now
-        if op is Op.RELEASE:
-            entry = self.leases.get(req.lease)
-            if entry is not None and entry[0] == identity:  # only its owner may release a lease
-                self._release(req.lease, client)
-            return
-        self._check_range(req)
-        if op is Op.DEMAND:
-            self.counters["demands"] += 1
-            if len(req.experts) > self.max_demand:
-                raise ProtocolError(f"{len(req.experts)} experts in one demand; at most "
-                                    f"{self.max_demand} fit", ErrorCode.OUT_OF_RANGE)
-            p = Pending(identity, rid, req.layer, req.experts)
-            if not self._start(p):
-                self.queued.append(p)
-        elif op is Op.PREFETCH:
-            room = self.geometry.cache_rows - len(self.background)  # hints past this are dropped
-            self.background.extend((req.layer, e) for e in req.experts[:max(0, room)])
-            self._top_up_background()
-        elif op is Op.PIN:
-            new = sum(not self.policy.is_pinned((req.layer, e)) for e in req.experts)
-            if self.policy.n_explicit_pins + new > self.max_pins:
-                raise ProtocolError(f"at most {self.max_pins} experts can be pinned in this "
-                                    "cache", ErrorCode.OUT_OF_RANGE)
-            for e in req.experts:
-                self.policy.pin((req.layer, e))
-            self.background.extendleft((req.layer, e) for e in req.experts)
-            self._top_up_background()
-            self._send(identity, reply_ok(rid, op, pinned=len(self.policy.pinned_keys)))
-        elif op is Op.UNPIN:
-            for e in req.experts:
-                self.policy.unpin((req.layer, e))
-            self._send(identity, reply_ok(rid, op, pinned=len(self.policy.pinned_keys)))
+        elif op is Op.GOODBYE:
+            self._forget(self.clients.remove(identity))
+        elif op is Op.RELEASE:
+            if self.book.release(req.lease, owner=identity):  # only its owner may release it
+                self._room_changed = True
+        else:
+            self._check_range(req)
+            if op is Op.DEMAND:
+                self._demand(identity, rid, req)
+            elif op is Op.PREFETCH:
+                room = self.geometry.cache_rows - len(self.background)  # hints past it drop
+                self.background.extend((req.layer, e) for e in req.experts[:max(0, room)])
+                self._top_up_background()
+            elif op is Op.PIN:
+                self._pin(client, rid, req)
+            elif op is Op.UNPIN:
+                for key in ((req.layer, e) for e in req.experts):
+                    if key in client.pins:
+                        client.pins.discard(key)
+                        self.policy.drop(key)
+                self._send(identity, reply_ok(rid, op, pinned=len(self.policy.pinned_keys)))
 
     def _check_range(self, req) -> None:
         if req.layer >= len(self.n_experts):
@@ -303,37 +303,52 @@ class ExpertServer:
             raise ProtocolError(f"expert {bad[0]} out of range for layer {req.layer} "
                                 f"(0..{n - 1})", ErrorCode.OUT_OF_RANGE)
 
+    def _demand(self, identity: bytes, rid: bytes, req) -> None:
+        self.counters["demands"] += 1
+        if len(req.experts) > self.max_demand:
+            raise ProtocolError(f"{len(req.experts)} experts in one demand; at most "
+                                f"{self.max_demand} fit", ErrorCode.OUT_OF_RANGE)
+        demand = Demand(identity, rid, req.layer, req.experts)
+        if not self._start(demand) and not self.book.enqueue(demand):
+            self.counters["busy"] += 1
+            raise ProtocolError(f"{MAX_QUEUED_PER_CLIENT} demands of this client wait already; "
+                                "release leases first", ErrorCode.BUSY)
+
+    def _pin(self, client, rid: bytes, req) -> None:
+        """A client's pins hold while it lives; only the pin file pins for good."""
+        keys = [(req.layer, e) for e in req.experts if (req.layer, e) not in client.pins]
+        new = sum(not self.policy.is_pinned(key) for key in keys)
+        if self.policy.n_pinned_keys + new > self.max_pins:
+            raise ProtocolError(f"at most {self.max_pins} experts can be pinned in this cache",
+                                ErrorCode.OUT_OF_RANGE)
+        for key in keys:
+            self.policy.hold(key)
+            client.pins.add(key)
+        self.background.extendleft(keys)
+        self._top_up_background()
+        self._send(client.identity, reply_ok(rid, Op.PIN, pinned=len(self.policy.pinned_keys)))
+
     def _hello(self) -> dict:
         g = self.geometry
         m = self.store.manifest
         return dict(version=PROTOCOL_VERSION, arena=self.arena.name, epoch=self.epoch,
                     pid=os.getpid(), blob_dir=str(self.store.dir), model_type=m.model_type,
                     manifest=m.digest, n_layers=g.n_layers, n_experts=g.n_experts,
-                    cache_rows=g.cache_rows,
-                    side_rows=g.side_rows, stride=g.stride, max_demand=self.max_demand,
+                    cache_rows=g.cache_rows, side_rows=g.side_rows, stride=g.stride,
+                    max_demand=self.max_demand, client_cap=self.book.client_cap,
                     heartbeat_interval=self.config.heartbeat_interval,
-                    client_timeout=self.config.client_timeout)
+                    client_timeout=self.config.client_timeout,
+                    lease_timeout=self.config.lease_timeout)
 
     # ---- demand, fill, lease ---------------------------------------------------------------
 
-    def _resident(self, layer: int, expert: int) -> tuple:
-        """(row, state) of a key that a row holds, or (-1, EMPTY)."""
-        row = int(self.slot_of[layer, expert])
-        if row >= 0:
-            rec = self.slots[row]
-            if rec["layer"] == layer and rec["expert"] == expert:
-                return row, int(rec["state"])
-        return -1, SlotState.EMPTY
-
-    def _eligible(self) -> np.ndarray:
-        n = self.geometry.cache_rows
-        return (self.leased[:n] == 0) & (self.slots["state"][:n] != SlotState.FILLING)
-
-    def _start(self, p: Pending) -> bool:
+    def _start(self, d: Demand) -> bool:
         """Lease what is resident, fill the rest; False (nothing held) if rows are short."""
+        if not self.book.fits(d.owner, len(d.experts)):
+            return False
         rows, need, waiting = [], [], set()
-        for i, e in enumerate(p.experts):
-            row, state = self._resident(p.layer, e)
+        for i, e in enumerate(d.experts):
+            row, state = self.table.lookup(d.layer, e)
             if state == SlotState.READY or state == SlotState.FILLING:
                 rows.append(row)
                 if state == SlotState.FILLING:
@@ -341,45 +356,32 @@ class ExpertServer:
             else:
                 rows.append(-1)
                 need.append(i)
-        held = [r for r in rows if r >= 0]
-        self.leased[held] += 1
-        victims = self.policy.victims(len(need), self._eligible()) if need else []
-        if len(victims) < len(need):
-            self.leased[held] -= 1
-            return False
-        for i, row in zip(need, victims):
-            self._fill(int(row), p.layer, p.experts[i])
-            rows[i] = int(row)
-            waiting.add(int(row))
-            self.leased[row] += 1
-        for r in held:
-            self.policy.on_touched((p.layer, int(self.slots[r]["expert"])))
-        self.counters["demand_hits"] += len(p.experts) - len(need)
+        if need:
+            eligible = (self.book.leased == 0) & ~self.table.filling()
+            eligible[[r for r in rows if r >= 0]] = False  # never evict what this demand uses
+            victims = self.policy.victims(len(need), eligible, self.table.row_keys())
+            if len(victims) < len(need):
+                return False
+            for i, row in zip(need, victims):
+                self._fill(int(row), d.layer, d.experts[i])
+                rows[i] = int(row)
+                waiting.add(int(row))
+        filled = set(need)
+        for i, e in enumerate(d.experts):
+            if i not in filled:  # a fill counts its own use
+                self.policy.on_touched((d.layer, e))
+        self.counters["demand_hits"] += len(d.experts) - len(need)
         self.counters["misses"] += len(need)
-        p.rows, p.waiting = rows, waiting
-        p.lease = self._next_lease
-        self._next_lease += 1
-        self.leases[p.lease] = (p.identity, rows)
-        client = self.clients.get(p.identity)
-        if client is not None:
-            client.leases.add(p.lease)
-        for row in waiting:
-            self.waiters.setdefault(row, []).append(p)
+        self.book.grant(d, rows, waiting, time.monotonic())
         if not waiting:
-            self._finish(p)
+            self._answer(d)
         return True
 
     def _fill(self, row: int, layer: int, expert: int) -> None:
-        rec = self.slots[row:row + 1]
-        if rec["state"][0] != SlotState.EMPTY:
-            old_layer, old_expert = int(rec["layer"][0]), int(rec["expert"][0])
-            if self.slot_of[old_layer, old_expert] == row:
-                self.slot_of[old_layer, old_expert] = -1
-            self.policy.on_removed(row)
-        native.begin_write(self.raw, self.geometry.slots_offset, row)
-        rec["layer"], rec["expert"], rec["state"] = layer, expert, SlotState.FILLING
-        self.slot_of[layer, expert] = row
-        self.policy.on_filled(row, (layer, expert))
+        evicted = self.table.begin_fill(row, layer, expert)
+        if evicted is not None and evicted[1]:
+            self.policy.on_touched(*evicted)  # uses not harvested yet belong to the old key
+        self.policy.on_touched((layer, expert))
         if self.in_flight == 0:
             self._busy_since = time.monotonic()
         self.in_flight += 1
@@ -391,64 +393,57 @@ class ExpertServer:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self.fill_seconds += time.monotonic() - self._busy_since
-            rec = self.slots[row:row + 1]
+            self.table.end_fill(row, error is None)
             if error is None:
-                rec["state"] = SlotState.READY
                 self.counters["bytes_read"] += self.geometry.stride
                 self.counters["fills"] += 1
             else:
                 log.error("fill failed: %s", error[1])
                 self.counters["fill_errors"] += 1
-                if self.slot_of[layer, expert] == row:
-                    self.slot_of[layer, expert] = -1
-                rec["layer"], rec["expert"], rec["state"] = -1, -1, SlotState.EMPTY
-                self.policy.on_removed(row)
-            native.end_write(self.raw, self.geometry.slots_offset, row)
             if row in self.background_rows:
                 self.background_rows.discard(row)
                 self._warm_progress()
-            for p in self.waiters.pop(row, ()):
-                p.waiting.discard(row)
-                if error is not None and p.error is None:
-                    p.error = error
-                if not p.waiting:
-                    self._finish(p)
+            for d in self.book.filled(row, error):
+                self._answer(d)
         if done and not self.stopping:
             # Rows that were filling are eligible again: demands queued behind them may fit.
-            self._retry_queued()
+            self._room_changed = True
             self._top_up_background()
 
-    def _finish(self, p: Pending) -> None:
-        if p.error is not None:
-            self._release(p.lease, self.clients.get(p.identity))
-            self._send(p.identity, reply_error(p.rid, bytes([Op.DEMAND]), *p.error))
+    def _answer(self, d: Demand) -> None:
+        if d.error is not None:
+            self.book.release(d.lease)
+            self._room_changed = True
+            self._send(d.owner, reply_error(d.rid, bytes([Op.DEMAND]), *d.error))
             return
-        versions = [int(v) for v in self.slots["version"][p.rows]]
-        self._send(p.identity, reply_ok(p.rid, Op.DEMAND, rows=p.rows, versions=versions,
-                                        lease=p.lease))
-
-    def _release(self, lease: int, client) -> None:
-        entry = self.leases.pop(lease, None)
-        if entry is None:
-            return
-        self.leased[[r for r in entry[1] if r >= 0]] -= 1
-        if client is not None:
-            client.leases.discard(lease)
-        self._retry_queued()
+        self.book.answered(d, time.monotonic())
+        self._send(d.owner, reply_ok(d.rid, Op.DEMAND, rows=d.rows,
+                                     versions=self.table.versions(d.rows), lease=d.lease))
 
     def _retry_queued(self) -> None:
-        for _ in range(len(self.queued)):
-            p = self.queued.popleft()
-            if p.identity in self.clients and not self._start(p):
-                self.queued.append(p)
+        self._room_changed = False
+        still = [d for d in self.book.take_queue()
+                 if d.owner in self.clients and not self._start(d)]
+        self.book.requeue_front(still)
+
+    def _forget(self, client) -> None:
+        """A client left or died: its leases, queued demands and pins go with it."""
+        if client is None:
+            return
+        self.book.drop_owner(client.identity)
+        for key in client.pins:
+            self.policy.drop(key)
+        client.pins.clear()
+        self._room_changed = True
 
     def _top_up_background(self) -> None:
         """Start queued background fills (warm-up, prefetch, pins) while workers are free."""
         while self.background and len(self.background_rows) < self.config.workers:
             layer, expert = self.background.popleft()
-            if self._resident(layer, expert)[1] != SlotState.EMPTY:
+            if self.table.lookup(layer, expert)[1] != SlotState.EMPTY:
                 continue
-            victims = self.policy.victims(1, self._eligible())
+            eligible = (self.book.leased == 0) & ~self.table.filling()
+            victims = self.policy.victims(1, eligible, self.table.row_keys())
             if not victims:
                 self.background.clear()
                 return
@@ -467,29 +462,21 @@ class ExpertServer:
     # ---- housekeeping ----------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        hits = self.slots["hits"][:self.geometry.cache_rows].copy()
-        delta = hits - self._last_hits
-        self._last_hits = hits
-        for row in np.flatnonzero(delta):
-            rec = self.slots[row]
-            if rec["state"] == SlotState.READY:
-                self.policy.on_touched((int(rec["layer"]), int(rec["expert"])), int(delta[row]))
-        self.counters["client_hits"] += int(delta.sum())
-        for identity, client in list(self.clients.items()):
-            if now - client.last_seen > self.config.client_timeout:
-                log.info("client pid %d timed out; reclaiming %d leases", client.pid,
-                         len(client.leases))
-                # Forget the client first, so releasing its leases cannot start its own queued
-                # demands (which would take new leases nobody releases).
-                del self.clients[identity]
-                self.queued = deque(p for p in self.queued if p.identity != identity)
-                while client.leases:
-                    self._release(client.leases.pop(), client)
-        self._retry_queued()
+        rows, counts = self.table.harvest()
+        for row, count in zip(rows.tolist(), counts.tolist()):
+            self.policy.on_touched(self.table.key(row), count)
+        self.counters["client_hits"] += int(counts.sum())
+        for client in self.clients.dead(now):
+            log.info("client pid %d timed out; reclaiming its %d leased rows", client.pid,
+                     self.book.held(client.identity))
+            self.counters["clients_timed_out"] += 1
+            self._forget(client)
+        if self.book.expire(now):
+            self._room_changed = True
         self._ticks += 1
         if self.config.auto_pin and self._ticks % 10 == 0:
-            room = self.max_pins - self.policy.n_explicit_pins
-            self.policy.auto_pin(max(0, min(self.config.auto_pin, room)))
+            room = self.max_pins - self.policy.n_pinned_keys
+            self.policy.auto_pin(max(0, min(self.config.auto_pin, room)), self.table.row_keys())
 
     def stats(self) -> dict:
         c = self.counters
@@ -497,19 +484,25 @@ class ExpertServer:
         g = self.geometry
         busy = self.fill_seconds + (time.monotonic() - self._busy_since if self.in_flight else 0)
         return dict(
-            endpoint=self.paths.endpoint, arena=self.arena.name, pid=os.getpid(), blob_dir=str(self.store.dir),
-            epoch=self.epoch, uptime_s=round(time.monotonic() - self.started, 3),
+            endpoint=self.paths.endpoint, arena=self.arena.name, pid=os.getpid(),
+            blob_dir=str(self.store.dir), epoch=self.epoch, log=str(self.paths.log),
+            uptime_s=round(time.monotonic() - self.started, 3),
             arena_bytes=g.total_size, arena_rows=g.cache_rows, stride=g.stride,
-            rows_used=int(np.count_nonzero(self.slots["state"][:g.cache_rows] != SlotState.EMPTY)),
+            rows_used=self.table.rows_used(),
             hits=hits, demand_hits=c["demand_hits"], client_hits=c["client_hits"],
             misses=c["misses"], hit_rate=round(hits / max(1, hits + c["misses"]), 4),
             bytes_read=c["bytes_read"], fills=c["fills"], fill_errors=c["fill_errors"],
             fill_seconds=round(busy, 6),
             fill_gbps=round(c["bytes_read"] / busy / 1e9, 3) if busy else 0.0,
-            pinned=self.policy.n_pinned_rows, clients=len(self.clients),
-            leases=len(self.leases), bad_requests=c["bad_requests"], demands=c["demands"],
-            in_flight=self.in_flight, io=self.config.io, workers=self.config.workers,
-            verify=self.config.verify, implementation=native.IMPLEMENTATION)
+            pinned=self.policy.n_pinned_rows(self.table.row_keys()), clients=len(self.clients),
+            leases=len(self.book), leased_rows=int(self.book.leased.sum()),
+            queued=self.book.queued(), lease_expiries=self.book.expired,
+            max_demand=self.max_demand, client_cap=self.book.client_cap,
+            bad_requests=c["bad_requests"], internal_errors=c["internal_errors"],
+            busy=c["busy"], clients_timed_out=c["clients_timed_out"], demands=c["demands"],
+            in_flight=self.in_flight, io=getattr(self.store, "io_mode", self.config.io),
+            workers=self.config.workers, verify=self.config.verify,
+            implementation=native.IMPLEMENTATION)
 
     def _valid_key(self, layer, expert) -> bool:
         return (type(layer) is int and type(expert) is int and 0 <= layer < len(self.n_experts)

@@ -1,0 +1,78 @@
+"""The client registry: who said hello, when each was last heard from, what each pinned.
+
+A client is alive while it is heard from (any request, or a heartbeat carrying the token its
+hello got) within ``time_to_dead`` seconds; then it is dead, whatever its pid says (a reused
+pid cannot keep a dead client's leases alive).
+"""
+
+import hmac
+import os
+from dataclasses import dataclass, field
+
+from .protocol import HEARTBEAT_TOKEN_BYTES
+
+
+@dataclass(eq=False)
+class Client:
+    identity: bytes  # the routing id of its request socket
+    pid: int
+    token: bytes  # what its heartbeat socket must show
+    last_seen: float
+    pins: set = field(default_factory=set)  # keys it pinned: they die with it
+
+
+class ClientRegistry:
+    """Clients by routing id.
+
+    Args:
+        time_to_dead: seconds without a word after which a client is dead.
+    """
+
+    def __init__(self, time_to_dead: float):
+        if not time_to_dead > 0:
+            raise ValueError("time_to_dead must be positive")
+        self.time_to_dead = time_to_dead
+        self._clients: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    def __contains__(self, identity: bytes) -> bool:
+        return identity in self._clients
+
+    def get(self, identity: bytes) -> Client | None:
+        return self._clients.get(identity)
+
+    def hello(self, identity: bytes, pid: int, now: float) -> Client:
+        """Register a client (a second hello keeps its token and pins)."""
+        client = self._clients.get(identity)
+        if client is None:
+            client = Client(identity, pid, os.urandom(HEARTBEAT_TOKEN_BYTES), now)
+            self._clients[identity] = client
+        client.pid, client.last_seen = pid, now
+        return client
+
+    def seen(self, identity: bytes, now: float) -> Client | None:
+        """A request from ``identity``: it is alive. None if it never said hello."""
+        client = self._clients.get(identity)
+        if client is not None:
+            client.last_seen = now
+        return client
+
+    def heartbeat(self, identity: bytes, token: bytes, now: float) -> bool:
+        """A heartbeat naming ``identity``; counts only with that client's token."""
+        client = self._clients.get(identity)
+        if client is None or not hmac.compare_digest(client.token, token):
+            return False
+        client.last_seen = now
+        return True
+
+    def remove(self, identity: bytes) -> Client | None:
+        return self._clients.pop(identity, None)
+
+    def dead(self, now: float) -> list:
+        """Clients not heard from within ``time_to_dead``, removed from the registry."""
+        gone = [c for c in self._clients.values() if now - c.last_seen > self.time_to_dead]
+        for client in gone:
+            del self._clients[client.identity]
+        return gone
