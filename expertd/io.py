@@ -1,8 +1,14 @@
-"""The pread pool: workers read experts from the blob files straight into arena rows."""
+"""The pread pool: workers read experts from the blob files straight into arena rows and check them.
+
+Each worker reads a row and hashes it itself, so one row's checksum runs while the other
+workers' reads are in flight. ``os.preadv`` releases the GIL, and so does python-xxhash (4.1 and
+later) for inputs over 64 KiB, so eight workers hash in parallel rather than in turn.
+"""
 
 import os
 import queue
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 
 import numpy as np
 
@@ -10,39 +16,92 @@ from .blobstore import BlobStore
 from .errors import ChecksumError
 from .protocol import ErrorCode
 
+VERIFY_MODES = ("always", "first", "never")
+
 
 class FillPool:
     """Fills rows in parallel; completions come back through :meth:`completions`.
 
     ``wake_fd`` becomes readable whenever a fill completes, so the serving loop can poll it
-    next to its ZeroMQ socket.
+    next to its ZeroMQ socket. :meth:`submit`, :meth:`completions` and :meth:`close` belong to
+    the serving thread; only the workers run in other threads.
+
+    Args:
+        store: the opened blob directory the rows are read from.
+        arena: the shared-memory arena; ``arena.row(i)`` is row ``i``'s writable view.
+        workers: number of reader threads (at least 1).
+        verify: "always" checks every fill against the manifest's checksum, "first" only an
+            expert's first fill, "never" none.
+    Raises:
+        ValueError: ``workers`` below 1 or an unknown ``verify`` mode.
     """
 
     def __init__(self, store: BlobStore, arena, workers: int, verify: str):
         if workers < 1:
             raise ValueError("workers must be at least 1")
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
         self.store = store
         self.arena = arena
         self.verify = verify
-        # With verify="first": experts whose bytes were checked once. The blob files do not
-        # change under a running daemon, so a checked expert reads back the same (the SSD's
-        # own ECC covers transient errors); later fills skip the hash.
+        # With verify="first": experts whose bytes were checked once.
         self._checked = [np.zeros(layer.num_experts, dtype=bool) for layer in store.layers]
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="expertd-fill")
+        self._jobs = queue.SimpleQueue()
         self._done = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        # The lock guards _closed, _busy and every write to the pipe: once close() has set
+        # _closed under it, no worker touches the pipe or starts a read into the arena again.
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._busy = 0
+        self._closed = False
+        self._accepting = True
+        # Daemon threads: a read stuck in the kernel must not keep the process from exiting.
+        self._threads = [threading.Thread(target=self._work, name=f"expertd-fill-{i}",
+                                          daemon=True) for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def wake_fd(self) -> int:
         return self._wake_r
 
     def submit(self, row: int, layer: int, expert: int) -> None:
-        self._pool.submit(self._fill, row, layer, expert)
+        """Queue a fill of ``row`` with ``expert`` of ``layer`` (FIFO).
 
-    def _fill(self, row: int, layer: int, expert: int) -> None:
-        error = None
+        Raises:
+            RuntimeError: the pool is closed.
+        """
+        if not self._accepting:
+            raise RuntimeError("the fill pool is closed; no fill can start")
+        self._jobs.put((row, layer, expert))
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            with self._lock:
+                if self._closed:
+                    return  # the arena may be unmapped already: do not read into it
+                self._busy += 1
+            row, layer, expert = job
+            error = self._fill(row, layer, expert)
+            with self._lock:
+                self._busy -= 1
+                if not self._closed:
+                    self._done.put((row, layer, expert, error))
+                    try:
+                        os.write(self._wake_w, b"\0")
+                    except BlockingIOError:
+                        pass  # the pipe is full of wake-ups already
+                if self._busy == 0:
+                    self._idle.notify_all()
+
+    def _fill(self, row: int, layer: int, expert: int):
+        """Read and (per ``verify``) check one row; None, or ``(ErrorCode, message)``."""
         try:
             view = self.arena.row(row)
             self.store.read_into(layer, expert, view)
@@ -50,15 +109,12 @@ class FillPool:
                                            and not self._checked[layer][expert]):
                 self.store.verify(layer, expert, view)
                 self._checked[layer][expert] = True
-        except ChecksumError as exc:
-            error = (ErrorCode.CHECKSUM, str(exc))
+            return None
+        except ChecksumError:
+            return ErrorCode.CHECKSUM, checksum_message(self.store, layer, expert)
         except Exception as exc:  # a fill must always complete, or its waiters hang
-            error = (ErrorCode.IO, f"reading layer {layer} expert {expert}: {exc}")
-        self._done.put((row, layer, expert, error))
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full of wake-ups already
+            return ErrorCode.IO, (f"reading layer {layer} expert {expert} from "
+                                  f"{self.store.dir / self.store.layers[layer].file}: {exc}")
 
     def completions(self) -> list:
         """Every fill finished since the last call: ``[(row, layer, expert, error|None)]``."""
@@ -74,7 +130,41 @@ class FillPool:
             except queue.Empty:
                 return done
 
-    def close(self, wait: bool = True) -> None:
-        self._pool.shutdown(wait=wait, cancel_futures=True)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop the pool: refuse new fills, drop queued ones, wait up to ``timeout`` s for the
+        running reads, then close the wake-up pipe.
+
+        Fills finished but not yet collected, and those still running at the deadline, are
+        never reported. Call it once, from the serving thread, after the last
+        :meth:`completions`.
+
+        Returns:
+            True if no worker is reading any more, so the blob files and the arena can be
+            closed; False if a read is still stuck in the kernel (leave both open then).
+        """
+        self._accepting = False
+        try:
+            while True:
+                self._jobs.get_nowait()
+        except queue.Empty:
+            pass
+        for _ in self._threads:
+            self._jobs.put(None)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._busy and self._idle.wait(max(0.0, deadline - time.monotonic())):
+                pass
+            idle = self._busy == 0
+            # Under the lock: a worker still reading will see _closed and never write to the
+            # pipe, so its descriptors cannot be reused under it.
+            self._closed = True
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        return idle
+
+
+def checksum_message(store: BlobStore, layer: int, expert: int) -> str:
+    """The one-line error for an expert whose bytes on disk fail their checksum."""
+    return (f"checksum mismatch: layer {layer} expert {expert} in "
+            f"{store.dir / store.layers[layer].file}; the blob directory is corrupt, re-run: "
+            f"expertd convert MODEL_DIR {store.dir}")
