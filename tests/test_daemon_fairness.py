@@ -1,0 +1,209 @@
+"""No client can starve another, clean-up never stalls the loop, hostile frames cost no memory.
+
+Real daemons, real client processes killed for real (issue: fairness and bounded work).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from expertd.connection import Connection
+from expertd.errors import DaemonError
+from expertd.protocol import ErrorCode, Op
+from harness import (TINY_CACHE_GB, Daemon, RawClient, expected_bytes, query_stats,
+                     read_json_line, stop_process, wait_until)
+
+TESTS = Path(__file__).resolve().parent
+
+# A client process that leases experts one by one (each a lease of its own), optionally pins
+# some, prints READY with what it holds, then heartbeats until it is killed.
+HOLDER = textwrap.dedent("""
+    import json, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from harness import RawClient
+    from expertd.protocol import Op
+    blob_dir, n_leases, pins = sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+    with RawClient(blob_dir) as c:
+        m = c.manifest
+        keys = [(layer.index, e) for layer in m.layers for e in range(layer.num_experts)]
+        leases = [c.demand(l, [e])["lease"] for l, e in keys[:n_leases]]
+        for layer, experts in pins:
+            c.request(Op.PIN, {"layer": layer, "experts": experts})
+        print(json.dumps({"leases": len(leases)}), flush=True)
+        while True:
+            c.heartbeat()
+            time.sleep(c.hello["heartbeat_interval"] / 2)
+""")
+
+
+def spawn_holder(blob_dir, n_leases: int, pins=()) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", HOLDER, str(TESTS), str(blob_dir),
+                             str(n_leases), json.dumps(list(pins))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def blobs(models):
+    return models.blobs(seed=11)
+
+
+def test_a_hoarding_client_cannot_time_out_another(blobs, isolated_env):
+    """One client asks for far more rows than its share and never releases; another still gets
+    every expert of the model, exactly, while the hoarder stays alive."""
+    want = expected_bytes(blobs)
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d, \
+            RawClient(blobs) as hoarder, RawClient(blobs) as other:
+        cap, group = hoarder.hello["client_cap"], hoarder.hello["max_demand"]
+        m = hoarder.manifest
+        keys = [(layer.index, e) for layer in m.layers for e in range(layer.num_experts)]
+        for layer, e in keys:  # fire and forget: it never releases anything
+            hoarder.conn.send(Op.DEMAND, {"layer": layer, "experts": [e]})
+        wait_until(lambda: d.stats()["leases"] == cap, 10, f"the hoarder to hold {cap} leases")
+        for layer in m.layers:
+            experts = list(range(layer.num_experts))
+            for start in range(0, len(experts), group):
+                chunk = experts[start:start + group]
+                rid = other.conn.send(Op.DEMAND, {"layer": layer.index, "experts": chunk})
+                reply = other.conn.wait(rid, 5.0)  # would time out if the hoarder starved it
+                got = [other.row_bytes(row, layer.index) for row in reply["rows"]]
+                other.release(reply["lease"])
+                assert got == [want[(layer.index, e)] for e in chunk]
+                assert hoarder.heartbeat()["known"]
+        stats = d.stats()
+        assert stats["leased_rows"] <= cap
+        # Past its cap and a bounded queue, its demands were refused at once (BUSY), not kept.
+        refused = len(keys) - cap - stats["queued"]
+        assert stats["queued"] > 0 and refused > 0
+        assert stats["busy"] == refused and hoarder.conn.stray_errors == refused
+
+
+def test_leases_are_revoked_past_their_bound_even_while_the_holder_heartbeats(blobs, isolated_env):
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--lease-timeout", "0.5") as d, \
+            RawClient(blobs) as c:
+        reply = c.demand(0, [1, 2])
+        assert d.stats()["leases"] == 1
+
+        def revoked():
+            assert c.heartbeat()["known"]  # the holder is alive throughout
+            return d.stats()["lease_expiries"] == 1
+
+        wait_until(revoked, 10, "the lease to be revoked")
+        assert d.stats()["leases"] == 0
+        c.release(reply["lease"])  # a late release of a revoked lease is harmless
+        assert c.fetch(0, [1, 2]) == [c.row_bytes(r, 0) for r in c.demand(0, [1, 2])["rows"]]
+
+
+def test_reclaiming_500_leases_keeps_the_daemon_answering(models, isolated_env):
+    """A client holding 500 leases dies; its clean-up must not stall STATS past 100 ms."""
+    blob_dir = models.blobs(layers=6, experts=256, top_k=4, seed=3)
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.03", "--client-timeout", "1",
+                "--heartbeat", "0.25") as d:
+        assert d.ready["client_cap"] >= 500, d.ready
+        holder = spawn_holder(blob_dir, 500)
+        try:
+            assert read_json_line(holder, 60)["leases"] == 500
+            assert d.stats()["leases"] == 500
+            holder.kill()
+            holder.wait(10)
+            worst, deadline = 0.0, time.monotonic() + 20
+            with Connection(blob_dir) as conn:
+                while True:
+                    t0 = time.perf_counter()
+                    stats = conn.request(Op.STATS, timeout=5.0)
+                    worst = max(worst, time.perf_counter() - t0)
+                    if stats["leases"] == 0:
+                        break
+                    assert time.monotonic() < deadline, "the dead client's leases stayed"
+        finally:
+            stop_process(holder)
+        assert stats["clients_timed_out"] == 1 and stats["leased_rows"] == 0
+        print(f"worst STATS round trip while 500 leases were reclaimed: {worst * 1e3:.1f} ms")
+        assert worst < 0.1, f"STATS took {worst * 1e3:.1f} ms while 500 leases were reclaimed"
+
+
+def test_pins_die_with_their_client(blobs, isolated_env, tmp_path):
+    state = tmp_path / "hot.json"
+    with Daemon(blobs, isolated_env, "--cache-gb", "0.0015", "--client-timeout", "1",
+                "--heartbeat", "0.25", "--state-file", state) as d:
+        holder = spawn_holder(blobs, 0, pins=[(0, [3, 7]), (1, [2])])
+        try:
+            read_json_line(holder, 30)
+            wait_until(lambda: d.stats()["pinned"] == 3, 10, "the three pins to be filled")
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(10)
+            wait_until(lambda: d.stats()["clients"] == 0, 10, "the killed client to time out")
+            assert d.stats()["pinned"] == 0
+        finally:
+            stop_process(holder)
+        with RawClient(blobs) as c:  # a client that says goodbye drops its pins at once
+            assert c.request(Op.PIN, {"layer": 2, "experts": [5]})["pinned"] == 1
+            c.conn.send(Op.GOODBYE, {})
+            wait_until(lambda: d.stats()["clients"] == 0, 5, "goodbye to be heard")
+            assert d.stats()["pinned"] == 0
+    saved = json.loads(state.read_text())
+    assert saved["policy"]["pins"] == []  # nothing a client pinned outlives it in the hot set
+
+
+def _rss_minus_arena(pid: int, arena_bytes: int) -> int:
+    """Resident memory that is not the arena (Linux: the anonymous and file-backed part)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text()
+                  .splitlines() if ":" in line)
+    kb = lambda k: int(fields[k].split()[0]) * 1024  # noqa: E731
+    return kb("VmRSS") - min(kb("RssShmem"), arena_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+def test_100000_hostile_frames_leave_memory_under_the_bar(blobs, isolated_env):
+    """100 000 hostile frames, three of them 100 MB: RSS minus the arena stays under 100 MB."""
+    rng = __import__("random").Random(7)
+    big = b"\xff" * (100 << 20)
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+        arena = d.ready["arena_bytes"]
+        before = _rss_minus_arena(d.pid, arena)
+        with Connection(blobs) as conn:
+            endpoint = conn.endpoint
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(endpoint)
+            for i in range(100_000):
+                if i in (10_000, 50_000, 90_000):
+                    frames = [b"r", bytes([Op.DEMAND]), big]
+                else:
+                    kind = rng.randrange(4)
+                    if kind == 0:
+                        frames = [os.urandom(rng.randrange(1, 64))]
+                    elif kind == 1:
+                        frames = [b"r" * rng.randrange(0, 40), bytes([rng.randrange(256)]),
+                                  os.urandom(rng.randrange(0, 2048))]
+                    elif kind == 2:
+                        frames = [os.urandom(8)] * rng.randrange(2, 9)
+                    else:
+                        frames = [b"rid", bytes([Op.DEMAND]), b"\xdf" + os.urandom(60_000)]
+                sock.send_multipart(frames, copy=False)
+                while sock.poll(0):
+                    sock.recv_multipart()
+                if i % 1000 == 999:
+                    query_stats(blobs)  # keeps the sender from running far ahead
+            sock.close(linger=0)
+        finally:
+            ctx.term()
+        stats = query_stats(blobs)
+        assert d.proc.poll() is None and stats["bad_requests"] > 50_000
+        after = _rss_minus_arena(d.pid, arena)
+        print(f"daemon RSS - arena: {before / 2**20:.1f} MiB before, {after / 2**20:.1f} MiB "
+              f"after 100 000 hostile frames")
+        assert after < 100 << 20, f"{after / 2**20:.1f} MiB"
