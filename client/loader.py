@@ -3,6 +3,7 @@
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from expertd.blobstore import check_trunk
 from expertd.errors import BlobStoreError
 
 from .session import Session
@@ -22,7 +23,8 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
     Raises:
         DaemonNotRunning: no daemon serves ``blob_dir`` (the message says how to start one).
         DaemonError: the daemon serves another directory or another version of it.
-        BlobStoreError: the blob directory is not valid.
+        BlobStoreError: the blob directory is not valid, or a trunk file does not match its
+            checksum (the message names the file and says to re-run ``expertd convert``).
     """
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
     from mlx_lm.utils import load_model, load_tokenizer
@@ -31,6 +33,12 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
 
     session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group)
     trunk = session.paths.blob_dir / "trunk"
+    try:
+        # Nothing unverified is computed with: the trunk's bytes are checked before mlx reads them.
+        check_trunk(session.paths.blob_dir, session.manifest)
+    except BaseException:
+        session.close()
+        raise
     model, config = load_model(trunk, lazy=True, strict=False)
     modules = dict(model.named_modules())
     manifest = session.manifest

@@ -40,6 +40,29 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _cmd_verify(args) -> int:
+    from tqdm import tqdm
+
+    from .blobstore import DirectoryCheck
+
+    check = DirectoryCheck(Path(args.blobs))
+    bad = 0
+    with tqdm(total=check.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+              disable=args.quiet, desc="verify", dynamic_ncols=True) as bar:
+        for fault in check.faults(bar.update):
+            bad += 1
+            bar.write(str(fault), file=sys.stdout)  # above the bar, not through it
+    manifest = check.manifest
+    what = (f"{check.experts} experts in {len(manifest.layers)} layers and "
+            f"{len(manifest.trunk)} trunk files")
+    if bad:
+        print(f"{check.dir}: {bad} problem{'s' if bad > 1 else ''} found checking {what}; "
+              f"re-run expertd convert MODEL_DIR {check.dir}")
+        return 1
+    print(f"{check.dir}: all {what} match their checksums")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="expertd", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_convert)
 
+    p = sub.add_parser("verify", help="check every expert and trunk file of a blob directory",
+                       description="Check a blob directory offline: every expert row of every "
+                       "layer and every trunk file against the checksums in its manifest, and "
+                       "every file's size. Prints one line per bad expert or file and a summary; "
+                       "exits with status 1 if anything is corrupt.")
+    p.add_argument("--blobs", required=True, help="blob directory written by expertd convert")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_verify)
+
     from . import commands
 
     commands.add_subcommands(sub)
@@ -94,7 +126,7 @@ def main(argv=None) -> int:
                         format="%(asctime)s expertd %(levelname)s %(message)s")
     try:
         return args.func(args)
-    except (ExpertdError, FileExistsError, ValueError) as exc:
+    except (ExpertdError, OSError, ValueError) as exc:
         print(f"expertd {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -13,6 +13,10 @@ class BlobStoreError(ExpertdError):
     """A blob directory is missing, malformed or corrupt."""
 
 
+class ConvertError(ExpertdError):
+    """``expertd convert`` cannot write its output (disk full, destination busy, ...)."""
+
+
 class ChecksumError(BlobStoreError):
     """An expert's bytes do not match the checksum in the manifest."""
 

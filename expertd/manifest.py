@@ -1,4 +1,4 @@
-"""The blob directory's manifest: what each blob file holds and where."""
+"""The blob directory's manifest: what each blob file and each trunk file holds, and checksums."""
 
 import hashlib
 import json
@@ -10,9 +10,11 @@ from .errors import BlobStoreError
 from .tools.safetensors import DTYPE_SIZES
 
 FORMAT = "expertd-blobs"
-FORMAT_VERSION = 1
+# 2: the trunk's files have checksums too ("trunk": {name: {"checksum", "size"}}).
+FORMAT_VERSION = 2
 STRIDE_ALIGN = 16384
 CHECKSUM = "xxh3_64"
+RECONVERT = "re-run expertd convert MODEL_DIR BLOB_DIR"
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,21 @@ class MoeLayer:
 
 
 @dataclass(frozen=True)
+class TrunkFile:
+    """One file of ``trunk/`` (weights, config, tokenizer), with its size and checksum."""
+
+    name: str
+    checksum: int
+    size: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     model_type: str
     stride: int
     top_k: int
     layers: tuple
+    trunk: tuple = ()  # TrunkFile for every file of trunk/
     checksum: str = CHECKSUM
     digest: str = ""  # sha256 of the manifest file: tells two conversions apart
 
@@ -69,7 +81,9 @@ class Manifest:
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": FORMAT_VERSION, "model_type": self.model_type,
                 "stride": self.stride, "top_k": self.top_k, "checksum": self.checksum,
-                "layers": [layer.to_json() for layer in self.layers]}
+                "layers": [layer.to_json() for layer in self.layers],
+                "trunk": {f.name: {"checksum": f"{f.checksum:016x}", "size": f.size}
+                          for f in self.trunk}}
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
@@ -79,7 +93,8 @@ class Manifest:
         """Read and check ``blob_dir/manifest.json``.
 
         Raises:
-            BlobStoreError: naming the file and what is wrong with it.
+            BlobStoreError: naming the file and what is wrong with it (never another exception,
+                whatever the file holds).
         """
         path = Path(blob_dir) / "manifest.json"
         if not path.is_file():
@@ -87,44 +102,99 @@ class Manifest:
                                  "(create one with: expertd convert MODEL_DIR BLOB_DIR)")
         try:
             text = path.read_bytes()
+        except OSError as exc:
+            raise BlobStoreError(f"{path}: cannot read the manifest ({exc.strerror})") from None
+        try:
             data = json.loads(text)
-            if data.get("format") != FORMAT:
-                raise BlobStoreError(f"{path}: not an expertd manifest")
-            if data.get("version") != FORMAT_VERSION:
-                raise BlobStoreError(f"{path}: format version {data.get('version')}, "
-                                     f"this expertd reads version {FORMAT_VERSION}")
-            if data.get("checksum") != CHECKSUM:
-                raise BlobStoreError(f"{path}: unknown checksum {data.get('checksum')!r}")
-            stride = int(data["stride"])
-            layers = tuple(_layer_from_json(path, i, raw, stride)
-                           for i, raw in enumerate(data["layers"]))
-            manifest = cls(str(data["model_type"]), stride, int(data["top_k"]), layers,
-                           digest=hashlib.sha256(text).hexdigest())
-        except BlobStoreError:
-            raise
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BlobStoreError(f"{path}: malformed manifest ({exc!r})") from None
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested too deep
+            raise BlobStoreError(f"{path}: malformed manifest, not JSON ({exc}); "
+                                 f"{RECONVERT}") from None
+        data = _object(data, str(path))
+        if data.get("format") != FORMAT:
+            raise BlobStoreError(f"{path}: not an expertd manifest")
+        version = data.get("version")
+        if version != FORMAT_VERSION:
+            advice = ("upgrade expertd" if isinstance(version, int) and version > FORMAT_VERSION
+                      else RECONVERT)
+            raise BlobStoreError(f"{path}: format version {version}, this expertd reads "
+                                 f"version {FORMAT_VERSION}; {advice}")
+        if data.get("checksum") != CHECKSUM:
+            raise BlobStoreError(f"{path}: unknown checksum {data.get('checksum')!r}")
+        where = str(path)
+        stride = _get(data, "stride", int, where)
         if stride <= 0 or stride % STRIDE_ALIGN:
             raise BlobStoreError(f"{path}: stride {stride} is not a multiple of {STRIDE_ALIGN}")
+        layers = tuple(_layer_from_json(path, i, raw, stride)
+                       for i, raw in enumerate(_get(data, "layers", list, where)))
         if not layers:
             raise BlobStoreError(f"{path}: no MoE layers")
-        return manifest
+        trunk = _trunk_from_json(path, _get(data, "trunk", dict, where))
+        return cls(_get(data, "model_type", str, where), stride, _get(data, "top_k", int, where),
+                   layers, trunk, digest=hashlib.sha256(text).hexdigest())
 
 
-def _layer_from_json(path: Path, i: int, raw: dict, stride: int) -> MoeLayer:
-    segments = tuple(Segment(s["name"], s["dtype"], tuple(int(d) for d in s["shape"]),
-                             int(s["offset"]), int(s["nbytes"])) for s in raw["segments"])
-    layer = MoeLayer(int(raw["index"]), str(raw["module"]), str(raw["file"]),
-                     int(raw["num_experts"]), int(raw["expert_bytes"]), segments,
-                     tuple(int(c, 16) for c in raw["checksums"]))
+_KINDS = {int: "an integer", str: "a string", list: "a list", dict: "an object"}
+
+
+def _object(value, where: str) -> dict:
+    if not isinstance(value, dict):
+        found = "null" if value is None else type(value).__name__
+        raise BlobStoreError(f"{where}: malformed manifest, expected a JSON object, "
+                             f"found {found}; {RECONVERT}")
+    return value
+
+
+def _get(obj: dict, key: str, kind: type, where: str):
+    """``obj[key]`` if it is there and of type ``kind`` (bools are not integers), else an error."""
+    if key not in obj:
+        raise BlobStoreError(f"{where}: malformed manifest, {key!r} is missing; {RECONVERT}")
+    value = obj[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise BlobStoreError(f"{where}: malformed manifest, {key!r} must be {_KINDS[kind]}, "
+                             f"not {type(value).__name__}; {RECONVERT}")
+    return value
+
+
+def _hex(value, where: str) -> int:
+    if not isinstance(value, str) or len(value) != 16:
+        raise BlobStoreError(f"{where}: malformed manifest, checksum {value!r} is not 16 hex "
+                             f"digits; {RECONVERT}")
+    try:
+        return int(value, 16)
+    except ValueError:
+        raise BlobStoreError(f"{where}: malformed manifest, checksum {value!r} is not 16 hex "
+                             f"digits; {RECONVERT}") from None
+
+
+def _segment_from_json(raw, where: str) -> Segment:
+    raw = _object(raw, where)
+    shape = _get(raw, "shape", list, where)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise BlobStoreError(f"{where}: malformed manifest, shape {shape} is not a list of "
+                             f"sizes; {RECONVERT}")
+    return Segment(_get(raw, "name", str, where), _get(raw, "dtype", str, where), tuple(shape),
+                   _get(raw, "offset", int, where), _get(raw, "nbytes", int, where))
+
+
+def _layer_from_json(path: Path, i: int, raw, stride: int) -> MoeLayer:
+    where = f"{path}: layer {i}"
+    raw = _object(raw, where)
+    segments = tuple(_segment_from_json(s, f"{where} segment {j}")
+                     for j, s in enumerate(_get(raw, "segments", list, where)))
+    layer = MoeLayer(_get(raw, "index", int, where), _get(raw, "module", str, where),
+                     _get(raw, "file", str, where), _get(raw, "num_experts", int, where),
+                     _get(raw, "expert_bytes", int, where), segments,
+                     tuple(_hex(c, where) for c in _get(raw, "checksums", list, where)))
     where = f"{path}: layer {i} ({layer.module})"
     if layer.index != i:
         raise BlobStoreError(f"{where}: index {layer.index} out of order")
-    if "/" in layer.file or layer.file.startswith("."):
+    if not _plain_name(layer.file) or layer.file.startswith("."):
         raise BlobStoreError(f"{where}: file name {layer.file!r} is not allowed")
     if layer.num_experts < 1 or len(layer.checksums) != layer.num_experts:
         raise BlobStoreError(f"{where}: {len(layer.checksums)} checksums for "
                              f"{layer.num_experts} experts")
+    if not segments:
+        raise BlobStoreError(f"{where}: no segments")
     end = 0
     for seg in sorted(segments, key=lambda s: s.offset):
         if seg.dtype not in DTYPE_SIZES:
@@ -138,3 +208,24 @@ def _layer_from_json(path: Path, i: int, raw: dict, stride: int) -> MoeLayer:
         raise BlobStoreError(f"{where}: segments do not fit in {layer.expert_bytes} bytes "
                              f"within a stride of {stride}")
     return layer
+
+
+def _trunk_from_json(path: Path, raw: dict) -> tuple:
+    files = []
+    for name, entry in sorted(raw.items()):
+        where = f"{path}: trunk file {name!r}"
+        if not _plain_name(name):
+            raise BlobStoreError(f"{where}: file name is not allowed")
+        entry = _object(entry, where)
+        size = _get(entry, "size", int, where)
+        if size < 0:
+            raise BlobStoreError(f"{where}: negative size {size}")
+        files.append(TrunkFile(name, _hex(_get(entry, "checksum", str, where), where), size))
+    if "config.json" not in raw:
+        raise BlobStoreError(f"{path}: the trunk lists no config.json; {RECONVERT}")
+    return tuple(files)
+
+
+def _plain_name(name: str) -> bool:
+    """A file name inside its directory: no path separator, not '.' or '..', not empty."""
+    return bool(name) and "/" not in name and "\0" not in name and name not in (".", "..")

@@ -4,6 +4,8 @@ import json
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,8 +120,10 @@ def _overlap_segments(data):
 
 
 @pytest.mark.parametrize("edit,expected", [
-    pytest.param(_set("version", 2), "format version 2, this expertd reads version 1",
-                 id="version"),
+    pytest.param(_set("version", 1), "format version 1, this expertd reads version 2; re-run "
+                 "expertd convert", id="old-version"),
+    pytest.param(_set("version", 3), "format version 3, this expertd reads version 2; upgrade "
+                 "expertd", id="newer-version"),
     pytest.param(_set("format", "something-else"), "not an expertd manifest", id="format"),
     pytest.param(_set("checksum", "md5"), "unknown checksum 'md5'", id="checksum"),
     pytest.param(_drop("layers"), "malformed manifest", id="no-layers"),
@@ -226,3 +230,221 @@ def test_out_of_range(blob_dir, layer, expert, expected):
             store.verify(layer, expert, buf)
     finally:
         store.close()
+
+
+# Manifests of the wrong shape: always a BlobStoreError naming the file, never another exception.
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("text,expected", [
+    pytest.param("[]", "expected a JSON object, found list", id="list"),
+    pytest.param("null", "expected a JSON object, found null", id="null"),
+    pytest.param('"manifest"', "expected a JSON object, found str", id="string"),
+    pytest.param("7", "expected a JSON object, found int", id="number"),
+    pytest.param("{}", "not an expertd manifest", id="empty-object"),
+    pytest.param("", "not JSON", id="empty-file"),
+    pytest.param("{\"format\": ", "not JSON", id="truncated"),
+    pytest.param(_nested(100_000), "not JSON", id="deeply-nested"),
+])
+def test_manifest_of_the_wrong_shape(blob_dir, text, expected):
+    path = blob_dir / "manifest.json"
+    path.write_text(text)
+    with pytest.raises(BlobStoreError) as info:
+        BlobStore(blob_dir)
+    assert str(info.value).startswith(f"{path}: ")
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_manifest_not_utf8(blob_dir):
+    path = blob_dir / "manifest.json"
+    path.write_bytes(b'{"format": "\xff\xfe"}')
+    with pytest.raises(BlobStoreError, match="not JSON") as info:
+        BlobStore(blob_dir)
+    assert str(path) in str(info.value)
+
+
+def _set_trunk_entry(name, value):
+    return lambda data: data["trunk"].update({name: value})
+
+
+@pytest.mark.parametrize("edit,expected", [
+    pytest.param(_drop("stride"), "'stride' is missing", id="no-stride"),
+    pytest.param(_drop("model_type"), "'model_type' is missing", id="no-model-type"),
+    pytest.param(_drop("top_k"), "'top_k' is missing", id="no-top-k"),
+    pytest.param(_drop("trunk"), "'trunk' is missing", id="no-trunk"),
+    pytest.param(_set("top_k", "4"), "'top_k' must be an integer, not str", id="top-k-str"),
+    pytest.param(_set("top_k", True), "'top_k' must be an integer, not bool", id="top-k-bool"),
+    pytest.param(_set("stride", 16384.0), "'stride' must be an integer, not float",
+                 id="stride-float"),
+    pytest.param(_set("layers", {}), "'layers' must be a list, not dict", id="layers-dict"),
+    pytest.param(_set("layers", None), "'layers' must be a list, not NoneType", id="layers-null"),
+    pytest.param(_set("layers", [1, 2]), "layer 0: malformed manifest, expected a JSON object",
+                 id="layer-int"),
+    pytest.param(_set("model_type", ["qwen"]), "'model_type' must be a string", id="type-list"),
+    pytest.param(_set_layer(0, "checksums", [1] * 16), "checksum 1 is not 16 hex digits",
+                 id="checksum-int"),
+    pytest.param(_set_layer(0, "checksums", ["zz" * 8] * 16), "is not 16 hex digits",
+                 id="checksum-not-hex"),
+    pytest.param(_set_layer(0, "segments", "abc"), "'segments' must be a list", id="segments"),
+    pytest.param(lambda data: data["layers"][0]["segments"][0].update(shape=[1, "2"]),
+                 "is not a list of sizes", id="shape"),
+    pytest.param(_set_layer(2, "num_experts", None), "'num_experts' must be an integer",
+                 id="num-experts"),
+    pytest.param(_set("trunk", []), "'trunk' must be an object, not list", id="trunk-list"),
+    pytest.param(_set_trunk_entry("model.safetensors", {"size": 1}), "'checksum' is missing",
+                 id="trunk-no-checksum"),
+    pytest.param(_set_trunk_entry("../escape", {"size": 1, "checksum": "0" * 16}),
+                 "file name is not allowed", id="trunk-escape"),
+    pytest.param(lambda data: data["trunk"].pop("config.json"), "lists no config.json",
+                 id="trunk-no-config"),
+])
+def test_manifest_fields_of_the_wrong_type(blob_dir, edit, expected):
+    path = edit_manifest(blob_dir, edit)
+    with pytest.raises(BlobStoreError) as info:
+        BlobStore(blob_dir)
+    assert str(path) in str(info.value)
+    assert expected in str(info.value)
+
+
+# The trunk's checksums.
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def lm_head_offset(blob_dir: Path) -> int:
+    """The file offset of a byte in the middle of ``lm_head.weight`` in the trunk."""
+    from expertd.tools.safetensors import read_header
+
+    info = read_header(blob_dir / "trunk" / "model.safetensors")["lm_head.weight"]
+    return info.start + info.nbytes // 2
+
+
+def test_clean_trunk_verifies(blob_dir):
+    store = BlobStore(blob_dir)
+    try:
+        store.verify_trunk()
+        names = {f.name for f in store.manifest.trunk}
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    finally:
+        store.close()
+
+
+def test_one_flipped_byte_in_the_trunk_is_named(blob_dir):
+    path = blob_dir / "trunk" / "model.safetensors"
+    flip_byte(path, lm_head_offset(blob_dir))
+    store = BlobStore(blob_dir)  # opening does not read the trunk: the client's load does
+    try:
+        with pytest.raises(BlobStoreError) as info:
+            store.verify_trunk()
+    finally:
+        store.close()
+    message = str(info.value)
+    assert message.startswith(f"{path}: checksum mismatch")
+    assert f"re-run expertd convert MODEL_DIR {blob_dir}" in message
+
+
+@pytest.mark.parametrize("fault,expected", [
+    ("missing", "trunk file is missing"),
+    ("longer", "the manifest says"),
+    ("unlisted", "not written by expertd convert"),
+])
+def test_trunk_faults_are_named(blob_dir, fault, expected):
+    trunk = blob_dir / "trunk"
+    if fault == "missing":
+        path = trunk / "tokenizer.json"
+        path.unlink()
+    elif fault == "longer":
+        path = trunk / "config.json"
+        with open(path, "a") as f:
+            f.write(" ")
+    else:
+        path = trunk / "model-00002-of-00002.safetensors"  # mlx-lm would load it too
+        path.write_bytes(b"x")
+    store = BlobStore(blob_dir)
+    try:
+        with pytest.raises(BlobStoreError, match=expected) as info:
+            store.verify_trunk()
+        assert str(path) in str(info.value)
+    finally:
+        store.close()
+
+
+def test_dot_files_in_the_trunk_are_not_the_model(blob_dir):
+    (blob_dir / "trunk" / ".DS_Store").write_bytes(b"finder")
+    store = BlobStore(blob_dir)
+    try:
+        store.verify_trunk()
+    finally:
+        store.close()
+
+
+# What the reads really are: direct, or buffered because a file system refused O_DIRECT.
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A ramfs mount (which refuses O_DIRECT, unlike tmpfs since Linux 6.6), unmounted after."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("ramfs is Linux only")
+    where = tmp_path / "ramfs"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here (needs root / CAP_SYS_ADMIN): "
+                    f"{mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux only")
+def test_io_mode_says_direct_when_the_file_system_takes_it(blob_dir):
+    store = BlobStore(blob_dir, direct=True)
+    try:
+        assert (store.io_mode, store.direct, store.io_reason) == ("direct", True, "O_DIRECT")
+    finally:
+        store.close()
+
+
+def test_io_mode_says_buffered_when_asked(blob_dir):
+    store = BlobStore(blob_dir)
+    try:
+        assert (store.io_mode, store.direct) == ("buffered", False)
+        assert store.io_reason == "buffered reads were asked for"
+    finally:
+        store.close()
+
+
+def test_io_mode_says_buffered_when_o_direct_is_refused(models, ramfs):
+    blob_dir = ramfs / "blobs"
+    shutil.copytree(models.blobs(), blob_dir)
+    store = BlobStore(blob_dir, direct=True)
+    try:
+        assert (store.io_mode, store.direct) == ("buffered", False)
+        assert store.io_reason.startswith("O_DIRECT refused by the file system of ")
+        assert str(blob_dir / "layer-000.blob") in store.io_reason
+        # The reads still work, through the page cache.
+        with _closing_store(models.blobs()) as clean:
+            assert store.read_expert(1, 3) == clean.read_expert(1, 3)
+    finally:
+        store.close()
+
+
+class _closing_store:
+    def __init__(self, blob_dir):
+        self.store = BlobStore(blob_dir)
+
+    def __enter__(self):
+        return self.store
+
+    def __exit__(self, *exc):
+        self.store.close()

@@ -3,18 +3,23 @@
 Generic: every parameter under a ``SwitchGLU`` / ``SwitchMLP`` module whose leading dimension is
 the number of experts is sliced per expert. The model is never loaded: tensors are streamed
 byte range by byte range from the safetensors shards, so memory stays bounded by one expert row
-plus one copy chunk. The output appears atomically (written under a temporary name, renamed).
+plus one copy chunk. The output appears atomically (written under a temporary name, renamed),
+and a lock next to the destination keeps two runs from writing it at once.
 """
 
+import errno
+import fcntl
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import xxhash
 
-from expertd.errors import ModelDirError
-from expertd.manifest import STRIDE_ALIGN, Manifest, MoeLayer, Segment
+from expertd.blobstore import file_checksum
+from expertd.errors import ConvertError, ModelDirError
+from expertd.manifest import STRIDE_ALIGN, Manifest, MoeLayer, Segment, TrunkFile
 from .safetensors import SafetensorsWriter, read_header
 
 _SEGMENT_ALIGN = 64
@@ -80,6 +85,15 @@ def plan(model_dir: Path):
     """
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
+    if model_dir.is_dir() and not os.access(model_dir, os.R_OK | os.X_OK):
+        raise ModelDirError(f"{model_dir}: permission denied: cannot read the model directory")
+    try:
+        return _plan(model_dir, config_path)
+    except OSError as exc:
+        raise ModelDirError(f"{exc.filename or model_dir}: cannot read ({exc.strerror})") from None
+
+
+def _plan(model_dir: Path, config_path: Path):
     if not model_dir.is_dir() or not config_path.is_file():
         raise ModelDirError(f"{model_dir} is not an mlx-lm model directory (no config.json)")
     shards = sorted(model_dir.glob("model*.safetensors"))
@@ -141,24 +155,49 @@ def plan(model_dir: Path):
 def convert(model_dir: Path, blob_dir: Path, progress: bool = True) -> Manifest:
     """Convert ``model_dir`` into ``blob_dir`` (which must not exist).
 
-    A leftover temporary directory from an interrupted run is removed and the work restarts.
+    A lock file next to the destination (``.NAME.lock``) is held for the whole run. A leftover
+    temporary directory from an interrupted run is removed and the work restarts.
 
     Returns:
         The manifest written.
     Raises:
         ModelDirError: see :func:`plan`.
         FileExistsError: if ``blob_dir`` exists.
+        ConvertError: another run is writing ``blob_dir``, the disk is full, or the
+            destination cannot be written; nothing is left behind.
     """
-    from tqdm import tqdm
-
     model_dir, blob_dir = Path(model_dir), Path(blob_dir)
     if blob_dir.exists():
         raise FileExistsError(f"{blob_dir} already exists; remove it or choose another path")
     config, tensors, layers, stride, trunk = plan(model_dir)
+    try:
+        blob_dir.parent.mkdir(parents=True, exist_ok=True)
+        with _destination_lock(blob_dir):
+            # Checked again under the lock: a run that held it may just have finished.
+            if blob_dir.exists():
+                raise FileExistsError(f"{blob_dir} already exists; remove it or choose "
+                                      "another path")
+            return _convert_locked(model_dir, blob_dir, config, tensors, layers, stride, trunk,
+                                   progress)
+    except OSError as exc:
+        if isinstance(exc, FileExistsError) and not exc.filename:
+            raise
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ConvertError(f"{blob_dir}: no space left on the device, the disk is full; "
+                               "the partial output was removed: free some space and re-run "
+                               "expertd convert") from None
+        where = exc.filename or blob_dir
+        raise ConvertError(f"{where}: {exc.strerror or exc} (while writing {blob_dir})") from None
+
+
+def _convert_locked(model_dir, blob_dir, config, tensors, layers, stride, trunk,
+                    progress) -> Manifest:
+    from tqdm import tqdm
+
     tmp = blob_dir.parent / f".{blob_dir.name}.partial"
-    if tmp.exists():
+    if tmp.exists():  # left by a run that died: no live run can own it, we hold the lock
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
 
     total = sum(layer.num_experts * layer.expert_bytes for layer in layers)
     total += sum(t.nbytes for t in trunk)
@@ -178,9 +217,10 @@ def convert(model_dir: Path, blob_dir: Path, progress: bool = True) -> Manifest:
             for fd in source_fds.values():
                 os.close(fd)
         bar.set_postfix_str("trunk")
-        _write_trunk(model_dir, tmp / "trunk", config, trunk, bar.update)
+        trunk_files = _write_trunk(model_dir, tmp / "trunk", config, trunk, bar.update)
         manifest = Manifest(config["model_type"], stride,
-                            int(config.get("num_experts_per_tok", 1)), tuple(done_layers))
+                            int(config.get("num_experts_per_tok", 1)), tuple(done_layers),
+                            trunk_files)
         manifest.save(tmp / "manifest.json")
         _fsync_dir(tmp)
         os.rename(tmp, blob_dir)
@@ -191,6 +231,66 @@ def convert(model_dir: Path, blob_dir: Path, progress: bool = True) -> Manifest:
         raise
     bar.close()
     return manifest
+
+
+@contextmanager
+def _destination_lock(blob_dir: Path):
+    """Hold ``.NAME.lock`` next to ``blob_dir`` (flock), or fail at once if another run does.
+
+    The lock file holds the owner's pid, for the message. It is removed while still locked;
+    a run that opened it just before checks, once locked, that it locked the file still there.
+    """
+    path = blob_dir.parent / f".{blob_dir.name}.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _lock_owner(fd)
+            os.close(fd)
+            raise ConvertError(f"another expertd convert is writing {blob_dir} (pid {owner}); "
+                               "wait for it to finish or choose another path") from None
+        try:
+            here = os.stat(path, follow_symlinks=False)
+            mine = os.fstat(fd)
+            if (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the run before us removed it after we opened it: lock the new one
+    try:
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass  # a full disk: the pid is only for the message, the run reports the real error
+        yield
+    finally:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass  # removed by hand: nothing to clean
+        os.close(fd)
+
+
+def _lock_owner(fd: int) -> str:
+    try:
+        text = os.pread(fd, 32, 0).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return "unknown"
+    return text if text.isdigit() else "unknown"
+
+
+def _pwrite_all(fd: int, data, offset: int, path: Path) -> None:
+    """``os.pwrite`` until every byte is written: a short write is retried, and a write
+    that makes no progress (or the ENOSPC that usually follows a short one) is an error."""
+    view = memoryview(data)
+    done = 0
+    while done < view.nbytes:
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise ConvertError(f"{path}: wrote {done} of {view.nbytes} bytes at offset {offset}")
+        done += n
 
 
 def _write_layer(out: Path, layer: MoeLayer, stride: int, sources: list, fds: dict,
@@ -212,7 +312,7 @@ def _write_layer(out: Path, layer: MoeLayer, stride: int, sources: list, fds: di
                 if got != seg.nbytes:
                     raise ModelDirError(f"{src.path}: short read in {src.name}")
             checksums.append(xxhash.xxh3_64_intdigest(view[:layer.expert_bytes]))
-            os.pwrite(fd_out, view, e * stride)
+            _pwrite_all(fd_out, view, e * stride, out / layer.file)
             advance(layer.expert_bytes)
         os.fsync(fd_out)
     finally:
@@ -221,7 +321,9 @@ def _write_layer(out: Path, layer: MoeLayer, stride: int, sources: list, fds: di
                     layer.segments, tuple(checksums))
 
 
-def _write_trunk(model_dir: Path, trunk_dir: Path, config: dict, trunk: list, advance) -> None:
+def _write_trunk(model_dir: Path, trunk_dir: Path, config: dict, trunk: list,
+                 advance) -> tuple:
+    """Write trunk/ and return a :class:`TrunkFile` (size, checksum) for each file in it."""
     trunk_dir.mkdir()
     for item in model_dir.iterdir():
         if item.name.endswith(".safetensors") or item.name == "model.safetensors.index.json":
@@ -233,6 +335,12 @@ def _write_trunk(model_dir: Path, trunk_dir: Path, config: dict, trunk: list, ad
     writer = SafetensorsWriter(trunk_dir / "model.safetensors", trunk)
     writer.copy_all(progress=advance)
     writer.close()
+    # Hashed from what is on disk (still in the page cache): what a client will check.
+    files = []
+    for path in sorted(trunk_dir.iterdir()):
+        checksum, size = file_checksum(path)
+        files.append(TrunkFile(path.name, checksum, size))
+    return tuple(files)
 
 
 def _fsync_dir(path: Path) -> None:
