@@ -135,13 +135,16 @@ class FillPool:
         running reads, then close the wake-up pipe.
 
         Fills finished but not yet collected, and those still running at the deadline, are
-        never reported. Call it once, from the serving thread, after the last
-        :meth:`completions`.
+        never reported. Call it from the serving thread, after the last :meth:`completions`;
+        a second call only reports whether reads remain.
 
         Returns:
             True if no worker is reading any more, so the blob files and the arena can be
             closed; False if a read is still stuck in the kernel (leave both open then).
         """
+        if not self._accepting:
+            with self._lock:
+                return self._busy == 0  # closed before: only say whether reads remain
         self._accepting = False
         try:
             while True:
