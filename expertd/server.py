@@ -500,7 +500,7 @@ class ExpertServer:
             max_demand=self.max_demand, client_cap=self.book.client_cap,
             bad_requests=c["bad_requests"], internal_errors=c["internal_errors"],
             busy=c["busy"], clients_timed_out=c["clients_timed_out"], demands=c["demands"],
-            in_flight=self.in_flight, io=getattr(self.store, "io_mode", self.config.io),
+            in_flight=self.in_flight, io=self.store.io_mode, io_reason=self.store.io_reason,
             workers=self.config.workers, verify=self.config.verify,
             implementation=native.IMPLEMENTATION)
 
