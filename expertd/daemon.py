@@ -1,7 +1,7 @@
 """Daemon lifecycle: one daemon per blob directory, stale clean-up, detach, stop, status."""
 
-import fcntl
 import logging
+import logging.handlers
 import os
 import signal
 import subprocess
@@ -11,102 +11,125 @@ from pathlib import Path
 
 from .connection import Connection
 from .errors import DaemonError, DaemonNotRunning
-from .paths import daemon_paths
+from .paths import daemon_paths, runtime_dir
 from .protocol import Op
+from .runfile import (RunInfo, lock_held, new_arena_name, new_epoch, read_private,
+                      remove_leftovers, sweep_runtime_dir, take_lock, write_atomically,
+                      write_run_info)
 from .shm.layout import unlink_arena
 
 log = logging.getLogger("expertd")
 
+LOG_MAX_BYTES = 5 * 2**20
+LOG_BACKUPS = 3
+# How long a starting daemon waits for the lock: probes (serving_pid, serving_epoch) hold it
+# for an instant and must not make it give up.
+LOCK_PATIENCE = 1.0
+
 
 def serving_pid(paths) -> int | None:
-    """The pid of the daemon holding the directory's lock, or None if nobody holds it."""
-    try:
-        fd = os.open(paths.lock, os.O_RDONLY)
-    except FileNotFoundError:
+    """The pid of the daemon holding the directory's lock; None if nobody holds it, -1 if it
+    is held but the pid file is not written yet."""
+    if not lock_held(paths.lock):
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            return int(paths.pidfile.read_text())
-        except (OSError, ValueError):
-            return -1
-    finally:
-        os.close(fd)
-    return None
+        return int(read_private(paths.pidfile))
+    except (OSError, ValueError):
+        return -1
 
 
-def _take_lock(fd: int, patience: float = 0.5) -> bool:
-    """Take the directory's lock; retry briefly, since ``serving_pid`` probes hold it for an
-    instant and must not make a starting daemon give up."""
-    deadline = time.monotonic() + patience
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
+def _log_to_file(path: Path) -> None:
+    """Send every log record to a rotating file (5 MB x 3) instead of stderr."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+    handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_MAX_BYTES,
+                                                   backupCount=LOG_BACKUPS)
+    handler.setFormatter(logging.Formatter("%(asctime)s expertd %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
 
 
-def run_foreground(config, state_file: Path | None = None) -> int:
-    """Serve until SIGTERM/SIGINT or a shutdown request. Returns the exit status."""
+def _exit_on_signal(signum, _frame):
+    raise SystemExit(128 + signum)  # unwinds through run_foreground's clean-up
+
+
+def run_foreground(config, state_file: Path | None = None, log_to_file: bool = False) -> int:
+    """Serve until SIGTERM/SIGINT or a shutdown request. Returns the exit status.
+
+    Args:
+        log_to_file: log to the runtime directory's rotating log (detached daemons).
+    Raises:
+        DaemonError: if a daemon already serves the directory, or start-up fails.
+    """
     from .server import ExpertServer
 
+    os.umask(0o077)  # every file the daemon creates is the user's only
     paths = daemon_paths(config.blob_dir)
-    lock = os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o600)
-    if not _take_lock(lock):
-        os.close(lock)
-        pid = serving_pid(paths)
-        raise DaemonError(f"an expertd (pid {pid}) already serves {paths.blob_dir}")
+    if log_to_file:
+        _log_to_file(paths.log)
+    lock = take_lock(paths.lock, LOCK_PATIENCE)
+    if lock is None:
+        raise DaemonError(f"an expertd (pid {serving_pid(paths)}) already serves "
+                          f"{paths.blob_dir}")
+    arena, epoch = new_arena_name(), new_epoch()
     server = None
+    # Until the server can stop itself, a signal unwinds through the clean-up below.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
     try:
         # We hold the lock, so whatever is left belongs to a daemon that died.
-        if unlink_arena(paths.shm_name):
-            log.warning("removed a stale arena %s left by a daemon that died", paths.shm_name)
-        if paths.socket.exists():
-            paths.socket.unlink()
-            log.warning("removed a stale socket %s", paths.socket)
-        fd = os.open(paths.pidfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        server = ExpertServer(config, paths, state_file or paths.state_file)
+        for what in remove_leftovers(paths):
+            log.warning("removed a stale %s left by a daemon that died", what)
+        sweep_runtime_dir(paths.lock.parent, skip=paths.ident)
+        write_atomically(paths.pidfile, str(os.getpid()).encode())
+        # Written before the arena exists, so that a start killed half-way is cleaned up by
+        # the next one; marked ready once the server answers.
+        write_run_info(paths, RunInfo(os.getpid(), arena, epoch, ready=False))
+        server = ExpertServer(config, paths, state_file or paths.state_file, arena, epoch)
+        write_run_info(paths, RunInfo(os.getpid(), arena, epoch, ready=True))
         signal.signal(signal.SIGTERM, server.request_stop)
         signal.signal(signal.SIGINT, server.request_stop)
         server.serve()
         return 0
+    except Exception as exc:
+        if server is None and log_to_file:  # stderr shows it too; the log keeps it
+            log.error("start-up failed: %s", exc)
+        raise
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         if server is None:  # start-up failed: leave nothing behind
-            unlink_arena(paths.shm_name)
-            if paths.socket.exists():
-                paths.socket.unlink()
-        try:
-            paths.pidfile.unlink()
-        except FileNotFoundError:
-            pass
+            unlink_arena(arena)
+        remove_leftovers(paths)
         os.close(lock)
 
 
 def start_detached(blob_dir, argv: list, timeout: float = 60.0) -> dict:
     """Start ``expertd start --foreground`` in a new session; return its stats once it answers.
 
+    The child logs to ``paths.log`` (rotated); its stderr goes to ``paths.start_log``, emptied
+    at each start, so that a failure shows this run's error and nothing older.
+
     Raises:
-        DaemonError: if one already serves the directory, or the new one fails to come up.
+        DaemonError: if one already serves the directory, or the new one fails to come up
+            (with its error output, exit status or signal, and the log's path).
     """
     paths = daemon_paths(blob_dir)
     pid = serving_pid(paths)
     if pid is not None:
         raise DaemonError(f"an expertd (pid {pid}) already serves {paths.blob_dir}")
-    with os.fdopen(os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as logfile:
-        proc = subprocess.Popen([sys.executable, "-m", "expertd", *argv, "--foreground"],
-                                stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
+    fd = os.open(paths.start_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as errors:
+        proc = subprocess.Popen([sys.executable, "-m", "expertd", *argv, "--foreground",
+                                 "--log-to-file"],
+                                stdin=subprocess.DEVNULL, stdout=errors, stderr=errors,
                                 start_new_session=True, close_fds=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = paths.log.read_text(errors="replace").strip().splitlines()[-5:]
-            raise DaemonError("expertd exited during start-up:\n  " + "\n  ".join(tail))
+            _clean_after(paths)
+            raise DaemonError(_startup_failure(paths, proc.returncode))
         if paths.socket.exists():
             try:
                 with Connection(blob_dir) as conn:
@@ -115,7 +138,43 @@ def start_detached(blob_dir, argv: list, timeout: float = 60.0) -> dict:
                 pass
         time.sleep(0.05)
     proc.terminate()
-    raise DaemonError(f"expertd did not answer within {timeout:g} s; see {paths.log}")
+    try:
+        proc.wait(10.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5.0)
+    _clean_after(paths)
+    raise DaemonError(f"expertd did not answer within {timeout:g} s and was stopped; "
+                      f"see {paths.log}")
+
+
+def _startup_failure(paths, status: int) -> str:
+    """One message: how the child ended, what it wrote to stderr in this run, the log path."""
+    if status < 0:
+        try:
+            how = f"was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            how = f"was killed by signal {-status}"
+    else:
+        how = f"exited with status {status}"
+    try:
+        lines = read_private(paths.start_log).decode(errors="replace").strip().splitlines()
+    except OSError:
+        lines = []
+    shown = "\n  ".join(lines[-20:]) if lines else "(it wrote no error message)"
+    return f"expertd {how} during start-up:\n  {shown}\n  log: {paths.log}"
+
+
+def _clean_after(paths) -> None:
+    """Remove what a daemon that died (or was killed) left, if nobody took the lock since."""
+    fd = take_lock(paths.lock, LOCK_PATIENCE)
+    if fd is None:
+        return  # someone else serves the directory now: nothing here is stale
+    try:
+        for what in remove_leftovers(paths):
+            log.info("removed the %s the failed daemon left", what)
+    finally:
+        os.close(fd)
 
 
 def stop(blob_dir, timeout: float = 10.0) -> int:
@@ -146,16 +205,14 @@ def stop(blob_dir, timeout: float = 10.0) -> int:
             pass
         if _wait_gone(paths, 5.0):
             # Only now that nobody holds the lock is what it left behind surely stale.
-            unlink_arena(paths.shm_name)
-            if paths.socket.exists():
-                paths.socket.unlink()
+            _clean_after(paths)
     return pid
 
 
 def _wait_gone(paths, timeout: float) -> bool:
     """True once nobody holds the directory's lock, False if ``timeout`` passes first."""
     deadline = time.monotonic() + timeout
-    while serving_pid(paths) is not None:
+    while lock_held(paths.lock):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
@@ -164,6 +221,4 @@ def _wait_gone(paths, timeout: float) -> bool:
 
 def list_sockets() -> list:
     """Socket paths of every daemon of this user (answering or not)."""
-    from .paths import runtime_dir
-
     return sorted(runtime_dir().glob("*.sock"))

@@ -2,32 +2,41 @@
 
 import json
 import logging
-import os
 from pathlib import Path
+
+from .runfile import read_private, write_atomically
 
 log = logging.getLogger("expertd")
 
 
 def save_hot_set(path: Path, blob_dir: Path, policy, limit: int) -> None:
-    """Write the policy's frequencies, pins and hottest ``limit`` keys (0600, atomically)."""
+    """Write the policy's frequencies, pins and hottest ``limit`` keys (0600, atomically).
+
+    Through an O_EXCL | O_NOFOLLOW temporary in a directory checked to be the user's own: a
+    symlink planted next to the state file is never followed.
+
+    Raises:
+        OSError: if the file cannot be written (PermissionError for a directory not ours).
+    """
     state = {"blob_dir": str(blob_dir), "policy": policy.state(),
              "hot": [list(k) for k in policy.hot_keys(limit)]}
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(state, f)
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(state).encode())
 
 
 def load_hot_set(path: Path, policy) -> list:
     """Load frequencies and pins into ``policy``; the saved hot keys, hottest first.
 
-    A missing file is an empty hot set; an unreadable one is logged and ignored.
+    A missing file is an empty hot set; an unreadable one (or a symlink) is logged and ignored.
     """
-    if not path.exists():
+    try:
+        text = read_private(path, limit=1 << 30)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        log.warning("ignoring unreadable state file %s: %s", path, exc)
         return []
     try:
-        state = json.loads(path.read_text())
+        state = json.loads(text)
         policy.load_state(state["policy"])
         return [tuple(k) for k in state.get("hot", []) if isinstance(k, list) and len(k) == 2]
     except (ValueError, KeyError, TypeError) as exc:

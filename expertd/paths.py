@@ -1,9 +1,12 @@
-"""Where a daemon lives: runtime directory, socket, lock, shared-memory name, state file.
+"""Where a daemon lives: runtime directory, socket, lock, pid and run files, log, state file.
 
 Everything derives from the blob directory's real path and the user id, so a client finds the
-daemon from the blob directory alone and two users never share anything.
+daemon from the blob directory alone and two users never share anything. The shared-memory
+arena's name is random per start and is published only through the run file (see runfile.py),
+so another user can neither predict nor squat it.
 """
 
+import errno
 import hashlib
 import os
 import stat
@@ -12,49 +15,102 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import DaemonError
+
 MAX_SOCKET_PATH = 103  # macOS sockaddr_un holds 104 bytes including the terminating NUL
-MAX_SHM_NAME = 31  # macOS PSHMNAMLEN
+# Fallbacks tried after /tmp/expertd-<uid> when another user owns it: /tmp/expertd-<uid>-1, ...
+RUNTIME_FALLBACKS = 8
+
+
+def _claim_dir(path: Path) -> bool:
+    """Make ``path`` a real directory of ours with mode 0700, creating it if missing.
+
+    Returns:
+        True if it is ours now; False if it exists but is someone else's or not a directory.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except PermissionError:
+        return False
+    try:
+        # O_NOFOLLOW | O_DIRECTORY: a symlink or a file planted at the name is refused, and the
+        # checks below apply to what we opened, not to whatever the name points to later.
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR):
+            return False
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return False
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+        return True
+    finally:
+        os.close(fd)
 
 
 def runtime_dir() -> Path:
-    """The per-user 0700 directory for sockets and locks (created if missing).
+    """The per-user 0700 directory for sockets, locks, run files and logs (created if missing).
+
+    ``$XDG_RUNTIME_DIR/expertd`` when XDG_RUNTIME_DIR is set. Otherwise ``/tmp/expertd-<uid>``
+    (macOS: in the per-user temporary directory); if another user took that name first, the
+    first of ``expertd-<uid>-1``, ``-2``, ... that is ours or can be created. Daemons and clients
+    follow the same rule, so they meet in the same directory.
 
     Raises:
-        PermissionError: if it exists but belongs to someone else or is open to others.
+        DaemonError: if every candidate belongs to someone else (set XDG_RUNTIME_DIR).
     """
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
         path = Path(xdg) / "expertd"
-    else:
-        base = tempfile.gettempdir() if sys.platform == "darwin" else "/tmp"
-        path = Path(base) / f"expertd-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise PermissionError(f"{path} is not a directory owned by you")
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        os.chmod(path, 0o700)
-    return path
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if _claim_dir(path):
+            return path
+        raise DaemonError(f"{path} is not a directory of yours; remove it, or point "
+                          "XDG_RUNTIME_DIR at a private directory of yours")
+    base = Path(tempfile.gettempdir() if sys.platform == "darwin" else "/tmp")
+    first = base / f"expertd-{os.getuid()}"
+    for i in range(RUNTIME_FALLBACKS + 1):
+        path = first if i == 0 else first.with_name(f"{first.name}-{i}")
+        if _claim_dir(path):
+            return path
+    raise DaemonError(f"{first} and its {RUNTIME_FALLBACKS} fallbacks ({first.name}-1 ... "
+                      f"-{RUNTIME_FALLBACKS}) belong to other users or cannot be created; set XDG_RUNTIME_DIR to a "
+                      "private directory of yours (mode 0700), e.g. export "
+                      "XDG_RUNTIME_DIR=$HOME/.run, for the daemon and its clients alike")
 
 
 def state_dir() -> Path:
-    """The per-user 0700 directory for state files that outlive a daemon (hot sets, pins)."""
+    """The per-user 0700 directory for state files that outlive a daemon (hot sets, pins).
+
+    Raises:
+        DaemonError: if it exists but is not a directory of ours.
+    """
     xdg = os.environ.get("XDG_STATE_HOME")
     base = Path(xdg) if xdg else Path.home() / ".local" / "state"
     path = base / "expertd"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not _claim_dir(path):
+        raise DaemonError(f"{path} is not a directory of yours; remove it or set XDG_STATE_HOME")
     return path
 
 
 @dataclass(frozen=True)
 class DaemonPaths:
+    """The files of the daemon serving one blob directory (see runfile.py for the run file)."""
+
     blob_dir: Path
     ident: str
     socket: Path
-    lock: Path
+    lock: Path  # flock-ed by the daemon for its whole life
     pidfile: Path
-    log: Path
-    shm_name: str
+    runfile: Path  # JSON {pid, arena, epoch}: how clients and `start` find the arena
+    log: Path  # the daemon's rotating log when started detached
+    start_log: Path  # the detached child's stderr of the latest start only
     state_file: Path
 
     @property
@@ -63,17 +119,21 @@ class DaemonPaths:
 
 
 def daemon_paths(blob_dir) -> DaemonPaths:
-    """The paths of the daemon serving ``blob_dir`` (which need not be running)."""
+    """The paths of the daemon serving ``blob_dir`` (which need not be running).
+
+    Raises:
+        DaemonError: if no runtime directory of ours can be found (see :func:`runtime_dir`).
+        ValueError: if the socket path would be too long for a unix socket.
+    """
     real = Path(blob_dir).resolve()
     run = runtime_dir()
     # The runtime directory is part of the name: daemons in two runtime directories (which
-    # cannot see each other's sockets) must not take each other's arenas for stale ones.
+    # cannot see each other's sockets) must not take each other's files for stale ones.
     ident = hashlib.sha256(f"{real}\0{os.getuid()}\0{run}".encode()).hexdigest()[:16]
     socket = run / f"{ident}.sock"
     if len(str(socket).encode()) > MAX_SOCKET_PATH:
         raise ValueError(f"socket path {socket} is longer than {MAX_SOCKET_PATH} bytes; "
                          "set XDG_RUNTIME_DIR to a shorter directory")
-    shm_name = f"/expertd-{ident}"
-    assert len(shm_name) <= MAX_SHM_NAME
     return DaemonPaths(real, ident, socket, run / f"{ident}.lock", run / f"{ident}.pid",
-                       run / f"{ident}.log", shm_name, state_dir() / f"{ident}.json")
+                       run / f"{ident}.run", run / f"{ident}.log", run / f"{ident}.err",
+                       state_dir() / f"{ident}.json")

@@ -14,6 +14,7 @@ generations of double-buffered prefetch rows.
 """
 
 import enum
+import errno
 import mmap
 import os
 import sys
@@ -22,10 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 
+from ..errors import DaemonError
+
 ARENA_MAGIC = 0x3144505845545845  # "EXTEXPD1" little-endian
 LAYOUT_VERSION = 1
 HEADER_SIZE = 4096
 ROW_ALIGN = 16384
+SHM_DIR = "/dev/shm"  # Linux: the tmpfs behind POSIX shared memory
 
 HEADER_DTYPE = np.dtype(
     [
@@ -118,18 +122,109 @@ class Geometry:
         return self.rows_offset + self.stride * self.total_rows
 
     @classmethod
-    def for_budget(cls, n_layers: int, n_experts: int, stride: int, budget_bytes: int,
-                   side_rows: int = 0) -> "Geometry":
-        """The largest arena whose total size stays within ``budget_bytes``."""
+    def smallest_budget(cls, n_layers: int, n_experts: int, stride: int, side_rows: int = 0,
+                        cache_rows: int = 1) -> int:
+        """The smallest budget for which :meth:`for_budget` gives ``cache_rows`` cache rows."""
         probe = cls(n_layers, n_experts, 1, side_rows, stride)
         fixed = probe.rows_offset + stride * 2 * side_rows + SLOT_DTYPE.itemsize * 64
-        rows = (budget_bytes - fixed) // (stride + SLOT_DTYPE.itemsize)
+        return fixed + cache_rows * (stride + SLOT_DTYPE.itemsize)
+
+    @classmethod
+    def for_budget(cls, n_layers: int, n_experts: int, stride: int, budget_bytes: int,
+                   side_rows: int = 0) -> "Geometry":
+        """The largest arena whose total size stays within ``budget_bytes``.
+
+        Raises:
+            ValueError: if the budget cannot hold one cache row beside the side rows.
+        """
+        least = cls.smallest_budget(n_layers, n_experts, stride, side_rows)
+        rows = (budget_bytes - least) // (stride + SLOT_DTYPE.itemsize) + 1
         if rows < 1:
             raise ValueError(
-                f"a budget of {budget_bytes} bytes holds no expert row of {stride} bytes"
+                f"a budget of {budget_bytes} bytes is too small: an arena needs at least "
+                f"{least} bytes (one cache row of {stride} bytes beside 2 x {side_rows} "
+                "prefetch side rows, and the slot tables)"
             )
         rows = min(rows, n_layers * n_experts)
         return cls(n_layers, n_experts, int(rows), side_rows, stride)
+
+
+class ArenaSpaceError(DaemonError):
+    """Shared memory or RAM cannot hold the arena."""
+
+
+def _available_memory() -> int | None:
+    """Memory that can still be used without swapping: MemAvailable, within the cgroup's
+    limit on Linux; physical RAM on macOS; None if unknown."""
+    if not sys.platform.startswith("linux"):
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+    available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            room = max(0, int(limit) - used)
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_room(size: int, name: str = "the arena") -> None:
+    """Check that shared memory and RAM can hold ``size`` more bytes, before reserving them.
+
+    Raises:
+        ArenaSpaceError: naming what is short, by how much, and what to do.
+    """
+    gib = 2**30
+    if sys.platform.startswith("linux"):
+        st = os.statvfs(SHM_DIR)
+        free = st.f_bavail * st.f_frsize
+        if size > free:
+            raise ArenaSpaceError(
+                f"{name} needs {size / gib:.3f} GiB but {SHM_DIR} has only {free / gib:.3f} "
+                f"GiB free; lower --cache-gb, or enlarge {SHM_DIR} (in a container: "
+                "docker run --shm-size)")
+    available = _available_memory()
+    if available is not None and size > available:
+        raise ArenaSpaceError(
+            f"{name} needs {size / gib:.3f} GiB but only {available / gib:.3f} GiB of memory "
+            "is available; lower --cache-gb")
+
+
+def reserve(fd: int, size: int, name: str = "the arena") -> None:
+    """Give the shared-memory object ``fd`` its size, with memory behind it where possible.
+
+    Linux: posix_fallocate allocates the tmpfs pages now, so a shortfall is an error here
+    rather than a SIGBUS on first touch. macOS has no shm filesystem: ftruncate sizes the
+    object and :meth:`Arena.populate` touches the pages.
+
+    Raises:
+        ArenaSpaceError: if the memory is not there.
+    """
+    if not sys.platform.startswith("linux"):
+        os.ftruncate(fd, size)
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise ArenaSpaceError(
+                f"could not reserve {size / 2**30:.3f} GiB for {name} in {SHM_DIR}: "
+                f"{exc.strerror}; lower --cache-gb") from None
+        raise
 
 
 class Arena:
@@ -156,8 +251,20 @@ class Arena:
 
     @classmethod
     def create(cls, name: str, geometry: Geometry, pid: int, epoch: int) -> "Arena":
-        """Create (exclusively, mode 0600) and initialise a new arena."""
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=geometry.total_size)
+        """Create (exclusively, mode 0600), reserve and initialise a new arena.
+
+        Raises:
+            ArenaSpaceError: if shared memory or RAM cannot hold it (nothing is left behind).
+            posix_ipc.ExistentialError: if the name is taken.
+        """
+        check_room(geometry.total_size, f"arena {name}")
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+        try:
+            reserve(shm.fd, geometry.total_size, f"arena {name}")
+        except BaseException:
+            shm.close_fd()
+            unlink_arena(name)
+            raise
         arena = cls(name, shm, geometry, owner=True)
         arena.slot_of[:] = -1
         arena.slots[:] = 0

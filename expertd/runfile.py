@@ -1,0 +1,280 @@
+"""What a daemon leaves in the runtime directory: writing it safely, reading it, clearing it.
+
+The run file ``<ident>.run`` (JSON ``{pid, arena, epoch, ready}``) is the only place the random
+arena name is published. It sits in the 0700 runtime directory, so only the user can read it.
+The lock ``<ident>.lock`` is flock-ed by the daemon for its whole life: a lock dies with its
+process, so "the lock is free" means "no daemon", whatever pid files say and whoever reuses the
+pid. Whoever holds the lock may treat every other file of that ident as stale.
+"""
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .shm.layout import unlink_arena
+
+log = logging.getLogger("expertd")
+
+ARENA_NAME = re.compile(r"/expertd-[0-9a-f]{8,22}")
+# Files of one daemon, by suffix after "<ident>."; rotated logs are "log.1", "log.2", ...
+_DAEMON_FILE = re.compile(r"([0-9a-f]{16})\.(sock|run|pid|lock|err|log(?:\.\d+)?)")
+# A dead daemon's log is kept this long, so that its crash can still be read the same day.
+LOG_KEEP_SECONDS = 24 * 3600
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a daemon publishes about itself once it holds the lock."""
+
+    pid: int
+    arena: str  # the shared-memory name, random per start
+    epoch: int  # random per start, also in the arena header; never 0
+    ready: bool  # False while the server is still being built
+
+
+def new_arena_name() -> str:
+    """A fresh unguessable shared-memory name: 31 characters, macOS's limit (PSHMNAMLEN)."""
+    return "/expertd-" + secrets.token_hex(11)
+
+
+def new_epoch() -> int:
+    """A fresh random epoch in [1, 2**63)."""
+    return (int.from_bytes(os.urandom(8), "little") >> 1) or 1
+
+
+def check_private_dir(directory: Path) -> None:
+    """Refuse to write into a directory where another user could swap or plant files.
+
+    Ours (or root's), and if others can write to it, sticky (like /tmp): there nobody can
+    rename or delete our files, and O_EXCL temporaries make planted names harmless.
+
+    Raises:
+        PermissionError: naming the directory, if it is not safe to write into.
+    """
+    info = os.stat(directory)
+    if info.st_uid not in (os.getuid(), 0):
+        raise PermissionError(f"{directory} belongs to uid {info.st_uid}, not to you; "
+                              "choose a directory of yours")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        raise PermissionError(f"{directory} is writable by other users and not sticky; "
+                              "choose a directory of yours")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` (mode 0600) so that readers see the old or the new file whole.
+
+    The temporary has a random name and is created with O_EXCL | O_NOFOLLOW: a symlink planted
+    at any name in the directory is never followed. A symlink at ``path`` itself is replaced,
+    not followed (rename works on names).
+
+    Raises:
+        PermissionError: if the directory is not the user's own (see check_private_dir).
+        OSError: if the file cannot be written.
+    """
+    path = Path(path)
+    check_private_dir(path.parent)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def read_private(path: Path, limit: int = 1 << 20) -> bytes:
+    """Read a small file without following a symlink at its name.
+
+    Raises:
+        OSError: if it is missing, a symlink (ELOOP) or unreadable.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        return f.read(limit)
+
+
+def write_run_info(paths, info: RunInfo) -> None:
+    write_atomically(paths.runfile, json.dumps(info.__dict__).encode())
+
+
+def read_run_info(paths) -> RunInfo | None:
+    """The run file of the daemon of ``paths``, or None if there is none or it is unreadable.
+
+    It may be a dead daemon's: ask :func:`serving_epoch` whether one holds the lock.
+    """
+    try:
+        data = json.loads(read_private(paths.runfile))
+        info = RunInfo(data["pid"], data["arena"], data["epoch"], data["ready"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if (type(info.pid) is not int or type(info.epoch) is not int or type(info.ready) is not bool
+            or not isinstance(info.arena, str) or not ARENA_NAME.fullmatch(info.arena)):
+        return None
+    return info
+
+
+def lock_held(lock: Path) -> bool:
+    """True if a process holds ``lock`` exclusively now (a daemon, or a clean-up in progress).
+
+    The probe takes a shared lock for an instant, so concurrent probes never disturb each
+    other; a starting daemon retries for a moment (see daemon.acquire_lock).
+    """
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False  # missing, or not ours to open: nobody serves through it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def serving_epoch(paths) -> int | None:
+    """The epoch of the daemon that holds the directory's lock right now.
+
+    Returns:
+        None if no process holds the lock (the daemon is dead, whatever its pid now names);
+        0 if the lock is held but the daemon has not published a ready run file yet;
+        else the epoch, which changes with every start.
+    """
+    if not lock_held(paths.lock):
+        return None
+    info = read_run_info(paths)
+    if info is None or not info.ready:
+        return 0
+    try:
+        pid = int(read_private(paths.pidfile))
+    except (OSError, ValueError):
+        return 0
+    # A dead daemon's run file, read in the instant before its successor removes it.
+    return info.epoch if pid == info.pid else 0
+
+
+def take_lock(lock: Path, patience: float = 0.0) -> int | None:
+    """Open (creating, 0600) and flock ``lock`` exclusively; the fd, or None if it is held.
+
+    Retries for ``patience`` seconds, since probes hold it for an instant. Checks that the
+    locked file is still the one at the name: a clean-up may have unlinked it meanwhile.
+    """
+    deadline = time.monotonic() + patience
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+            continue
+        try:
+            now = os.stat(lock, follow_symlinks=False)
+        except FileNotFoundError:
+            now = None
+        mine = os.fstat(fd)
+        if now is not None and (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            return fd
+        os.close(fd)  # unlinked under us: lock the new file instead
+
+
+def remove_leftovers(paths, everything: bool = False) -> list:
+    """Remove what a dead daemon left: its arena (named by its run file), socket, run file,
+    pid file; with ``everything``, also its start log, its lock, and its logs unless one was
+    written in the last LOG_KEEP_SECONDS.
+
+    Only call this while holding the lock of ``paths`` (see :func:`take_lock`).
+
+    Returns:
+        Descriptions of what was removed, for the log.
+    """
+    removed = []
+    info = read_run_info(paths)
+    if info is not None and unlink_arena(info.arena):
+        removed.append(f"arena {info.arena}")
+    if _unlink(paths.socket):
+        removed.append(f"socket {paths.socket}")
+    _unlink(paths.runfile)
+    _unlink(paths.pidfile)
+    if everything:
+        _unlink(paths.start_log)
+        logs = sorted(paths.log.parent.glob(paths.log.name + "*"))
+        cutoff = time.time() - LOG_KEEP_SECONDS
+        if all(_mtime(p) < cutoff for p in logs):
+            for p in logs:
+                _unlink(p)
+        _unlink(paths.lock)  # last, while still held: see take_lock
+    return removed
+
+
+def sweep_runtime_dir(run_dir: Path, skip: str = "") -> int:
+    """Remove the files of every daemon in ``run_dir`` that no process serves any more.
+
+    Daemons that hold their lock are left alone, as is the ident ``skip`` (the caller's).
+
+    Returns:
+        How many dead daemons' files were removed.
+    """
+    idents = {m.group(1) for m in map(_DAEMON_FILE.fullmatch, os.listdir(run_dir)) if m}
+    swept = 0
+    for ident in sorted(idents - {skip}):
+        paths = _ident_paths(run_dir, ident)
+        fd = take_lock(paths.lock)
+        if fd is None:
+            continue  # alive
+        try:
+            removed = remove_leftovers(paths, everything=True)
+            swept += 1
+            if removed:
+                log.info("removed %s left by a dead expertd", ", ".join(removed))
+        finally:
+            os.close(fd)
+    return swept
+
+
+@dataclass(frozen=True)
+class _IdentPaths:
+    """The runtime files of one ident, as remove_leftovers needs them."""
+
+    lock: Path
+    pidfile: Path
+    runfile: Path
+    socket: Path
+    log: Path
+    start_log: Path
+
+
+def _ident_paths(run_dir: Path, ident: str) -> _IdentPaths:
+    return _IdentPaths(*(run_dir / f"{ident}.{s}" for s in ("lock", "pid", "run", "sock", "log",
+                                                              "err")))
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return os.stat(path, follow_symlinks=False).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        if exc.errno in (errno.EISDIR, errno.EPERM):
+            return False
+        raise
