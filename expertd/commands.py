@@ -2,30 +2,72 @@
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from .errors import DaemonError, DaemonNotRunning
 
 
+def _cache_bytes(args, manifest) -> int:
+    """``--cache-gb`` in bytes, refused unless the daemon can serve the model with it.
+
+    The floor: enough cache rows (beside the 2 x top_k prefetch side rows) that one demand may
+    lease a whole token's top_k experts of a layer under the daemon's per-demand limit
+    (``server.cache_limits``), capped at the model's expert count. For top_k = 4 that is 10
+    rows; 2 x top_k rows would leave a demand only 3.
+
+    Raises:
+        ValueError: one line naming the smallest budget that works, in GiB.
+    """
+    from .server import cache_limits
+    from .shm.layout import Geometry
+
+    gb = args.cache_gb
+    if not math.isfinite(gb) or gb <= 0:
+        raise ValueError(f"--cache-gb must be a finite number of GiB above 0, not {gb}")
+    m = manifest
+    total = len(m.layers) * m.max_experts
+    rows = 1
+    while rows < total and cache_limits(rows)[1] < m.top_k:
+        rows += 1
+    least = Geometry.smallest_budget(len(m.layers), m.max_experts, m.stride, side_rows=m.top_k,
+                                     cache_rows=rows)
+    cache_bytes = int(gb * 2**30)
+    if cache_bytes < least:
+        least_gb = math.ceil(least / 2**30 * 1e6) / 1e6  # rounded up: the number shown works
+        raise ValueError(f"--cache-gb {gb:g} is too small for {args.blobs}: the smallest cache "
+                         f"that serves it is {least_gb:g} GiB ({rows} rows of {m.stride} bytes, "
+                         f"so that one demand holds a token's top_k = {m.top_k} experts, beside "
+                         f"2 x {m.top_k} prefetch rows)")
+    return cache_bytes
+
+
 def _cmd_start(args) -> int:
+    from .blobstore import BlobStore
     from .daemon import run_foreground, start_detached
+    from .paths import daemon_paths
     from .server import ServerConfig
 
+    blob_dir = Path(args.blobs).resolve()
+    store = BlobStore(blob_dir)  # refuse a bad directory here, not in the detached child
+    try:
+        cache_bytes = _cache_bytes(args, store.manifest)
+    finally:
+        store.close()
     config = ServerConfig(
-        blob_dir=Path(args.blobs).resolve(), cache_bytes=int(args.cache_gb * 2**30),
+        blob_dir=blob_dir, cache_bytes=cache_bytes,
         workers=args.workers, io=args.io, verify=args.verify,
         client_timeout=args.client_timeout, heartbeat_interval=args.heartbeat,
         pin_file=Path(args.pin_file) if args.pin_file else None, auto_pin=args.auto_pin)
-    from .blobstore import BlobStore
-
-    BlobStore(config.blob_dir).close()  # refuse a bad directory here, not in the detached child
     if args.foreground:
-        return run_foreground(config, Path(args.state_file) if args.state_file else None)
+        return run_foreground(config, Path(args.state_file) if args.state_file else None,
+                              log_to_file=args.log_to_file)
     argv = [a for a in args.argv_all if a not in ("-v", "--verbose")]
     stats = start_detached(config.blob_dir, argv)
     print(f"expertd serving {stats['blob_dir']} on {stats['endpoint']} (pid {stats['pid']}, "
           f"{stats['arena_rows']} rows, {stats['arena_bytes'] / 2**30:.2f} GiB arena)")
+    print(f"  log: {daemon_paths(config.blob_dir).log}")
     return 0
 
 
@@ -48,12 +90,14 @@ def _status_lines(s: dict) -> list:
         f"  read         {s['bytes_read'] / 2**20:.1f} MiB in {s['fills']} fills, "
         f"{s['fill_gbps']:.2f} GB/s while filling",
         f"  clients      {s['clients']} connected, {s['leases']} leases",
+        f"  log          {s['log']}",
     ]
 
 
 def _cmd_status(args) -> int:
     from .connection import Connection
     from .daemon import list_sockets
+    from .paths import daemon_paths
     from .protocol import Op
 
     targets = [dict(blob_dir=args.blobs)] if args.blobs else [
@@ -62,7 +106,9 @@ def _cmd_status(args) -> int:
     for target in targets:
         try:
             with Connection(**target) as conn:
-                results.append(conn.request(Op.STATS, timeout=args.timeout))
+                stats = conn.request(Op.STATS, timeout=args.timeout)
+            stats["log"] = str(daemon_paths(stats["blob_dir"]).log)
+            results.append(stats)
         except DaemonError as exc:
             if args.blobs:
                 raise
@@ -103,6 +149,7 @@ def add_subcommands(sub) -> None:
                    help="heartbeat interval clients are told to use (default: 1)")
     p.add_argument("--state-file", help="where the hot set is saved (default: per-user state dir)")
     p.add_argument("--foreground", action="store_true", help="serve in this process")
+    p.add_argument("--log-to-file", action="store_true", help=argparse.SUPPRESS)  # detached child
     p.set_defaults(func=_cmd_start)
 
     p = sub.add_parser("stop", help="stop the daemon of a blob directory",
