@@ -12,25 +12,21 @@ from .errors import DaemonError, DaemonNotRunning
 def _cache_bytes(args, manifest) -> int:
     """``--cache-gb`` in bytes, refused unless the daemon can serve the model with it.
 
-    The floor: enough cache rows (beside the 2 x top_k prefetch side rows) that one demand may
-    lease a whole token's top_k experts of a layer under the daemon's per-demand limit
-    (``server.cache_limits``), capped at the model's expert count. For top_k = 4 that is 10
-    rows; 2 x top_k rows would leave a demand only 3.
+    The floor is 2 x top_k cache rows (capped at the model's expert count) beside the
+    2 x top_k prefetch side rows: two tokens' worth of one layer's experts, so that one
+    client's group leaves room for another's. Below it, demands shrink to a row or two and
+    every layer of every token waits on several round trips.
 
     Raises:
         ValueError: one line naming the smallest budget that works, in GiB.
     """
-    from .server import cache_limits
     from .shm.layout import Geometry
 
     gb = args.cache_gb
     if not math.isfinite(gb) or gb <= 0:
         raise ValueError(f"--cache-gb must be a finite number of GiB above 0, not {gb}")
     m = manifest
-    total = len(m.layers) * m.max_experts
-    rows = 1
-    while rows < total and cache_limits(rows)[1] < m.top_k:
-        rows += 1
+    rows = min(2 * m.top_k, len(m.layers) * m.max_experts)
     least = Geometry.smallest_budget(len(m.layers), m.max_experts, m.stride, side_rows=m.top_k,
                                      cache_rows=rows)
     cache_bytes = int(gb * 2**30)
@@ -38,8 +34,8 @@ def _cache_bytes(args, manifest) -> int:
         least_gb = math.ceil(least / 2**30 * 1e6) / 1e6  # rounded up: the number shown works
         raise ValueError(f"--cache-gb {gb:g} is too small for {args.blobs}: the smallest cache "
                          f"that serves it is {least_gb:g} GiB ({rows} rows of {m.stride} bytes, "
-                         f"so that one demand holds a token's top_k = {m.top_k} experts, beside "
-                         f"2 x {m.top_k} prefetch rows)")
+                         f"twice a token's top_k = {m.top_k} experts, beside 2 x {m.top_k} "
+                         "prefetch rows)")
     return cache_bytes
 
 

@@ -79,8 +79,8 @@ def runtime_dir() -> Path:
         if _claim_dir(path):
             return path
     raise DaemonError(f"{first} and its {RUNTIME_FALLBACKS} fallbacks ({first.name}-1 ... "
-                      f"-{RUNTIME_FALLBACKS}) belong to other users or cannot be created; set XDG_RUNTIME_DIR to a "
-                      "private directory of yours (mode 0700), e.g. export "
+                      f"-{RUNTIME_FALLBACKS}) belong to other users or cannot be created; set "
+                      "XDG_RUNTIME_DIR to a private directory of yours (mode 0700), e.g. export "
                       "XDG_RUNTIME_DIR=$HOME/.run, for the daemon and its clients alike")
 
 

@@ -189,7 +189,7 @@ def check_room(size: int, name: str = "the arena") -> None:
         ArenaSpaceError: naming what is short, by how much, and what to do.
     """
     gib = 2**30
-    if sys.platform.startswith("linux"):
+    if sys.platform.startswith("linux") and os.path.isdir(SHM_DIR):
         st = os.statvfs(SHM_DIR)
         free = st.f_bavail * st.f_frsize
         if size > free:
@@ -224,7 +224,9 @@ def reserve(fd: int, size: int, name: str = "the arena") -> None:
             raise ArenaSpaceError(
                 f"could not reserve {size / 2**30:.3f} GiB for {name} in {SHM_DIR}: "
                 f"{exc.strerror}; lower --cache-gb") from None
-        raise
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # no fallocate here: populate() touches the pages instead
 
 
 class Arena:

@@ -31,7 +31,7 @@ from expertd.runfile import (ARENA_NAME, read_run_info, serving_epoch, sweep_run
 from expertd.shm.layout import Geometry, unlink_arena
 
 NOBODY = 65534
-CACHE_GB = "0.0003"  # 10 rows of the tiny model: the smallest cache `start` accepts for it
+CACHE_GB = "0.0003"  # 10 rows of the tiny model
 
 
 def _mode(path) -> int:
@@ -191,11 +191,11 @@ def test_cache_gb_is_validated_and_the_smallest_budget_named(models, isolated_en
     assert small.returncode == 1 and small.stderr.count("\n") == 1, small
     least = re.search(r"smallest cache that serves it is ([0-9.e-]+) GiB", small.stderr)
     assert least, small.stderr
-    assert "10 rows" in small.stderr  # a demand of top_k = 4 needs (10 - 10 // 4) // 2 >= 4
+    assert "8 rows" in small.stderr  # 2 x top_k for the tiny model (top_k = 4)
     try:
         started = expertd_cli("start", "--blobs", blobs, "--cache-gb", least.group(1))
         assert started.returncode == 0, started.stderr
-        assert query_stats(blobs)["arena_rows"] == 10
+        assert query_stats(blobs)["arena_rows"] == 8
     finally:
         kill_serving_daemon(blobs)
 
