@@ -10,8 +10,7 @@ import threading
 
 import pytest
 
-from daemon_helpers import (TINY_CACHE_GB, RawClient, expected_bytes, running_daemon,
-                            wait_until)
+from harness import TINY_CACHE_GB, RawClient, expected_bytes, running_daemon, wait_until
 from expertd.blobstore import BlobStore
 from expertd.errors import DaemonError
 from expertd.io import FillPool
@@ -43,7 +42,7 @@ def flip_byte(blob_dir, layer: int, expert: int, at: int = 100) -> None:
 
 def evict(client: RawClient, layer: int, expert: int) -> None:
     """Fetch other layers' experts until (layer, expert) has left the cache."""
-    step = max(1, client.hello["cache_rows"] // 2)
+    step = client.hello["max_demand"]
     others = [li for li in range(len(client.manifest.layers)) if li != layer]
     for _ in range(4):
         for other in others:
