@@ -1,6 +1,7 @@
 """Shared pieces of the benchmarks: cached synthetic models, a real daemon, side-by-side timing."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,15 @@ def ensure_model(name: str, spec: dict) -> tuple:
     model_dir, blob_dir = OUT / "models" / name, OUT / "blobs" / name
     if not (model_dir / "config.json").exists():
         synthesize(SynthConfig(**spec), model_dir)
-    if not (blob_dir / "manifest.json").exists():
+    if blob_dir.exists():
+        from expertd.errors import BlobStoreError
+        from expertd.manifest import Manifest
+
+        try:
+            Manifest.load(blob_dir)
+        except BlobStoreError:  # an older format (or a broken run): convert again
+            shutil.rmtree(blob_dir)
+    if not blob_dir.exists():
         blob_dir.parent.mkdir(parents=True, exist_ok=True)
         convert(model_dir, blob_dir, progress=False)
     return model_dir, blob_dir
