@@ -8,6 +8,7 @@ expertd/native.py for the choice between them. The atomics are real acquire/rele
 
 from libc.stdint cimport int32_t, uint32_t, uint64_t, uint8_t
 from libc.string cimport memcpy
+from cpython.exc cimport PyErr_CheckSignals
 
 cdef extern from *:
     """
@@ -34,7 +35,21 @@ cdef extern from *:
         struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts);
         return ts.tv_sec + ts.tv_nsec * 1e-9;
     }
-    static inline void xd_pause(void) { sched_yield(); }
+    static inline void xd_yield(void) { sched_yield(); }
+    static inline void xd_sleep(double seconds) {
+        struct timespec ts;
+        ts.tv_sec = (time_t)seconds;
+        ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+        nanosleep(&ts, NULL);
+    }
+    /* A hint to the core that this is a spin-wait (frees the sibling hyper-thread). */
+    static inline void xd_cpu_relax(void) {
+    #if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+    #elif defined(__aarch64__) || defined(__arm__)
+        __asm__ __volatile__("yield");
+    #endif
+    }
     """
     unsigned long long xd_load_acquire(const void *p) nogil
     unsigned long long xd_load_relaxed(const void *p) nogil
@@ -44,7 +59,9 @@ cdef extern from *:
     void xd_fence_acquire() nogil
     void xd_fence_release() nogil
     double xd_now() nogil
-    void xd_pause() nogil
+    void xd_yield() nogil
+    void xd_sleep(double seconds) nogil
+    void xd_cpu_relax() nogil
 
 # Slot record layout (shm/layout.py SLOT_DTYPE): keep in step.
 DEF SLOT_SIZE = 32
@@ -57,6 +74,18 @@ DEF STATE_FILLING = 1
 DEF STATE_READY = 2
 
 IMPLEMENTATION = "cython"
+
+# drain's back-off, the same in expertd/_fallback.py: a fill usually lands within microseconds
+# of being seen FILLING (spin), a slow one frees the core (yield), then the CPU (sleeps).
+DEF DRAIN_SPINS = 64
+DEF DRAIN_YIELDS = 64
+DEF DRAIN_FIRST_SLEEP = 1e-5
+DEF DRAIN_MAX_SLEEP = 1e-3
+
+
+cdef int _check_signals() except -1 with gil:
+    # A KeyboardInterrupt raised while drain sleeps, as time.sleep raises it in the twin.
+    return PyErr_CheckSignals()
 
 
 cdef inline uint8_t* _slot(uint8_t* base, Py_ssize_t slots_offset, Py_ssize_t row) nogil:
@@ -126,15 +155,19 @@ def drain(uint8_t[::1] arena, Py_ssize_t slots_offset, int layer, const int32_t[
 
     Rows that become READY with the right key go to ``out_slots``/``out_versions``; a row that
     fails, changes hands or is not ready within ``timeout`` seconds is left at -1. Returns the
-    number left at -1.
+    number left at -1. Waits by spinning, then yielding the core, then sleeping up to 1 ms at a
+    time (GIL released throughout).
+
+    Raises:
+        KeyboardInterrupt: (or whatever a signal handler raises) while it sleeps.
     """
     cdef uint8_t* base = &arena[0]
     cdef Py_ssize_t i, n = rows.shape[0]
     cdef uint8_t* rec
     cdef unsigned long long v
     cdef uint32_t state
-    cdef double deadline
-    cdef int left = 0
+    cdef double deadline, pause
+    cdef int left = 0, tries
     with nogil:
         deadline = xd_now() + timeout
         for i in range(n):
@@ -143,6 +176,8 @@ def drain(uint8_t[::1] arena, Py_ssize_t slots_offset, int layer, const int32_t[
                 left += 1
                 continue
             rec = _slot(base, slots_offset, rows[i])
+            tries = 0
+            pause = DRAIN_FIRST_SLEEP
             while True:
                 v = xd_load_acquire(rec + OFF_VERSION)
                 if ((<volatile int32_t*>(rec + OFF_LAYER))[0] != layer
@@ -155,7 +190,15 @@ def drain(uint8_t[::1] arena, Py_ssize_t slots_offset, int layer, const int32_t[
                     break
                 if state != STATE_FILLING or xd_now() > deadline:
                     break
-                xd_pause()
+                tries += 1
+                if tries <= DRAIN_SPINS:
+                    xd_cpu_relax()
+                elif tries <= DRAIN_SPINS + DRAIN_YIELDS:
+                    xd_yield()
+                else:
+                    xd_sleep(pause)
+                    pause = min(2 * pause, DRAIN_MAX_SLEEP)
+                    _check_signals()
             if out_slots[i] < 0:
                 left += 1
     return left

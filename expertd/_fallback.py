@@ -5,6 +5,7 @@ give the seqlock what it needs; on weakly ordered CPUs (arm64) ``remap`` reports
 as missing, so the client always goes through the daemon, whose leases keep rows stable.
 """
 
+import os
 import platform
 import time
 
@@ -13,6 +14,11 @@ import numpy as np
 from expertd.shm.layout import SLOT_DTYPE, SlotState
 
 IMPLEMENTATION = "python"
+# drain's back-off, the same as in cython_ext/_native.pyx: spin, then yield, then sleeps.
+DRAIN_SPINS = 64
+DRAIN_YIELDS = 64
+DRAIN_FIRST_SLEEP = 1e-5
+DRAIN_MAX_SLEEP = 1e-3
 _STRONGLY_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
@@ -62,6 +68,8 @@ def drain(arena, slots_offset, layer, experts, rows, out_slots, out_versions, ti
     for i, row in enumerate(rows):
         out_slots[i] = -1
         row = int(row)
+        tries = 0
+        pause = DRAIN_FIRST_SLEEP
         while row >= 0 and _STRONGLY_ORDERED:
             rec = table[row]
             v = int(rec["version"])
@@ -74,7 +82,14 @@ def drain(arena, slots_offset, layer, experts, rows, out_slots, out_versions, ti
                 break
             if state != SlotState.FILLING or time.monotonic() > deadline:
                 break
-            time.sleep(0)
+            tries += 1
+            if tries <= DRAIN_SPINS:
+                pass  # Python has no CPU pause hint; re-reading is the spin
+            elif tries <= DRAIN_SPINS + DRAIN_YIELDS:
+                os.sched_yield()
+            else:
+                time.sleep(pause)
+                pause = min(2 * pause, DRAIN_MAX_SLEEP)
         if out_slots[i] < 0:
             left += 1
     return left
