@@ -3,6 +3,11 @@
 ``fetch(layer, experts)`` is the per-layer hot path: a lock-free remap through the shared slot
 table, one demand for whatever is missing, a drain of rows other clients are filling, a copy of
 each segment into a staging buffer (GIL released, seqlock-checked), then MLX arrays.
+
+No lease outlives its use, whatever interrupts the client: every lease the daemon grants is
+recorded the moment its reply is read (with SIGINT held back for those few steps) and released
+in a ``finally``; a demand whose waiter was interrupted keeps its request id, and its late reply
+is released by whichever thread reads it next (the heartbeat thread when the client is idle).
 """
 
 import logging
@@ -16,11 +21,14 @@ import numpy as np
 import zmq
 
 from expertd import native
+from expertd.client.heartbeat import Heartbeat
+from expertd.client.interrupts import HeldInterrupts
 from expertd.connection import Connection
-from expertd.errors import DaemonError, DaemonNotRunning
+from expertd.errors import DaemonError, DaemonNotRunning, ProtocolError
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
-from expertd.protocol import PROTOCOL_VERSION, ErrorCode, Op
+from expertd.protocol import PROTOCOL_VERSION, ErrorCode, Op, parse_reply, request
+from expertd.runfile import serving_epoch
 from expertd.shm.layout import Arena
 
 log = logging.getLogger("expertd.client")
@@ -32,18 +40,9 @@ MLX_DTYPES = {
 }
 NP_STAGING = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 DRAIN_TIMEOUT = 5.0
-POLL_SLICE = 0.2
-REQUEST_TIMEOUT = 300.0  # a live daemon that does not answer for this long is stuck
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # alive, someone else's
-    return True
+POLL_SLICE = 0.05  # how often a wait looks at the daemon's liveness and a held-back SIGINT
+REQUEST_TIMEOUT = 300.0  # a daemon that heartbeats but never answers one request
+GOODBYE_LINGER_MS = 200  # how long close() lets the goodbye reach the daemon
 
 
 class DaemonDied(DaemonError):
@@ -67,7 +66,8 @@ class Session:
         self.manifest = Manifest.load(self.paths.blob_dir)
         self.reconnect_timeout = reconnect_timeout
         self.requested_group = max_group or max(64, 4 * self.manifest.top_k)
-        self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0)
+        self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0,
+                             late_leases=0)
         self.conn = self.arena = self._heartbeat = None
         self.max_group = None
         self._bases: dict = {}
@@ -75,6 +75,12 @@ class Session:
             (np.array([seg.offset for seg in layer.segments], dtype=np.intp),
              np.array([seg.nbytes for seg in layer.segments], dtype=np.intp))
             for layer in self.manifest.layers]
+        # The socket is used by the calling thread, and by the heartbeat thread only while no
+        # request is in progress (to release late leases); the lock hands it over between them.
+        self._socket_lock = threading.RLock()
+        self._demands: set = set()  # ids of demands sent whose reply has not been read
+        self._leases: set = set()  # leases granted and not yet released
+        self._next_rid = 0
         self._attach()
 
     # ---- attachment ------------------------------------------------------------------------
@@ -103,7 +109,7 @@ class Session:
             conn.close()
             raise DaemonError("the daemon's arena changed during attach; try again")
         self.conn, self.arena, self.hello = conn, arena, hello
-        self.daemon_pid = hello["pid"]
+        self.daemon_pid, self.epoch = hello["pid"], hello["epoch"]
         self.raw = arena.raw
         g = arena.geometry
         self._slot_of_offset, self._slots_offset = g.slot_of_offset, g.slots_offset
@@ -115,29 +121,38 @@ class Session:
             self.max_group = min(hello["max_demand"], self.requested_group,
                                  self.manifest.max_experts)
         self.demand_limit = hello["max_demand"]
-        self._heartbeat = Heartbeat(self.paths.endpoint, conn.client_id,
-                                    hello["heartbeat_interval"], self.daemon_pid)
+        interval = hello["heartbeat_interval"]
+        # The daemon forgets a client silent for client_timeout; the client gives the daemon as
+        # long (and at least three heartbeats) before calling it stuck.
+        self._heartbeat = Heartbeat(self.paths.endpoint, conn.client_id, hello["token"], interval,
+                                    max(hello["client_timeout"], 3 * interval),
+                                    self._daemon_alive, self._reap)
 
     def _check_not_dead(self) -> None:
-        """A daemon killed with SIGKILL leaves its socket and pid file: do not wait on them."""
-        try:
-            pid = int(self.paths.pidfile.read_text())
-        except (OSError, ValueError):
-            return  # no pid file: the connection decides
-        if not process_alive(pid):
+        """A daemon killed with SIGKILL leaves its socket and run files: do not wait on them."""
+        if serving_epoch(self.paths) is None:
             blob = self.paths.blob_dir
-            raise DaemonNotRunning(f"no expertd serves {blob}: the one that did (pid {pid}) is "
-                                   f"gone (start one with: expertd start --blobs {blob})")
+            raise DaemonNotRunning(f"no expertd serves {blob} (its lock is free): start one "
+                                   f"with: expertd start --blobs {blob}")
 
     def _detach(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self.conn is not None:
             self.conn.close()
+        # Leases and demands belong to the daemon they were made with.
+        self._demands.clear()
+        self._leases.clear()
         # The old mapping stays valid until nothing references it; numpy views may outlive us.
         self.conn = self.arena = self._heartbeat = None
 
     def close(self) -> None:
+        """Say goodbye (the daemon drops this client's leases and pins at once) and detach."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        if self.conn is not None:
+            self._send_quietly(Op.GOODBYE, {})
+            self.conn.sock.close(linger=GOODBYE_LINGER_MS)  # bounded: the daemon may be gone
         self._detach()
 
     def _reconnect(self, why: str) -> None:
@@ -161,7 +176,9 @@ class Session:
                 time.sleep(0.1)
 
     def _daemon_alive(self) -> bool:
-        return process_alive(self.daemon_pid) and bool(self.arena.header["serving"][0])
+        """The daemon we said hello to still holds the directory's lock (a pid reused by
+        another process, or a new daemon, does not count) and still serves."""
+        return serving_epoch(self.paths) == self.epoch and bool(self.arena.header["serving"][0])
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -173,31 +190,117 @@ class Session:
             except DaemonDied as exc:
                 self._reconnect(str(exc))
 
-    def _ask(self, op: Op, body: dict) -> dict:
-        """One request to the daemon attached now; DaemonDied if it is gone."""
-        return self._wait(self.conn.send(op, body))
+    def _ask(self, op: Op, body: dict, held: HeldInterrupts | None = None) -> dict:
+        """One request to the daemon attached now; DaemonDied if it is gone.
 
-    def _wait(self, rid: bytes) -> dict:
-        deadline = time.monotonic() + REQUEST_TIMEOUT
-        while True:
+        SIGINT is held back (by ``held``, or here) except while waiting, where one that came is
+        delivered every POLL_SLICE. A demand's lease is in ``self._leases`` when this returns.
+        """
+        if held is None:
+            with HeldInterrupts() as held:
+                return self._ask(op, body, held)
+        with self._socket_lock:
+            self._next_rid += 1
+            rid = b"s" + self._next_rid.to_bytes(8, "little")
+            if op is Op.DEMAND:
+                self._demands.add(rid)  # before the send: its reply is never unaccounted for
+            self.conn.sock.send_multipart(request(rid, op, body))
             try:
-                return self.conn.wait(rid, POLL_SLICE)
-            except DaemonError as exc:
-                if exc.code == ErrorCode.SHUTTING_DOWN:
-                    raise DaemonDied(f"expertd (pid {self.daemon_pid}) is shutting down") from None
-                if exc.code == ErrorCode.NOT_HELLO:
-                    # A daemon restarted before we noticed got this request on the old socket
-                    # path (or ours timed out our heartbeat): attach again.
-                    raise DaemonDied(f"expertd serving {self.paths.blob_dir} no longer knows "
-                                     f"this client (restarted?)") from None
-                if exc.code is not None:
-                    raise
+                return self._wait(rid, held)
+            except BaseException:
+                if self._demands:
+                    self._heartbeat.wake()  # to release the late lease as soon as it comes
+                raise
+
+    def _send_quietly(self, op: Op, body: dict) -> None:
+        """Fire and forget (release, goodbye); never blocks on a daemon that is gone."""
+        self._next_rid += 1
+        try:
+            self.conn.sock.send_multipart(request(b"s" + self._next_rid.to_bytes(8, "little"),
+                                                  op, body), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the daemon is gone or flooded; its leases die with it or with our heartbeat
+
+    def _release_leases(self) -> None:
+        with self._socket_lock:
+            while self._leases:
+                lease = next(iter(self._leases))
+                # Sent before it is forgotten: an interrupt in between means one more release
+                # (which the daemon ignores), never one less.
+                self._send_quietly(Op.RELEASE, {"lease": lease})
+                self._leases.discard(lease)
+
+    def _read_reply(self, rid: bytes | None):
+        """Read one waiting reply; the body if it answers ``rid``, else None.
+
+        Replies to interrupted demands have their lease released here. Call with the socket
+        lock held and, in the main thread, SIGINT held back.
+        """
+        got, _, body = parse_reply(self.conn.sock.recv_multipart(zmq.NOBLOCK))
+        if got in self._demands:
+            self._demands.discard(got)
+            if body.get("ok") and "lease" in body:
+                if got == rid:
+                    self._leases.add(body["lease"])
+                else:
+                    self.counters["late_leases"] += 1
+                    self._send_quietly(Op.RELEASE, {"lease": body["lease"]})
+        return body if got == rid else None
+
+    def _reap(self) -> bool:
+        """Heartbeat thread: while no request or fetch runs, release the leases of late replies
+        to interrupted demands (and any lease an interrupted release left behind).
+
+        Returns True while something is left to release.
+        """
+        if not (self._demands or self._leases) or not self._socket_lock.acquire(blocking=False):
+            return bool(self._demands or self._leases)
+        try:
+            while self.conn.sock.poll(0):
+                self._read_reply(None)
+            self._release_leases()
+            return bool(self._demands)
+        except (zmq.ZMQError, ProtocolError):
+            return False
+        finally:
+            self._socket_lock.release()
+
+    def _wait(self, rid: bytes, held: HeldInterrupts) -> dict:
+        deadline = time.monotonic() + REQUEST_TIMEOUT
+        sock = self.conn.sock
+        while True:
+            if held.pending:
+                held.deliver()  # KeyboardInterrupt: the demand, if any, stays recorded
+            if sock.poll(int(POLL_SLICE * 1000)):
+                while sock.poll(0):
+                    body = self._read_reply(rid)
+                    if body is not None:
+                        return self._checked(body)
+                continue
             if not self._daemon_alive():
                 raise DaemonDied(f"expertd (pid {self.daemon_pid}) serving "
                                  f"{self.paths.blob_dir} died")
+            if self._heartbeat.stuck:
+                raise DaemonError(f"expertd (pid {self.daemon_pid}) serving "
+                                  f"{self.paths.blob_dir} has answered no heartbeat for "
+                                  f"{self._heartbeat.time_to_dead:g} s; restart it with: "
+                                  f"expertd restart --blobs {self.paths.blob_dir}")
             if time.monotonic() > deadline:
                 raise DaemonError(f"expertd (pid {self.daemon_pid}) is alive but has not "
                                   f"answered for {REQUEST_TIMEOUT:g} s")
+
+    def _checked(self, body: dict) -> dict:
+        if body.get("ok"):
+            return body
+        code = body.get("code")
+        if code == ErrorCode.SHUTTING_DOWN:
+            raise DaemonDied(f"expertd (pid {self.daemon_pid}) is shutting down")
+        if code == ErrorCode.NOT_HELLO:
+            # A daemon restarted before we noticed got this request on the old socket path
+            # (or ours timed out our heartbeat): attach again.
+            raise DaemonDied(f"expertd serving {self.paths.blob_dir} no longer knows this "
+                             "client (restarted?)")
+        raise DaemonError(str(body.get("error", "unknown error")), code)
 
     # ---- the hot path ----------------------------------------------------------------------
 
@@ -247,35 +350,49 @@ class Session:
                                layer, experts, slots, versions, filling)
         if missing and (filling >= 0).any():
             self._drain(layer, experts, slots, versions, filling)
-        lease = self._demand(layer, experts, slots, versions) if (slots < 0).any() else None
-        while True:
+        if not (slots < 0).any():
             native.copy_segments(raw, self._rows_offset, self._stride, slots, offsets, nbytes,
                                  bases, dest)
             if native.validate(raw, self._slots_offset, slots, versions):
-                break
-            # A row changed while we copied: found without a lease and evicted, or our lease
-            # lapsed (this process was silent past the client timeout). Lease them again.
+                # Rows found without the daemon are counted through the table for its LFU.
+                native.bump_hits(raw, self._slots_offset, slots)
+                self.counters["fast_hits"] += n
+                return
+            # A row was evicted and refilled while we copied it: lease the group instead.
             self.counters["retries"] += 1
-            if lease is not None:
-                self.conn.send(Op.RELEASE, {"lease": lease})
-            lease = self._demand(layer, experts, slots, versions)
-        if lease is None:
-            # Rows found without the daemon are counted through the table for its LFU.
-            native.bump_hits(raw, self._slots_offset, slots)
-            self.counters["fast_hits"] += n
-        else:
-            self.conn.send(Op.RELEASE, {"lease": lease})
+        # The lock keeps the heartbeat thread off leases in use. SIGINT is held back until the
+        # leases are released (a copy takes a millisecond or so), except while the demand waits.
+        with self._socket_lock, HeldInterrupts() as held:
+            try:
+                while True:
+                    self._demand(layer, experts, slots, versions, held)
+                    native.copy_segments(raw, self._rows_offset, self._stride, slots, offsets,
+                                         nbytes, bases, dest)
+                    if native.validate(raw, self._slots_offset, slots, versions):
+                        return
+                    # Our lease lapsed (held past the daemon's bound): lease them again.
+                    self.counters["retries"] += 1
+                    self._release_leases()
+            finally:
+                # Whatever happened (KeyboardInterrupt while waiting included), nothing stays
+                # leased; should a second interrupt cut this short, the heartbeat thread ends it.
+                if self._leases:
+                    try:
+                        self._release_leases()
+                    finally:
+                        if self._leases:
+                            self._heartbeat.wake()
 
-    def _demand(self, layer, experts, slots, versions) -> int:
+    def _demand(self, layer, experts, slots, versions, held: HeldInterrupts) -> None:
         """One round trip for the whole group: the daemon leases what is resident (so filling
-        the rest cannot evict it under us) and fills the rest in parallel."""
+        the rest cannot evict it under us) and fills the rest in parallel. The lease is in
+        ``self._leases`` on return."""
         # Not self.request: rows named by a restarted daemon belong to its new arena, so a
         # restart must unwind to fetch(), which starts over on the new arena.
-        reply = self._ask(Op.DEMAND, {"layer": layer, "experts": experts.tolist()})
+        reply = self._ask(Op.DEMAND, {"layer": layer, "experts": experts.tolist()}, held)
         slots[:] = reply["rows"]
         versions[:] = reply["versions"]
         self.counters["demanded"] += len(experts)
-        return reply["lease"]
 
     def _drain(self, layer, experts, slots, versions, filling) -> None:
         idx = np.flatnonzero(filling >= 0)
@@ -295,42 +412,3 @@ class Session:
 
     def stats(self) -> dict:
         return self.request(Op.STATS, {})
-
-
-class Heartbeat:
-    """A thread with its own socket that tells the daemon this client is alive, and notices
-    when the daemon is gone (``lost``), so that a client living on hits alone learns it too."""
-
-    def __init__(self, endpoint: str, client_id: bytes, interval: float, daemon_pid: int):
-        self.lost = False
-        self._pid = daemon_pid
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(endpoint, client_id, interval),
-                                        name="expertd-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _run(self, endpoint: str, client_id: bytes, interval: float) -> None:
-        from expertd.protocol import request
-
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        n = 0
-        try:
-            while not self._stop.wait(interval):
-                if not process_alive(self._pid):
-                    self.lost = True
-                    return
-                n += 1
-                sock.send_multipart(request(n.to_bytes(8, "little"), Op.HEARTBEAT,
-                                            {"client": client_id}))
-                while sock.poll(0):
-                    sock.recv_multipart()
-        finally:
-            sock.close(linger=0)
-            ctx.term()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)

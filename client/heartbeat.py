@@ -1,0 +1,74 @@
+"""The client's heartbeat: a thread that tells the daemon the client lives, and notices when
+the daemon does not, the jupyter_client way (a time-to-dead computed from replies)."""
+
+import threading
+import time
+
+import zmq
+
+from expertd.protocol import Op, request
+
+REAP_SLICE = 0.01  # how often the idle client looks for late replies to interrupted demands
+
+
+class Heartbeat:
+    """A thread with its own socket that tells the daemon this client is alive, and notices
+    when the daemon is gone, the jupyter_client way: ``lost`` when ``alive()`` says the daemon
+    no longer holds its directory, ``stuck`` when it still does but has answered no heartbeat
+    for ``time_to_dead`` seconds. Between heartbeats it calls ``reap()``, which releases late
+    leases while the client is idle (polled every REAP_SLICE while it returns True)."""
+
+    def __init__(self, endpoint: str, client_id: bytes, token: bytes, interval: float,
+                 time_to_dead: float, alive, reap):
+        self.lost = self.stuck = False
+        self.time_to_dead = time_to_dead
+        self._alive, self._reap = alive, reap
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run,
+                                        args=(endpoint, client_id, token, interval),
+                                        name="expertd-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self, endpoint: str, client_id: bytes, token: bytes, interval: float) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        n = 0
+        now = last_reply = time.monotonic()
+        next_beat = now + interval
+        reaping = False
+        try:
+            while True:
+                self._wake.wait(min(REAP_SLICE, interval) if reaping else interval)
+                self._wake.clear()
+                if self._stop.is_set():
+                    return
+                reaping = self._reap()
+                now = time.monotonic()
+                while sock.poll(0):
+                    sock.recv_multipart()
+                    last_reply = now
+                if now < next_beat:
+                    continue
+                next_beat = now + interval
+                if not self._alive():
+                    self.lost = True
+                    return
+                self.stuck = now - last_reply > self.time_to_dead
+                n += 1
+                sock.send_multipart(request(n.to_bytes(8, "little"), Op.HEARTBEAT,
+                                            {"client": client_id, "token": token}))
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+    def wake(self) -> None:
+        """Look for late replies now rather than at the next heartbeat."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=2.0)
