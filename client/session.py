@@ -375,10 +375,12 @@ class Session:
                     self._release_leases()
             finally:
                 # Whatever happened (KeyboardInterrupt while waiting included), nothing stays
-                # leased; should a second interrupt cut this short, the heartbeat thread ends it.
+                # leased. A second SIGINT is held back too; should one fall just before, the
+                # heartbeat thread releases what is left.
                 if self._leases:
                     try:
-                        self._release_leases()
+                        with HeldInterrupts():
+                            self._release_leases()
                     finally:
                         if self._leases:
                             self._heartbeat.wake()
