@@ -1,15 +1,16 @@
 """Shared fixtures: tiny synthetic models and their blob directories, built once per session."""
 
-import os
 import shutil
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from expertd.shm.layout import unlink_arena
 from expertd.tools.convert import convert
 from expertd.tools.synth import SynthConfig, synthesize
+from harness import SEEN_ARENAS, shm_exists
 
 # Small enough to build in a second, big enough that routing spreads over many experts.
 TINY = dict(layers=3, experts=16, top_k=4, hidden=128, moe_inter=64)
@@ -63,10 +64,39 @@ def isolated_env(tmp_path, monkeypatch):
     shutil.rmtree(runtime, ignore_errors=True)
 
 
-def python_env(extra: dict | None = None) -> dict:
-    env = dict(os.environ)
-    env.update(extra or {})
-    return env
-
-
 PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_arena_left_behind():
+    """Fail the session if any arena a daemon reported still exists at its end.
+
+    Each ``Daemon`` already checks its own arena at teardown; this also catches daemons the
+    command line started and arenas of daemons a test forgot to stop. Leftovers are removed
+    before failing, so that one failed run does not fail the next one.
+    """
+    before = _linux_segments()
+    yield
+    left = sorted(name for name in SEEN_ARENAS if shm_exists(name))
+    for name in left:
+        unlink_arena(name)
+    # Linux only, for information: segments that appeared during the session and that no
+    # daemon reported to us (they may be another user's or another run's, so never a failure).
+    _UNREPORTED.extend(sorted(_linux_segments() - before - {n.lstrip("/") for n in SEEN_ARENAS}))
+    assert not left, f"the test session left {len(left)} shared-memory segments: {left}"
+
+
+_UNREPORTED: list = []
+
+
+def _linux_segments() -> set:
+    if not sys.platform.startswith("linux"):
+        return set()  # no portable way to list POSIX shared memory
+    return {p.name for p in Path("/dev/shm").glob("expertd-*")}
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _UNREPORTED:
+        terminalreporter.write_line(
+            f"note: {len(_UNREPORTED)} expertd-* segments appeared in /dev/shm during the session "
+            f"that no test daemon reported (another run's?): {', '.join(_UNREPORTED)}")

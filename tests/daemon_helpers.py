@@ -1,238 +1,46 @@
-"""Real expertd processes and raw protocol clients for the daemon tests (no mocks).
+"""What client processes run, for the multi-process tests: ``python daemon_helpers.py MODE ...``.
 
-``running_daemon`` starts ``python -m expertd start --foreground`` as a child process and stops
-it with SIGTERM, then SIGKILL, each step bounded. ``RawClient`` speaks the wire protocol with
-nothing but :class:`expertd.connection.Connection` and the shared arena.
+Each client is its own process (started by ``harness.spawn_client``), so that a test can kill it
+and so that ``EXPERTD_PURE_PYTHON`` can be set before it imports ``expertd.native``. Modes:
 
-Run as a script, this module is a client process for the multi-process tests:
-``python daemon_helpers.py leased|lockfree|hold BLOB_DIR ...`` (see ``main``).
+- ``leased BLOBS ITERATIONS SEED``: random DEMANDs; every copied row checked (JSON on stdout);
+- ``lockfree BLOBS STOP_FILE SEED MAX_SECONDS``: rows read without the daemon (JSON on stdout);
+- ``hold BLOBS LAYER EXPERTS wait|nowait``: one demand held while heartbeating, until killed;
+- ``parity`` / ``generate``: an mlx-lm model through ``expertd.client.load`` (JSON to ``--out``).
+
+The harness names are also importable from here while test files move to ``harness``.
 """
 
+import argparse
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
-from expertd import native
-from expertd.blobstore import BlobStore
-from expertd.connection import Connection
-from expertd.errors import DaemonError
-from expertd.manifest import Manifest
-from expertd.paths import daemon_paths
-from expertd.protocol import PROTOCOL_VERSION, Op
-from expertd.shm.layout import Arena, SlotState
-
-START_TIMEOUT = 30.0
-STOP_TIMEOUT = 10.0
-# Row counts that --cache-gb gives with the session's tiny model (stride 16 KiB, 48 experts).
-TINY_CACHE_GB = "0.00028"  # 9 rows
-SMALL_CACHE_GB = "0.0015"  # 64 rows, capped at the 48 experts of the model
-HELPER = Path(__file__).resolve()
+# Re-exported for test files that still import them from here; new code imports ``harness``.
+from harness import (SMALL_CACHE_GB, START_TIMEOUT, STOP_TIMEOUT, TINY_CACHE_GB,  # noqa: F401
+                     Daemon, RawClient, expected_bytes, expertd_cli, kill_serving_daemon,
+                     query_stats, read_json_line, running_daemon, shm_exists, spawn_client,
+                     stop_process, try_stats, validate, wait_until)
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
-    """Poll ``predicate`` until it returns something true; fail the test after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
-
-
-def query_stats(blob_dir, timeout: float = 5.0) -> dict:
-    with Connection(blob_dir) as conn:
-        return conn.request(Op.STATS, timeout=timeout)
-
-
-def try_stats(blob_dir, timeout: float = 1.0) -> dict | None:
-    """The daemon's stats, or None if none answers."""
-    try:
-        return query_stats(blob_dir, timeout)
-    except DaemonError:
-        return None
-
-
-def shm_file(blob_dir) -> Path:
-    """Where Linux shows the daemon's POSIX shared-memory segment."""
-    return Path("/dev/shm") / daemon_paths(blob_dir).shm_name.lstrip("/")
-
-
-def expertd_cli(*args, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    """Run the ``expertd`` command line in a child process (environment inherited)."""
-    return subprocess.run([sys.executable, "-m", "expertd", *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
-
-
-class Daemon(NamedTuple):
-    proc: subprocess.Popen
-    blob_dir: Path
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def stop_process(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT) -> None:
-    """SIGTERM, wait (bounded), SIGKILL if it is still there."""
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5.0)
-
-
-@contextmanager
-def running_daemon(blob_dir, env: dict, *flags, log: Path | None = None):
-    """A real ``expertd start --foreground`` process serving ``blob_dir``; yields a Daemon.
-
-    Args:
-        env: the XDG_RUNTIME_DIR / XDG_STATE_HOME of the test (the ``isolated_env`` fixture).
-        flags: extra ``expertd start`` flags, e.g. ``"--cache-gb", "0.00028"``.
-        log: file for the daemon's output (default: in the runtime directory).
-    """
-    blob_dir = Path(blob_dir)
-    log = Path(log or Path(env["XDG_RUNTIME_DIR"]) / f"daemon-{time.monotonic_ns()}.log")
-    cmd = [sys.executable, "-m", "expertd", "start", "--blobs", str(blob_dir), "--foreground",
-           *map(str, flags)]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT)
-    daemon = Daemon(proc, blob_dir, log)
-    try:
-        wait_until(lambda: proc.poll() is not None or try_stats(blob_dir), START_TIMEOUT,
-                   f"expertd to answer STATS for {blob_dir}")
-        if proc.poll() is not None:
-            raise AssertionError(f"expertd exited with {proc.returncode} during start-up:\n"
-                                 f"{daemon.log_text()}")
-        yield daemon
-    finally:
-        stop_process(proc)
-
-
-def kill_serving_daemon(blob_dir) -> None:
-    """Teardown for daemons started detached by the CLI: stop whatever still serves the dir."""
-    from expertd.daemon import serving_pid
-
-    paths = daemon_paths(blob_dir)
-    pid = serving_pid(paths)
-    if pid is None or pid <= 0:
-        return
-    os.kill(pid, signal.SIGTERM)
-    try:
-        wait_until(lambda: serving_pid(paths) is None, STOP_TIMEOUT, "the detached expertd to stop")
-    except AssertionError:
-        os.kill(pid, signal.SIGKILL)
-
-
-class RawClient:
-    """A protocol-level client: HELLO, DEMAND, RELEASE, and the daemon's arena mapped."""
-
-    def __init__(self, blob_dir):
-        self.blob_dir = Path(blob_dir)
-        self.manifest = Manifest.load(self.blob_dir)
-        self.conn = Connection(blob_dir)
-        self.hello = self.request(Op.HELLO, {"version": PROTOCOL_VERSION,
-                                              "client": self.conn.client_id, "pid": os.getpid()})
-        self.arena = Arena.attach(daemon_paths(blob_dir).shm_name)
-        self.raw = self.arena.raw
-        self.slots_offset = self.arena.geometry.slots_offset
-
-    def request(self, op: Op, body: dict | None = None, timeout: float = 10.0) -> dict:
-        return self.conn.request(op, body, timeout=timeout)
-
-    def demand(self, layer: int, experts, timeout: float = 20.0) -> dict:
-        return self.request(Op.DEMAND, {"layer": int(layer), "experts": [int(e) for e in experts]},
-                            timeout=timeout)
-
-    def release(self, lease: int) -> None:
-        self.conn.send(Op.RELEASE, {"lease": lease})
-
-    def heartbeat(self) -> dict:
-        return self.request(Op.HEARTBEAT, {"client": self.conn.client_id})
-
-    def row_bytes(self, row: int, layer: int) -> bytes:
-        return bytes(self.arena.row(row)[:self.manifest.layers[layer].expert_bytes])
-
-    def fetch(self, layer: int, experts) -> list:
-        """Demand, copy the rows, check their seqlock versions, release; the experts' bytes."""
-        reply = self.demand(layer, experts)
-        try:
-            got = [self.row_bytes(row, layer) for row in reply["rows"]]
-            if not validate(self.raw, self.slots_offset, reply["rows"], reply["versions"]):
-                raise AssertionError(f"a leased row of layer {layer} changed while it was copied")
-            return got
-        finally:
-            self.release(reply["lease"])
-
-    def slot(self, layer: int, expert: int) -> tuple:
-        """(row, state, version) of a key as the shared table shows it; row -1 if absent."""
-        g = self.arena.geometry
-        row = int(self.arena.slot_of[layer * g.n_experts + expert])
-        if row < 0:
-            return -1, SlotState.EMPTY, 0
-        rec = self.arena.slots[row]
-        if int(rec["layer"]) != layer or int(rec["expert"]) != expert:
-            return -1, SlotState.EMPTY, 0
-        return row, int(rec["state"]), int(rec["version"])
-
-    def close(self) -> None:
-        self.raw = None
-        self.arena.close()
-        self.conn.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def validate(raw, slots_offset: int, rows, versions) -> bool:
-    return native.validate(raw, slots_offset, np.asarray(rows, np.int32),
-                           np.asarray(versions, np.uint64))
-
-
-def expected_bytes(blob_dir) -> dict:
-    """{(layer, expert): exact bytes} read straight from the blob files."""
-    store = BlobStore(blob_dir)
-    try:
-        return {(layer.index, e): store.read_expert(layer.index, e)
-                for layer in store.layers for e in range(layer.num_experts)}
-    finally:
-        store.close()
-
-
-# ---- client processes ------------------------------------------------------------------------
-
-def _checksum_ok(manifest: Manifest, layer: int, expert: int, data) -> bool:
+def _checksum_ok(manifest, layer: int, expert: int, data) -> bool:
     info = manifest.layers[layer]
     return xxhash.xxh3_64_intdigest(data[:info.expert_bytes]) == info.checksums[expert]
 
 
-def leased_worker(blob_dir: str, iterations: int, seed: int) -> dict:
+def leased_worker(args) -> dict:
     """Demand random groups of 2-4 experts; every copied row must pass the seqlock and checksum."""
-    rng = random.Random(seed)
-    with RawClient(blob_dir) as client:
+    rng = random.Random(args.seed)
+    with RawClient(args.blobs) as client:
         m = client.manifest
         verified, errors = 0, []
-        for _ in range(iterations):
+        for _ in range(args.iterations):
             layer = rng.randrange(len(m.layers))
             experts = rng.sample(range(m.layers[layer].num_experts), rng.randint(2, 4))
             reply = client.demand(layer, experts)
@@ -245,25 +53,31 @@ def leased_worker(blob_dir: str, iterations: int, seed: int) -> dict:
                 else:
                     errors.append(f"layer {layer} expert {e}: wrong bytes in a leased row")
             client.release(reply["lease"])
-        return {"iterations": iterations, "verified": verified, "errors": errors[:20]}
+        return {"iterations": args.iterations, "verified": verified, "errors": errors[:20]}
 
 
-def lockfree_worker(blob_dir: str, stop_file: str, seed: int, max_seconds: float) -> dict:
+def lockfree_worker(args) -> dict:
     """Read rows without the daemon (remap, copy, validate) until ``stop_file`` appears.
 
-    A copy whose seqlock check fails is discarded; every accepted copy must hold the right bytes.
+    The arena's name comes from the daemon's stats, as a client's comes from its hello. A copy
+    whose seqlock check fails is discarded; every accepted copy must hold the right bytes.
     """
-    rng = random.Random(seed)
-    m = Manifest.load(Path(blob_dir))
-    arena = Arena.attach(daemon_paths(blob_dir).shm_name)
+    from expertd import native
+    from expertd.manifest import Manifest
+    from expertd.shm.layout import Arena
+
+    rng = random.Random(args.seed)
+    m = Manifest.load(Path(args.blobs))
+    arena = Arena.attach(query_stats(args.blobs)["arena"])
     g = arena.geometry
     raw = arena.raw
     accepted = discarded = lookups = 0
     errors = []
-    deadline = time.monotonic() + max_seconds
+    deadline = time.monotonic() + args.max_seconds
     stride = g.stride
+    whole_row = np.array([0], np.intp), np.array([stride], np.intp), np.array([0], np.intp)
     while True:
-        if lookups % 64 == 0 and (os.path.exists(stop_file) or time.monotonic() > deadline):
+        if lookups % 64 == 0 and (os.path.exists(args.stop_file) or time.monotonic() > deadline):
             break
         lookups += 1
         layer = rng.randrange(len(m.layers))
@@ -278,7 +92,6 @@ def lockfree_worker(blob_dir: str, stop_file: str, seed: int, max_seconds: float
             continue
         rows, vers, keys = slots[found], versions[found], experts[found]
         dest = np.empty((len(rows), stride), np.uint8)
-        whole_row = np.array([0], np.intp), np.array([stride], np.intp), np.array([0], np.intp)
         native.copy_segments(raw, g.rows_offset, stride, np.ascontiguousarray(rows), *whole_row,
                              dest.reshape(-1))
         if not native.validate(raw, g.slots_offset, np.ascontiguousarray(rows),
@@ -296,15 +109,17 @@ def lockfree_worker(blob_dir: str, stop_file: str, seed: int, max_seconds: float
             "errors": errors[:20]}
 
 
-def hold_worker(blob_dir: str, layer: int, experts: str, wait_reply: bool) -> None:
+def hold_worker(args) -> None:
     """Demand ``experts`` of ``layer``, print READY, then heartbeat forever (until killed).
 
-    With ``wait_reply`` false the demand is sent and never read: the process is killed with the
-    request still in the daemon (queued or leased).
+    With ``nowait`` the demand is sent and never read: the process is killed with the request
+    still in the daemon (queued or leased).
     """
-    with RawClient(blob_dir) as client:
-        body = {"layer": layer, "experts": [int(e) for e in experts.split(",")]}
-        if wait_reply:
+    from expertd.protocol import Op
+
+    with RawClient(args.blobs) as client:
+        body = {"layer": args.layer, "experts": [int(e) for e in args.experts.split(",")]}
+        if args.reply == "wait":
             lease = client.request(Op.DEMAND, body, timeout=20.0)["lease"]
         else:
             client.conn.send(Op.DEMAND, body)
@@ -316,41 +131,118 @@ def hold_worker(blob_dir: str, layer: int, experts: str, wait_reply: bool) -> No
             time.sleep(interval)  # the heartbeat period the daemon asked for
 
 
-def read_json_line(proc: subprocess.Popen, timeout: float) -> dict:
-    """The next line a client process prints, parsed; fails after ``timeout`` s."""
-    import selectors
+def parity_client(args) -> dict:
+    """Streamed against resident logits (``client_helpers.compare_runs``)."""
+    import mlx_lm
 
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout):
-            raise AssertionError(f"client pid {proc.pid} printed nothing within {timeout:g} s")
-    line = proc.stdout.readline()
-    if not line:
-        raise AssertionError(f"client pid {proc.pid} exited ({proc.wait()}): {proc.stderr.read()}")
-    return json.loads(line)
+    from client_helpers import compare_runs
+    from expertd import native
+    from expertd.client import load
 
-
-def spawn_client(*args) -> subprocess.Popen:
-    """This module as a client process; see ``main``."""
-    return subprocess.Popen([sys.executable, str(HELPER), *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
+    resident, _ = mlx_lm.load(args.model)
+    streamed, tokenizer = load(args.blobs)
+    runs = compare_runs(resident, streamed, tokenizer.vocab_size)
+    session = streamed.expertd_session
+    result = dict(implementation=native.IMPLEMENTATION, runs=runs,
+                  counters=dict(session.counters), max_group=session.max_group)
+    session.close()
+    return result
 
 
-def main(argv: list) -> int:
-    mode, blob_dir, *rest = argv
-    if mode == "leased":
-        result = leased_worker(blob_dir, int(rest[0]), int(rest[1]))
-    elif mode == "lockfree":
-        result = lockfree_worker(blob_dir, rest[0], int(rest[1]), float(rest[2]))
-    elif mode == "hold":
-        hold_worker(blob_dir, int(rest[0]), rest[1], rest[2] == "wait")
+def generate_client(args) -> dict:
+    """Greedy decoding of a fixed prompt, one token per line appended to ``--tokens-file``."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from client_helpers import prompt_ids
+    from expertd import native
+    from expertd.client import load
+
+    model, tokenizer = load(args.blobs, reconnect_timeout=args.reconnect_timeout)
+    session = model.expertd_session
+    prompt = prompt_ids(args.prompt_len, tokenizer.vocab_size, args.seed)
+    if args.barrier:
+        # Tell the test we are loaded, then wait for everyone to be: no sleep, a file.
+        barrier = Path(args.barrier)
+        (barrier / f"ready-{os.getpid()}").touch()
+        deadline = time.monotonic() + 120
+        while not (barrier / "go").exists():
+            if time.monotonic() > deadline:
+                raise SystemExit("the test never said go")
+            time.sleep(0.005)
+    tokens = []
+    out = open(args.tokens_file, "w") if args.tokens_file else None
+    error = None
+    try:
+        # mlx-lm's own decoding loop, without the stop at end-of-sequence: a fixed length.
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=args.max_tokens):
+            tokens.append(int(token))
+            if out:
+                out.write(f"{int(token)}\n")
+                out.flush()
+    except Exception as exc:  # reported to the test, which decides
+        error = dict(type=type(exc).__name__, message=str(exc))
+    finally:
+        if out:
+            out.close()
+    result = dict(tokens=tokens, implementation=native.IMPLEMENTATION, error=error,
+                  counters=dict(session.counters))
+    if error is None:
+        session.close()
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    p = sub.add_parser("leased", help="random demands, every row checked")
+    p.add_argument("blobs")
+    p.add_argument("iterations", type=int)
+    p.add_argument("seed", type=int)
+    p.set_defaults(func=leased_worker)
+    p = sub.add_parser("lockfree", help="rows read without the daemon")
+    p.add_argument("blobs")
+    p.add_argument("stop_file")
+    p.add_argument("seed", type=int)
+    p.add_argument("max_seconds", type=float)
+    p.set_defaults(func=lockfree_worker)
+    p = sub.add_parser("hold", help="hold one demand, heartbeating, until killed")
+    p.add_argument("blobs")
+    p.add_argument("layer", type=int)
+    p.add_argument("experts", help="comma-separated expert numbers")
+    p.add_argument("reply", choices=["wait", "nowait"])
+    p.set_defaults(func=hold_worker)
+    p = sub.add_parser("parity", help="compare streamed and resident logits")
+    p.add_argument("--blobs", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=parity_client)
+    p = sub.add_parser("generate", help="greedy generation, tokens written as they come")
+    p.add_argument("--blobs", required=True)
+    p.add_argument("--prompt-len", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, required=True)
+    p.add_argument("--tokens-file")
+    p.add_argument("--barrier")
+    p.add_argument("--reconnect-timeout", type=float, default=60.0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=generate_client)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    result = args.func(args)
+    if result is None:  # hold: killed by the test, never here in practice
         return 0
-    else:
-        raise SystemExit(f"unknown mode {mode}")
+    if getattr(args, "out", None):
+        tmp = Path(args.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, args.out)
+        return 0
     print(json.dumps(result), flush=True)
     return 1 if result["errors"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

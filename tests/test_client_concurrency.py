@@ -1,21 +1,19 @@
 """Several client processes on one daemon: invariants 1-2 under eviction pressure, and the
 shared cache reading the SSD once for clients that need the same experts."""
 
-import os
-
 import mlx_lm
 import pytest
 
-from client_helpers import (ROWS_ALL, ROWS_MEDIUM, Daemon, greedy_tokens, prompt_ids,
-                            routed_model, run_together, wait_for)
+from client_helpers import (ROWS_ALL, ROWS_MEDIUM, client_flags, greedy_tokens, prompt_ids,
+                            routed_model, run_together)
+from expertd import native
 from expertd.manifest import Manifest
+from harness import Daemon, wait_until
 
 FAMILY = ("qwen3_moe", "affine", 4)
 PROMPT_LEN = 17
 MAX_TOKENS = 24
 SHARING_BOUND = 1.10
-IMPLEMENTATION = ("python" if os.environ.get("EXPERTD_PURE_PYTHON", "") not in ("", "0")
-                  else "cython")
 
 
 @pytest.fixture
@@ -38,7 +36,7 @@ def wait_released(daemon, timeout: float = 15.0) -> None:
         return last["leases"] == 0 and last["clients"] == 0
 
     try:
-        wait_for(released, timeout, "the clients' leases to be released")
+        wait_until(released, timeout, "the clients' leases to be released")
     except AssertionError as exc:
         raise AssertionError(f"{exc}: {last['leases']} leases, {last['clients']} clients") from None
 
@@ -50,8 +48,8 @@ def test_concurrent_clients_under_eviction_match_solo(qwen, isolated_env, tmp_pa
     seeds = list(range(1, n_clients + 1))
     expected = [solo_tokens(resident, seed) for seed in seeds]
     assert len({tuple(t) for t in expected}) == n_clients, "prompts should differ"
-    with Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_MEDIUM,
-                client_timeout=3.0) as daemon:
+    flags = client_flags(blob_dir, ROWS_MEDIUM, tmp_path / "state.json", client_timeout=3.0)
+    with Daemon(blob_dir, isolated_env, *flags) as daemon:
         assert daemon.ready["arena_rows"] == ROWS_MEDIUM < every_expert
         results = run_together(blob_dir, isolated_env, tmp_path,
                                [(PROMPT_LEN, seed) for seed in seeds], MAX_TOKENS)
@@ -59,7 +57,7 @@ def test_concurrent_clients_under_eviction_match_solo(qwen, isolated_env, tmp_pa
         wait_released(daemon)
     for seed, want, got in zip(seeds, expected, results):
         assert got["error"] is None, got["error"]
-        assert got["implementation"] == IMPLEMENTATION
+        assert got["implementation"] == native.IMPLEMENTATION  # the client processes' too
         assert got["tokens"] == want, f"client with prompt seed {seed} diverged from its solo run"
         assert got["counters"]["demanded"] > 0
     # Eviction pressure: rows were refilled with other experts while the clients ran.
@@ -74,7 +72,8 @@ def test_three_clients_read_the_ssd_once(qwen, isolated_env, tmp_path):
     reads = {}
     for n in (1, 3):
         # A fresh state file each time, so the daemon starts cold (no warm-up reads).
-        with Daemon(blob_dir, isolated_env, tmp_path / f"state-{n}.json", ROWS_ALL) as daemon:
+        flags = client_flags(blob_dir, ROWS_ALL, tmp_path / f"state-{n}.json")
+        with Daemon(blob_dir, isolated_env, *flags) as daemon:
             assert daemon.ready["bytes_read"] == 0
             results = run_together(blob_dir, isolated_env, tmp_path / f"run-{n}",
                                    [(PROMPT_LEN, 1)] * n, MAX_TOKENS)

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from daemon_helpers import SMALL_CACHE_GB, running_daemon
+from harness import SMALL_CACHE_GB, running_daemon
 from expertd.client import load
 from expertd.errors import DaemonError
 

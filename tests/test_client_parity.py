@@ -6,24 +6,21 @@ resident; logits must be bit-identical to mlx-lm with the whole model resident.
 """
 
 import gc
-import json
-import os
 
 import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from client_helpers import (ROWS_ALL, ROWS_TINY, Daemon, compare_runs, finish_client,
-                            prompt_ids, routed_model, spawn_client)
+from client_helpers import (ROWS_ALL, ROWS_TINY, client_flags, compare_runs, prompt_ids,
+                            routed_model)
 from conftest import FAMILY_MODES
-from expertd import native
+from harness import Daemon, finish_client, spawn_client
 from expertd.client import load
 from expertd.errors import DaemonNotRunning
 from expertd.manifest import Manifest
 
 FAMILY_IDS = [f"{family}-{mode}{bits}" for family, mode, bits in FAMILY_MODES]
-PURE = os.environ.get("EXPERTD_PURE_PYTHON", "") not in ("", "0")
 
 _resident = {}
 
@@ -54,8 +51,8 @@ def test_streamed_logits_equal_resident(models, isolated_env, tmp_path, family_m
     model_dir, blob_dir = routed_model(models, *family_mode)
     manifest = Manifest.load(blob_dir)
     every_expert = sum(layer.num_experts for layer in manifest.layers)
-    assert native.IMPLEMENTATION == ("python" if PURE else "cython")
-    with Daemon(blob_dir, isolated_env, tmp_path / "state.json", rows) as daemon:
+    flags = client_flags(blob_dir, rows, tmp_path / "state.json")
+    with Daemon(blob_dir, isolated_env, *flags) as daemon:
         expected_rows = min(rows, every_expert)
         assert daemon.ready["arena_rows"] == expected_rows
         model, tokenizer = load(blob_dir)
@@ -83,9 +80,10 @@ def test_pure_python_twin_logits_equal_resident(models, isolated_env, tmp_path, 
     """The same comparison in a client process that runs the pure-Python twins."""
     model_dir, blob_dir = routed_model(models, *family_mode)
     out = tmp_path / "parity.json"
-    with Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_TINY) as daemon:
-        proc = spawn_client("parity", ["--blobs", blob_dir, "--model", model_dir, "--out", out],
-                            isolated_env, pure=True)
+    with Daemon(blob_dir, isolated_env,
+                *client_flags(blob_dir, ROWS_TINY, tmp_path / "state.json")) as daemon:
+        proc = spawn_client("parity", "--blobs", blob_dir, "--model", model_dir, "--out", out,
+                            env=isolated_env, pure=True)
         result = finish_client(proc, out, timeout=120)
         stats = daemon.stats()
     assert result["implementation"] == "python"
@@ -105,7 +103,8 @@ def test_generate_and_stream_generate_match_resident(models, isolated_env, tmp_p
     model_dir, blob_dir = routed_model(models, *family_mode)
     resident, tokenizer = mlx_lm.load(str(model_dir))
     prompt = "Once upon a time there was a small model"
-    with Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_TINY):
+    flags = client_flags(blob_dir, ROWS_TINY, tmp_path / "state.json")
+    with Daemon(blob_dir, isolated_env, *flags):
         model, streamed_tokenizer = load(blob_dir)
         try:
             text = mlx_lm.generate(model, streamed_tokenizer, prompt, max_tokens=24)
@@ -129,10 +128,11 @@ def test_load_without_daemon_says_how_to_start_one(models, isolated_env):
 def test_load_after_daemon_was_killed_says_how_to_start_one(models, isolated_env, tmp_path):
     """A daemon killed with SIGKILL leaves its socket file behind: still "not running"."""
     blob_dir = models.blobs(family="qwen3_moe", mode="affine", bits=4)
-    daemon = Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_TINY)
-    daemon.kill()
-    with pytest.raises(DaemonNotRunning, match="expertd start --blobs"):
-        load(blob_dir)
+    with Daemon(blob_dir, isolated_env,
+                *client_flags(blob_dir, ROWS_TINY, tmp_path / "state.json")) as daemon:
+        daemon.kill()
+        with pytest.raises(DaemonNotRunning, match="expertd start --blobs"):
+            load(blob_dir)
 
 
 def test_client_holds_no_expert_memory(models, isolated_env, tmp_path):
@@ -141,7 +141,8 @@ def test_client_holds_no_expert_memory(models, isolated_env, tmp_path):
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     manifest = Manifest.load(blob_dir)
     keys = expert_keys(manifest)
-    with Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_ALL):
+    flags = client_flags(blob_dir, ROWS_ALL, tmp_path / "state.json")
+    with Daemon(blob_dir, isolated_env, *flags):
         model, tokenizer = load(blob_dir)
         session = model.expertd_session
         try:

@@ -8,8 +8,9 @@ import time
 import mlx_lm
 import pytest
 
-from client_helpers import (ROWS_ALL, ROWS_TINY, Daemon, finish_client, greedy_tokens, prompt_ids,
-                            read_tokens, reap, routed_model, spawn_client, wait_for)
+from client_helpers import (ROWS_ALL, ROWS_TINY, client_flags, greedy_tokens, prompt_ids,
+                            read_tokens, routed_model)
+from harness import Daemon, finish_client, spawn_client, stop_process, wait_until
 
 FAMILY = ("qwen3_moe", "affine", 4)
 PROMPT_LEN = 17
@@ -27,38 +28,42 @@ def undisturbed_tokens(resident) -> list:
     return greedy_tokens(resident, prompt_ids(PROMPT_LEN, resident.args.vocab_size), MAX_TOKENS)
 
 
+def start_daemon(blob_dir, env, tmp_path, rows: int) -> Daemon:
+    return Daemon(blob_dir, env, *client_flags(blob_dir, rows, tmp_path / "state.json"))
+
+
 def start_generating(blob_dir, env, tmp_path, reconnect_timeout: float):
     tokens_file, out = tmp_path / "tokens.txt", tmp_path / "client.json"
-    proc = spawn_client("generate", ["--blobs", blob_dir, "--prompt-len", PROMPT_LEN,
-                                     "--max-tokens", MAX_TOKENS, "--tokens-file", tokens_file,
-                                     "--reconnect-timeout", reconnect_timeout, "--out", out], env)
+    proc = spawn_client("generate", "--blobs", blob_dir, "--prompt-len", PROMPT_LEN,
+                        "--max-tokens", MAX_TOKENS, "--tokens-file", tokens_file,
+                        "--reconnect-timeout", reconnect_timeout, "--out", out, env=env)
 
     def started():
         if proc.poll() is not None:
-            raise AssertionError(f"the client exited early:\n{proc.communicate()[1].decode()}")
+            raise AssertionError(f"the client exited early:\n{proc.communicate()[1]}")
         return len(read_tokens(tokens_file)) >= KILL_AFTER
 
-    wait_for(started, 60.0, f"the client's first {KILL_AFTER} tokens")
+    wait_until(started, 60.0, f"the client's first {KILL_AFTER} tokens")
     return proc, tokens_file, out
 
 
 def test_client_survives_daemon_kill_and_restart(qwen, isolated_env, tmp_path):
     model_dir, blob_dir, resident = qwen
     expected = undisturbed_tokens(resident)
-    first = Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_TINY)
+    first = start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
     proc = None
     try:
         proc, tokens_file, out = start_generating(blob_dir, isolated_env, tmp_path, 60.0)
         first.kill()
         at_kill = len(read_tokens(tokens_file))
         assert at_kill < MAX_TOKENS, "the client finished before the daemon was killed"
-        with Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_TINY) as second:
+        with start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY) as second:
             assert second.pid != first.pid
             result = finish_client(proc, out, timeout=120)
             stats = second.stats()
     finally:
-        reap(proc)
-        first.kill()
+        stop_process(proc)
+        first.close()
     assert result["error"] is None, result["error"]
     assert result["tokens"] == expected
     assert result["counters"]["reconnects"] >= 1
@@ -73,22 +78,23 @@ def test_client_paused_across_a_restart_attaches_again(qwen, isolated_env, tmp_p
     could notice the death: it must attach again, not fail."""
     model_dir, blob_dir, resident = qwen
     expected = undisturbed_tokens(resident)
-    daemon = Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_TINY)
+    daemon = start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
     proc = None
     try:
         proc, tokens_file, out = start_generating(blob_dir, isolated_env, tmp_path, 60.0)
         for _ in range(3):
             proc.send_signal(signal.SIGSTOP)
             daemon.kill()
-            daemon = Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_TINY)
+            dead, daemon = daemon, start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+            dead.close()  # only now: the new daemon starts as it would after a real crash
             seen = len(read_tokens(tokens_file))
             proc.send_signal(signal.SIGCONT)
-            wait_for(lambda: len(read_tokens(tokens_file)) > seen or proc.poll() is not None,
-                     60.0, "a token after the restart")
+            wait_until(lambda: len(read_tokens(tokens_file)) > seen or proc.poll() is not None,
+                       60.0, "a token after the restart")
         result = finish_client(proc, out, timeout=120)
     finally:
-        reap(proc)
-        daemon.stop()
+        stop_process(proc)
+        daemon.close()
     assert result["error"] is None, result["error"]
     assert result["tokens"] == expected
     assert result["counters"]["reconnects"] >= 1
@@ -97,7 +103,7 @@ def test_client_paused_across_a_restart_attaches_again(qwen, isolated_env, tmp_p
 def test_client_reports_a_daemon_that_does_not_come_back(qwen, isolated_env, tmp_path):
     model_dir, blob_dir, _ = qwen
     reconnect_timeout = 2.0
-    daemon = Daemon(blob_dir, isolated_env, tmp_path / "state.json", ROWS_TINY)
+    daemon = start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
     proc = None
     try:
         proc, tokens_file, out = start_generating(blob_dir, isolated_env, tmp_path,
@@ -107,8 +113,8 @@ def test_client_reports_a_daemon_that_does_not_come_back(qwen, isolated_env, tmp
         result = finish_client(proc, out, timeout=60)
         waited = time.monotonic() - killed
     finally:
-        reap(proc)
-        daemon.kill()
+        stop_process(proc)
+        daemon.close()
     assert len(result["tokens"]) < MAX_TOKENS
     assert result["error"] is not None, "the client finished without its daemon"
     assert result["error"]["type"] == "DaemonNotRunning"
@@ -131,7 +137,7 @@ def test_restarted_daemon_with_another_cache_size(qwen, isolated_env, tmp_path, 
 
     _, blob_dir, resident = qwen
     prompt = mx.array([prompt_ids(PROMPT_LEN, resident.args.vocab_size)])
-    daemon = Daemon(blob_dir, isolated_env, tmp_path / "state.json", rows[0])
+    daemon = start_daemon(blob_dir, isolated_env, tmp_path, rows[0])
     try:
         streamed, _ = load(blob_dir, reconnect_timeout=30.0)
         caches = make_prompt_cache(resident), make_prompt_cache(streamed)
@@ -139,8 +145,9 @@ def test_restarted_daemon_with_another_cache_size(qwen, isolated_env, tmp_path, 
         assert mx.array_equal(a, b).item()
         daemon.kill()
         # Every expert may be a hit in the dead daemon's arena; the client must notice anyway.
-        wait_for(lambda: streamed.expertd_session._heartbeat.lost, 10.0, "the death noticed")
-        daemon = Daemon(blob_dir, isolated_env, tmp_path / "state.json", rows[1])
+        wait_until(lambda: streamed.expertd_session._heartbeat.lost, 10.0, "the death noticed")
+        dead, daemon = daemon, start_daemon(blob_dir, isolated_env, tmp_path, rows[1])
+        dead.close()
         for step in range(6):
             token = mx.argmax(a[:, -1:], axis=-1)
             a, b = resident(token, cache=caches[0]), streamed(token, cache=caches[1])
@@ -152,4 +159,4 @@ def test_restarted_daemon_with_another_cache_size(qwen, isolated_env, tmp_path, 
         assert streamed.expertd_session.counters["reconnects"] == 1
         streamed.expertd_session.close()
     finally:
-        daemon.kill()
+        daemon.close()

@@ -10,13 +10,15 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from daemon_helpers import (SMALL_CACHE_GB, TINY_CACHE_GB, RawClient, expected_bytes,
-                            expertd_cli, kill_serving_daemon, query_stats, read_json_line,
-                            running_daemon, shm_file, spawn_client, stop_process, wait_until)
+from harness import (SMALL_CACHE_GB, TINY_CACHE_GB, RawClient, arena_owner, expected_bytes,
+                     expertd_cli, kill_serving_daemon, query_stats, read_json_line,
+                     running_daemon, shm_exists, shm_mode, spawn_client, stop_process, wait_until)
 from expertd.errors import DaemonError
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
@@ -184,39 +186,43 @@ def test_a_client_cannot_release_another_clients_lease(blobs, isolated_env):
 def test_sigkilled_daemon_is_cleaned_up_by_the_next_start(blobs, isolated_env):
     want = expected_bytes(blobs)
     paths = daemon_paths(blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+    # Everything happens inside the block: the killed daemon's teardown would remove its
+    # arena, and the next start must be the one to do it.
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as dead:
         with RawClient(blobs) as c:
             c.fetch(0, [1, 2])
-        d.proc.kill()
-        d.proc.wait(5)
-    assert shm_file(blobs).exists(), "SIGKILL should leave the arena behind"
-    assert paths.socket.exists(), "SIGKILL should leave the socket behind"
-    try:
-        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", TINY_CACHE_GB)
-        assert started.returncode == 0, started.stderr
-        log = paths.log.read_text()
-        assert "removed a stale arena" in log and "removed a stale socket" in log, log
-        pid = query_stats(blobs)["pid"]
-        assert pid != d.proc.pid and f"pid {pid}" in started.stdout
-        with RawClient(blobs) as c:
-            assert c.fetch(1, [3, 4]) == [want[(1, 3)], want[(1, 4)]]
+        dead.kill()
+        assert shm_exists(dead.arena), "SIGKILL should leave the arena behind"
+        assert paths.socket.exists(), "SIGKILL should leave the socket behind"
+        try:
+            started = expertd_cli("start", "--blobs", blobs, "--cache-gb", TINY_CACHE_GB)
+            assert started.returncode == 0, started.stderr
+            log = paths.log.read_text()
+            assert "removed a stale arena" in log and "removed a stale socket" in log, log
+            stats = query_stats(blobs)
+            assert stats["arena"] != dead.arena, "a new start should take a new arena name"
+            assert not shm_exists(dead.arena), "the next start should remove the stale arena"
+            pid = stats["pid"]
+            assert pid != dead.pid and f"pid {pid}" in started.stdout
+            with RawClient(blobs) as c:
+                assert c.fetch(1, [3, 4]) == [want[(1, 3)], want[(1, 4)]]
 
-        for extra in ((), ("--foreground",)):
-            again = expertd_cli("start", "--blobs", blobs, "--cache-gb", TINY_CACHE_GB, *extra,
-                                timeout=30)
-            assert again.returncode == 1, again
-            assert f"pid {pid}" in again.stderr and "already serves" in again.stderr
-        assert query_stats(blobs)["pid"] == pid
+            for extra in ((), ("--foreground",)):
+                again = expertd_cli("start", "--blobs", blobs, "--cache-gb", TINY_CACHE_GB,
+                                    *extra, timeout=30)
+                assert again.returncode == 1, again
+                assert f"pid {pid}" in again.stderr and "already serves" in again.stderr
+            assert query_stats(blobs)["pid"] == pid
 
-        stopped = expertd_cli("stop", "--blobs", blobs)
-        assert stopped.returncode == 0, stopped.stderr
-        assert f"pid {pid}" in stopped.stdout
-        assert not shm_file(blobs).exists()
-        assert not paths.socket.exists()
-        again = expertd_cli("stop", "--blobs", blobs)
-        assert again.returncode == 1 and "no expertd serves" in again.stderr
-    finally:
-        kill_serving_daemon(blobs)
+            stopped = expertd_cli("stop", "--blobs", blobs)
+            assert stopped.returncode == 0, stopped.stderr
+            assert f"pid {pid}" in stopped.stdout
+            assert not shm_exists(stats["arena"])
+            assert not paths.socket.exists()
+            again = expertd_cli("stop", "--blobs", blobs)
+            assert again.returncode == 1 and "no expertd serves" in again.stderr
+        finally:
+            kill_serving_daemon(blobs)
 
 
 @pytest.mark.timeout(60)
@@ -336,7 +342,19 @@ def test_pin_file_with_more_pins_than_the_cache_allows_is_refused(blobs, isolate
                           "--pin-file", pin_file, timeout=30)
     assert refused.returncode == 1
     assert "9 experts to pin" in refused.stderr and "at most 2" in refused.stderr
-    assert not shm_file(blobs).exists()
+    assert not _segments_created_by(refused.pid)
+
+
+def _segments_created_by(pid: int) -> list:
+    """Names of the expertd arenas whose header names ``pid`` as their daemon.
+
+    A refused start never tells its random arena name, so only a listing can find a leftover;
+    POSIX has none, and Linux shows the segments in /dev/shm. Elsewhere this finds nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    return [path.name for path in Path("/dev/shm").glob("expertd-*")
+            if arena_owner("/" + path.name) == pid]
 
 
 # ---- bad blobs ---------------------------------------------------------------------------------
@@ -376,9 +394,9 @@ def test_corrupt_expert_is_refused_by_name_and_the_rest_served(models, isolated_
 @pytest.mark.timeout(60)
 def test_daemon_files_are_owner_only(blobs, isolated_env):
     paths = daemon_paths(blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
         wait_until(paths.state_file.exists, 10, "the state file")
-        assert _mode(shm_file(blobs)) == 0o600
+        assert shm_mode(d.arena) == 0o600
         assert _mode(paths.socket) == 0o600
         assert _mode(paths.socket.parent) == 0o700
         assert _mode(paths.lock) == 0o600

@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from daemon_helpers import (STOP_TIMEOUT, TINY_CACHE_GB, RawClient, expected_bytes,
-                            running_daemon, shm_file, wait_until)
+from harness import (STOP_TIMEOUT, TINY_CACHE_GB, RawClient, expected_bytes, running_daemon,
+                     shm_exists, wait_until)
 from expertd.errors import DaemonError
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
@@ -64,7 +64,7 @@ def test_unwritable_state_file_does_not_leave_shared_memory_behind(models, isola
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(timeout=STOP_TIMEOUT) == 0, d.log_text()
         assert "could not save the hot set" in d.log_text()
-    assert not shm_file(blobs).exists()
+    assert not shm_exists(d.arena)
     assert not daemon_paths(blobs).socket.exists()
 
 
@@ -103,11 +103,11 @@ def test_verify_always_catches_corruption_after_a_good_first_read(models, isolat
 
 
 def test_verify_first_checks_each_expert_once(models, isolated_env, tmp_path):
-    """The default: the first fill of an expert is checked, its refills are not (the blob
-    files do not change under a running daemon)."""
+    """With --verify first (the default is always): the first fill of an expert is checked,
+    its refills are not."""
     blobs = tmp_path / "blobs"
     shutil.copytree(models.blobs(), blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--verify", "first"):
         with RawClient(blobs) as c:
             c.fetch(1, [5])
             _flip_byte(blobs, 1, 5)

@@ -17,8 +17,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon_helpers import (SMALL_CACHE_GB, RawClient, expected_bytes, query_stats,
-                            running_daemon, wait_until)
+from harness import (SMALL_CACHE_GB, RawClient, expected_bytes, query_stats, running_daemon,
+                     wait_until)
 from expertd.paths import daemon_paths
 from expertd.protocol import CLIENT_ID_BYTES, MAX_BODY, MAX_REQUEST_ID, ErrorCode, Op
 
