@@ -13,9 +13,9 @@ def _cache_bytes(args, manifest) -> int:
     """``--cache-gb`` in bytes, refused unless the daemon can serve the model with it.
 
     The floor is 2 x top_k cache rows (capped at the model's expert count) beside the
-    2 x top_k prefetch side rows: two tokens' worth of one layer's experts, so that one
-    client's group leaves room for another's. Below it, demands shrink to a row or two and
-    every layer of every token waits on several round trips.
+    2 x top_k prefetch side rows. One demand may hold at most half of the rows pins leave
+    (``server.cache_limits``); below the floor demands shrink to a row or two and every layer
+    of every token waits on several round trips.
 
     Raises:
         ValueError: one line naming the smallest budget that works, in GiB.
@@ -55,6 +55,7 @@ def _cmd_start(args) -> int:
         blob_dir=blob_dir, cache_bytes=cache_bytes,
         workers=args.workers, io=args.io, verify=args.verify,
         client_timeout=args.client_timeout, heartbeat_interval=args.heartbeat,
+        lease_timeout=args.lease_timeout,
         pin_file=Path(args.pin_file) if args.pin_file else None, auto_pin=args.auto_pin)
     if args.foreground:
         return run_foreground(config, Path(args.state_file) if args.state_file else None,
@@ -141,6 +142,9 @@ def add_subcommands(sub) -> None:
                    help="keep the N hottest resident experts pinned (default: 0, off)")
     p.add_argument("--client-timeout", type=float, default=10.0, metavar="S",
                    help="reclaim a client's leases after S seconds without a heartbeat")
+    p.add_argument("--lease-timeout", type=float, default=30.0, metavar="S",
+                   help="revoke a lease held longer than S seconds, even from a live client "
+                   "(a client copies its rows in milliseconds; default: 30)")
     p.add_argument("--heartbeat", type=float, default=1.0, metavar="S",
                    help="heartbeat interval clients are told to use (default: 1)")
     p.add_argument("--state-file", help="where the hot set is saved (default: per-user state dir)")
