@@ -33,7 +33,7 @@ from expertd.shm.layout import Arena, SlotState, unlink_arena
 START_TIMEOUT = 30.0
 STOP_TIMEOUT = 10.0
 # Row counts that --cache-gb gives with the session's tiny model (stride 16 KiB, 48 experts).
-TINY_CACHE_GB = "0.00028"  # 9 rows
+TINY_CACHE_GB = "0.0003"  # 10 rows: demands of 4 (top_k), one client holds at most 4
 SMALL_CACHE_GB = "0.0015"  # 64 rows, capped at the 48 experts of the model
 CLIENT_SCRIPT = Path(__file__).resolve().with_name("daemon_helpers.py")
 

@@ -22,7 +22,7 @@ from harness import (SMALL_CACHE_GB, TINY_CACHE_GB, RawClient, arena_owner, expe
 from expertd.errors import DaemonError
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
-from expertd.protocol import ErrorCode, Op
+from expertd.protocol import PROTOCOL_VERSION, ErrorCode, Op
 from expertd.shm.layout import SlotState
 
 # Timeouts that make lease reclamation quick enough to test.
@@ -72,7 +72,7 @@ def test_demand_returns_the_exact_bytes_of_every_expert(blobs, isolated_env, cac
     if rows >= len(want):
         assert stats["fills"] == stats["misses"] == len(want)  # the second pass only hit
     else:
-        assert rows == 9
+        assert rows == 10
         # At most `rows` experts can survive from the first pass to the second.
         assert stats["fills"] >= 2 * len(want) - rows
         assert stats["rows_used"] <= rows
@@ -86,7 +86,7 @@ def test_concurrent_clients_under_eviction_never_read_torn_rows(blobs, isolated_
     stop_file = tmp_path / "stop-readers"
     with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "4"):
         with RawClient(blobs) as probe:
-            assert probe.hello["cache_rows"] == 9  # far less than 4 clients x 2-4 experts
+            assert probe.hello["cache_rows"] == 10  # far less than 4 clients x 2-4 experts
         reader = spawn_client("lockfree", blobs, stop_file, 7, 60)
         clients = [spawn_client("leased", blobs, iterations, seed) for seed in range(n_clients)]
         deadline = time.monotonic() + 60
@@ -160,7 +160,7 @@ def test_a_second_hello_keeps_the_clients_leases_reclaimable(blobs, isolated_env
     with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS):
         with RawClient(blobs) as c:
             c.demand(0, [1, 2])  # leased, never released
-            c.request(Op.HELLO, {"version": 1, "client": c.conn.client_id, "pid": 1})
+            c.request(Op.HELLO, {"version": PROTOCOL_VERSION, "client": c.conn.client_id, "pid": 1})
             assert query_stats(blobs)["leases"] == 1
         # The client went silent: its lease goes once its heartbeat times out.
         wait_until(lambda: (s := query_stats(blobs))["clients"] == 0 and s["leases"] == 0,
@@ -240,7 +240,7 @@ def test_status_reports_the_daemon_and_fails_without_one(blobs, isolated_env):
             assert {k: type(s.get(k)) for k in types} == types
             assert s["endpoint"] == daemon_paths(blobs).endpoint
             assert s["pid"] == d.proc.pid
-            assert (s["arena_rows"], s["rows_used"], s["misses"]) == (9, 3, 3)
+            assert (s["arena_rows"], s["rows_used"], s["misses"]) == (10, 3, 3)
             assert s["bytes_read"] == 3 * stride
             assert s["arena_bytes"] >= 9 * stride
             assert s["clients"] == 1 and s["pinned"] == 0
@@ -249,7 +249,7 @@ def test_status_reports_the_daemon_and_fails_without_one(blobs, isolated_env):
         plain = expertd_cli("status", "--blobs", blobs)
         assert plain.returncode == 0, plain.stderr
         assert f"expertd pid {d.proc.pid} serving" in plain.stdout
-        assert "3/9 rows used" in plain.stdout
+        assert "3/10 rows used" in plain.stdout
         every = expertd_cli("status")
         assert every.returncode == 0 and f"expertd pid {d.proc.pid}" in every.stdout
 
@@ -294,7 +294,7 @@ def test_warm_restart_refills_the_hot_experts(blobs, isolated_env):
 def test_pinned_experts_survive_eviction_and_unpinned_ones_do_not(blobs, isolated_env):
     pins = [(0, 3), (0, 7)]
     with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB), RawClient(blobs) as c:
-        assert c.hello["cache_rows"] == 9  # so at most 9 // 4 = 2 pins
+        assert c.hello["cache_rows"] == 10  # so at most 10 // 4 = 2 pins
         assert c.request(Op.PIN, {"layer": 0, "experts": [3, 7]})["pinned"] == 2
         wait_until(lambda: all(c.slot(*k)[1] == SlotState.READY for k in pins), 10,
                    "the pinned experts to be filled")

@@ -26,9 +26,10 @@ def test_demand_queued_behind_prefetch_fills_is_answered(models, isolated_env):
             rows = c.hello["cache_rows"]
             c.conn.send(Op.PREFETCH, {"layer": 0, "experts": list(range(rows))})
             reply = c.demand(1, [0, 1, 2, 3], timeout=20.0)
-            assert len(reply["rows"]) == 4
-            assert c.fetch(1, [0, 1, 2, 3]) == [c.row_bytes(r, 1) for r in reply["rows"]]
+            got = [c.row_bytes(r, 1) for r in reply["rows"]]
             c.release(reply["lease"])
+            want = expected_bytes(blobs)
+            assert got == [want[(1, e)] for e in range(4)]
             wait_until(lambda: c.request(Op.STATS)["leases"] == 0, 10.0, "the lease to go")
 
 
@@ -36,19 +37,20 @@ def test_vanished_client_with_a_queued_demand_leaks_no_lease(models, isolated_en
     blobs = models.blobs()
     with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS):
         with RawClient(blobs) as watcher, RawClient(blobs) as gone:
-            half = watcher.hello["cache_rows"] // 2
-            gone.demand(0, list(range(half)))  # two leases that are never released
-            gone.demand(1, list(range(half)))
-            gone.conn.send(Op.DEMAND, {"layer": 2, "experts": list(range(half))})  # queued
-            wait_until(lambda: watcher.request(Op.STATS)["demands"] == 3, 10.0,
-                       "the third demand to arrive")
-            assert watcher.request(Op.STATS)["leases"] == 2
+            group = watcher.hello["max_demand"]
+            assert group == watcher.hello["client_cap"]
+            gone.demand(0, list(range(group)))  # a lease never released: all it may hold
+            # Queued: one more row would take it past its cap.
+            gone.conn.send(Op.DEMAND, {"layer": 1, "experts": [0]})
+            wait_until(lambda: watcher.request(Op.STATS)["queued"] == 1, 10.0,
+                       "the second demand to be queued")
+            assert watcher.request(Op.STATS)["leases"] == 1
             # `gone` sends nothing more: its heartbeat times out; `watcher` keeps its own alive.
             wait_until(lambda: watcher.heartbeat() and watcher.request(Op.STATS)["clients"] == 1,
                        15.0, "the silent client to be forgotten")
             stats = watcher.request(Op.STATS)
-            assert stats["leases"] == 0, stats
-            assert len(watcher.fetch(2, list(range(watcher.hello["cache_rows"] // 2)))) == half
+            assert (stats["leases"], stats["queued"], stats["leased_rows"]) == (0, 0, 0), stats
+            assert len(watcher.fetch(1, list(range(group)))) == group
 
 
 def test_unwritable_state_file_does_not_leave_shared_memory_behind(models, isolated_env,
@@ -79,7 +81,7 @@ def _flip_byte(blobs, layer: int, expert: int) -> None:
 
 def _evict(client, layer: int, expert: int) -> None:
     """Fetch other layers' experts until (layer, expert) has left the cache."""
-    step = client.hello["cache_rows"] // 2
+    step = client.hello["max_demand"]
     for _ in range(4):
         for other in {0, 1, 2} - {layer}:
             for start in range(0, 16, step):
