@@ -85,7 +85,7 @@ class BlobStore:
     """
 
     def __init__(self, blob_dir: Path, direct: bool = False):
-        self.dir = Path(blob_dir).resolve()
+        self.dir = Path(blob_dir).expanduser().resolve()
         self.manifest = Manifest.load(self.dir)
         self.stride = self.manifest.stride
         self._fds = []

@@ -125,7 +125,7 @@ def daemon_paths(blob_dir) -> DaemonPaths:
         DaemonError: if no runtime directory of ours can be found (see :func:`runtime_dir`).
         ValueError: if the socket path would be too long for a unix socket.
     """
-    real = Path(blob_dir).resolve()
+    real = Path(blob_dir).expanduser().resolve()
     run = runtime_dir()
     # The runtime directory is part of the name: daemons in two runtime directories (which
     # cannot see each other's sockets) must not take each other's files for stale ones.
