@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -433,18 +434,7 @@ def test_io_mode_says_buffered_when_o_direct_is_refused(models, ramfs):
         assert store.io_reason.startswith("O_DIRECT refused by the file system of ")
         assert str(blob_dir / "layer-000.blob") in store.io_reason
         # The reads still work, through the page cache.
-        with _closing_store(models.blobs()) as clean:
+        with closing(BlobStore(models.blobs())) as clean:
             assert store.read_expert(1, 3) == clean.read_expert(1, 3)
     finally:
         store.close()
-
-
-class _closing_store:
-    def __init__(self, blob_dir):
-        self.store = BlobStore(blob_dir)
-
-    def __enter__(self):
-        return self.store
-
-    def __exit__(self, *exc):
-        self.store.close()

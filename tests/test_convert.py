@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 import mlx.core as mx
@@ -54,19 +55,6 @@ CASES = [
     pytest.param("qwen3_moe", "none", 4, "float32", id="qwen3_moe-none-f32"),
     pytest.param("qwen3_moe", "affine", 2, "bfloat16", id="qwen3_moe-affine2"),
 ]
-
-
-class _closing:
-    """An opened BlobStore, closed on exit."""
-
-    def __init__(self, blob_dir):
-        self.store = BlobStore(blob_dir)
-
-    def __enter__(self):
-        return self.store
-
-    def __exit__(self, *exc):
-        self.store.close()
 
 
 def checkpoint_tensors(model_dir: Path) -> dict:
@@ -138,7 +126,7 @@ def test_blobs_hold_exact_expert_slices(models, family, mode, bits, dtype):
     assert manifest.top_k == TINY["top_k"]
 
     expert_names = set()
-    with _closing(blob_dir) as store:
+    with closing(BlobStore(blob_dir)) as store:
         for layer in store.layers:
             assert layer.num_experts == TINY["experts"]
             assert sorted(seg.name for seg in layer.segments) == expected_segments
@@ -201,7 +189,7 @@ def test_cli_synth_then_convert(tmp_path):
     assert "wrote 2 MoE layers" in run.stdout and str(blob_dir) in run.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blobs", "model"]  # no partial left
 
-    with _closing(blob_dir) as store:
+    with closing(BlobStore(blob_dir)) as store:
         assert store.manifest.model_type == "mixtral"
         assert [layer.num_experts for layer in store.layers] == [4, 4]
         for layer in store.layers:
@@ -365,7 +353,7 @@ def wait_for(condition, proc, what: str, timeout: float = 60.0) -> None:
 
 
 def assert_valid(blob_dir: Path) -> None:
-    with _closing(blob_dir) as store:
+    with closing(BlobStore(blob_dir)) as store:
         for layer in store.layers:
             for expert in range(layer.num_experts):
                 store.read_expert(layer.index, expert)
