@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from client_helpers import cache_gb
-from harness import Daemon, RawClient, query_stats, read_json_line, wait_until
+from harness import Daemon, RawClient, query_stats, read_json_line, spawn_client, wait_until
 
 from expertd import _fallback
 from expertd.shm.layout import SLOT_DTYPE, SlotState
@@ -51,9 +51,7 @@ def tiny_cache(blobs) -> tuple:
 
 def spawn(mode: str, *args) -> subprocess.Popen:
     """This file as a client process; commands on its stdin, JSON lines on its stdout."""
-    return subprocess.Popen([sys.executable, __file__, mode, *map(str, args)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return spawn_client(mode, *args, script=Path(__file__), stdin=True)
 
 
 def finish(proc: subprocess.Popen) -> str:
@@ -317,7 +315,7 @@ def session_client(blob_dir: str, layer: int, experts: str) -> None:
     dest = np.empty(session.staging_bytes(), np.uint8)
     _say(attached=True)
     try:
-        for line in sys.stdin:
+        for _ in sys.stdin:
             try:
                 session.fetch(layer, group, dest)
                 _say(fetched=True, late_leases=session.counters["late_leases"])
