@@ -127,7 +127,7 @@ def test_sigkilled_clients_leave_no_lease_behind(blobs, isolated_env):
     with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS) as d:
         procs = []
         try:
-            # Two clients lease 8 of the 9 rows; a third one's demand for 4 more must queue.
+            # Two clients lease 8 of the 10 rows; a third one's demand for 4 more must queue.
             for layer in (0, 1):
                 procs.append(spawn_client("hold", blobs, layer, "0,1,2,3", "wait"))
                 assert read_json_line(procs[-1], 20)["lease"] > 0

@@ -100,7 +100,7 @@ def test_generate_fails_with_the_checksum_error_instead_of_wrong_text(blobs, iso
     with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
         good = _generate(blobs, isolated_env)
         assert good.returncode == 0, good.stderr
-        # Every expert row corrupt: the cache (9 rows) cannot hold one token's experts of all
+        # Every expert row corrupt: the cache (10 rows) cannot hold one token's experts of all
         # three layers, so the next run must refill some of them.
         manifest = Manifest.load(blobs)
         for layer in manifest.layers:
