@@ -43,7 +43,7 @@ def _cmd_convert(args) -> int:
 def _cmd_verify(args) -> int:
     from tqdm import tqdm
 
-    from .blobstore import DirectoryCheck
+    from .blobstore import DirectoryCheck, reconvert
 
     check = DirectoryCheck(Path(args.blobs))
     bad = 0
@@ -57,7 +57,7 @@ def _cmd_verify(args) -> int:
             f"{len(manifest.trunk)} trunk files")
     if bad:
         print(f"{check.dir}: {bad} problem{'s' if bad > 1 else ''} found checking {what}; "
-              f"re-run expertd convert MODEL_DIR {check.dir}")
+              f"{reconvert(check.dir)}")
         return 1
     print(f"{check.dir}: all {what} match their checksums")
     return 0

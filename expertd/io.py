@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from .blobstore import BlobStore
+from .blobstore import BlobStore, reconvert
 from .errors import ChecksumError
 from .protocol import ErrorCode
 
@@ -110,8 +110,9 @@ class FillPool:
                 self.store.verify(layer, expert, view)
                 self._checked[layer][expert] = True
             return None
-        except ChecksumError:
-            return ErrorCode.CHECKSUM, checksum_message(self.store, layer, expert)
+        except ChecksumError as exc:
+            return ErrorCode.CHECKSUM, (f"{exc}; the blob directory is corrupt, "
+                                        f"{reconvert(self.store.dir)}")
         except Exception as exc:  # a fill must always complete, or its waiters hang
             return ErrorCode.IO, (f"reading layer {layer} expert {expert} from "
                                   f"{self.store.dir / self.store.layers[layer].file}: {exc}")
@@ -164,10 +165,3 @@ class FillPool:
             os.close(self._wake_r)
             os.close(self._wake_w)
         return idle
-
-
-def checksum_message(store: BlobStore, layer: int, expert: int) -> str:
-    """The one-line error for an expert whose bytes on disk fail their checksum."""
-    return (f"checksum mismatch: layer {layer} expert {expert} in "
-            f"{store.dir / store.layers[layer].file}; the blob directory is corrupt, re-run: "
-            f"expertd convert MODEL_DIR {store.dir}")
