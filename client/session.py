@@ -1,8 +1,8 @@
 """A client's attachment to the daemon: socket, mapped arena, heartbeat, reconnection.
 
-``fetch(layer, experts)`` is the per-layer hot path: a lock-free remap through the shared slot
-table, one demand for whatever is missing, a drain of rows other clients are filling, a copy of
-each segment into a staging buffer (GIL released, seqlock-checked), then MLX arrays.
+``fetch(layer, experts, dest)`` is the per-layer hot path: a lock-free remap through the shared
+slot table, one demand for whatever is missing, a drain of rows other clients are filling, a copy
+of each segment into ``dest`` (GIL released, seqlock-checked); ``switch.py`` views it as MLX arrays.
 
 No lease outlives its use, whatever interrupts the client: every lease the daemon grants is
 recorded the moment its reply is read (with SIGINT held back for those few steps) and released
@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 
-import mlx.core as mx
 import numpy as np
 import zmq
 
@@ -33,12 +32,6 @@ from expertd.shm.layout import Arena
 
 log = logging.getLogger("expertd.client")
 
-MLX_DTYPES = {
-    "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32, "U8": mx.uint8,
-    "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16, "I32": mx.int32, "U64": mx.uint64,
-    "I64": mx.int64, "BOOL": mx.bool_,
-}
-NP_STAGING = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 DRAIN_TIMEOUT = 5.0
 POLL_SLICE = 0.05  # how often a wait looks at the daemon's liveness and a held-back SIGINT
 REQUEST_TIMEOUT = 300.0  # a daemon that heartbeats but never answers one request

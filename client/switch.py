@@ -12,6 +12,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+# Safetensors dtype names (as the manifest records them) to MLX dtypes.
+MLX_DTYPES = {
+    "BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32, "U32": mx.uint32, "U8": mx.uint8,
+    "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16, "I32": mx.int32, "U64": mx.uint64,
+    "I64": mx.int64, "BOOL": mx.bool_,
+}
+
 
 class StagingBuffer:
     """MLX-owned memory the rows are copied into, and the last output computed from it."""
@@ -114,8 +121,6 @@ _CLASSES: dict = {}
 
 def make_streamed(module, session, layer, staging: Staging) -> None:
     """Turn an mlx-lm switch module into a streamed one, in place, and drop its expert arrays."""
-    from .session import MLX_DTYPES
-
     cls = type(module)
     streamed = _CLASSES.get(cls)
     if streamed is None:
