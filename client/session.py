@@ -193,8 +193,7 @@ class Session:
             with HeldInterrupts() as held:
                 return self._ask(op, body, held)
         with self._socket_lock:
-            self._next_rid += 1
-            rid = b"s" + self._next_rid.to_bytes(8, "little")
+            rid = self._new_rid()
             if op is Op.DEMAND:
                 self._demands.add(rid)  # before the send: its reply is never unaccounted for
             self.conn.sock.send_multipart(request(rid, op, body))
@@ -205,12 +204,14 @@ class Session:
                     self._heartbeat.wake()  # to release the late lease as soon as it comes
                 raise
 
+    def _new_rid(self) -> bytes:
+        self._next_rid += 1
+        return b"s" + self._next_rid.to_bytes(8, "little")
+
     def _send_quietly(self, op: Op, body: dict) -> None:
         """Fire and forget (release, goodbye); never blocks on a daemon that is gone."""
-        self._next_rid += 1
         try:
-            self.conn.sock.send_multipart(request(b"s" + self._next_rid.to_bytes(8, "little"),
-                                                  op, body), zmq.NOBLOCK)
+            self.conn.sock.send_multipart(request(self._new_rid(), op, body), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the daemon is gone or flooded; its leases die with it or with our heartbeat
 
