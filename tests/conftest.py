@@ -9,6 +9,7 @@ import pytest
 
 from expertd.shm.layout import unlink_arena
 from expertd.tools.convert import convert
+from expertd.tools.safetensors import read_header
 from expertd.tools.synth import SynthConfig, synthesize
 from harness import SEEN_ARENAS, shm_exists
 
@@ -62,6 +63,29 @@ def isolated_env(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(state))
     yield {"XDG_RUNTIME_DIR": str(runtime), "XDG_STATE_HOME": str(state)}
     shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.fixture
+def blob_dir(models, tmp_path) -> Path:
+    """A private copy of the tiny model's blob directory, free to corrupt."""
+    out = tmp_path / "blobs"
+    shutil.copytree(models.blobs(), out)
+    return out.resolve()
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Invert the lowest bit of the byte at ``offset`` of ``path``."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def lm_head_offset(blob_dir: Path) -> int:
+    """The file offset of a byte in the middle of ``lm_head.weight`` in the trunk."""
+    info = read_header(blob_dir / "trunk" / "model.safetensors")["lm_head.weight"]
+    return info.start + info.nbytes // 2
 
 
 PYTHON = sys.executable

@@ -11,17 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY
+from conftest import TINY, flip_byte, lm_head_offset
 from expertd.blobstore import BlobStore
 from expertd.errors import BlobStoreError, ChecksumError
-
-
-@pytest.fixture
-def blob_dir(models, tmp_path) -> Path:
-    """A private copy of the tiny model's blob directory, free to corrupt."""
-    out = tmp_path / "blobs"
-    shutil.copytree(models.blobs(), out)
-    return out.resolve()
 
 
 def open_fds() -> int:
@@ -311,22 +303,6 @@ def test_manifest_fields_of_the_wrong_type(blob_dir, edit, expected):
 
 
 # The trunk's checksums.
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
-def lm_head_offset(blob_dir: Path) -> int:
-    """The file offset of a byte in the middle of ``lm_head.weight`` in the trunk."""
-    from expertd.tools.safetensors import read_header
-
-    info = read_header(blob_dir / "trunk" / "model.safetensors")["lm_head.weight"]
-    return info.start + info.nbytes // 2
-
 
 def test_clean_trunk_verifies(blob_dir):
     store = BlobStore(blob_dir)

@@ -2,48 +2,24 @@
 offline, by name, with bounded memory; and ``expertd.client.load`` refuses a corrupt trunk."""
 
 import json
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, TINY
+from conftest import PYTHON, TINY, flip_byte, lm_head_offset
 from expertd.client import load
 from expertd.errors import BlobStoreError
 from expertd.manifest import Manifest
 from expertd.tools.convert import convert
-from expertd.tools.safetensors import read_header
 from expertd.tools.synth import SynthConfig, synthesize
 from harness import SMALL_CACHE_GB, running_daemon
 
 EXPERTS = TINY["layers"] * TINY["experts"]
 
 
-@pytest.fixture
-def blob_dir(models, tmp_path) -> Path:
-    """A private copy of the tiny model's blob directory, free to corrupt."""
-    out = tmp_path / "blobs"
-    shutil.copytree(models.blobs(), out)
-    return out.resolve()
-
-
 def expertd(*args, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([PYTHON, "-m", "expertd", *map(str, args)], capture_output=True,
                           text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
-
-
-def lm_head_offset(blob_dir: Path) -> int:
-    info = read_header(blob_dir / "trunk" / "model.safetensors")["lm_head.weight"]
-    return info.start + info.nbytes // 2
 
 
 def test_clean_directory(blob_dir):
