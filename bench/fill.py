@@ -20,6 +20,13 @@ import numpy as np
 from common import daemon, ensure_model
 
 
+def shuffled_experts(layers, seed: int) -> list:
+    """Every ``(layer, expert)`` once, in a random order over all layers (the same per seed)."""
+    jobs = [(li, e) for li, layer in enumerate(layers) for e in range(layer.num_experts)]
+    np.random.default_rng(seed).shuffle(jobs)
+    return jobs
+
+
 def raw_direct_read(blob_dir, threads: int, seed: int) -> float:
     """GB/s of reading every expert row once, in random order, with ``threads`` threads."""
     from expertd.blobstore import open_blob
@@ -28,8 +35,7 @@ def raw_direct_read(blob_dir, threads: int, seed: int) -> float:
     manifest = Manifest.load(blob_dir)
     stride = manifest.stride
     fds = [open_blob(blob_dir / layer.file, direct=True) for layer in manifest.layers]
-    jobs = [(li, e) for li, layer in enumerate(manifest.layers) for e in range(layer.num_experts)]
-    np.random.default_rng(seed).shuffle(jobs)
+    jobs = shuffled_experts(manifest.layers, seed)
     buffers = [mmap.mmap(-1, stride) for _ in range(threads)]
     chunks = [jobs[i::threads] for i in range(threads)]
 
@@ -87,8 +93,7 @@ def pool_fill(blob_dir, threads: int, seed: int, verify: str) -> tuple:
         def row(self, i):
             return memoryview(self.memory)[i * store.stride:(i + 1) * store.stride]
 
-    jobs = [(li, e) for li, layer in enumerate(store.layers) for e in range(layer.num_experts)]
-    np.random.default_rng(seed).shuffle(jobs)
+    jobs = shuffled_experts(store.layers, seed)
     pool = FillPool(store, Rows(), threads, verify)
     try:
         c0, t0 = time.process_time(), time.perf_counter()
@@ -149,16 +154,14 @@ def daemon_fill(blob_dir, threads: int, seed: int, verify: bool) -> dict:
 
     GB/s by the client's wall clock and by the daemon's own busy time.
     """
-    import os
-
     from expertd.connection import Connection
     from expertd.manifest import Manifest
     from expertd.protocol import PROTOCOL_VERSION, Op, parse_reply
 
     manifest = Manifest.load(blob_dir)
-    jobs = [(li, e) for li, layer in enumerate(manifest.layers) for e in range(layer.num_experts)]
-    np.random.default_rng(seed).shuffle(jobs)
-    flags = ["--workers", str(threads), "--io", "direct"] + ["--verify", "always" if verify else "never"]
+    jobs = shuffled_experts(manifest.layers, seed)
+    flags = ["--workers", str(threads), "--io", "direct", "--verify",
+             "always" if verify else "never"]
     with daemon(blob_dir, manifest.total_expert_bytes * 1.2 / 2**30 + 0.01, *flags) as pid:
         with Connection(blob_dir) as conn:
             hello = conn.request(Op.HELLO, {"version": PROTOCOL_VERSION, "client": conn.client_id,
