@@ -108,7 +108,7 @@ class DaemonPaths:
     socket: Path
     lock: Path  # flock-ed by the daemon for its whole life
     pidfile: Path
-    runfile: Path  # JSON {pid, arena, epoch}: how clients and `start` find the arena
+    runfile: Path  # JSON {pid, arena, epoch, ready}: how clients and `start` find the arena
     log: Path  # the daemon's rotating log when started detached
     start_log: Path  # the detached child's stderr of the latest start only
     state_file: Path

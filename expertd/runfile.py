@@ -127,7 +127,7 @@ def lock_held(lock: Path) -> bool:
     """True if a process holds ``lock`` exclusively now (a daemon, or a clean-up in progress).
 
     The probe takes a shared lock for an instant, so concurrent probes never disturb each
-    other; a starting daemon retries for a moment (see daemon.acquire_lock).
+    other; a starting daemon retries for a moment (see :func:`take_lock`).
     """
     try:
         fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
