@@ -8,7 +8,6 @@ and a lock next to the destination keeps two runs from writing it at once.
 """
 
 import errno
-import fcntl
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ import xxhash
 from expertd.blobstore import file_checksum
 from expertd.errors import ConvertError, ModelDirError
 from expertd.manifest import STRIDE_ALIGN, Manifest, MoeLayer, Segment, TrunkFile
+from expertd.runfile import read_private, take_lock
 from .safetensors import SafetensorsWriter, read_header
 
 _SEGMENT_ALIGN = 64
@@ -241,23 +241,10 @@ def _destination_lock(blob_dir: Path):
     a run that opened it just before checks, once locked, that it locked the file still there.
     """
     path = blob_dir.parent / f".{blob_dir.name}.lock"
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = _lock_owner(fd)
-            os.close(fd)
-            raise ConvertError(f"another expertd convert is writing {blob_dir} (pid {owner}); "
-                               "wait for it to finish or choose another path") from None
-        try:
-            here = os.stat(path, follow_symlinks=False)
-            mine = os.fstat(fd)
-            if (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino):
-                break
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # the run before us removed it after we opened it: lock the new one
+    fd = take_lock(path)  # flock, and a check that it locked the file still at the name
+    if fd is None:
+        raise ConvertError(f"another expertd convert is writing {blob_dir} (pid "
+                           f"{_lock_owner(path)}); wait for it to finish or choose another path")
     try:
         try:
             os.ftruncate(fd, 0)
@@ -273,9 +260,9 @@ def _destination_lock(blob_dir: Path):
         os.close(fd)
 
 
-def _lock_owner(fd: int) -> str:
+def _lock_owner(path: Path) -> str:
     try:
-        text = os.pread(fd, 32, 0).decode().strip()
+        text = read_private(path, 32).decode().strip()
     except (OSError, UnicodeDecodeError):
         return "unknown"
     return text if text.isdigit() else "unknown"
