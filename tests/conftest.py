@@ -1,8 +1,10 @@
 """Shared fixtures: tiny synthetic models and their blob directories, built once per session."""
 
 import shutil
+import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,24 @@ def blob_dir(models, tmp_path) -> Path:
     out = tmp_path / "blobs"
     shutil.copytree(models.blobs(), out)
     return out.resolve()
+
+
+@contextmanager
+def mounted(where: Path, fstype: str, *options: str):
+    """A fresh ``fstype`` mounted at ``where`` (created), unmounted after; the test is skipped
+    where mounting is not allowed (not Linux, not root)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip(f"mounting a {fstype} is Linux only")
+    where.mkdir()
+    run = subprocess.run(["mount", "-t", fstype, *options, fstype, str(where)],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        pytest.skip(f"cannot mount a {fstype} here (needs root / CAP_SYS_ADMIN): "
+                    f"{run.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
 
 
 def flip_byte(path: Path, offset: int) -> None:

@@ -4,14 +4,12 @@ import json
 import mmap
 import os
 import shutil
-import subprocess
-import sys
 from contextlib import closing
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY, flip_byte, lm_head_offset
+from conftest import TINY, flip_byte, lm_head_offset, mounted
 from expertd.blobstore import BlobStore
 from expertd.errors import BlobStoreError, ChecksumError
 
@@ -368,19 +366,8 @@ def test_dot_files_in_the_trunk_are_not_the_model(blob_dir):
 @pytest.fixture
 def ramfs(tmp_path):
     """A ramfs mount (which refuses O_DIRECT, unlike tmpfs since Linux 6.6), unmounted after."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("ramfs is Linux only")
-    where = tmp_path / "ramfs"
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(where)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a ramfs here (needs root / CAP_SYS_ADMIN): "
-                    f"{mounted.stderr.strip()}")
-    try:
+    with mounted(tmp_path / "ramfs", "ramfs") as where:
         yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
 
 
 @pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux only")

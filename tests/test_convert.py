@@ -21,7 +21,7 @@ import xxhash
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
-from conftest import PYTHON, TINY
+from conftest import PYTHON, TINY, mounted
 from expertd.blobstore import BlobStore
 from expertd.tools.convert import convert, expert_slice
 from expertd.errors import ModelDirError
@@ -554,19 +554,8 @@ def test_concurrent_converts_make_one_good_directory(models, tmp_path):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 256 KiB tmpfs, too small for the tiny model's blobs (about 0.8 MB), unmounted after."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("mounting a tmpfs is Linux only")
-    where = tmp_path / "small"
-    where.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): "
-                    f"{mounted.stderr.strip()}")
-    try:
+    with mounted(tmp_path / "small", "tmpfs", "-o", "size=256k") as where:
         yield where
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
 
 
 def test_full_disk_is_one_line_and_leaves_nothing(models, small_tmpfs):
