@@ -26,24 +26,30 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
         BlobStoreError: the blob directory is not valid, or a trunk file does not match its
             checksum (the message names the file and says to re-run ``expertd convert``).
     """
+    session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group)
+    try:
+        model, tokenizer = _build(session)
+    except BaseException:
+        session.close()  # its heartbeat thread and the arena mapping go with it
+        raise
+    model.expertd_session = session
+    return model, tokenizer
+
+
+def _build(session):
+    """The model with its switch modules streamed through ``session``, and its tokenizer."""
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
     from mlx_lm.utils import load_model, load_tokenizer
 
     from expertd.tools.safetensors import read_header
 
-    session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group)
     trunk = session.paths.blob_dir / "trunk"
-    try:
-        # Nothing unverified is computed with: the trunk's bytes are checked before mlx reads them.
-        check_trunk(session.paths.blob_dir, session.manifest)
-    except BaseException:
-        session.close()
-        raise
+    # Nothing unverified is computed with: the trunk's bytes are checked before mlx reads them.
+    check_trunk(session.paths.blob_dir, session.manifest)
     model, config = load_model(trunk, lazy=True, strict=False)
     modules = dict(model.named_modules())
-    manifest = session.manifest
     staging = Staging(session.staging_bytes())
-    for layer in manifest.layers:
+    for layer in session.manifest.layers:
         module = modules.get(layer.module)
         if not isinstance(module, (SwitchGLU, SwitchMLP)):
             raise BlobStoreError(f"{trunk}: the model has no switch module at {layer.module}")
@@ -55,7 +61,4 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
     if absent:
         raise BlobStoreError(f"{trunk}: weights missing from the trunk: {', '.join(absent[:5])}")
     mx.eval(model.parameters())
-    tokenizer = load_tokenizer(trunk, eos_token_ids=config.get("eos_token_id"))
-    model.expertd_session = session
-    return model, tokenizer
-
+    return model, load_tokenizer(trunk, eos_token_ids=config.get("eos_token_id"))

@@ -14,7 +14,7 @@ def _cache_bytes(args, manifest) -> int:
 
     The floor is 2 x top_k cache rows (capped at the model's expert count) beside the
     2 x top_k prefetch side rows. One demand may hold at most half of the rows pins leave
-    (``server.cache_limits``); below the floor demands shrink to a row or two and every layer
+    (``config.cache_limits``); below the floor demands shrink to a row or two and every layer
     of every token waits on several round trips.
 
     Raises:
@@ -43,7 +43,7 @@ def _cmd_start(args) -> int:
     from .blobstore import BlobStore
     from .daemon import run_foreground, start_detached
     from .paths import daemon_paths
-    from .server import ServerConfig
+    from .config import ServerConfig
 
     blob_dir = Path(args.blobs).resolve()
     store = BlobStore(blob_dir)  # refuse a bad directory here, not in the detached child

@@ -217,7 +217,8 @@ def test_a_bug_in_a_handler_is_logged_answered_and_survived(blobs, isolated_env,
     import threading
 
     from expertd.paths import daemon_paths
-    from expertd.server import ExpertServer, ServerConfig
+    from expertd.config import ServerConfig
+    from expertd.server import ExpertServer
     from expertd.shm.layout import unlink_arena
 
     config = ServerConfig(blob_dir=blobs, cache_bytes=int(float(TINY_CACHE_GB) * 2**30))

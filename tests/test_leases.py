@@ -8,7 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from expertd.clients import ClientRegistry
 from expertd.leases import Demand, LeaseBook
-from expertd.server import cache_limits
+from expertd.config import cache_limits
 
 A, B = b"a" * 16, b"b" * 16
 

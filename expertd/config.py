@@ -1,0 +1,55 @@
+"""The daemon's configuration, validated once at start-up, and the limits derived from it."""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from .io import VERIFY_MODES
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``expertd start`` decides, validated once."""
+
+    blob_dir: Path
+    cache_bytes: int
+    workers: int = 8
+    io: str = "direct"
+    verify: str = "always"
+    client_timeout: float = 10.0
+    heartbeat_interval: float = 1.0
+    lease_timeout: float = 30.0
+    pin_file: Path | None = None
+    auto_pin: int = 0
+    save_interval: float = 60.0
+
+    def __post_init__(self):
+        if self.cache_bytes <= 0:
+            raise ValueError("cache size must be positive")
+        if self.workers < 1:
+            raise ValueError("workers must be at least 1")
+        if self.io not in ("direct", "buffered"):
+            raise ValueError("io must be 'direct' or 'buffered'")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}")
+        for name in ("client_timeout", "heartbeat_interval", "lease_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name.replace('_', ' ')} must be a positive number of seconds")
+        if self.client_timeout <= self.heartbeat_interval:
+            raise ValueError("client timeout must exceed the heartbeat interval")
+        if self.auto_pin < 0:
+            raise ValueError("auto-pin must not be negative")
+
+
+def cache_limits(cache_rows: int) -> tuple:
+    """``(max_pins, max_demand, client_cap)`` for a cache of ``cache_rows`` rows.
+
+    Pins take at most a quarter of the rows. A demand (one client's group) takes at most half of
+    the rest, and one client holds at most what leaves room for another client's largest group
+    beside every pin: no client, however greedy, can starve the others.
+    """
+    max_pins = cache_rows // 4
+    max_demand = max(1, (cache_rows - max_pins) // 2)
+    client_cap = max(max_demand, cache_rows - max_pins - max_demand)
+    return max_pins, max_demand, client_cap
