@@ -26,12 +26,14 @@ class ClientRegistry:
 
     Args:
         time_to_dead: seconds without a word after which a client is dead.
+        max_clients: most clients known at once (each costs the daemon memory and clean-up).
     """
 
-    def __init__(self, time_to_dead: float):
+    def __init__(self, time_to_dead: float, max_clients: int = 1024):
         if not time_to_dead > 0:
             raise ValueError("time_to_dead must be positive")
         self.time_to_dead = time_to_dead
+        self.max_clients = max_clients
         self._clients: dict = {}
 
     def __len__(self) -> int:
@@ -43,10 +45,12 @@ class ClientRegistry:
     def get(self, identity: bytes) -> Client | None:
         return self._clients.get(identity)
 
-    def hello(self, identity: bytes, pid: int, now: float) -> Client:
-        """Register a client (a second hello keeps its token and pins)."""
+    def hello(self, identity: bytes, pid: int, now: float) -> Client | None:
+        """Register a client (a second hello keeps its token and pins); None if full."""
         client = self._clients.get(identity)
         if client is None:
+            if len(self._clients) >= self.max_clients:
+                return None
             client = Client(identity, pid, os.urandom(HEARTBEAT_TOKEN_BYTES), now)
             self._clients[identity] = client
         client.pid, client.last_seen = pid, now

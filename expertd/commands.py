@@ -7,6 +7,10 @@ import sys
 from pathlib import Path
 
 from .errors import DaemonError, DaemonNotRunning
+from .hotset import read_pin_file
+
+MAX_WORKERS = 256
+MAX_CACHE_GB = 1 << 20  # a PiB: no machine has it, and int(gb * 2**30) never overflows below it
 
 
 def _cache_bytes(args, manifest) -> int:
@@ -25,6 +29,9 @@ def _cache_bytes(args, manifest) -> int:
     gb = args.cache_gb
     if not math.isfinite(gb) or gb <= 0:
         raise ValueError(f"--cache-gb must be a finite number of GiB above 0, not {gb}")
+    if gb > MAX_CACHE_GB:
+        raise ValueError(f"--cache-gb {gb:g} is more memory than any machine has "
+                         f"(at most {MAX_CACHE_GB} GiB)")
     m = manifest
     rows = min(2 * m.top_k, len(m.layers) * m.max_experts)
     least = Geometry.smallest_budget(len(m.layers), m.max_experts, m.stride, side_rows=m.top_k,
@@ -45,18 +52,23 @@ def _cmd_start(args) -> int:
     from .paths import daemon_paths
     from .config import ServerConfig
 
-    blob_dir = Path(args.blobs).resolve()
+    blob_dir = Path(args.blobs).expanduser().resolve()
     store = BlobStore(blob_dir)  # refuse a bad directory here, not in the detached child
     try:
         cache_bytes = _cache_bytes(args, store.manifest)
     finally:
         store.close()
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise ValueError(f"--workers must be between 1 and {MAX_WORKERS}, not {args.workers}")
+    if args.pin_file:  # here too, so a bad pin file is named before anything starts
+        read_pin_file(Path(args.pin_file).expanduser())
     config = ServerConfig(
         blob_dir=blob_dir, cache_bytes=cache_bytes,
         workers=args.workers, io=args.io, verify=args.verify,
         client_timeout=args.client_timeout, heartbeat_interval=args.heartbeat,
         lease_timeout=args.lease_timeout,
-        pin_file=Path(args.pin_file) if args.pin_file else None, auto_pin=args.auto_pin)
+        pin_file=Path(args.pin_file).expanduser() if args.pin_file else None,
+        auto_pin=args.auto_pin)
     if args.foreground:
         return run_foreground(config, Path(args.state_file) if args.state_file else None,
                               log_to_file=args.log_to_file)

@@ -54,6 +54,22 @@ def _exit_on_signal(signum, _frame):
     raise SystemExit(128 + signum)  # unwinds through run_foreground's clean-up
 
 
+def _raise_fd_limit() -> None:
+    """Let the daemon hold as many descriptors as it may: libzmq aborts the process when it
+    runs out while accepting connections, so the headroom is what a connection flood costs."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if sys.platform == "darwin":
+        want = min(want, 10240)  # OPEN_MAX: macOS refuses more for the soft limit
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass  # keep the soft limit we have
+
+
 def run_foreground(config, state_file: Path | None = None, log_to_file: bool = False) -> int:
     """Serve until SIGTERM/SIGINT or a shutdown request. Returns the exit status.
 
@@ -65,6 +81,7 @@ def run_foreground(config, state_file: Path | None = None, log_to_file: bool = F
     from .server import ExpertServer
 
     os.umask(0o077)  # every file the daemon creates is the user's only
+    _raise_fd_limit()
     paths = daemon_paths(config.blob_dir)
     if log_to_file:
         _log_to_file(paths.log)
@@ -133,19 +150,31 @@ def start_detached(blob_dir, argv: list, timeout: float = 60.0) -> dict:
         if paths.socket.exists():
             try:
                 with Connection(blob_dir) as conn:
-                    return conn.request(Op.STATS, timeout=1.0)
+                    stats = conn.request(Op.STATS, timeout=1.0)
             except DaemonError:
-                pass
+                stats = None
+            if stats is not None and stats["pid"] == proc.pid:
+                return stats
+            if stats is not None:
+                # Another start won the race for the directory; ours would serve once it stops.
+                _end_child(proc)
+                raise DaemonError(f"an expertd (pid {stats['pid']}) already serves "
+                                  f"{paths.blob_dir} (started at the same time as this one)")
         time.sleep(0.05)
+    _end_child(proc)
+    _clean_after(paths)
+    raise DaemonError(f"expertd did not answer within {timeout:g} s and was stopped; "
+                      f"see {paths.log}")
+
+
+def _end_child(proc) -> None:
+    """SIGTERM a child that did not come up, then SIGKILL, each step bounded."""
     proc.terminate()
     try:
         proc.wait(10.0)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5.0)
-    _clean_after(paths)
-    raise DaemonError(f"expertd did not answer within {timeout:g} s and was stopped; "
-                      f"see {paths.log}")
 
 
 def _startup_failure(paths, status: int) -> str:

@@ -50,7 +50,12 @@ def read_pin_file(path: Path) -> list:
     Raises:
         ValueError: naming the file, if it holds anything else.
     """
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the pin file ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: the pin file is not JSON ({exc})") from None
     pins = data.get("pins") if isinstance(data, dict) else data
     if not isinstance(pins, list) or not all(
             isinstance(p, list) and len(p) == 2 and all(type(x) is int for x in p) for p in pins):

@@ -26,6 +26,7 @@ class Demand:
     waiting: set = field(default_factory=set)  # rows whose fill is still in flight
     lease: int = 0
     error: tuple | None = None  # (code, message) of the first failed fill
+    dropped: bool = False  # its owner went away while it was queued
 
 
 @dataclass(eq=False)
@@ -44,11 +45,13 @@ class LeaseBook:
         client_cap: most rows one client may hold leased at once.
         max_queued: most demands one client may have queued for room.
         max_hold: seconds after which an answered lease is revoked.
+        max_queued_total: most demands queued for room, all clients together.
     Raises:
         ValueError: on arguments out of range.
     """
 
-    def __init__(self, n_rows: int, client_cap: int, max_queued: int, max_hold: float):
+    def __init__(self, n_rows: int, client_cap: int, max_queued: int, max_hold: float,
+                 max_queued_total: int = 256):
         if n_rows < 1 or client_cap < 1 or max_queued < 1:
             raise ValueError("n_rows, client_cap and max_queued must be at least 1")
         if not max_hold > 0:
@@ -56,6 +59,7 @@ class LeaseBook:
         self.client_cap = client_cap
         self.max_queued = max_queued
         self.max_hold = max_hold
+        self.max_queued_total = max_queued_total
         self.leased = np.zeros(n_rows, dtype=np.int32)  # leases holding each row
         self._leases: dict = {}  # id -> Lease, in grant order (dicts keep insertion order)
         self._by_owner: dict = {}  # owner -> set of lease ids
@@ -63,6 +67,7 @@ class LeaseBook:
         self._waiters: dict = {}  # row -> [Demand] waiting for its fill
         self._queue: deque = deque()
         self._queued: dict = {}  # owner -> demands it has in the queue
+        self._dropped = 0  # demands in the queue whose owner went away (skipped when taken)
         self._next = 1
         self.expired = 0
 
@@ -163,9 +168,10 @@ class LeaseBook:
     # ---- the queue of demands waiting for room ------------------------------------------
 
     def enqueue(self, demand: Demand) -> bool:
-        """Queue a demand that found no room; False if its owner has too many queued."""
+        """Queue a demand that found no room; False if its owner, or everyone together, has
+        too many queued."""
         mine = self._queued.setdefault(demand.owner, [])
-        if len(mine) >= self.max_queued:
+        if len(mine) >= self.max_queued or self.queued() >= self.max_queued_total:
             if not mine:
                 del self._queued[demand.owner]
             return False
@@ -174,13 +180,17 @@ class LeaseBook:
         return True
 
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self._queue) - self._dropped
 
     def take_queue(self) -> list:
-        """Every queued demand, oldest first, removed from the queue (re-enqueue what waits)."""
-        demands = list(self._queue)
+        """Every queued demand, removed from the queue (re-enqueue what waits with
+        :meth:`requeue_front`): those of clients holding the fewest rows first, then the
+        oldest, so a client that holds much cannot take every freed row before the others."""
+        demands = sorted((d for d in self._queue if not d.dropped),
+                         key=lambda d: self._held.get(d.owner, 0))
         self._queue.clear()
         self._queued.clear()
+        self._dropped = 0
         return demands
 
     def requeue_front(self, demands: list) -> None:
@@ -204,8 +214,9 @@ class LeaseBook:
         for lease in list(ids):
             self.release(lease)
         queued = self._queued.pop(owner, [])
-        if queued:
-            self._queue = deque(d for d in self._queue if d.owner != owner)
+        for demand in queued:  # skipped when the queue is next taken: O(its own demands)
+            demand.dropped = True
+        self._dropped += len(queued)
         return n, len(waiting) + len(queued)
 
     def pending(self) -> list:
@@ -215,5 +226,6 @@ class LeaseBook:
             for demand in waiters:
                 seen[id(demand)] = demand
         for demand in self._queue:
-            seen[id(demand)] = demand
+            if not demand.dropped:
+                seen[id(demand)] = demand
         return list(seen.values())

@@ -129,8 +129,12 @@ class Manifest:
         if not layers:
             raise BlobStoreError(f"{path}: no MoE layers")
         trunk = _trunk_from_json(path, _get(data, "trunk", dict, where))
-        return cls(_get(data, "model_type", str, where), stride, _get(data, "top_k", int, where),
-                   layers, trunk, digest=hashlib.sha256(text).hexdigest())
+        top_k = _get(data, "top_k", int, where)
+        if not 1 <= top_k <= min(layer.num_experts for layer in layers):
+            raise BlobStoreError(f"{path}: top_k {top_k} is not between 1 and the experts of "
+                                 f"a layer; {RECONVERT}")
+        return cls(_get(data, "model_type", str, where), stride, top_k, layers, trunk,
+                   digest=hashlib.sha256(text).hexdigest())
 
 
 _KINDS = {int: "an integer", str: "a string", list: "a list", dict: "an object"}

@@ -93,13 +93,22 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 def read_private(path: Path, limit: int = 1 << 20) -> bytes:
-    """Read a small file without following a symlink at its name.
+    """Read a small regular file of ours without following a symlink at its name.
+
+    Opened non-blocking, so a FIFO planted at the name cannot hang the reader.
 
     Raises:
-        OSError: if it is missing, a symlink (ELOOP) or unreadable.
+        OSError: if it is missing, a symlink (ELOOP), not a regular file, another user's
+            (PermissionError), or unreadable.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if info.st_uid != os.getuid():
+            raise PermissionError(errno.EPERM, f"owned by uid {info.st_uid}, not by you",
+                                  str(path))
         return f.read(limit)
 
 

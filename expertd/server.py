@@ -199,6 +199,9 @@ class ExpertServer:
             if req.client != identity:
                 raise ProtocolError("the client id must be the socket's routing id")
             client = self.clients.hello(identity, req.pid, now)
+            if client is None:
+                raise ProtocolError(f"{self.clients.max_clients} clients are connected "
+                                    "already; try again later", ErrorCode.BUSY)
             self._send(identity, reply_ok(rid, op, token=client.token, **self._hello()))
             return
         if op is Op.STATS:
@@ -333,6 +336,9 @@ class ExpertServer:
 
     def _load_state(self) -> None:
         keys = load_hot_set(self.state_file, self.policy)
+        # Pins come from the pin file alone: one taken out of it must not live on in the state.
+        for key in self.policy.pinned_keys:
+            self.policy.unpin(key)
         for key in self.pins:
             if not self._valid_key(*key):
                 raise ValueError(f"{self.config.pin_file}: no expert {key[1]} in layer {key[0]}")

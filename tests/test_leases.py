@@ -195,3 +195,51 @@ class BookMachine(RuleBasedStateMachine):
 
 TestBookMachine = BookMachine.TestCase
 TestBookMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_freed_rows_go_first_to_the_clients_holding_least():
+    """Two identities of one hoarder hold rows and queue more; a newcomer's demand queued after
+    theirs still comes out first, so the hoarder cannot take every freed row."""
+    book = LeaseBook(16, client_cap=8, max_queued=4, max_hold=10.0)
+    C = b"c" * 16
+    for owner in (A, B):
+        book.grant(demand(owner, (0,)), [0, 1, 2], set(), now=0.0)
+        book.enqueue(demand(owner))
+    newcomer = demand(C)
+    book.enqueue(newcomer)
+    book.enqueue(demand(A))
+    taken = book.take_queue()
+    assert taken[0] is newcomer and [d.owner for d in taken[1:]] == [A, B, A]
+
+
+def test_the_queue_is_bounded_for_all_clients_together():
+    book = LeaseBook(8, 8, max_queued=4, max_hold=10.0, max_queued_total=6)
+    owners = [bytes([i]) * 16 for i in range(4)]
+    accepted = [book.enqueue(demand(o)) for o in owners for _ in range(2)]
+    assert accepted == [True] * 6 + [False] * 2 and book.queued() == 6
+    book.drop_owner(owners[0])  # its two demands go: room for two more
+    assert book.queued() == 4 and book.enqueue(demand(owners[3]))
+    assert all(d.owner != owners[0] for d in book.take_queue())
+
+
+def test_dropping_many_queued_clients_costs_their_own_demands_only():
+    import time
+
+    book = LeaseBook(8, 8, max_queued=32, max_hold=10.0, max_queued_total=10**6)
+    owners = [i.to_bytes(16, "little") for i in range(1000)]
+    for o in owners:
+        for _ in range(32):
+            book.enqueue(demand(o))
+    t0 = time.perf_counter()
+    for o in owners[:-1]:
+        book.drop_owner(o)
+    elapsed = time.perf_counter() - t0
+    assert book.queued() == 32 and {d.owner for d in book.take_queue()} == {owners[-1]}
+    assert elapsed < 0.5, f"dropping 999 queued clients took {elapsed * 1e3:.0f} ms"
+
+
+def test_registry_refuses_clients_past_its_bound():
+    reg = ClientRegistry(time_to_dead=2.0, max_clients=2)
+    assert reg.hello(A, 1, 0.0) and reg.hello(B, 2, 0.0)
+    assert reg.hello(b"c" * 16, 3, 0.0) is None
+    assert reg.hello(A, 1, 0.5) is not None  # a known client may say hello again

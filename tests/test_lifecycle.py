@@ -219,6 +219,20 @@ def test_a_budget_short_of_the_side_rows_says_so():
 
 # ---- start-up failures ---------------------------------------------------------------------------
 
+BLOCK_BEFORE_STATE = """
+import sys
+if "--foreground" in sys.argv:
+    import expertd.server as server
+    load_state = server.ExpertServer._load_state
+
+    def blocked(self):
+        open({fifo!r}).read()
+        load_state(self)
+
+    server.ExpertServer._load_state = blocked
+"""
+
+
 @pytest.mark.timeout(120)
 def test_a_failed_start_shows_only_its_own_error_and_leaves_nothing(models, isolated_env,
                                                                      tmp_path):
@@ -233,14 +247,19 @@ def test_a_failed_start_shows_only_its_own_error_and_leaves_nothing(models, isol
     assert f"log: {paths.log}" in first.stderr and "Traceback" not in first.stderr
     assert "start-up failed" in paths.log.read_text()
 
-    # A start blocked after its arena exists (its state file is a FIFO nobody writes), then
-    # killed: SIGKILL, as the OOM killer would, then SIGTERM through `expertd stop`.
-    fifo = tmp_path / "state.fifo"
+    # A start blocked after its arena exists, then killed: SIGKILL, as the OOM killer would,
+    # then SIGTERM through `expertd stop`. The daemon child blocks on a FIFO nobody writes,
+    # just before it reads its hot set: a sitecustomize on the child's path puts the FIFO there.
+    fifo = tmp_path / "block.fifo"
     os.mkfifo(fifo, 0o600)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(BLOCK_BEFORE_STATE.format(fifo=str(fifo)))
+    child_env = {**os.environ, "PYTHONPATH": str(hook)}
     for how, expected in (("kill", "was killed by SIGKILL"), ("stop", "exited with status 143")):
         starter = subprocess.Popen(
             [sys.executable, "-m", "expertd", "start", "--blobs", str(blobs), "--cache-gb",
-             CACHE_GB, "--state-file", str(fifo)],
+             CACHE_GB], env=child_env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             info = wait_until(lambda: read_run_info(paths), 30, "the run file")
@@ -445,3 +464,78 @@ def _stop_pid_of(run_file: Path) -> None:
         os.kill(info["pid"], signal.SIGKILL)
         wait_until(lambda: not lock_held(lock), 10, "the daemon to die")
     unlink_arena(info["arena"])
+
+
+# ---- what an attack found ---------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_two_starts_at_once_leave_one_daemon_that_stop_stops(models, isolated_env):
+    blobs = models.blobs()
+    cmd = [sys.executable, "-m", "expertd", "start", "--blobs", str(blobs), "--cache-gb",
+           CACHE_GB]
+    try:
+        starts = [subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        results = [(p.wait(60), *p.communicate()) for p in starts]
+        codes = sorted(code for code, _, _ in results)
+        assert codes == [0, 1], results
+        loser = next(err for code, _, err in results if code == 1)
+        assert "already serves" in loser and "Traceback" not in loser
+        stopped = expertd_cli("stop", "--blobs", blobs, timeout=30)
+        assert stopped.returncode == 0, stopped.stderr
+        assert serving_pid(daemon_paths(blobs)) is None  # nobody took over after the stop
+    finally:
+        kill_serving_daemon(blobs)
+
+
+@pytest.mark.timeout(120)
+def test_pins_come_from_the_pin_file_alone_not_from_an_old_state(models, isolated_env, tmp_path):
+    blobs = models.blobs()
+    pins = tmp_path / "pins.json"
+    pins.write_text("[[0, 1]]")
+    state = tmp_path / "hot.json"
+    try:
+        for flags, pinned in ((["--pin-file", pins], 1), ([], 0)):
+            got = expertd_cli("start", "--blobs", blobs, "--cache-gb", CACHE_GB, "--state-file",
+                              state, *flags)
+            assert got.returncode == 0, got.stderr
+            wait_until(lambda: query_stats(blobs)["in_flight"] == 0, 10, "warm-up to end")
+            assert query_stats(blobs)["pinned"] == pinned
+            assert expertd_cli("stop", "--blobs", blobs).returncode == 0
+    finally:
+        kill_serving_daemon(blobs)
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_or_foreign_file_at_the_state_file_is_ignored(models, isolated_env, tmp_path):
+    blobs = models.blobs()
+    fifo = tmp_path / "hot.json"
+    os.mkfifo(fifo, 0o600)
+    try:
+        got = expertd_cli("start", "--blobs", blobs, "--cache-gb", CACHE_GB, "--state-file",
+                          fifo, timeout=30)
+        assert got.returncode == 0, got.stderr  # did not hang reading it
+        assert expertd_cli("stop", "--blobs", blobs).returncode == 0
+    finally:
+        kill_serving_daemon(blobs)
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"policy": {}, "hot": [[0, 1]]}))
+    os.chown(foreign, 65534, 65534)  # as root: a file another user planted
+    from expertd.runfile import read_private
+
+    with pytest.raises(PermissionError):
+        read_private(foreign)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cache-gb", "1e308"], "more memory than any machine has"),
+    (["--cache-gb", CACHE_GB, "--workers", "100000"], "--workers must be between 1 and"),
+    (["--cache-gb", CACHE_GB, "--pin-file", "/nonexistent/pins.json"], "cannot read the pin"),
+    (["--cache-gb", CACHE_GB, "--pin-file", "{bad}"], "the pin file is not JSON"),
+])
+def test_start_refuses_careless_flags_in_one_line(models, isolated_env, tmp_path, flags, message):
+    flags = [str(tmp_path / "bad.json") if f == "{bad}" else f for f in flags]
+    (tmp_path / "bad.json").write_text("{not json")
+    got = expertd_cli("start", "--blobs", models.blobs(), *flags, timeout=30)
+    assert got.returncode == 1 and message in got.stderr, got.stderr
+    assert "Traceback" not in got.stderr and len(got.stderr.strip().splitlines()) == 1
