@@ -15,6 +15,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -390,6 +391,20 @@ def test_an_arena_larger_than_shared_memory_fails_clearly_and_leaves_nothing(mod
             kill_serving_daemon(blobs)
 
 
+def _private_tmp() -> str:
+    """Shell commands giving the namespace an empty /tmp in which what this test run needs
+    from the real /tmp (the checkout, the interpreter, the session's models: a clone there, as
+    CI may make) is bound back at the same paths."""
+    needed = {Path(__file__).resolve().parents[1], Path(sys.prefix).resolve(),
+              Path(sys.base_prefix).resolve(), Path(tempfile.gettempdir()).resolve()}
+    needed = sorted(p for p in needed if p.parts[:2] == ("/", "tmp") and p != Path("/tmp"))
+    keep = "/proc/1/root/tmp"  # the host's /tmp, still reachable once ours is covered
+    cmds = ["mount -t tmpfs -o size=64m tmpfs /tmp"]
+    for path in needed:
+        cmds.append(f"mkdir -p {path} && mount --bind {keep}{str(path)[4:]} {path}")
+    return " && ".join(cmds)
+
+
 def _old_scheme_arena(blob_dir: str, run_dir: str) -> str:
     """The arena name earlier versions derived from the blob directory: predictable."""
     ident = hashlib.sha256(f"{blob_dir}\0{os.getuid()}\0{run_dir}".encode()).hexdigest()[:16]
@@ -404,7 +419,7 @@ def _squat(path: Path) -> None:
 @pytest.mark.timeout(150)
 def test_a_squatted_runtime_dir_and_arena_name_do_not_stop_start(models, tmp_path):
     uid = os.getuid()
-    with mount_namespace("mount -t tmpfs -o size=64m tmpfs /tmp") as ns:
+    with mount_namespace(_private_tmp()) as ns:
         root_tmp = Path(f"/proc/{ns}/root/tmp")  # the namespace's own /tmp, seen from here
         shutil.copytree(models.blobs(), root_tmp / "blobs")
         env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
