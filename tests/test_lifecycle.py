@@ -391,15 +391,22 @@ def test_an_arena_larger_than_shared_memory_fails_clearly_and_leaves_nothing(mod
             kill_serving_daemon(blobs)
 
 
-def _private_tmp() -> str:
+@pytest.fixture
+def outside_tmp():
+    """An empty directory outside /tmp (removed afterwards)."""
+    path = Path(tempfile.mkdtemp(prefix="xdkeep", dir="/var/tmp"))
+    yield path
+    path.rmdir()
+
+
+def _private_tmp(keep: Path) -> str:
     """Shell commands giving the namespace an empty /tmp in which what this test run needs
-    from the real /tmp (the checkout, the interpreter, the session's models: a clone there, as
-    CI may make) is bound back at the same paths."""
+    from the real /tmp (the checkout and the interpreter: a clone there, as CI may make) is
+    bound back at the same paths, through ``keep``, an empty directory outside /tmp."""
     needed = {Path(__file__).resolve().parents[1], Path(sys.prefix).resolve(),
-              Path(sys.base_prefix).resolve(), Path(tempfile.gettempdir()).resolve()}
-    needed = sorted(p for p in needed if p.parts[:2] == ("/", "tmp") and p != Path("/tmp"))
-    keep = "/proc/1/root/tmp"  # the host's /tmp, still reachable once ours is covered
-    cmds = ["mount -t tmpfs -o size=64m tmpfs /tmp"]
+              Path(sys.base_prefix).resolve()}
+    needed = sorted(p for p in needed if p.parts[:2] == ("/", "tmp"))
+    cmds = [f"mount --bind /tmp {keep}", "mount -t tmpfs -o size=64m tmpfs /tmp"]
     for path in needed:
         cmds.append(f"mkdir -p {path} && mount --bind {keep}{str(path)[4:]} {path}")
     return " && ".join(cmds)
@@ -417,9 +424,9 @@ def _squat(path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_a_squatted_runtime_dir_and_arena_name_do_not_stop_start(models, tmp_path):
+def test_a_squatted_runtime_dir_and_arena_name_do_not_stop_start(models, tmp_path, outside_tmp):
     uid = os.getuid()
-    with mount_namespace(_private_tmp()) as ns:
+    with mount_namespace(_private_tmp(outside_tmp)) as ns:
         root_tmp = Path(f"/proc/{ns}/root/tmp")  # the namespace's own /tmp, seen from here
         shutil.copytree(models.blobs(), root_tmp / "blobs")
         env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
