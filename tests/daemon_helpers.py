@@ -7,8 +7,6 @@ and so that ``EXPERTD_PURE_PYTHON`` can be set before it imports ``expertd.nativ
 - ``lockfree BLOBS STOP_FILE SEED MAX_SECONDS``: rows read without the daemon (JSON on stdout);
 - ``hold BLOBS LAYER EXPERTS wait|nowait``: one demand held while heartbeating, until killed;
 - ``parity`` / ``generate``: an mlx-lm model through ``expertd.client.load`` (JSON to ``--out``).
-
-The harness names are also importable from here while test files move to ``harness``.
 """
 
 import argparse
@@ -22,11 +20,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-# Re-exported for test files that still import them from here; new code imports ``harness``.
-from harness import (SMALL_CACHE_GB, START_TIMEOUT, STOP_TIMEOUT, TINY_CACHE_GB,  # noqa: F401
-                     Daemon, RawClient, expected_bytes, expertd_cli, kill_serving_daemon,
-                     query_stats, read_json_line, running_daemon, shm_exists, spawn_client,
-                     stop_process, try_stats, validate, wait_until)
+from harness import RawClient, query_stats, validate
 
 
 def _checksum_ok(manifest, layer: int, expert: int, data) -> bool:
