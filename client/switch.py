@@ -70,6 +70,7 @@ class StreamedLayer:
     segments: list  # [(projection module, attribute, mlx dtype, per-expert shape, nbytes)]
     staging: Staging
     layout: tuple = ()  # what the segment views depend on: (dtype, shape, nbytes) per segment
+    num_experts: int = 0  # experts of this layer in the resident model
 
 
 class StreamedSwitch:
@@ -85,16 +86,51 @@ class StreamedSwitch:
         size = st.session.max_group
         if len(unique) <= size:
             return self._run(st, x, unique, np.searchsorted(unique, idx).astype(idx.dtype))
-        # More distinct experts than may be fetched at once: run each group over every token
-        # (same shapes, same kernel path) and keep each slot's result from its own group.
-        out = None
-        for start in range(0, len(unique), size):
+        return self._run_groups(st, x, idx, unique, size)
+
+    def _run_groups(self, st: StreamedLayer, x, idx: np.ndarray, unique: np.ndarray, size: int):
+        """More distinct experts than may be fetched at once: each group of at most ``size``
+        experts computes only the (token, slot) pairs routed into it, and the pairs' results
+        are put back in place, so the layer costs what resident mlx-lm's does.
+
+        Exactness rests on each pair's result not depending on which other pairs share the
+        call: mlx-lm's switch layers compute every pair as its own one-row product (tokens
+        become rows of shape (1, D) before ``gather_qmm`` / ``gather_mm``), and the activation
+        between projections is elementwise. tests/test_prefill_groups.py checks this on the
+        backend it runs on. On Metal, ``gather_qmm`` also picks its kernel from the call's
+        shape (a batched kernel when indices are sorted and there are at least 4 rows per
+        staged expert); a group is padded up to that size when the resident call would take
+        the batched kernel, so the group takes it too.
+        """
+        k = idx.shape[-1]
+        flat = idx.reshape(-1)
+        # Pairs sorted by expert: each group is one contiguous run of them.
+        order = np.argsort(flat, kind="stable")
+        ids = flat[order]
+        starts = range(0, len(unique), size)
+        cuts = np.searchsorted(ids, unique[list(starts)]).tolist() + [len(ids)]
+        dim = x.shape[-1]
+        rows = mx.broadcast_to(x, (*idx.shape[:-1], dim)).reshape(-1, dim)
+        # mlx-lm sorts a call's pairs when there are 64 or more; Metal's gather_qmm then uses
+        # its batched kernel when the pairs number at least 4 per expert in the stack.
+        batched = flat.size >= 64 and flat.size // st.num_experts >= 4
+        parts = []
+        for g, start in enumerate(starts):
             group = unique[start:start + size]
-            member = np.isin(idx, group)
-            local = np.where(member, np.searchsorted(group, idx).clip(max=len(group) - 1), 0)
-            y = self._run(st, x, group, local.astype(idx.dtype))
-            out = y if out is None else mx.where(mx.array(member)[..., None], y, out)
-        return out
+            lo, hi = cuts[g], cuts[g + 1]
+            pairs, local = order[lo:hi], np.searchsorted(group, ids[lo:hi])
+            want = max(64, 4 * len(group)) if batched else 0
+            if hi - lo < want:  # repeat the last pair; its copies are dropped below
+                pairs = np.concatenate([pairs, np.full(want - (hi - lo), pairs[-1])])
+                local = np.concatenate([local, np.full(want - (hi - lo), local[-1])])
+            y = self._run(st, rows[mx.array(pairs // k)], group,
+                          local.astype(idx.dtype)[:, None])
+            parts.append(y[:hi - lo, 0])
+        # Back from expert order to (token, slot) order: a pure permutation of the rows.
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))
+        out = mx.concatenate(parts)[mx.array(inverse)]
+        return out.reshape(*idx.shape, out.shape[-1])
 
     def _run(self, st: StreamedLayer, x, experts: np.ndarray, local: np.ndarray):
         buf = st.staging.acquire()
@@ -137,4 +173,5 @@ def make_streamed(module, session, layer, staging: Staging) -> None:
     module.__class__ = streamed
     # A plain attribute, not a child: the session is not part of the model's parameters.
     layout = tuple((seg.dtype, seg.shape, seg.nbytes) for seg in layer.segments)
-    module.__dict__["_expertd"] = StreamedLayer(session, layer.index, segments, staging, layout)
+    module.__dict__["_expertd"] = StreamedLayer(session, layer.index, segments, staging, layout,
+                                                layer.num_experts)
