@@ -1,8 +1,10 @@
 """Hit rate of the LFU policy against Belady's optimal offline policy on a routing trace.
 
-Run: ``python bench/belady.py [--tokens N --layers L --experts E --top-k K --skew S --seed S]``.
-A trace is a sequence of (layer, expert) keys, one per routed expert, token by token and layer by
-layer. Both policies fill on demand: a miss always brings the key in.
+Run: ``python bench/belady.py [--tokens N --layers L --experts E --top-k K --skew S --seed S]``
+for synthetic Zipf traces, or ``python bench/belady.py --trace A.npz [B.npz ...]`` for routing
+recorded from a model (``bench/learned.py`` writes them: ``experts`` of shape (sequences, tokens,
+layers, top_k)). A trace is a sequence of (layer, expert) keys, one per routed expert, token by
+token and layer by layer. Every policy fills on demand: a miss always brings the key in.
 """
 
 import argparse
@@ -53,25 +55,34 @@ def belady_hits(trace, capacity: int) -> int:
     return hits
 
 
-def policy_hits(trace, capacity: int, **options) -> int:
-    """Hits of ``LfuPolicy`` with demand fills; ``options`` go to its constructor."""
+def policy_hits(trace, capacity: int, group: int = 1, **options) -> int:
+    """Hits of ``LfuPolicy`` with demand fills; ``options`` go to its constructor.
+
+    ``group`` > 1 takes the requests ``group`` at a time (one token's top_k experts of one layer)
+    as one demand, the way ``expertd/cache.py`` starts one: the victims of all its misses are
+    chosen in one call with the demand's resident rows not eligible, so one miss cannot evict a
+    row another of the same demand uses. ``group`` 1 is one request after the other.
+    """
     keys, n_layers, n_experts = _flat(trace)
     policy = LfuPolicy(capacity, n_layers, n_experts, **options)
-    eligible = np.ones(capacity, dtype=bool)
     # The slot table, as the daemon keeps it: flat key per row (-1 empty) and row per key.
     row_keys = np.full(capacity, -1, dtype=np.int64)
     key_row = {}
     hits = 0
-    for flat in keys.tolist():
-        key = divmod(flat, n_experts)
-        if flat in key_row:
-            hits += 1
-        else:
-            row = policy.victims(1, eligible, row_keys)[0]
-            key_row.pop(int(row_keys[row]), None)
-            row_keys[row] = flat
-            key_row[flat] = row
-        policy.on_touched(key)  # the hit, or the fill the miss brought (one touch, as the daemon)
+    keys = keys.tolist()
+    for start in range(0, len(keys), group):
+        demand = keys[start:start + group]
+        missing = [flat for flat in demand if flat not in key_row]
+        hits += len(demand) - len(missing)
+        if missing:
+            eligible = np.ones(capacity, dtype=bool)
+            eligible[[key_row[flat] for flat in demand if flat in key_row]] = False
+            for flat, row in zip(missing, policy.victims(len(missing), eligible, row_keys)):
+                key_row.pop(int(row_keys[row]), None)
+                row_keys[row] = flat
+                key_row[flat] = row
+        for flat in demand:  # the hit, or the fill the miss brought (one touch, as the daemon)
+            policy.on_touched(divmod(flat, n_experts))
     return hits
 
 
@@ -116,6 +127,42 @@ def routing_trace(tokens: int, layers: int, experts: int, top_k: int, skew: floa
     return np.stack([layer.ravel(), chosen.ravel()], axis=1)
 
 
+def npz_trace(path) -> tuple[np.ndarray, int, int]:
+    """The request stream of a recorded routing file, and how many keys its model has.
+
+    The sequences are concatenated into one stream (the cache carries over from one to the next,
+    as a daemon serving successive prompts would); within a token, layers go in order, each with
+    its top_k experts. The key count is layers x (largest expert id + 1): the file does not store
+    the expert count, so an expert that no token ever chose would not be counted.
+
+    Returns:
+        An (N, 2) array of (layer, expert), the number of distinct possible keys, and top_k.
+    """
+    experts = np.load(path)["experts"].astype(np.int64)
+    _, _, n_layers, top_k = experts.shape
+    layer = np.broadcast_to(np.arange(n_layers)[None, None, :, None], experts.shape)
+    trace = np.stack([layer.ravel(), experts.ravel()], axis=1)
+    return trace, n_layers * (int(experts.max()) + 1), top_k
+
+
+HEADER = (f"{'trace':<14}{'capacity':>14}{'belady':>9}{'lfu':>9}{'lfu-dem':>9}{'lru':>9}"
+          f"{'lfu/belady':>12}{'dem/belady':>12}{'lru/belady':>12}")
+
+
+def _report(name: str, trace, n_keys: int, top_k: int, fractions, target: float | None) -> None:
+    """One line per capacity; ``lfu-dem`` is LFU fed whole demands of top_k (``group``)."""
+    for fraction in fractions:
+        capacity = max(1, round(fraction * n_keys))
+        rates = [hits(trace, capacity) / len(trace) for hits in (
+            belady_hits, policy_hits, lambda t, c: policy_hits(t, c, group=top_k), lru_hits)]
+        line = (f"{name:<14}{f'{capacity} ({fraction:.0%})':>14}"
+                + "".join(f"{rate:>9.4f}" for rate in rates)
+                + "".join(f"{rate / rates[0]:>12.3f}" for rate in rates[1:]))
+        if target is not None:
+            line += f"{'pass' if rates[1] / rates[0] >= target else 'fail':>8}"
+        print(line, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1000)
@@ -125,24 +172,30 @@ def main() -> None:
     parser.add_argument("--skew", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.25, 0.5, 0.75])
+    parser.add_argument("--trace", nargs="+", metavar="NPZ",
+                        help="recorded routing files instead of the synthetic traces")
+    parser.add_argument("--target", type=float, default=0.95,
+                        help="LFU / Belady bar for the pass/fail column (traces only)")
     args = parser.parse_args()
+
+    if args.trace:
+        print(HEADER + f"{f'>= {args.target}':>8}")
+        for path in args.trace:
+            trace, n_keys, top_k = npz_trace(path)
+            name = path.rsplit("/", 1)[-1].removesuffix(".npz").removeprefix("trace-")
+            print(f"# {path}: {len(trace)} requests, {n_keys} keys")
+            _report(name, trace, n_keys, top_k, args.fractions, args.target)
+        return
 
     n_keys = args.layers * args.experts
     scenarios = [("stationary", 0), ("topic shifts", max(1, args.tokens // 4))]
     print(f"{args.tokens} tokens, {args.layers} layers x {args.experts} experts, "
           f"top-{args.top_k}, skew {args.skew}, seed {args.seed}")
-    print(f"{'trace':<14}{'capacity':>14}{'belady':>9}{'lfu':>9}{'lru':>9}"
-          f"{'lfu/belady':>12}{'lru/belady':>12}")
+    print(HEADER)
     for name, phase_tokens in scenarios:
         trace = routing_trace(args.tokens, args.layers, args.experts, args.top_k, args.skew,
                               args.seed, phase_tokens)
-        for fraction in args.fractions:
-            capacity = max(1, round(fraction * n_keys))
-            rates = [hits(trace, capacity) / len(trace)
-                     for hits in (belady_hits, policy_hits, lru_hits)]
-            print(f"{name:<14}{f'{capacity} ({fraction:.0%})':>14}{rates[0]:>9.4f}"
-                  f"{rates[1]:>9.4f}{rates[2]:>9.4f}{rates[1] / rates[0]:>12.3f}"
-                  f"{rates[2] / rates[0]:>12.3f}")
+        _report(name, trace, n_keys, args.top_k, args.fractions, None)
 
 
 if __name__ == "__main__":
