@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ def default_workdir() -> Path:
 def run_demo(workdir: Path | None = None, rebuild: bool = False) -> int:
     from .convert import convert
     from expertd.daemon import serving_pid, start_detached, stop
+    from expertd.errors import BlobStoreError
     from expertd.manifest import Manifest
     from expertd.paths import daemon_paths
     from .synth import synthesize
@@ -37,8 +39,6 @@ def run_demo(workdir: Path | None = None, rebuild: bool = False) -> int:
     workdir = workdir or default_workdir()
     model_dir, blob_dir, state = workdir / "model", workdir / "blobs", workdir / "state.json"
     if rebuild:
-        import shutil
-
         shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True, exist_ok=True)
 
@@ -48,6 +48,11 @@ def run_demo(workdir: Path | None = None, rebuild: bool = False) -> int:
         _say("1/5", f"building a synthetic {DEMO_MODEL.family} model (random weights, "
              f"{DEMO_MODEL.layers} layers x {DEMO_MODEL.experts} experts, top-{DEMO_MODEL.top_k})")
         synthesize(DEMO_MODEL, model_dir)
+    if blob_dir.exists():
+        try:
+            Manifest.load(blob_dir)
+        except BlobStoreError:  # converted by an older expertd, or a broken directory
+            shutil.rmtree(blob_dir)
     if (blob_dir / "manifest.json").exists():
         _say("2/5", f"blobs: cached in {blob_dir}")
     else:
