@@ -6,6 +6,7 @@ and so that ``EXPERTD_PURE_PYTHON`` can be set before it imports ``expertd.nativ
 - ``leased BLOBS ITERATIONS SEED``: random DEMANDs; every copied row checked (JSON on stdout);
 - ``lockfree BLOBS STOP_FILE SEED MAX_SECONDS``: rows read without the daemon (JSON on stdout);
 - ``hold BLOBS LAYER EXPERTS wait|nowait``: one demand held while heartbeating, until killed;
+- ``hoard BLOBS COUNT PINS``: COUNT one-expert leases and the PINS held, until killed;
 - ``parity`` / ``generate``: an mlx-lm model through ``expertd.client.load`` (JSON to ``--out``).
 """
 
@@ -125,6 +126,23 @@ def hold_worker(args) -> None:
             time.sleep(interval)  # the heartbeat period the daemon asked for
 
 
+def hoard_worker(args) -> None:
+    """Lease ``count`` experts one by one (a lease each), pin ``pins`` ([[layer, [experts]]]
+    JSON), print how many leases it holds, then heartbeat until killed."""
+    from expertd.protocol import Op
+
+    with RawClient(args.blobs) as client:
+        keys = [(layer.index, e) for layer in client.manifest.layers
+                for e in range(layer.num_experts)]
+        leases = [client.demand(layer, [e])["lease"] for layer, e in keys[:args.count]]
+        for layer, experts in json.loads(args.pins):
+            client.request(Op.PIN, {"layer": layer, "experts": experts})
+        print(json.dumps({"leases": len(leases)}), flush=True)
+        while True:
+            client.heartbeat()
+            time.sleep(client.hello["heartbeat_interval"] / 2)
+
+
 def parity_client(args) -> dict:
     """Streamed against resident logits (``client_helpers.compare_runs``)."""
     import mlx_lm
@@ -206,6 +224,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("experts", help="comma-separated expert numbers")
     p.add_argument("reply", choices=["wait", "nowait"])
     p.set_defaults(func=hold_worker)
+    p = sub.add_parser("hoard", help="hold many one-expert leases and pins until killed")
+    p.add_argument("blobs")
+    p.add_argument("count", type=int)
+    p.add_argument("pins", help='JSON [[layer, [experts]], ...]')
+    p.set_defaults(func=hoard_worker)
     p = sub.add_parser("parity", help="compare streamed and resident logits")
     p.add_argument("--blobs", required=True)
     p.add_argument("--model", required=True)
@@ -227,7 +250,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     result = args.func(args)
-    if result is None:  # hold: killed by the test, never here in practice
+    if result is None:  # hold, hoard: killed by the test, never here in practice
         return 0
     if getattr(args, "out", None):
         tmp = Path(args.out).with_suffix(".tmp")

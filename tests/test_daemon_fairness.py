@@ -6,9 +6,7 @@ Real daemons, real client processes killed for real (issue: fairness and bounded
 import json
 import os
 import signal
-import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -19,36 +17,11 @@ from expertd.connection import Connection
 from expertd.errors import DaemonError
 from expertd.protocol import ErrorCode, Op
 from harness import (TINY_CACHE_GB, Daemon, RawClient, expected_bytes, query_stats,
-                     read_json_line, stop_process, wait_until)
+                     read_json_line, spawn_client, stop_process, wait_until)
 
-TESTS = Path(__file__).resolve().parent
-
-# A client process that leases experts one by one (each a lease of its own), optionally pins
-# some, prints READY with what it holds, then heartbeats until it is killed.
-HOLDER = textwrap.dedent("""
-    import json, sys, time
-    sys.path.insert(0, sys.argv[1])
-    from harness import RawClient
-    from expertd.protocol import Op
-    blob_dir, n_leases, pins = sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
-    with RawClient(blob_dir) as c:
-        m = c.manifest
-        keys = [(layer.index, e) for layer in m.layers for e in range(layer.num_experts)]
-        leases = [c.demand(l, [e])["lease"] for l, e in keys[:n_leases]]
-        for layer, experts in pins:
-            c.request(Op.PIN, {"layer": layer, "experts": experts})
-        print(json.dumps({"leases": len(leases)}), flush=True)
-        while True:
-            c.heartbeat()
-            time.sleep(c.hello["heartbeat_interval"] / 2)
-""")
-
-
-def spawn_holder(blob_dir, n_leases: int, pins=()) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", HOLDER, str(TESTS), str(blob_dir),
-                             str(n_leases), json.dumps(list(pins))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
+def spawn_holder(blob_dir, n_leases: int, pins=()):
+    """A client process holding ``n_leases`` one-expert leases and ``pins``, until killed."""
+    return spawn_client("hoard", blob_dir, n_leases, json.dumps(list(pins)))
 
 
 @pytest.fixture(scope="module")
