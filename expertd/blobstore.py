@@ -11,15 +11,11 @@ from typing import Iterator, NamedTuple
 import xxhash
 
 from .errors import BlobStoreError, ChecksumError
-from .manifest import Manifest
+from .manifest import Manifest, reconvert
 
 _F_NOCACHE = 48  # macOS fcntl: do not keep the pages of this file in the unified buffer cache
 _HASH_CHUNK = 8 << 20  # bytes read at a time when hashing a file: bounds the memory used
 _PROBE = 4096  # one page: the smallest O_DIRECT read every file system must take
-
-
-def reconvert(blob_dir) -> str:
-    return f"re-run expertd convert MODEL_DIR {blob_dir}"
 
 
 def open_for_reads(path: Path, direct: bool) -> tuple:

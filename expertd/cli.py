@@ -43,7 +43,8 @@ def _cmd_convert(args) -> int:
 def _cmd_verify(args) -> int:
     from tqdm import tqdm
 
-    from .blobstore import DirectoryCheck, reconvert
+    from .blobstore import DirectoryCheck
+    from .manifest import reconvert
 
     check = DirectoryCheck(Path(args.blobs))
     bad = 0

@@ -12,7 +12,8 @@ import time
 
 import numpy as np
 
-from .blobstore import BlobStore, reconvert
+from .blobstore import BlobStore
+from .manifest import reconvert
 from .errors import ChecksumError
 from .protocol import ErrorCode
 

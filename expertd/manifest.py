@@ -14,7 +14,14 @@ FORMAT = "expertd-blobs"
 FORMAT_VERSION = 2
 STRIDE_ALIGN = 16384
 CHECKSUM = "xxh3_64"
-RECONVERT = "re-run expertd convert MODEL_DIR BLOB_DIR"
+
+
+def reconvert(blob_dir="BLOB_DIR") -> str:
+    """What to run when a blob directory is corrupt or of another format."""
+    return f"re-run expertd convert MODEL_DIR {blob_dir}"
+
+
+RECONVERT = reconvert()
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import closing
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
 from conftest import PYTHON, TINY, mounted
+from harness import wait_until
 from expertd.blobstore import BlobStore
 from expertd.tools.convert import convert, expert_slice
 from expertd.errors import ModelDirError
@@ -345,11 +345,8 @@ def big_model(tmp_path_factory) -> Path:
 
 def wait_for(condition, proc, what: str, timeout: float = 60.0) -> None:
     """Poll ``condition`` while ``proc`` runs; fail if it exits first or time runs out."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None, f"converter exited ({proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.001)
+    wait_until(lambda: condition() or proc.poll() is not None, timeout, what, interval=0.001)
+    assert condition(), f"converter exited ({proc.returncode}) before {what}"
 
 
 def assert_valid(blob_dir: Path) -> None:
