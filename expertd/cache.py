@@ -1,19 +1,23 @@
 """The expert cache: the arena's rows, what fills them and who holds them.
 
 Demands are leased what is resident and filled what is not, or queued while rows are short;
-fills run on the pread pool; background fills (warm-up, prefetch, pins) use workers the demands
-leave free. The serving loop hands requests in and gets answers out through ``send``; the
-decisions are the slot table's, the policy's and the lease book's.
+fills run on the pread pool; background fills (warm-up, pins) use workers the demands leave
+free; prefetches fill the side rows, behind every demand in the pool. The serving loop hands
+requests in and gets answers out through ``send``; the decisions are the slot table's, the
+policy's, the lease book's and the side-row book's.
 """
 
 import logging
 import time
 from collections import deque
 
+import numpy as np
+
 from .leases import Demand, LeaseBook
 from .policy import LfuPolicy
 from .protocol import Op, reply_error, reply_ok
 from .shm.layout import SlotState
+from .side import SideBook
 from .slots import SlotTable
 
 log = logging.getLogger("expertd")
@@ -28,12 +32,19 @@ class ExpertCache:
         book: the :class:`~expertd.leases.LeaseBook` (caps and time bounds set).
         workers: most background fills in flight at once.
         send: ``send(identity, frames)``, how answers go out.
+        prefetch: "on", "auto" (the daemon fills what clients ask for; clients decide per
+            layer whether to ask) or "off" (PREFETCH is counted and ignored).
     """
 
-    def __init__(self, arena, pool, book: LeaseBook, workers: int, send):
+    def __init__(self, arena, pool, book: LeaseBook, workers: int, send, prefetch: str = "auto"):
         g = arena.geometry
+        # The slot table, the policy and the lease book span every row: a side row becomes a
+        # cache row by a role swap, never by a copy.
         self.table = SlotTable(arena)
-        self.policy = LfuPolicy(g.cache_rows, g.n_layers, g.n_experts)
+        self.policy = LfuPolicy(g.total_rows, g.n_layers, g.n_experts)
+        self.side = SideBook(g.cache_rows, g.side_rows)
+        self.prefetch_mode = prefetch
+        self.prefetch_rows: set = set()  # rows being filled for a prefetch
         self.book = book
         self.pool = pool
         self.stride = g.stride
@@ -43,7 +54,10 @@ class ExpertCache:
         self.background_rows: set = set()  # rows being filled for warm-up, prefetch or pins
         self.warm_total = self.warm_done = 0
         self.room_changed = False  # rows were freed: queued demands may fit now
-        self.counters = dict(demand_hits=0, misses=0, bytes_read=0, fills=0, fill_errors=0)
+        self.counters = dict(demand_hits=0, client_hits=0, misses=0, bytes_read=0, fills=0,
+                             fill_errors=0, prefetch_requested=0, prefetch_ignored=0,
+                             prefetch_merged=0, prefetch_fills=0, prefetch_dropped=0,
+                             prefetch_hits=0, prefetch_wasted=0)
         self.in_flight = 0
         self._busy_since = 0.0
         self._fill_seconds = 0.0
@@ -54,18 +68,20 @@ class ExpertCache:
         """Lease what is resident, fill the rest; False (nothing held) if rows are short."""
         if not self.book.fits(d.owner, len(d.experts)):
             return False
-        rows, need, waiting = [], [], set()
+        rows, need, waiting, side_used = [], [], set(), []
         for i, e in enumerate(d.experts):
             row, state = self.table.lookup(d.layer, e)
             if state == SlotState.READY or state == SlotState.FILLING:
                 rows.append(row)
                 if state == SlotState.FILLING:
                     waiting.add(row)
+                if self.side.side[row]:
+                    side_used.append(row)
             else:
                 rows.append(-1)
                 need.append(i)
         if need:
-            eligible = (self.book.leased == 0) & ~self.table.filling()
+            eligible = self._evictable()
             eligible[[r for r in rows if r >= 0]] = False  # never evict what this demand uses
             victims = self.policy.victims(len(need), eligible, self.table.row_keys())
             if len(victims) < len(need):
@@ -78,12 +94,23 @@ class ExpertCache:
         for i, e in enumerate(d.experts):
             if i not in filled:  # a fill counts its own use
                 self.policy.on_touched((d.layer, e))
-        self.counters["demand_hits"] += len(d.experts) - len(need)
-        self.counters["misses"] += len(need)
         self.book.grant(d, rows, waiting, time.monotonic())
+        # Leased now, so no promotion below picks another of this demand's rows as its victim.
+        saved = 0
+        for row in side_used:
+            if row in self.prefetch_rows:
+                self.pool.expedite(row)  # a demand waits on it now: it goes first
+            saved += self._use_side(row)
+        self.counters["demand_hits"] += len(d.experts) - len(need) - saved
+        self.counters["prefetch_hits"] += saved
+        self.counters["misses"] += len(need)
         if not waiting:
             self._answer(d)
         return True
+
+    def _evictable(self) -> np.ndarray:
+        """Bool per row: a cache row a demand may take (not leased, not filling)."""
+        return ~self.side.side & (self.book.leased == 0) & ~self.table.filling()
 
     def _answer(self, d: Demand) -> None:
         if d.error is not None:
@@ -108,6 +135,7 @@ class ExpertCache:
     def forget(self, client) -> None:
         """A client left or died: its leases, queued demands and pins go with it."""
         self.book.drop_owner(client.identity)
+        self.side.forget(client.identity)
         for key in client.pins:
             self.policy.drop(key)
         client.pins.clear()
@@ -119,15 +147,16 @@ class ExpertCache:
 
     # ---- fills -----------------------------------------------------------------------------
 
-    def _fill(self, row: int, layer: int, expert: int) -> None:
+    def _fill(self, row: int, layer: int, expert: int, urgent: bool = True) -> None:
         evicted = self.table.begin_fill(row, layer, expert)
         if evicted is not None and evicted[1]:
             self.policy.on_touched(*evicted)  # uses not harvested yet belong to the old key
-        self.policy.on_touched((layer, expert))
+        if urgent:  # a prefetch is a guess: its key counts once a demand or a client uses it
+            self.policy.on_touched((layer, expert))
         if self.in_flight == 0:
             self._busy_since = time.monotonic()
         self.in_flight += 1
-        self.pool.submit(row, layer, expert)
+        self.pool.submit(row, layer, expert, urgent=urgent)
 
     def completions(self, stopping: bool = False) -> None:
         """Take in every fill the pool finished: answer the demands they complete."""
@@ -140,9 +169,13 @@ class ExpertCache:
             if error is None:
                 self.counters["bytes_read"] += self.stride
                 self.counters["fills"] += 1
+                if row in self.prefetch_rows:
+                    self.counters["prefetch_fills"] += 1
             else:
                 log.error("fill failed: %s", error[1])
                 self.counters["fill_errors"] += 1
+                self.side.prefetched[row] = False  # nothing was read: nothing to waste
+            self.prefetch_rows.discard(row)
             if row in self.background_rows:
                 self.background_rows.discard(row)
                 self._warm_progress()
@@ -167,13 +200,15 @@ class ExpertCache:
         self.top_up_background()
 
     def top_up_background(self) -> None:
-        """Start queued background fills (warm-up, prefetch, pins) while workers are free."""
+        """Start queued background fills (warm-up, pins) while workers are free."""
         while self.background and len(self.background_rows) < self.workers:
             layer, expert = self.background.popleft()
-            if self.table.lookup(layer, expert)[1] != SlotState.EMPTY:
+            row, state = self.table.lookup(layer, expert)
+            if state != SlotState.EMPTY:
+                if self.side.side[row]:
+                    self._promote(row)  # a pin (or warm key) found in a side row joins the cache
                 continue
-            eligible = (self.book.leased == 0) & ~self.table.filling()
-            victims = self.policy.victims(1, eligible, self.table.row_keys())
+            victims = self.policy.victims(1, self._evictable(), self.table.row_keys())
             if not victims:
                 self.background.clear()
                 return
@@ -189,9 +224,74 @@ class ExpertCache:
         if self.warm_done % step == 0 or self.warm_done == self.warm_total:
             log.info("warm-up: %d/%d experts read", self.warm_done, self.warm_total)
 
-    def harvest_hits(self) -> int:
-        """Credit the uses clients counted in the table since the last call; how many."""
+    def harvest_hits(self) -> None:
+        """Credit the uses clients counted in the table since the last call, and promote the
+        side rows they used. A prefetched row's first use is a saved miss (prefetch_hits);
+        its later uses, and uses of other rows, are client hits."""
         rows, counts = self.table.harvest()
         for row, count in zip(rows.tolist(), counts.tolist()):
             self.policy.on_touched(self.table.key(row), count)
-        return int(counts.sum())
+            if self.side.side[row]:
+                saved = self._use_side(row)
+                self.counters["prefetch_hits"] += saved
+                count -= saved
+            self.counters["client_hits"] += count
+        for row in sorted(self.side.pending):  # used before, no cache row was free then
+            self._promote(row)
+
+    # ---- side rows ---------------------------------------------------------------------------
+
+    def cache_row_keys(self) -> np.ndarray:
+        """The slot table's flat key per row, -1 for side rows as for empty ones."""
+        keys = self.table.row_keys()
+        keys[self.side.side] = -1
+        return keys
+
+    def _use_side(self, row: int) -> int:
+        """A demand or a client used side row ``row``: promote it; 1 if that use was the first
+        of a prefetched expert (a saved miss), else 0."""
+        first = self.side.used(row)
+        self._promote(row)
+        return int(first)
+
+    def _promote(self, row: int) -> bool:
+        """Swap side row ``row`` with the policy's victim among the cache rows; False (it stays
+        a side row, waiting) if no cache row may be given up now."""
+        victims = self.policy.victims(1, self._evictable(), self.table.row_keys())
+        if not victims:
+            self.side.pending.add(row)
+            return False
+        self.side.swap(row, int(victims[0]))
+        return True
+
+    def prefetch(self, owner: bytes, layer: int, experts) -> None:
+        """Fill the experts of ``layer`` that ``owner`` predicts it will need into side rows.
+
+        Experts resident or filling anywhere are merged (and their side rows claimed for this
+        generation); the others take overwritable side rows, at most ``side_rows`` of them, and
+        are read after every queued demand. None free: dropped.
+        """
+        c = self.counters
+        c["prefetch_requested"] += len(experts)
+        if self.prefetch_mode == "off":
+            c["prefetch_ignored"] += len(experts)
+            return
+        now = time.monotonic()
+        gen = self.side.next_generation(owner)
+        self.harvest_hits()  # a used prefetch is promoted before rows are chosen
+        want = []
+        for e in experts:
+            row, state = self.table.lookup(layer, e)
+            if state == SlotState.EMPTY:
+                want.append(e)
+                continue
+            c["prefetch_merged"] += 1
+            if self.side.side[row]:
+                self.side.claim(row, owner, gen, now)
+        busy = (self.book.leased > 0) | self.table.filling()
+        rows = self.side.choose(len(want), now, busy, self.table.row_keys() < 0)
+        c["prefetch_dropped"] += len(want) - len(rows)
+        for e, row in zip(want, rows):
+            c["prefetch_wasted"] += self.side.filled(row, owner, gen, now)
+            self._fill(row, layer, e, urgent=False)
+            self.prefetch_rows.add(row)

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from .io import VERIFY_MODES
 
+PREFETCH_MODES = ("auto", "on", "off")
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -22,6 +24,7 @@ class ServerConfig:
     pin_file: Path | None = None
     auto_pin: int = 0
     save_interval: float = 60.0
+    prefetch: str = "auto"
 
     def __post_init__(self):
         if self.cache_bytes <= 0:
@@ -40,6 +43,8 @@ class ServerConfig:
             raise ValueError("client timeout must exceed the heartbeat interval")
         if self.auto_pin < 0:
             raise ValueError("auto-pin must not be negative")
+        if self.prefetch not in PREFETCH_MODES:
+            raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}")
 
 
 def cache_limits(cache_rows: int) -> tuple:

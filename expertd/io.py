@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 
 import numpy as np
 
@@ -24,8 +25,9 @@ class FillPool:
     """Fills rows in parallel; completions come back through :meth:`completions`.
 
     ``wake_fd`` becomes readable whenever a fill completes, so the serving loop can poll it
-    next to its ZeroMQ socket. :meth:`submit`, :meth:`completions` and :meth:`close` belong to
-    the serving thread; only the workers run in other threads.
+    next to its ZeroMQ socket. :meth:`submit`, :meth:`expedite`, :meth:`completions` and
+    :meth:`close` belong to the serving thread; only the workers run in other threads. Urgent
+    fills (demands) always start before queued non-urgent ones (prefetches).
 
     Args:
         store: the opened blob directory the rows are read from.
@@ -47,12 +49,16 @@ class FillPool:
         self.verify = verify
         # With verify="first": experts whose bytes were checked once.
         self._checked = [np.zeros(layer.num_experts, dtype=bool) for layer in store.layers]
-        self._jobs = queue.SimpleQueue()
+        # Two queues of jobs under the lock, and one token per job: a worker takes a token,
+        # then the oldest urgent job, else the oldest prefetch job.
+        self._urgent: deque = deque()
+        self._later: deque = deque()
+        self._tokens = queue.SimpleQueue()
         self._done = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        # The lock guards _closed, _busy and every write to the pipe: once close() has set
+        # The lock guards the job queues, _closed, _busy and every write to the pipe: once close() has set
         # _closed under it, no worker touches the pipe or starts a read into the arena again.
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -69,24 +75,53 @@ class FillPool:
     def wake_fd(self) -> int:
         return self._wake_r
 
-    def submit(self, row: int, layer: int, expert: int) -> None:
-        """Queue a fill of ``row`` with ``expert`` of ``layer`` (FIFO).
+    def submit(self, row: int, layer: int, expert: int, urgent: bool = True) -> None:
+        """Queue a fill of ``row`` with ``expert`` of ``layer``, FIFO within its priority.
 
+        Args:
+            urgent: True for a demand's fill, False for a prefetch's (started only when no
+                urgent fill waits).
         Raises:
             RuntimeError: the pool is closed.
         """
         if not self._accepting:
             raise RuntimeError("the fill pool is closed; no fill can start")
-        self._jobs.put((row, layer, expert))
+        with self._lock:
+            (self._urgent if urgent else self._later).append((row, layer, expert))
+        self._tokens.put(True)
+
+    def expedite(self, row: int) -> bool:
+        """Make the queued non-urgent fill of ``row`` urgent (a demand now waits on it).
+
+        Returns:
+            True if it was still queued; False if it runs already or is unknown.
+        """
+        with self._lock:
+            for job in self._later:
+                if job[0] == row:
+                    self._later.remove(job)
+                    self._urgent.append(job)
+                    return True
+        return False
+
+    def queued(self) -> int:
+        """Fills queued and not started yet."""
+        with self._lock:
+            return len(self._urgent) + len(self._later)
 
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
+            if self._tokens.get() is None:
                 return
             with self._lock:
                 if self._closed:
                     return  # the arena may be unmapped already: do not read into it
+                if self._urgent:
+                    job = self._urgent.popleft()
+                elif self._later:
+                    job = self._later.popleft()
+                else:
+                    continue  # its job was dropped by close()
                 self._busy += 1
             row, layer, expert = job
             error = self._fill(row, layer, expert)
@@ -148,13 +183,11 @@ class FillPool:
             with self._lock:
                 return self._busy == 0  # closed before: only say whether reads remain
         self._accepting = False
-        try:
-            while True:
-                self._jobs.get_nowait()
-        except queue.Empty:
-            pass
+        with self._lock:
+            self._urgent.clear()
+            self._later.clear()
         for _ in self._threads:
-            self._jobs.put(None)
+            self._tokens.put(None)
         deadline = time.monotonic() + timeout
         with self._lock:
             while self._busy and self._idle.wait(max(0.0, deadline - time.monotonic())):

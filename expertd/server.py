@@ -67,16 +67,17 @@ class ExpertServer:
         try:
             self.arena.populate()
             self.pool = FillPool(self.store, self.arena, config.workers, config.verify)
-            book = LeaseBook(g.cache_rows, client_cap, MAX_QUEUED_PER_CLIENT,
+            book = LeaseBook(g.total_rows, client_cap, MAX_QUEUED_PER_CLIENT,
                              config.lease_timeout)
-            self.cache = ExpertCache(self.arena, self.pool, book, config.workers, self._send)
+            self.cache = ExpertCache(self.arena, self.pool, book, config.workers, self._send,
+                                     prefetch=config.prefetch)
             self.policy = self.cache.policy
             self.clients = ClientRegistry(config.client_timeout)
             self._ticks = 0
             self.started = time.monotonic()
             self.running = True
-            self.counters = dict(client_hits=0, bad_requests=0, demands=0, internal_errors=0,
-                                 busy=0, clients_timed_out=0)
+            self.counters = dict(bad_requests=0, demands=0, internal_errors=0, busy=0,
+                                 clients_timed_out=0)
             self.ctx = zmq.Context()
             self.router = self.ctx.socket(zmq.ROUTER)
             self.router.setsockopt(zmq.LINGER, 0)
@@ -222,8 +223,7 @@ class ExpertServer:
             if op is Op.DEMAND:
                 self._demand(identity, rid, req)
             elif op is Op.PREFETCH:
-                room = self.geometry.cache_rows - len(self.cache.background)  # past it: drop
-                self.cache.add_background((req.layer, e) for e in req.experts[:max(0, room)])
+                self.cache.prefetch(identity, req.layer, req.experts)
             elif op is Op.PIN:
                 self._pin(client, rid, req)
             elif op is Op.UNPIN:
@@ -277,12 +277,12 @@ class ExpertServer:
                     max_demand=self.max_demand, client_cap=self.cache.book.client_cap,
                     heartbeat_interval=self.config.heartbeat_interval,
                     client_timeout=self.config.client_timeout,
-                    lease_timeout=self.config.lease_timeout)
+                    lease_timeout=self.config.lease_timeout, prefetch=self.config.prefetch)
 
     # ---- housekeeping ----------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        self.counters["client_hits"] += self.cache.harvest_hits()
+        self.cache.harvest_hits()
         for client in self.clients.dead(now):
             log.info("client pid %d timed out; reclaiming its %d leased rows", client.pid,
                      self.cache.book.held(client.identity))
@@ -293,22 +293,29 @@ class ExpertServer:
         if self.config.auto_pin and self._ticks % 10 == 0:
             room = self.max_pins - self.policy.n_pinned_keys
             self.policy.auto_pin(max(0, min(self.config.auto_pin, room)),
-                                 self.cache.table.row_keys())
+                                 self.cache.cache_row_keys())
 
     def stats(self) -> dict:
         c = {**self.counters, **self.cache.counters}
         cache, book, g = self.cache, self.cache.book, self.geometry
         hits = c["demand_hits"] + c["client_hits"]
         busy = cache.fill_seconds()
-        row_keys = cache.table.row_keys()
+        row_keys = cache.cache_row_keys()
+        # A prefetched row used is a saved miss: it counts beside hits and misses, in neither.
+        looked_up = hits + c["misses"] + c["prefetch_hits"]
         return dict(
             endpoint=self.paths.endpoint, arena=self.arena.name, pid=os.getpid(),
             blob_dir=str(self.store.dir), epoch=self.epoch, log=str(self.paths.log),
             uptime_s=round(time.monotonic() - self.started, 3),
             arena_bytes=g.total_size, arena_rows=g.cache_rows, stride=g.stride,
-            rows_used=cache.table.rows_used(),
+            rows_used=cache.table.rows_used(~cache.side.side),
             hits=hits, demand_hits=c["demand_hits"], client_hits=c["client_hits"],
-            misses=c["misses"], hit_rate=round(hits / max(1, hits + c["misses"]), 4),
+            misses=c["misses"], hit_rate=round(hits / max(1, looked_up), 4),
+            prefetch=cache.prefetch_mode, side_rows=2 * g.side_rows,
+            side_rows_used=cache.table.rows_used(cache.side.side),
+            **{k: c[k] for k in ("prefetch_requested", "prefetch_ignored", "prefetch_merged",
+                                 "prefetch_fills", "prefetch_dropped", "prefetch_hits",
+                                 "prefetch_wasted")},
             bytes_read=c["bytes_read"], fills=c["fills"], fill_errors=c["fill_errors"],
             fill_seconds=round(busy, 6),
             fill_gbps=round(c["bytes_read"] / busy / 1e9, 3) if busy else 0.0,

@@ -12,7 +12,8 @@ from .shm.layout import SlotState
 
 
 class SlotTable:
-    """Rows of the LFU cache (the first ``cache_rows`` of the arena) and the experts they hold.
+    """Every row of the arena (LFU cache rows and prefetch side rows alike) and the experts they
+    hold; which row plays which role is the side-row book's business (``expertd.side``).
 
     Args:
         arena: the daemon's :class:`~expertd.shm.layout.Arena`.
@@ -20,7 +21,7 @@ class SlotTable:
 
     def __init__(self, arena):
         g = arena.geometry
-        self.n_rows = g.cache_rows
+        self.n_rows = g.total_rows
         self.n_experts = g.n_experts
         self._raw = arena.raw
         self._slots_offset = g.slots_offset
@@ -47,21 +48,23 @@ class SlotTable:
         return int(rec["layer"]), int(rec["expert"])
 
     def row_keys(self) -> np.ndarray:
-        """Flat key ``layer * n_experts + expert`` of every cache row, -1 where empty."""
+        """Flat key ``layer * n_experts + expert`` of every row, -1 where empty."""
         recs = self.records[:self.n_rows]
         keys = recs["layer"].astype(np.int64) * self.n_experts + recs["expert"]
         keys[recs["state"] == SlotState.EMPTY] = -1
         return keys
 
     def filling(self) -> np.ndarray:
-        """Bool per cache row: a fill is in flight."""
+        """Bool per row: a fill is in flight."""
         return self.records["state"][:self.n_rows] == SlotState.FILLING
 
     def versions(self, rows) -> list:
         return [int(v) for v in self.records["version"][rows]]
 
-    def rows_used(self) -> int:
-        return int(np.count_nonzero(self.records["state"][:self.n_rows] != SlotState.EMPTY))
+    def rows_used(self, among: np.ndarray | None = None) -> int:
+        """Rows that hold (or are being filled with) an expert; only ``among`` (bool per row)."""
+        used = self.records["state"][:self.n_rows] != SlotState.EMPTY
+        return int(np.count_nonzero(used if among is None else used & among))
 
     def begin_fill(self, row: int, layer: int, expert: int) -> tuple | None:
         """Give ``row`` to (layer, expert), state FILLING, inside a seqlock write.

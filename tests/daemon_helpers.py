@@ -5,6 +5,7 @@ and so that ``EXPERTD_PURE_PYTHON`` can be set before it imports ``expertd.nativ
 
 - ``leased BLOBS ITERATIONS SEED``: random DEMANDs; every copied row checked (JSON on stdout);
 - ``lockfree BLOBS STOP_FILE SEED MAX_SECONDS``: rows read without the daemon (JSON on stdout);
+- ``prefetch BLOBS SECONDS SEED --out FILE``: PREFETCH, then lock-free reads and demands;
 - ``hold BLOBS LAYER EXPERTS wait|nowait``: one demand held while heartbeating, until killed;
 - ``hoard BLOBS COUNT PINS``: COUNT one-expert leases and the PINS held, until killed;
 - ``parity`` / ``generate``: an mlx-lm model through ``expertd.client.load`` (JSON to ``--out``).
@@ -104,6 +105,70 @@ def lockfree_worker(args) -> dict:
             "errors": errors[:20]}
 
 
+def prefetch_worker(args) -> dict:
+    """For ``seconds``: predict 4 experts of a layer (PREFETCH), then use 4 experts of which 2
+    were predicted: READY rows are read lock-free (copy, seqlock check, hit bump, as clients
+    do), the rest demanded. Every accepted row's bytes must match its checksum."""
+    from expertd import native
+    from expertd.protocol import Op
+
+    rng = random.Random(args.seed)
+    verified = discarded = demanded = 0
+    errors = []
+    with RawClient(args.blobs) as client:
+        m = client.manifest
+        g = client.arena.geometry
+        raw, stride = client.raw, g.stride
+        whole_row = np.array([0], np.intp), np.array([stride], np.intp), np.array([0], np.intp)
+        deadline = time.monotonic() + args.seconds
+        while time.monotonic() < deadline:
+            layer = rng.randrange(len(m.layers))
+            n = m.layers[layer].num_experts
+            predicted = rng.sample(range(n), 4)
+            client.conn.send(Op.PREFETCH, {"layer": layer, "experts": predicted})
+            others = [e for e in range(n) if e not in predicted[:2]]
+            used = np.array(sorted(predicted[:2] + rng.sample(others, 2)), np.int32)
+            slots = np.empty(4, np.int32)
+            versions = np.empty(4, np.uint64)
+            filling = np.empty(4, np.int32)
+            native.remap(raw, g.slot_of_offset, g.slots_offset, g.n_experts, layer, used,
+                         slots, versions, filling)
+            found = slots >= 0
+            missing = [int(e) for e in used[~found]]
+            if found.any():
+                rows = np.ascontiguousarray(slots[found])
+                dest = np.empty((len(rows), stride), np.uint8)
+                native.copy_segments(raw, g.rows_offset, stride, rows, *whole_row,
+                                     dest.reshape(-1))
+                if native.validate(raw, g.slots_offset, rows, np.ascontiguousarray(
+                        versions[found])):
+                    native.bump_hits(raw, g.slots_offset, rows)
+                    for e, data in zip(used[found], dest):
+                        if _checksum_ok(m, layer, int(e), data.tobytes()):
+                            verified += 1
+                        else:
+                            errors.append(f"layer {layer} expert {int(e)}: wrong bytes read "
+                                          "lock-free")
+                else:
+                    discarded += len(rows)
+                    missing += [int(e) for e in used[found]]
+            if missing:
+                reply = client.demand(layer, missing)
+                copies = [bytes(client.arena.row(row)) for row in reply["rows"]]
+                if not validate(raw, client.slots_offset, reply["rows"], reply["versions"]):
+                    errors.append(f"leased rows {reply['rows']} changed during the copy")
+                for e, data in zip(missing, copies):
+                    if _checksum_ok(m, layer, e, data):
+                        verified += 1
+                        demanded += 1
+                    else:
+                        errors.append(f"layer {layer} expert {e}: wrong bytes in a leased row")
+                client.release(reply["lease"])
+        raw = None
+    return {"verified": verified, "demanded": demanded, "discarded": discarded,
+            "errors": errors[:20]}
+
+
 def hold_worker(args) -> None:
     """Demand ``experts`` of ``layer``, print READY, then heartbeat forever (until killed).
 
@@ -152,11 +217,12 @@ def parity_client(args) -> dict:
     from expertd.client import load
 
     resident, _ = mlx_lm.load(args.model)
-    streamed, tokenizer = load(args.blobs)
+    streamed, tokenizer = load(args.blobs, prefetch=args.prefetch)
     runs = compare_runs(resident, streamed, tokenizer.vocab_size)
     session = streamed.expertd_session
     result = dict(implementation=native.IMPLEMENTATION, runs=runs,
-                  counters=dict(session.counters), max_group=session.max_group)
+                  counters=dict(session.counters), max_group=session.max_group,
+                  prediction=session.prediction())
     session.close()
     return result
 
@@ -170,7 +236,8 @@ def generate_client(args) -> dict:
     from expertd import native
     from expertd.client import load
 
-    model, tokenizer = load(args.blobs, reconnect_timeout=args.reconnect_timeout)
+    model, tokenizer = load(args.blobs, reconnect_timeout=args.reconnect_timeout,
+                            prefetch=args.prefetch)
     session = model.expertd_session
     prompt = prompt_ids(args.prompt_len, tokenizer.vocab_size, args.seed)
     if args.barrier:
@@ -218,6 +285,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("seed", type=int)
     p.add_argument("max_seconds", type=float)
     p.set_defaults(func=lockfree_worker)
+    p = sub.add_parser("prefetch", help="prefetches, lock-free reads and demands, all checked")
+    p.add_argument("blobs")
+    p.add_argument("seconds", type=float)
+    p.add_argument("seed", type=int)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=prefetch_worker)
     p = sub.add_parser("hold", help="hold one demand, heartbeating, until killed")
     p.add_argument("blobs")
     p.add_argument("layer", type=int)
@@ -233,6 +306,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--blobs", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--prefetch", default="auto", choices=["auto", "on", "off"])
     p.set_defaults(func=parity_client)
     p = sub.add_parser("generate", help="greedy generation, tokens written as they come")
     p.add_argument("--blobs", required=True)
@@ -242,6 +316,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-file")
     p.add_argument("--barrier")
     p.add_argument("--reconnect-timeout", type=float, default=60.0)
+    p.add_argument("--prefetch", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--out", required=True)
     p.set_defaults(func=generate_client)
     return parser

@@ -16,15 +16,21 @@ from expertd.protocol import Op
 FAST_TIMEOUTS = ("--client-timeout", "1.5", "--heartbeat", "0.3")
 
 
-def test_demand_queued_behind_prefetch_fills_is_answered(models, isolated_env):
-    """A demand that finds every row busy filling must start once those fills complete, even
-    if no lease is ever released."""
+def test_demand_queued_behind_fills_is_answered(models, isolated_env):
+    """A demand that finds every cache row busy filling must start once those fills complete,
+    even if no lease is ever released. (Prefetches fill side rows and no longer take cache
+    rows: clients that demand and leave at once hold none, and their fills run on.)"""
     blobs = models.blobs()
     # As many workers as rows: every row is FILLING when the demand arrives.
     with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "16"):
         with RawClient(blobs) as c:
             rows = c.hello["cache_rows"]
-            c.conn.send(Op.PREFETCH, {"layer": 0, "experts": list(range(rows))})
+            step = c.hello["client_cap"]
+            for start in range(0, rows, step):
+                with RawClient(blobs) as gone:
+                    gone.conn.send(Op.DEMAND, {"layer": 0, "experts": list(
+                        range(start, min(rows, start + step)))})
+                    gone.conn.send(Op.GOODBYE, {})
             reply = c.demand(1, [0, 1, 2, 3], timeout=20.0)
             got = [c.row_bytes(r, 1) for r in reply["rows"]]
             c.release(reply["lease"])
