@@ -68,7 +68,7 @@ def _cmd_start(args) -> int:
         client_timeout=args.client_timeout, heartbeat_interval=args.heartbeat,
         lease_timeout=args.lease_timeout,
         pin_file=Path(args.pin_file).expanduser() if args.pin_file else None,
-        auto_pin=args.auto_pin)
+        auto_pin=args.auto_pin, prefetch=args.prefetch)
     if args.foreground:
         return run_foreground(config, Path(args.state_file) if args.state_file else None,
                               log_to_file=args.log_to_file)
@@ -152,6 +152,10 @@ def add_subcommands(sub) -> None:
     p.add_argument("--pin-file", metavar="JSON", help="JSON list of [layer, expert] to pin")
     p.add_argument("--auto-pin", type=int, default=0, metavar="N",
                    help="keep the N hottest resident experts pinned (default: 0, off)")
+    p.add_argument("--prefetch", choices=("on", "off", "auto"), default="auto",
+                   help="fill the experts clients predict into side rows that never evict "
+                   "cached ones: on, off (PREFETCH is ignored) or auto (on here; each client "
+                   "turns prediction off for layers where it does not pay; default: auto)")
     p.add_argument("--client-timeout", type=float, default=10.0, metavar="S",
                    help="reclaim a client's leases after S seconds without a heartbeat")
     p.add_argument("--lease-timeout", type=float, default=30.0, metavar="S",
