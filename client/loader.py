@@ -6,11 +6,14 @@ from mlx.utils import tree_flatten
 from expertd.blobstore import check_trunk
 from expertd.errors import BlobStoreError
 
+from .copier import Copier
+from .predict import check_mode, make_guessers
 from .session import Session
 from .switch import Staging, make_streamed
 
 
-def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = None):
+def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = None,
+         prefetch: str = "auto"):
     """Build the model of ``blob_dir`` with mlx-lm's classes, experts served by expertd.
 
     Args:
@@ -18,6 +21,10 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
         reconnect_timeout: seconds to wait for a daemon that died to come back.
         max_group: most experts of one layer held by this process at once (default: 64 or
             4 x top-k, within what the daemon allows).
+        prefetch: "auto" (default): each MoE layer guesses the next layer's experts at its own
+            router sync, copies the resident ones in the background and asks the daemon to
+            prefetch the rest, and a layer whose guesses are mostly wrong stops guessing (and
+            tries again now and then); "on": always guess; "off": never.
     Returns:
         ``(model, tokenizer)``, usable with ``mlx_lm.generate`` / ``stream_generate``.
     Raises:
@@ -26,9 +33,10 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
         BlobStoreError: the blob directory is not valid, or a trunk file does not match its
             checksum (the message names the file and says to re-run ``expertd convert``).
     """
+    check_mode(prefetch)
     session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group)
     try:
-        model, tokenizer = _build(session)
+        model, tokenizer = _build(session, prefetch)
     except BaseException:
         session.close()  # its heartbeat thread and the arena mapping go with it
         raise
@@ -36,7 +44,7 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
     return model, tokenizer
 
 
-def _build(session):
+def _build(session, prefetch: str):
     """The model with its switch modules streamed through ``session``, and its tokenizer."""
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
     from mlx_lm.utils import load_model, load_tokenizer
@@ -49,11 +57,16 @@ def _build(session):
     model, config = load_model(trunk, lazy=True, strict=False)
     modules = dict(model.named_modules())
     staging = Staging(session.staging_bytes())
-    for layer in session.manifest.layers:
+    layers = session.manifest.layers
+    guessers = make_guessers(modules, layers, prefetch)
+    session.guessers = guessers
+    copier = session.copier = Copier()
+    for layer, guesser, before in zip(layers, guessers, [None] + guessers[:-1]):
         module = modules.get(layer.module)
         if not isinstance(module, (SwitchGLU, SwitchMLP)):
             raise BlobStoreError(f"{trunk}: the model has no switch module at {layer.module}")
-        make_streamed(module, session, layer, staging)
+        make_streamed(module, session, layer, staging, guesser,
+                      before.guesses if before is not None else None, copier)
     stored = set()
     for path in trunk.glob("model*.safetensors"):
         stored.update(read_header(path))

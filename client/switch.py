@@ -7,6 +7,7 @@ only difference is that the expert stacks hold just the experts this call routes
 indices are remapped onto them.
 """
 
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -18,6 +19,7 @@ MLX_DTYPES = {
     "I8": mx.int8, "U16": mx.uint16, "I16": mx.int16, "I32": mx.int32, "U64": mx.uint64,
     "I64": mx.int64, "BOOL": mx.bool_,
 }
+DECODE_IDS = 64  # a call routing at most this many (token, slot) pairs is decoding
 
 
 class StagingBuffer:
@@ -30,6 +32,7 @@ class StagingBuffer:
         if not (self.host.flags.writeable and self.host.flags.c_contiguous):
             raise RuntimeError("this MLX build does not expose array memory to numpy")
         self.last = None
+        self.staged = None  # the copier's rows of the next layer's guess, being copied in
         # Typed views of the buffer per (segment layout, expert count). Slices, dtype views and
         # reshapes of a contiguous buffer share its memory, so a view made once shows whatever
         # the latest copy put there; building them again for every layer costs more than the
@@ -50,11 +53,20 @@ class Staging:
     buffers: list = field(default_factory=list)
     turn: int = 0
 
-    def acquire(self) -> StagingBuffer:
+    def acquire(self, layer: int):
+        """The next buffer, and the rows staged in it for ``layer`` (or None)."""
+        buf = self.idle()
+        self.turn ^= 1
+        staged, buf.staged = buf.staged, None
+        if staged is not None and staged.job is not None:
+            staged.job.wait()  # the copier must be done with the buffer before anyone writes
+        return buf, staged if staged is not None and staged.layer == layer else None
+
+    def idle(self) -> StagingBuffer:
+        """The buffer the next :meth:`acquire` returns, free to be written into."""
         if not self.buffers:
             self.buffers = [StagingBuffer(self.nbytes), StagingBuffer(self.nbytes)]
         buf = self.buffers[self.turn]
-        self.turn ^= 1
         if buf.last is not None:
             mx.eval(buf.last)
             buf.last = None
@@ -71,6 +83,9 @@ class StreamedLayer:
     staging: Staging
     layout: tuple = ()  # what the segment views depend on: (dtype, shape, nbytes) per segment
     num_experts: int = 0  # experts of this layer in the resident model
+    guesser: object = None  # predict.Guesser for the next MoE layer, or None
+    incoming: object = None  # predict.LayerGuesses scoring the guesses made for this layer
+    copier: object = None  # copier.Copier shared by the model's layers
 
 
 class StreamedSwitch:
@@ -78,15 +93,49 @@ class StreamedSwitch:
 
     def __call__(self, x, indices):
         st: StreamedLayer = self.__dict__["_expertd"]
+        session = st.session
+        started = time.perf_counter()
+        guess = None
+        # Guess the next layer's experts in the same evaluation as this layer's router: no
+        # extra host sync. Only while decoding: a prompt's layer routes to most experts anyway.
+        if st.guesser is not None and indices.size <= DECODE_IDS and st.guesser.guesses.wanted():
+            guess = st.guesser.lazy(x, indices.shape[-1])
+            mx.eval(indices, guess)
         idx = np.array(indices)  # the one host sync of this layer: the router's choice
-        if idx.size <= 64:  # decode: a handful of ids, cheaper without numpy's sort machinery
+        synced = time.perf_counter()
+        if idx.size <= DECODE_IDS:  # a handful of ids: cheaper without numpy's sort machinery
             unique = np.array(sorted(set(idx.ravel().tolist())), dtype=np.int32)
         else:
             unique = np.unique(idx).astype(np.int32)
-        size = st.session.max_group
+        staged = st.staging.idle().staged
+        if staged is not None and staged.layer == st.layer and st.incoming is not None:
+            st.incoming.record(staged.guessed, unique)
+        size = session.max_group
         if len(unique) <= size:
-            return self._run(st, x, unique, np.searchsorted(unique, idx).astype(idx.dtype))
-        return self._run_groups(st, x, idx, unique, size)
+            out, fetched = self._run_one(st, x, idx, unique)
+        else:
+            out, fetched = self._run_groups(st, x, idx, unique, size), None
+        if guess is not None:
+            guessed = np.unique(np.array(guess)).astype(np.int32)
+            st.staging.idle().staged = session.prestage(st.layer + 1, guessed,
+                                                        st.staging.idle().host, st.copier)
+        timing = session.timing
+        timing["sync_s"] += synced - started
+        if fetched is not None:
+            timing["exposed_s"] += fetched - synced
+        timing["layers"] += 1
+        if session.timeline is not None:
+            session.timeline.append((st.layer, started, synced, fetched, time.perf_counter()))
+        return out
+
+    def _run_one(self, st: StreamedLayer, x, idx: np.ndarray, unique: np.ndarray):
+        """Every routed expert fits one group: stage them (using rows the copier already put
+        in place) and compute as mlx-lm does, indices remapped to staging positions."""
+        buf, staged = st.staging.acquire(st.layer)
+        positions = st.session.fetch(st.layer, unique, buf.host, staged)
+        fetched = time.perf_counter()
+        local = positions[np.searchsorted(unique, idx)].astype(idx.dtype)
+        return self._compute(st, buf, x, int(positions.max()) + 1, local), fetched
 
     def _run_groups(self, st: StreamedLayer, x, idx: np.ndarray, unique: np.ndarray, size: int):
         """More distinct experts than may be fetched at once: each group of at most ``size``
@@ -133,14 +182,19 @@ class StreamedSwitch:
         return out.reshape(*idx.shape, out.shape[-1])
 
     def _run(self, st: StreamedLayer, x, experts: np.ndarray, local: np.ndarray):
-        buf = st.staging.acquire()
-        bases = st.session.fetch(st.layer, experts, buf.host)
-        n = len(experts)
+        """One group of a grouped call: its experts staged in order, no guess used."""
+        buf, _ = st.staging.acquire(st.layer)
+        st.session.fetch(st.layer, experts, buf.host)
+        return self._compute(st, buf, x, len(experts), local)
+
+    def _compute(self, st: StreamedLayer, buf: StagingBuffer, x, n: int, local: np.ndarray):
+        """mlx-lm's own computation over the first ``n`` staged experts (lazy)."""
         views = buf.views.get((st.layout, n))
         if views is None:
+            bases = st.session.bases(st.layer).tolist()
             views = buf.views[(st.layout, n)] = [
                 buf.array[base:base + n * nbytes].view(dtype).reshape((n, *shape))
-                for (_, _, dtype, shape, nbytes), base in zip(st.segments, bases.tolist())]
+                for (_, _, dtype, shape, nbytes), base in zip(st.segments, bases)]
         for (module, attr, _, _, _), view in zip(st.segments, views):
             module[attr] = view
         try:
@@ -155,7 +209,8 @@ class StreamedSwitch:
 _CLASSES: dict = {}
 
 
-def make_streamed(module, session, layer, staging: Staging) -> None:
+def make_streamed(module, session, layer, staging: Staging, guesser=None, incoming=None,
+                  copier=None) -> None:
     """Turn an mlx-lm switch module into a streamed one, in place, and drop its expert arrays."""
     cls = type(module)
     streamed = _CLASSES.get(cls)
@@ -174,4 +229,4 @@ def make_streamed(module, session, layer, staging: Staging) -> None:
     # A plain attribute, not a child: the session is not part of the model's parameters.
     layout = tuple((seg.dtype, seg.shape, seg.nbytes) for seg in layer.segments)
     module.__dict__["_expertd"] = StreamedLayer(session, layer.index, segments, staging, layout,
-                                                layer.num_experts)
+                                                layer.num_experts, guesser, incoming, copier)

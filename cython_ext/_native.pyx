@@ -207,19 +207,30 @@ def drain(uint8_t[::1] arena, Py_ssize_t slots_offset, int layer, const int32_t[
 def copy_segments(uint8_t[::1] arena, Py_ssize_t rows_offset, Py_ssize_t stride,
                   const int32_t[::1] slots, const Py_ssize_t[::1] seg_offsets,
                   const Py_ssize_t[::1] seg_nbytes, const Py_ssize_t[::1] dest_bases,
-                  uint8_t[::1] dest):
+                  uint8_t[::1] dest, const int32_t[::1] positions=None):
     """Gather each segment of each row into ``dest``, GIL released.
 
-    Segment ``s`` of row ``slots[i]`` lands at ``dest_bases[s] + i * seg_nbytes[s]``.
+    Segment ``s`` of row ``slots[i]`` lands at ``dest_bases[s] + p * seg_nbytes[s]``, where
+    ``p`` is ``positions[i]`` if given, else ``i``.
     """
     cdef uint8_t* base = &arena[0]
-    cdef Py_ssize_t i, s, n = slots.shape[0], m = seg_offsets.shape[0]
+    cdef Py_ssize_t i, s, p, top = 0, n = slots.shape[0], m = seg_offsets.shape[0]
+    cdef bint placed = positions is not None
     if seg_nbytes.shape[0] != m or dest_bases.shape[0] != m:
         raise ValueError("segment tables differ in length")
+    if placed:
+        if positions.shape[0] != n:
+            raise ValueError("one position per row is needed")
+        for i in range(n):
+            if positions[i] < 0:
+                raise ValueError("negative position")
+            top = max(top, positions[i] + 1)
+    else:
+        top = n
     for s in range(m):
         if seg_offsets[s] < 0 or seg_offsets[s] + seg_nbytes[s] > stride:
             raise ValueError("segment lies outside the row")
-        if dest_bases[s] < 0 or dest_bases[s] + n * seg_nbytes[s] > dest.shape[0]:
+        if dest_bases[s] < 0 or dest_bases[s] + top * seg_nbytes[s] > dest.shape[0]:
             raise ValueError("destination too small")
     for i in range(n):
         if slots[i] < 0 or rows_offset + (slots[i] + 1) * stride > arena.shape[0]:
@@ -227,7 +238,8 @@ def copy_segments(uint8_t[::1] arena, Py_ssize_t rows_offset, Py_ssize_t stride,
     with nogil:
         for s in range(m):
             for i in range(n):
-                memcpy(&dest[dest_bases[s] + i * seg_nbytes[s]],
+                p = positions[i] if placed else i
+                memcpy(&dest[dest_bases[s] + p * seg_nbytes[s]],
                        base + rows_offset + slots[i] * stride + seg_offsets[s], seg_nbytes[s])
 
 

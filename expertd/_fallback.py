@@ -95,23 +95,32 @@ def drain(arena, slots_offset, layer, experts, rows, out_slots, out_versions, ti
     return left
 
 
-def copy_segments(arena, rows_offset, stride, slots, seg_offsets, seg_nbytes, dest_bases, dest):
+def copy_segments(arena, rows_offset, stride, slots, seg_offsets, seg_nbytes, dest_bases, dest,
+                  positions=None):
     if not len(seg_offsets) == len(seg_nbytes) == len(dest_bases):
         raise ValueError("segment tables differ in length")
     n = len(slots)
+    if positions is None:
+        positions = range(n)
+    elif len(positions) != n:
+        raise ValueError("one position per row is needed")
+    elif n and min(positions) < 0:
+        raise ValueError("negative position")
+    top = max((int(p) + 1 for p in positions), default=0)
     for off, nbytes, base in zip(seg_offsets, seg_nbytes, dest_bases):
         if off < 0 or off + nbytes > stride:
             raise ValueError("segment lies outside the row")
-        if base < 0 or base + n * nbytes > len(dest):
+        if base < 0 or base + top * nbytes > len(dest):
             raise ValueError("destination too small")
     src = np.frombuffer(arena, dtype=np.uint8)
     for s in slots:
         if s < 0 or rows_offset + (int(s) + 1) * stride > len(src):
             raise ValueError("row outside the arena")
     for off, nbytes, base in zip(seg_offsets, seg_nbytes, dest_bases):
-        for i, s in enumerate(slots):
+        for p, s in zip(positions, slots):
             start = rows_offset + int(s) * stride + off
-            dest[base + i * nbytes:base + (i + 1) * nbytes] = src[start:start + nbytes]
+            at = base + int(p) * nbytes
+            dest[at:at + nbytes] = src[start:start + nbytes]
 
 
 def bump_hits(arena, slots_offset, slots):

@@ -45,9 +45,11 @@ def check_runs(runs: list) -> None:
         assert run["steps"] == 21
 
 
+@pytest.mark.parametrize("prefetch", ["on", "off"])
 @pytest.mark.parametrize("rows", [ROWS_TINY, ROWS_ALL], ids=["8rows", "all-rows"])
 @pytest.mark.parametrize("family_mode", FAMILY_MODES, ids=FAMILY_IDS)
-def test_streamed_logits_equal_resident(models, isolated_env, tmp_path, family_mode, rows):
+def test_streamed_logits_equal_resident(models, isolated_env, tmp_path, family_mode, rows,
+                                        prefetch):
     model_dir, blob_dir = routed_model(models, *family_mode)
     manifest = Manifest.load(blob_dir)
     every_expert = sum(layer.num_experts for layer in manifest.layers)
@@ -55,7 +57,7 @@ def test_streamed_logits_equal_resident(models, isolated_env, tmp_path, family_m
     with Daemon(blob_dir, isolated_env, *flags) as daemon:
         expected_rows = min(rows, every_expert)
         assert daemon.ready["arena_rows"] == expected_rows
-        model, tokenizer = load(blob_dir)
+        model, tokenizer = load(blob_dir, prefetch=prefetch)
         session = model.expertd_session
         try:
             runs = compare_runs(resident_model(model_dir), model, tokenizer.vocab_size)
@@ -63,33 +65,51 @@ def test_streamed_logits_equal_resident(models, isolated_env, tmp_path, family_m
             session.close()
         stats = daemon.stats()
     check_runs(runs)
+    if prefetch == "on":
+        # Guesses were made for every layer but the first, and their rows were used: copied
+        # ahead by the copier where they fit one group, read ahead into side rows otherwise.
+        guessed = [p["guessed"] for p in session.prediction()[1:]]
+        assert all(guessed), guessed
+        if rows == ROWS_ALL:
+            assert session.counters["staged_used"] > 0
+        else:
+            assert stats["prefetch_fills"] > 0 and stats["prefetch_hits"] > 0
+    else:
+        assert session.counters["prefetch_asked"] == stats["prefetch_requested"] == 0
     if rows == ROWS_TINY:
         # The grouped path really ran, and rows were evicted and refilled.
         assert session.max_group < min(layer.num_experts for layer in manifest.layers)
         assert stats["fills"] > stats["arena_rows"]
     else:
-        # Everything fits: each expert is read at most once.
+        # Everything fits: each expert is read at most once (by a demand or a prefetch).
         assert stats["fills"] <= every_expert
-        assert stats["fills"] == stats["misses"]
+        assert stats["fills"] == stats["misses"] + stats["prefetch_fills"]
     assert stats["fill_errors"] == 0
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("rows", [ROWS_TINY, ROWS_ALL], ids=["8rows", "all-rows"])
 @pytest.mark.parametrize("family_mode", FAMILY_MODES, ids=FAMILY_IDS)
-def test_pure_python_twin_logits_equal_resident(models, isolated_env, tmp_path, family_mode):
-    """The same comparison in a client process that runs the pure-Python twins."""
+def test_pure_python_twin_logits_equal_resident(models, isolated_env, tmp_path, family_mode,
+                                                rows):
+    """The same comparison, prefetch on, in a client process that runs the pure-Python twins."""
     model_dir, blob_dir = routed_model(models, *family_mode)
     out = tmp_path / "parity.json"
     with Daemon(blob_dir, isolated_env,
-                *client_flags(blob_dir, ROWS_TINY, tmp_path / "state.json")) as daemon:
+                *client_flags(blob_dir, rows, tmp_path / "state.json")) as daemon:
         proc = spawn_client("parity", "--blobs", blob_dir, "--model", model_dir, "--out", out,
-                            env=isolated_env, pure=True)
+                            "--prefetch", "on", env=isolated_env, pure=True)
         result = finish_client(proc, out, timeout=120)
         stats = daemon.stats()
     assert result["implementation"] == "python"
     check_runs(result["runs"])
-    assert result["counters"]["demanded"] > 0
-    assert stats["fills"] > stats["arena_rows"]
+    assert all(p["guessed"] for p in result["prediction"][1:])
+    if rows == ROWS_TINY:
+        assert result["counters"]["demanded"] > 0
+        assert stats["fills"] > stats["arena_rows"]
+        assert stats["prefetch_hits"] > 0
+    else:
+        assert result["counters"]["staged_used"] > 0
     # And the same tokens as this process's own resident run.
     resident = resident_model(model_dir)
     for run in result["runs"]:

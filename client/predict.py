@@ -1,0 +1,151 @@
+"""Cross-layer prediction: which experts the next MoE layer will route to, and whether guessing pays.
+
+At layer L's router sync the client also evaluates layer L+1's router on layer L's MoE input (the
+same ``mx.eval``, so no extra host sync). Layer L's input is normalised with layer L's norm; when
+both layers use a weighted RMS norm, rescaling by the ratio of their weights gives exactly what
+layer L+1's norm would make of the same residual stream. A guess is only a hint: the rows it
+stages are used only if the router really chose them and their versions still validate, so a
+wrong guess costs work, never exactness.
+
+Each predicted layer keeps its own precision over a window of guesses. In ``auto`` mode a layer
+whose precision falls below :data:`MIN_PRECISION` stops guessing and tries again after
+:data:`RETEST_AFTER` calls. 0.5 is the break-even point when a right guess saves about what a
+wrong one costs (one row copy, and one SSD read if the row was not resident).
+"""
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+MODES = ("auto", "on", "off")
+WINDOW = 32  # guesses per precision verdict
+MIN_PRECISION = 0.5
+RETEST_AFTER = 256  # calls a switched-off layer waits before it guesses again
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"prefetch must be one of {', '.join(MODES)}, not {mode!r}")
+    return mode
+
+
+@dataclass
+class LayerGuesses:
+    """Precision bookkeeping of the guesses made for one MoE layer.
+
+    Args:
+        mode: "auto", "on" or "off".
+    """
+
+    mode: str = "auto"
+    active: bool = True
+    idle_calls: int = 0  # calls since an auto layer switched itself off
+    window_calls: int = 0
+    window_guessed: int = 0
+    window_right: int = 0
+    guessed: int = 0  # experts guessed, all time
+    right: int = 0  # of which the router chose
+    routed: int = 0  # experts routed in calls that had a guess
+    switched_off: int = 0
+
+    def __post_init__(self):
+        self.active = check_mode(self.mode) != "off"
+
+    def wanted(self) -> bool:
+        """Should the previous layer guess for this one now?"""
+        if self.mode != "auto" or self.active:
+            return self.active
+        self.idle_calls += 1
+        if self.idle_calls >= RETEST_AFTER:
+            self.active, self.idle_calls = True, 0
+        return self.active
+
+    def record(self, guessed: np.ndarray, routed: np.ndarray) -> None:
+        """Score a guess (distinct experts) against the experts the router chose."""
+        right = len(set(guessed.tolist()).intersection(routed.tolist()))
+        self.guessed += len(guessed)
+        self.right += right
+        self.routed += len(routed)
+        self.window_calls += 1
+        self.window_guessed += len(guessed)
+        self.window_right += right
+        if self.window_calls >= WINDOW:
+            if self.mode == "auto" and self.window_right < MIN_PRECISION * self.window_guessed:
+                self.active = False
+                self.switched_off += 1
+            self.window_calls = self.window_guessed = self.window_right = 0
+
+    def summary(self) -> dict:
+        return dict(active=self.active, guessed=self.guessed, right=self.right,
+                    routed=self.routed,
+                    precision=round(self.right / self.guessed, 4) if self.guessed else None,
+                    recall=round(self.right / self.routed, 4) if self.routed else None,
+                    switched_off=self.switched_off)
+
+
+@dataclass
+class Guesser:
+    """Layer L+1's router, as layer L evaluates it on its own MoE input."""
+
+    router: object  # the next MoE block's router module (mlx-lm's own)
+    scale: mx.array | None  # next norm's weight / this norm's weight, when both are RMS norms
+    guesses: LayerGuesses = field(default_factory=LayerGuesses)
+
+    def lazy(self, x: mx.array, k: int) -> mx.array:
+        """The top-``k`` experts the next router picks for ``x`` (lazy, not evaluated)."""
+        if self.scale is not None:
+            x = x * self.scale
+        out = self.router(x)
+        if isinstance(out, tuple):  # routers that pick their experts themselves (DeepSeek's)
+            return out[0]
+        return mx.argpartition(-out, kth=k - 1, axis=-1)[..., :k]
+
+
+def find_router(block, switch, num_experts: int):
+    """The child of an MoE block that scores the experts: a weight with one row per expert."""
+    for _, child in block.children().items():
+        if child is switch:
+            continue
+        weight = getattr(child, "weight", None)
+        if isinstance(weight, mx.array) and weight.ndim == 2 and weight.shape[0] == num_experts:
+            return child
+    return None
+
+
+def norm_weight(decoder_layer):
+    """The weight of the RMS norm in front of a decoder layer's MoE block, if it has one."""
+    norm = getattr(decoder_layer, "post_attention_layernorm", None) if decoder_layer else None
+    weight = getattr(norm, "weight", None)
+    if isinstance(weight, mx.array) and weight.ndim == 1 and "RMSNorm" in type(norm).__name__:
+        return weight
+    return None
+
+
+def make_guessers(modules: dict, layers, mode: str) -> list:
+    """One :class:`Guesser` per MoE layer but the last (for the layer after it), or None.
+
+    Args:
+        modules: the model's ``named_modules()`` as a dict.
+        layers: the manifest's MoE layers, in order.
+        mode: "auto", "on" or "off".
+    """
+    check_mode(mode)
+    found = []
+    for layer in layers:
+        block_path, _, _ = layer.module.rpartition(".")
+        decoder_path, _, _ = block_path.rpartition(".")
+        block, switch = modules.get(block_path), modules.get(layer.module)
+        router = find_router(block, switch, layer.num_experts) if block is not None else None
+        found.append((router, norm_weight(modules.get(decoder_path))))
+    guessers = []
+    for (_, weight), (router, next_weight) in zip(found, found[1:]):
+        if mode == "off" or router is None:
+            guessers.append(None)
+            continue
+        scale = None
+        if weight is not None and next_weight is not None:
+            scale = mx.where(weight == 0, 0, next_weight / mx.where(weight == 0, 1, weight))
+            mx.eval(scale)
+        guessers.append(Guesser(router, scale, LayerGuesses(mode)))
+    return guessers + [None]
