@@ -44,6 +44,7 @@ class LayerGuesses:
     window_calls: int = 0
     window_guessed: int = 0
     window_right: int = 0
+    calls: int = 0  # guesses scored, all time
     guessed: int = 0  # experts guessed, all time
     right: int = 0  # of which the router chose
     routed: int = 0  # experts routed in calls that had a guess
@@ -64,6 +65,7 @@ class LayerGuesses:
     def record(self, guessed: np.ndarray, routed: np.ndarray) -> None:
         """Score a guess (distinct experts) against the experts the router chose."""
         right = len(set(guessed.tolist()).intersection(routed.tolist()))
+        self.calls += 1
         self.guessed += len(guessed)
         self.right += right
         self.routed += len(routed)
@@ -77,7 +79,7 @@ class LayerGuesses:
             self.window_calls = self.window_guessed = self.window_right = 0
 
     def summary(self) -> dict:
-        return dict(active=self.active, guessed=self.guessed, right=self.right,
+        return dict(active=self.active, calls=self.calls, guessed=self.guessed, right=self.right,
                     routed=self.routed,
                     precision=round(self.right / self.guessed, 4) if self.guessed else None,
                     recall=round(self.right / self.routed, 4) if self.routed else None,

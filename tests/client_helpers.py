@@ -71,7 +71,7 @@ def read_tokens(path: Path) -> list:
 
 
 def run_together(blob_dir, env: dict, workdir: Path, prompts: list, max_tokens: int,
-                 timeout: float = 120.0) -> list:
+                 timeout: float = 120.0, prefetch: str = "auto") -> list:
     """Run one ``generate`` client process per ``(prompt_len, seed)`` of ``prompts``, all
     released at once when every one has loaded (a file barrier); their results, in order."""
     barrier = Path(workdir) / "barrier"
@@ -82,7 +82,8 @@ def run_together(blob_dir, env: dict, workdir: Path, prompts: list, max_tokens: 
             out = Path(workdir) / f"client{i}.json"
             procs.append((spawn_client("generate", "--blobs", blob_dir, "--prompt-len", length,
                                        "--seed", seed, "--max-tokens", max_tokens,
-                                       "--barrier", barrier, "--out", out, env=env), out))
+                                       "--barrier", barrier, "--prefetch", prefetch,
+                                       "--out", out, env=env), out))
 
         def all_ready():
             for proc, _ in procs:

@@ -41,8 +41,12 @@ def wait_released(daemon, timeout: float = 15.0) -> None:
         raise AssertionError(f"{exc}: {last['leases']} leases, {last['clients']} clients") from None
 
 
+@pytest.mark.parametrize("prefetch", ["on", "off"])
 @pytest.mark.parametrize("n_clients", [2, 3])
-def test_concurrent_clients_under_eviction_match_solo(qwen, isolated_env, tmp_path, n_clients):
+def test_concurrent_clients_under_eviction_match_solo(qwen, isolated_env, tmp_path, n_clients,
+                                                      prefetch):
+    """With prefetch on, the clients' guesses, side-row fills, promotions and demands race
+    under eviction too; every token must still be the resident model's."""
     model_dir, blob_dir, resident = qwen
     every_expert = sum(layer.num_experts for layer in Manifest.load(blob_dir).layers)
     seeds = list(range(1, n_clients + 1))
@@ -52,7 +56,8 @@ def test_concurrent_clients_under_eviction_match_solo(qwen, isolated_env, tmp_pa
     with Daemon(blob_dir, isolated_env, *flags) as daemon:
         assert daemon.ready["arena_rows"] == ROWS_MEDIUM < every_expert
         results = run_together(blob_dir, isolated_env, tmp_path,
-                               [(PROMPT_LEN, seed) for seed in seeds], MAX_TOKENS)
+                               [(PROMPT_LEN, seed) for seed in seeds], MAX_TOKENS,
+                               prefetch=prefetch)
         stats = daemon.stats()
         wait_released(daemon)
     for seed, want, got in zip(seeds, expected, results):
@@ -62,6 +67,11 @@ def test_concurrent_clients_under_eviction_match_solo(qwen, isolated_env, tmp_pa
         assert got["counters"]["demanded"] > 0
     # Eviction pressure: rows were refilled with other experts while the clients ran.
     assert stats["fills"] > stats["arena_rows"]
+    if prefetch == "on":
+        assert stats["prefetch_fills"] > 0 and stats["prefetch_hits"] > 0
+        assert sum(r["counters"]["staged_used"] for r in results) > 0
+    else:
+        assert stats["prefetch_requested"] == 0
     assert stats["fill_errors"] == 0
 
 
