@@ -1,13 +1,16 @@
 """Prefill: time to first token when a layer's routed experts need several groups.
 
     python bench/prefill.py [--lengths 128 1024] [--max-group 16] [--arena 1.0] [--reps 2]
+                            [--with-rerun]
 
 A synthetic model with 64 experts per layer and top-8 is loaded with a small ``max_group``, so
-a long prompt's layers run in groups. Three forwards are timed side by side, interleaved, in one
-run: resident mlx-lm, the streamed model with the grouped path of client/switch.py ("pairs":
-each group computes only the pairs routed into it), and the same streamed model with the path
-it replaced ("rerun": each group reruns the layer over every token and keeps its own slots),
-reproduced below. The logits of the three are checked to be bit-identical.
+a long prompt's layers run in groups. Forwards are timed side by side, interleaved, in one run:
+resident mlx-lm; the streamed model with the grouped path of client/switch.py ("pairs": each
+group computes only the pairs routed into it, and its compute starts while the next group's rows
+are filled and copied); the same path with that overlap turned off ("sync": every group computed
+at the next layer's sync); and with ``--with-rerun`` the path before pairs ("rerun": each group
+reruns the layer over every token and keeps its own slots), reproduced below. The logits of all
+are checked to be bit-identical.
 
 With ``--arena 1.0`` every expert is resident in the arena after a warm-up run, so the times
 compare compute; a smaller arena adds the fills of the misses. Not part of ``make bench``.
@@ -79,7 +82,38 @@ def groups_per_layer(model_dir, ids, max_group: int) -> list:
     return counts
 
 
-def run(lengths=(128, 1024), max_group: int = 16, arena: float = 1.0, reps: int = 2) -> list:
+def sync_call(self, x, indices):
+    """The grouped path with each group computed only when the next layer syncs (no overlap of
+    a group's compute with the next group's fills and copy)."""
+    import expertd.client.switch as switch
+
+    real = switch.mx
+    switch.mx = _NoAsyncEval(real)
+    try:
+        return _PAIRS_CALL[0](self, x, indices)
+    finally:
+        switch.mx = real
+
+
+_PAIRS_CALL = []  # the product's StreamedSwitch.__call__, saved by run()
+
+
+class _NoAsyncEval:
+    """mlx.core with ``async_eval`` a no-op."""
+
+    def __init__(self, mx):
+        self._mx = mx
+
+    def __getattr__(self, name):
+        return getattr(self._mx, name)
+
+    @staticmethod
+    def async_eval(*_):
+        pass
+
+
+def run(lengths=(128, 1024), max_group: int = 16, arena: float = 1.0, reps: int = 2,
+        with_rerun: bool = False) -> list:
     import mlx.core as mx
     import mlx_lm
 
@@ -91,6 +125,7 @@ def run(lengths=(128, 1024), max_group: int = 16, arena: float = 1.0, reps: int 
     manifest = Manifest.load(blob_dir)
     resident = mlx_lm.load(str(model_dir))[0]
     pairs_call = StreamedSwitch.__call__
+    _PAIRS_CALL[:] = [pairs_call]
     # The arena's own overhead (slot table, side rows) is small next to this model's experts.
     cache_gb = manifest.total_expert_bytes * arena * 1.05 / 2**30 + 0.002
     results = []
@@ -101,7 +136,9 @@ def run(lengths=(128, 1024), max_group: int = 16, arena: float = 1.0, reps: int 
                 ids = mx.array([[(37 * i + 11) % (resident.args.vocab_size - 16) + 8
                                  for i in range(length)]])
                 variants = {"resident": (resident, None), "pairs": (model, pairs_call),
-                            "rerun": (model, rerun_call)}
+                            "sync": (model, sync_call)}
+                if with_rerun:
+                    variants["rerun"] = (model, rerun_call)
                 times = {name: [] for name in variants}
                 logits = {}
                 for rep in range(reps + 1):  # the first round warms the arena and MLX up
@@ -113,7 +150,7 @@ def run(lengths=(128, 1024), max_group: int = 16, arena: float = 1.0, reps: int 
                             times[name].append(seconds)
                 StreamedSwitch.__call__ = pairs_call
                 exact = all(mx.array_equal(logits["resident"], logits[n]).item()
-                            for n in ("pairs", "rerun"))
+                            for n in variants if n != "resident")
                 # The best run: on a shared machine the others' load only ever adds time.
                 best = {name: min(t) for name, t in times.items()}
                 med = {name: statistics.median(t) for name, t in times.items()}
@@ -134,16 +171,20 @@ def table(results: list, max_group: int, arena: float) -> str:
              f"moe-inter {spec['moe_inter']}, {spec['bits']}-bit; max_group {max_group}; arena "
              f"{arena:.0%} of experts; best of the timed runs in s (median in brackets); "
              "ratios of the best runs")
-    header = ("| prompt | groups per layer | resident | pairs (new) | rerun (old) "
-              "| pairs ÷ resident | rerun ÷ resident | logits bit-identical |")
-    lines = [title, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    names = [n for n in ("pairs", "sync", "rerun") if f"{n}_s" in results[0]]
+    label = {"pairs": "groups overlapped (now)", "sync": "groups not overlapped",
+             "rerun": "layer per group (old)"}
+    header = ("| prompt | groups per layer | resident | " + " | ".join(label[n] for n in names)
+              + " | " + " | ".join(f"{label[n]} ÷ resident" for n in names)
+              + " | logits bit-identical |")
+    lines = [title, "", header, "|" + " --- |" * (3 + 2 * len(names) + 1)]
     for r in results:
         lines.append(
             f"| {r['length']} | {','.join(map(str, r['groups']))} | "
             + " | ".join(f"{r[n + '_s']:.2f} ({r[n + '_median_s']:.2f})"
-                         for n in ("resident", "pairs", "rerun"))
-            + f" | {r['pairs_s'] / r['resident_s']:.2f} | "
-            f"{r['rerun_s'] / r['resident_s']:.2f} | {'yes' if r['exact'] else 'NO'} |")
+                         for n in ["resident"] + names)
+            + " | " + " | ".join(f"{r[n + '_s'] / r['resident_s']:.2f}" for n in names)
+            + f" | {'yes' if r['exact'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -154,8 +195,10 @@ def main() -> None:
     parser.add_argument("--arena", type=float, default=1.0,
                         help="arena size as a fraction of every expert (default 1.0)")
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--with-rerun", action="store_true",
+                        help="also time the path before groups computed only their own pairs")
     args = parser.parse_args()
-    results = run(args.lengths, args.max_group, args.arena, args.reps)
+    results = run(args.lengths, args.max_group, args.arena, args.reps, args.with_rerun)
     print(table(results, args.max_group, args.arena))
     if not all(r["exact"] for r in results):
         sys.exit("logits differ from resident mlx-lm")

@@ -5,7 +5,7 @@ import time
 
 
 def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, seed: int = 0,
-             out=sys.stdout) -> dict:
+             out=sys.stdout, prefetch: str = "auto") -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
 
     Returns:
@@ -18,7 +18,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
 
     from expertd.client import load
 
-    model, tokenizer = load(blob_dir)
+    model, tokenizer = load(blob_dir, prefetch=prefetch)
     session = model.expertd_session
     if getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
@@ -47,10 +47,19 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
         hit_rate=hits / max(1, hits + misses),
         bytes_read=after["bytes_read"] - before["bytes_read"],
         fast_hits=session.counters["fast_hits"], demanded=session.counters["demanded"],
+        staged_used=session.counters["staged_used"],
+        prefetch_hits=after.get("prefetch_hits", 0) - before.get("prefetch_hits", 0),
+        prediction=session.prediction(),
     )
 
 
 def summary_line(s: dict) -> str:
-    return (f"[expertd] prompt {s['prompt_tokens']} tok @ {s['prompt_tps']:.1f} tok/s | "
+    line = (f"[expertd] prompt {s['prompt_tokens']} tok @ {s['prompt_tps']:.1f} tok/s | "
             f"generation {s['generation_tokens']} tok @ {s['generation_tps']:.1f} tok/s | "
             f"hit rate {s['hit_rate']:.1%} | read {s['bytes_read'] / 2**20:.1f} MiB")
+    scored = [p for p in s.get("prediction", []) if p and p["guessed"]]
+    if scored:
+        right = sum(p["right"] for p in scored) / sum(p["guessed"] for p in scored)
+        active = sum(p["active"] for p in scored)
+        line += f" | next-layer guesses {right:.0%} right, {active}/{len(scored)} layers guessing"
+    return line

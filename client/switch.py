@@ -150,6 +150,9 @@ class StreamedSwitch:
         shape (a batched kernel when indices are sorted and there are at least 4 rows per
         staged expert); a group is padded up to that size when the resident call would take
         the batched kernel, so the group takes it too.
+
+        Each group's computation starts as soon as its rows are staged, while the next group's
+        rows are filled and copied into the other buffer.
         """
         k = idx.shape[-1]
         flat = idx.reshape(-1)
@@ -174,6 +177,10 @@ class StreamedSwitch:
                 local = np.concatenate([local, np.full(want - (hi - lo), local[-1])])
             y = self._run(st, rows[mx.array(pairs // k)], group,
                           local.astype(idx.dtype)[:, None])
+            # Start computing this group now, on MLX's own thread, so the next group's fills
+            # and copy (into the other staging buffer) overlap with it. A buffer is reused only
+            # after the output computed from it is evaluated (Staging.acquire).
+            mx.async_eval(y)
             parts.append(y[:hi - lo, 0])
         # Back from expert order to (token, slot) order: a pure permutation of the rows.
         inverse = np.empty_like(order)

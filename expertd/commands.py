@@ -96,6 +96,9 @@ def _status_lines(s: dict) -> list:
         f"  arena        {s['arena_bytes'] / 2**30:.3f} GiB, {s['rows_used']}/{s['arena_rows']} "
         f"rows used, {s['pinned']} pinned",
         f"  hits/misses  {s['hits']}/{s['misses']} (hit rate {s['hit_rate']:.1%})",
+        f"  prefetch     {s['prefetch']}: {s['prefetch_fills']} read ahead into "
+        f"{s['side_rows']} side rows, {s['prefetch_hits']} used, {s['prefetch_wasted']} "
+        f"wasted, {s['prefetch_dropped']} dropped",
         f"  read         {s['bytes_read'] / 2**20:.1f} MiB in {s['fills']} fills, "
         f"{s['fill_gbps']:.2f} GB/s while filling",
         f"  clients      {s['clients']} connected, {s['leases']} leases",
@@ -190,7 +193,7 @@ def _cmd_generate(args) -> int:
     from expertd.client.generate import generate, summary_line
 
     summary = generate(Path(args.blobs), args.prompt, max_tokens=args.max_tokens,
-                       temp=args.temp, seed=args.seed)
+                       temp=args.temp, seed=args.seed, prefetch=args.prefetch)
     print()
     print(summary_line(summary))
     if args.json_summary:
@@ -215,6 +218,10 @@ def add_client_subcommands(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=100, help="tokens to generate (default 100)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto",
+                   help="guess each next MoE layer's experts at the router sync, copy the "
+                   "resident ones in the background and have the daemon read the others ahead; "
+                   "auto (default) stops guessing in a layer whose guesses are mostly wrong")
     p.add_argument("--json-summary", metavar="FILE", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_generate)
 
