@@ -603,3 +603,59 @@ def test_unreadable_model_is_one_line(models, shared_dir, what):
         assert line == (f"expertd convert: error: {unreadable}: cannot read (Permission "
                         "denied)")
     assert sorted(p.name for p in shared_dir.iterdir()) == ["model"]
+
+
+# ---- mlx-lm's conventions: Hugging Face repo ids and ~ --------------------------------------
+
+def hf_cache_with(model_dir: Path, hf_home: Path, repo: str) -> Path:
+    """A Hugging Face cache (the hub's own layout: blobs, refs/main, a snapshot of symlinks)
+    holding ``model_dir`` as ``repo``; returns the snapshot directory."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    root = hf_home / "hub" / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / commit
+    (root / "blobs").mkdir(parents=True)
+    (root / "refs").mkdir()
+    snapshot.mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    for f in model_dir.iterdir():
+        blob = root / "blobs" / f.name
+        shutil.copy(f, blob)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / f.name)
+    return snapshot
+
+
+def test_a_hugging_face_repo_id_converts_from_the_local_cache_offline(models, tmp_path):
+    model_dir = models.model(**TINY)
+    hf_home = tmp_path / "hf"
+    snapshot = hf_cache_with(model_dir, hf_home, "acme/tiny-moe")
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    for name, spec in (("by-id", "acme/tiny-moe"), ("by-snapshot-path", str(snapshot))):
+        out = tmp_path / name
+        proc = subprocess.run([EXPERTD, "convert", spec, str(out), "-q"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        # The same blobs as converting the directory itself.
+        assert Manifest.load(out).digest == Manifest.load(models.blobs(**TINY)).digest
+
+
+def test_an_unknown_repo_id_offline_is_one_clear_line(tmp_path):
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([EXPERTD, "convert", "acme/no-such-model", str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "expertd convert: error: acme/no-such-model: no such directory, and no Hugging Face repo "
+        "of that name was found in the local Hugging Face cache (HF_HUB_OFFLINE is set) "
+        "(LocalEntryNotFoundError)"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_tilde_is_expanded_in_both_paths(models, tmp_path):
+    home = tmp_path / "home"
+    shutil.copytree(models.model(**TINY), home / "models" / "tiny")
+    env = {**os.environ, "HOME": str(home)}
+    proc = subprocess.run([EXPERTD, "convert", "~/models/tiny", "~/blobs/tiny", "-q"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (home / "blobs" / "tiny" / "manifest.json").is_file()
+    assert not (Path.cwd() / "~").exists()

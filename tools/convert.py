@@ -152,8 +152,41 @@ def _plan(model_dir: Path, config_path: Path):
     return config, tensors, layers, stride, trunk
 
 
+# What a conversion reads of a Hugging Face snapshot: configs, tokenizer files, weights.
+HF_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.model", "*.tiktoken", "*.txt", "*.jsonl",
+               "*.jinja"]
+
+
+def resolve_model(spec) -> Path:
+    """The model directory ``spec`` names, as mlx-lm resolves ``--model``.
+
+    ``spec`` is a path (``~`` expanded; a snapshot inside the Hugging Face cache is a path too)
+    or a Hugging Face repo id, looked up in the local cache and downloaded if it is not there
+    (never with ``HF_HUB_OFFLINE=1``).
+
+    Raises:
+        ModelDirError: neither a directory nor a repo id that could be found.
+    """
+    path = Path(os.path.expanduser(str(spec)))
+    if path.exists() or str(spec).startswith((".", "/", "~")) or str(spec).count("/") != 1:
+        return path  # a path: plan() says what is wrong with it, if anything
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(str(spec), allow_patterns=HF_PATTERNS))
+    except (HFValidationError, OSError, ValueError) as exc:
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        where = ("in the local Hugging Face cache (HF_HUB_OFFLINE is set)" if offline
+                 else "locally or on the Hugging Face Hub")
+        raise ModelDirError(f"{spec}: no such directory, and no Hugging Face repo of that name "
+                            f"was found {where} ({type(exc).__name__})") from None
+
+
 def convert(model_dir: Path, blob_dir: Path, progress: bool = True) -> Manifest:
     """Convert ``model_dir`` into ``blob_dir`` (which must not exist).
+
+    ``model_dir`` may also be a Hugging Face repo id (see :func:`resolve_model`).
 
     A lock file next to the destination (``.NAME.lock``) is held for the whole run. A leftover
     temporary directory from an interrupted run is removed and the work restarts.
@@ -166,7 +199,7 @@ def convert(model_dir: Path, blob_dir: Path, progress: bool = True) -> Manifest:
         ConvertError: another run is writing ``blob_dir``, the disk is full, or the
             destination cannot be written; nothing is left behind.
     """
-    model_dir, blob_dir = Path(model_dir), Path(blob_dir)
+    model_dir, blob_dir = resolve_model(model_dir), Path(os.path.expanduser(str(blob_dir)))
     if blob_dir.exists():
         raise FileExistsError(f"{blob_dir} already exists; remove it or choose another path")
     config, tensors, layers, stride, trunk = plan(model_dir)
