@@ -7,8 +7,8 @@ cache row and the cache's LFU victim into a side row, so both counts stay fixed 
 themselves move. Each client numbers its PREFETCH messages (its generation); a side row filled or
 merged for generation ``g`` stays untouched until that client has sent generation ``g + 2``, so a
 client reads generation ``g`` while ``g + 1`` is filled (invariant 3). A claim also lapses when
-its client goes away or ``hold`` seconds after it was made, so a silent client cannot keep the
-rows forever.
+its client goes away or ``hold`` seconds after the row was filled, so no client, silent or
+asking again and again, keeps the rows forever.
 """
 
 import numpy as np
@@ -42,7 +42,7 @@ class SideBook:
         self.pending: set = set()  # side rows that were used and wait for a cache row to swap
         self._generation: dict = {}  # owner -> its latest prefetch generation
         self._claims: dict = {}  # row -> {owner: generation}
-        self._stamp = np.zeros(total, dtype=np.float64)  # when the row was last claimed
+        self._stamp = np.zeros(total, dtype=np.float64)  # when the row was last filled
 
     @property
     def total_rows(self) -> int:
@@ -67,10 +67,17 @@ class SideBook:
     # ---- claims -------------------------------------------------------------------------
 
     def claim(self, row: int, owner: bytes, gen: int, now: float) -> None:
-        """``owner``'s generation ``gen`` wants ``row`` kept (a merged prefetch)."""
+        """``owner``'s generation ``gen`` wants ``row`` kept (a merged prefetch).
+
+        The hold still counts from the row's fill, not from this claim: a client that keeps
+        asking for what sits in the side rows, and never reads it, would otherwise keep every
+        side row for ever. Claims of owners gone are dropped here, so a long-lived row does
+        not collect every client that ever merged onto it.
+        """
         claims = self._claims.setdefault(row, {})
+        for gone in [o for o in claims if o not in self._generation]:
+            del claims[gone]
         claims[owner] = max(gen, claims.get(owner, 0))
-        self._stamp[row] = now
 
     def filled(self, row: int, owner: bytes, gen: int, now: float) -> bool:
         """``row`` is rewritten for ``owner``'s generation ``gen``.
@@ -106,7 +113,7 @@ class SideBook:
 
     def choose(self, n: int, now: float, busy: np.ndarray, empty: np.ndarray) -> list:
         """Up to ``n`` side rows to rewrite: empty ones first, then unclaimed ones (demoted
-        cache rows), then those whose claims lapsed, least recently claimed first.
+        cache rows), then those whose claims lapsed, least recently filled first.
 
         Args:
             n: rows wanted; more than ``side_rows`` are never given to one PREFETCH.

@@ -1,0 +1,204 @@
+"""Attacks on the side rows and PREFETCH: floods, hogs, clients that die or never read, prefetches
+racing demands, pins and shutdown, checked against the arena's own invariants.
+
+Run as a script (``python test_prefetch_attack.py MODE ...``) this file is also the client
+process some tests kill.
+"""
+
+import json
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from harness import (TINY_CACHE_GB, RawClient, expected_bytes, read_json_line, running_daemon,
+                     spawn_client, stop_process, validate, wait_until)
+from expertd.protocol import Op
+from expertd.shm.layout import SlotState
+from expertd.side import SIDE_HOLD
+
+SCRIPT = __file__
+
+
+def prefetch(c: RawClient, layer: int, experts) -> dict:
+    """A PREFETCH, then the STATS that follow it (a peer is served in order)."""
+    c.conn.send(Op.PREFETCH, {"layer": int(layer), "experts": [int(e) for e in experts]})
+    return c.request(Op.STATS)
+
+
+def quiet(c: RawClient, timeout: float = 10.0) -> dict:
+    """STATS once no fill is in flight."""
+    return wait_until(lambda: (s := c.request(Op.STATS))["in_flight"] == 0 and s, timeout,
+                      "the fills to end")
+
+
+def check_arena(c: RawClient, stats: dict) -> None:
+    """What must hold of a quiet daemon: fixed role counts, one row per expert, every
+    non-empty row mapped and ready."""
+    g = c.arena.geometry
+    recs = c.arena.slots[:g.total_rows]
+    assert stats["side_rows"] == 2 * g.side_rows and stats["arena_rows"] == g.cache_rows
+    assert 0 <= stats["side_rows_used"] <= stats["side_rows"], stats
+    assert 0 <= stats["rows_used"] <= stats["arena_rows"], stats
+    used = np.flatnonzero(recs["state"] != SlotState.EMPTY)
+    assert stats["rows_used"] + stats["side_rows_used"] == len(used), stats
+    keys = [(int(recs[r]["layer"]), int(recs[r]["expert"])) for r in used]
+    assert len(set(keys)) == len(keys), f"an expert in two rows: {keys}"
+    for row, key in zip(used.tolist(), keys):
+        assert int(recs[row]["state"]) == SlotState.READY and int(recs[row]["version"]) % 2 == 0
+        assert c.slot(*key)[0] == row, f"row {row} holds {key} but the table maps it elsewhere"
+
+
+def test_a_client_that_never_reads_cannot_keep_the_side_rows(models, isolated_env):
+    """A re-prefetch of what sits in the side rows (merged, nothing read) must not extend its
+    claims past SIDE_HOLD after the fill: otherwise one client that prefetches and never reads
+    keeps every side row and every other client's prefetch is dropped for ever."""
+    blobs = models.blobs()
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+        with RawClient(blobs) as hog, RawClient(blobs) as other:
+            prefetch(hog, 0, [0, 1, 2, 3])
+            prefetch(hog, 0, [4, 5, 6, 7])
+            filled = time.monotonic()
+            stats = quiet(hog)
+            assert stats["prefetch_fills"] == 8 and stats["side_rows_used"] == 8
+            # The hog keeps asking for the same two sets, past the hold of their fill.
+            n = 0
+            while time.monotonic() < filled + 1.5 * SIDE_HOLD:
+                prefetch(hog, 0, [0, 1, 2, 3] if n % 2 else [4, 5, 6, 7])
+                n += 1
+            stats = prefetch(other, 1, [0, 1, 2, 3])
+            assert stats["prefetch_dropped"] == 0, (n, stats)
+            stats = quiet(other)
+            assert stats["prefetch_fills"] == 12
+            check_arena(other, stats)
+
+
+def test_a_flood_of_prefetches_keeps_leases_rows_and_demands_intact(models, isolated_env):
+    """Thousands of max-size PREFETCHes over every layer from one client while another holds a
+    lease: the leased rows are never rewritten, the other's demands are answered, the cache
+    keeps its size and the side rows never exceed theirs."""
+    blobs = models.blobs()
+    want = expected_bytes(blobs)
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "2"):
+        with RawClient(blobs) as flood, RawClient(blobs) as victim:
+            m = flood.manifest
+            held = victim.demand(1, [0, 1])  # half its cap: the fetches below need the rest
+            rows, versions = held["rows"], held["versions"]
+            everything = [(layer.index, list(range(layer.num_experts))) for layer in m.layers]
+            for i in range(3000):
+                layer, experts = everything[i % len(everything)]
+                flood.conn.send(Op.PREFETCH, {"layer": layer, "experts": experts[i % 5:]})
+                if i % 500 == 0:
+                    got = victim.fetch(2, [i % 16, (i + 1) % 16])
+                    assert got == [want[(2, i % 16)], want[(2, (i + 1) % 16)]]
+            stats = quiet(flood)
+            assert stats["prefetch_requested"] > 3000 * 10
+            assert validate(victim.raw, victim.slots_offset, rows, versions), \
+                "a leased row was rewritten by a prefetch"
+            assert [victim.row_bytes(r, 1) for r in rows] == [want[(1, e)] for e in range(2)]
+            victim.release(held["lease"])
+            stats = quiet(victim)
+            assert stats["internal_errors"] == 0 and stats["fill_errors"] == 0, stats
+            check_arena(victim, stats)
+
+
+def test_a_killed_prefetcher_leaves_nothing(models, isolated_env):
+    """A client SIGKILLed right after a burst of PREFETCHes (fills queued behind one worker):
+    the fills finish, its claims go with it at its timeout, and another client gets every side
+    row at once (within SIDE_HOLD, when the dead client's claims would still hold)."""
+    blobs = models.blobs()
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "1",
+                        "--client-timeout", "0.2", "--heartbeat", "0.1") as d:
+        proc = spawn_client("burst", blobs, script=SCRIPT)
+        try:
+            assert read_json_line(proc, 30.0)["sent"] == 2
+            sent = time.monotonic()
+            proc.kill()
+            proc.wait(10)
+        finally:
+            stop_process(proc)
+        wait_until(lambda: d.stats()["clients_timed_out"] == 1, 10.0, "the timeout")
+        with RawClient(blobs) as other:
+            # Two generations of the next client take all eight rows.
+            prefetch(other, 2, [0, 1, 2, 3])
+            stats = prefetch(other, 2, [4, 5, 6, 7])
+            assert time.monotonic() - sent < SIDE_HOLD, "too slow to test within the hold"
+            assert stats["prefetch_dropped"] == 0, stats
+            stats = quiet(other)
+            assert stats["clients"] == 1 and stats["leased_rows"] == 0 and stats["queued"] == 0
+            assert stats["prefetch_fills"] == 16
+            check_arena(other, stats)
+
+
+def test_pinning_an_expert_in_a_side_row_keeps_it(models, isolated_env):
+    """An expert prefetched into a side row and then pinned joins the cache: no later
+    prefetch overwrites it, and the cache keeps its size."""
+    blobs = models.blobs()
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+        with RawClient(blobs) as c:
+            prefetch(c, 0, [0, 1, 2, 3])
+            quiet(c)
+            c.request(Op.PIN, {"layer": 0, "experts": [2]})
+            kept = c.slot(0, 2)
+            for gen in range(6):
+                prefetch(c, 1 + gen % 2, range(4 * (gen // 2), 4 * (gen // 2) + 4))
+                quiet(c)
+            assert c.slot(0, 2) == kept
+            stats = quiet(c)
+            assert stats["pinned"] == 1 and stats["prefetch_dropped"] == 0, stats
+            check_arena(c, stats)
+
+
+def test_demands_and_prefetches_of_the_same_experts_race(models, isolated_env):
+    """Two clients: one prefetches what the other demands and evicts, in every order; every
+    demanded row holds the right bytes and the daemon stays consistent."""
+    blobs = models.blobs()
+    want = expected_bytes(blobs)
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "1"):
+        with RawClient(blobs) as a, RawClient(blobs) as b:
+            rng = np.random.default_rng(7)
+            for i in range(300):
+                layer = int(rng.integers(3))
+                experts = sorted(rng.choice(16, 4, replace=False).tolist())
+                a.conn.send(Op.PREFETCH, {"layer": layer, "experts": experts})
+                if i % 3:
+                    b.conn.send(Op.PREFETCH, {"layer": (layer + 1) % 3, "experts": experts})
+                got = b.fetch(layer, experts[i % 2:])
+                assert got == [want[(layer, e)] for e in experts[i % 2:]]
+            stats = quiet(a)
+            assert stats["prefetch_hits"] > 0 and stats["internal_errors"] == 0, stats
+            check_arena(a, stats)
+
+
+def test_shutdown_with_prefetch_fills_queued(models, isolated_env):
+    """SHUTDOWN while prefetches keep coming and their fills wait behind one worker: the
+    daemon stops at once and cleanly (the harness checks the arena is gone)."""
+    blobs = models.blobs(layers=1, experts=32, top_k=8, hidden=512, moe_inter=512)
+    with running_daemon(blobs, isolated_env, "--cache-gb", "0.05", "--workers", "1") as d:
+        with RawClient(blobs) as c:
+            c.conn.send(Op.PREFETCH, {"layer": 0, "experts": list(range(8))})
+            c.conn.send(Op.PREFETCH, {"layer": 0, "experts": list(range(8, 16))})
+            c.request(Op.SHUTDOWN)
+            for _ in range(50):
+                c.conn.send(Op.PREFETCH, {"layer": 0, "experts": list(range(16, 24))})
+        assert d.proc.wait(10) == 0
+        assert "Traceback" not in d.log_text()
+
+
+# ---- the client process some tests kill --------------------------------------------------------
+
+def burst(blobs) -> None:
+    """Two PREFETCHes of four experts each (eight fills, one worker), then wait to be killed."""
+    c = RawClient(blobs)
+    c.conn.send(Op.PREFETCH, {"layer": 0, "experts": [0, 1, 2, 3]})
+    c.conn.send(Op.PREFETCH, {"layer": 1, "experts": [0, 1, 2, 3]})
+    c.request(Op.STATS)  # both were handled when this comes back
+    print(json.dumps({"sent": 2}), flush=True)
+    while True:
+        time.sleep(60)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "burst":
+        burst(sys.argv[2])
