@@ -64,9 +64,43 @@ def _cmd_verify(args) -> int:
     return 0
 
 
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows every optional flag's default, unless its help already names it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and not action.required and "default" not in text
+                and action.default is not argparse.SUPPRESS
+                and not isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            default = action.default
+            if default is None or default is False:
+                default = "off" if action.nargs == 0 else "none"
+            text += f" (default: {str(default).replace('%', '%%')})"
+        return text
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("expertd")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _set_formatter(parser: argparse.ArgumentParser) -> None:
+    """Give every subcommand's parser, however deep, the defaults-showing help."""
+    parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _set_formatter(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="expertd", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"expertd {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -112,9 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_verify)
 
-    from . import commands
+    from . import commands, service
 
     commands.add_subcommands(sub)
+    service.add_subcommands(sub)
+    _set_formatter(parser)
     return parser
 
 

@@ -40,6 +40,7 @@ def serving_pid(paths) -> int | None:
 
 def _log_to_file(path: Path) -> None:
     """Send every log record to a rotating file (5 MB x 3) instead of stderr."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # e.g. ~/Library/Logs/expertd
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
     handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_MAX_BYTES,
                                                    backupCount=LOG_BACKUPS)
@@ -70,11 +71,11 @@ def _raise_fd_limit() -> None:
             pass  # keep the soft limit we have
 
 
-def run_foreground(config, state_file: Path | None = None, log_to_file: bool = False) -> int:
+def run_foreground(config, state_file: Path | None = None, log_file: Path | None = None) -> int:
     """Serve until SIGTERM/SIGINT or a shutdown request. Returns the exit status.
 
     Args:
-        log_to_file: log to the runtime directory's rotating log (detached daemons).
+        log_file: log to this rotating file instead of stderr (detached daemons, launchd).
     Raises:
         DaemonError: if a daemon already serves the directory, or start-up fails.
     """
@@ -83,8 +84,8 @@ def run_foreground(config, state_file: Path | None = None, log_to_file: bool = F
     os.umask(0o077)  # every file the daemon creates is the user's only
     _raise_fd_limit()
     paths = daemon_paths(config.blob_dir)
-    if log_to_file:
-        _log_to_file(paths.log)
+    if log_file:
+        _log_to_file(Path(log_file))
     lock = take_lock(paths.lock, LOCK_PATIENCE)
     if lock is None:
         raise DaemonError(f"an expertd (pid {serving_pid(paths)}) already serves "
@@ -110,7 +111,7 @@ def run_foreground(config, state_file: Path | None = None, log_to_file: bool = F
         server.serve()
         return 0
     except Exception as exc:
-        if server is None and log_to_file:  # stderr shows it too; the log keeps it
+        if server is None and log_file:  # stderr shows it too; the log keeps it
             log.error("start-up failed: %s", exc)
         raise
     finally:
@@ -122,31 +123,34 @@ def run_foreground(config, state_file: Path | None = None, log_to_file: bool = F
         os.close(lock)
 
 
-def start_detached(blob_dir, argv: list, timeout: float = 60.0) -> dict:
+def start_detached(blob_dir, argv: list, log_file: Path | None = None,
+                   timeout: float = 60.0) -> dict:
     """Start ``expertd start --foreground`` in a new session; return its stats once it answers.
 
-    The child logs to ``paths.log`` (rotated); its stderr goes to ``paths.start_log``, emptied
-    at each start, so that a failure shows this run's error and nothing older.
+    The child logs to ``log_file`` (rotated; default ``paths.log``); its stderr goes to
+    ``paths.start_log``, emptied at each start, so that a failure shows this run's error and
+    nothing older.
 
     Raises:
         DaemonError: if one already serves the directory, or the new one fails to come up
             (with its error output, exit status or signal, and the log's path).
     """
     paths = daemon_paths(blob_dir)
+    log_file = Path(log_file or paths.log)
     pid = serving_pid(paths)
     if pid is not None:
         raise DaemonError(f"an expertd (pid {pid}) already serves {paths.blob_dir}")
     fd = os.open(paths.start_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as errors:
         proc = subprocess.Popen([sys.executable, "-m", "expertd", *argv, "--foreground",
-                                 "--log-to-file"],
+                                 "--log-file", str(log_file)],
                                 stdin=subprocess.DEVNULL, stdout=errors, stderr=errors,
                                 start_new_session=True, close_fds=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             _clean_after(paths)
-            raise DaemonError(_startup_failure(paths, proc.returncode))
+            raise DaemonError(_startup_failure(paths, proc.returncode, log_file))
         if paths.socket.exists():
             try:
                 with Connection(blob_dir) as conn:
@@ -164,7 +168,7 @@ def start_detached(blob_dir, argv: list, timeout: float = 60.0) -> dict:
     _end_child(proc)
     _clean_after(paths)
     raise DaemonError(f"expertd did not answer within {timeout:g} s and was stopped; "
-                      f"see {paths.log}")
+                      f"see {log_file}")
 
 
 def _end_child(proc) -> None:
@@ -177,7 +181,7 @@ def _end_child(proc) -> None:
         proc.wait(5.0)
 
 
-def _startup_failure(paths, status: int) -> str:
+def _startup_failure(paths, status: int, log_file: Path) -> str:
     """One message: how the child ended, what it wrote to stderr in this run, the log path."""
     if status < 0:
         try:
@@ -191,7 +195,7 @@ def _startup_failure(paths, status: int) -> str:
     except OSError:
         lines = []
     shown = "\n  ".join(lines[-20:]) if lines else "(it wrote no error message)"
-    return f"expertd {how} during start-up:\n  {shown}\n  log: {paths.log}"
+    return f"expertd {how} during start-up:\n  {shown}\n  log: {log_file}"
 
 
 def _clean_after(paths) -> None:

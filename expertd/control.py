@@ -1,0 +1,358 @@
+"""Subcommands that control a daemon: start, stop, restart, status (generate and demo: commands.py).
+
+They behave like pg_ctl or systemctl: ``stop`` of a stopped daemon is not an error, ``status``
+exits 3 when nothing runs (and still answers in JSON with ``--json``), ``start`` and ``status``
+say where the log is.
+"""
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+from .errors import DaemonError, DaemonNotRunning
+from .hotset import read_pin_file
+
+MAX_WORKERS = 256
+MAX_CACHE_GB = 1 << 20  # a PiB: no machine has it, and int(gb * 2**30) never overflows below it
+NOT_RUNNING = 3  # status's exit code when no daemon runs, as pg_ctl and LSB init scripts use
+_UNITS = {"": 2**30, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_SIZE = re.compile(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(%|[kmgt]?)(?:i?b)?", re.IGNORECASE)
+
+
+# ---- --cache-gb --------------------------------------------------------------------------------
+
+def parse_size(text: str, total_bytes: int) -> float:
+    """A cache size in GiB: a bare number, or 8G / 512M / 2T / 64K (binary units), or a
+    percentage of ``total_bytes`` (the experts' total size).
+
+    Returns:
+        The size in GiB (may be nan, inf, zero or negative: the caller checks).
+    Raises:
+        ValueError: if ``text`` is no size at all.
+    """
+    text = str(text).strip()
+    try:
+        return float(text)  # a bare number, "nan" and "inf" included
+    except ValueError:
+        pass
+    sign = -1.0 if text.startswith("-") else 1.0
+    match = _SIZE.fullmatch(text.lstrip("+-").strip())
+    if not match:
+        raise ValueError(f"{text!r} is not a size")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "%":
+        return sign * number / 100 * total_bytes / 2**30
+    return sign * number * _UNITS[unit] / 2**30
+
+
+def cache_bytes(text: str, manifest, blobs) -> int:
+    """``--cache-gb`` in bytes, refused unless the daemon can serve the model with it.
+
+    The budget is the whole arena (slot tables and prefetch side rows included). The floor is
+    2 x top_k cache rows (capped at the model's expert count) beside the 2 x top_k side rows:
+    one demand may hold at most half of the rows pins leave (``config.cache_limits``); below
+    the floor demands shrink to a row or two and every layer of every token waits on several
+    round trips.
+
+    Raises:
+        ValueError: one line naming the smallest budget that works.
+    """
+    from .shm.layout import Geometry
+
+    m = manifest
+    rows = min(2 * m.top_k, len(m.layers) * m.max_experts)
+    least = Geometry.smallest_budget(len(m.layers), m.max_experts, m.stride, side_rows=m.top_k,
+                                     cache_rows=rows)
+    least_gb = math.ceil(least / 2**30 * 1e6) / 1e6  # rounded up: the number shown works
+    total_gb = m.total_expert_bytes / 2**30
+    try:
+        gib = parse_size(text, m.total_expert_bytes)
+    except ValueError:
+        gib = math.nan
+    if not math.isfinite(gib) or gib <= 0:
+        raise ValueError(f"--cache-gb {text} is not a cache size: give a finite number of GiB "
+                         f"above 0 (e.g. 8), or 8G, 512M, 30% (of the experts' {total_gb:.3g} "
+                         f"GiB); the smallest cache that serves {blobs} is {least_gb:g} GiB")
+    if gib > MAX_CACHE_GB:
+        raise ValueError(f"--cache-gb {text} is more memory than any machine has "
+                         f"(at most {MAX_CACHE_GB} GiB)")
+    size = int(gib * 2**30)
+    if size < least:
+        raise ValueError(f"--cache-gb {text} is too small for {blobs}: the smallest cache "
+                         f"that serves it is {least_gb:g} GiB ({rows} rows of {m.stride} bytes, "
+                         f"twice a token's top_k = {m.top_k} experts, beside 2 x {m.top_k} "
+                         "prefetch rows)")
+    return size
+
+
+# ---- start, stop, restart ----------------------------------------------------------------------
+
+def _config(args):
+    """The daemon's configuration from ``start`` flags, every flag checked before anything runs."""
+    from .blobstore import BlobStore
+    from .config import ServerConfig
+
+    blob_dir = Path(args.blobs).expanduser().resolve()
+    store = BlobStore(blob_dir)  # refuse a bad directory here, not in the detached child
+    try:
+        budget = cache_bytes(args.cache_gb, store.manifest, args.blobs)
+    finally:
+        store.close()
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise ValueError(f"--workers must be between 1 and {MAX_WORKERS}, not {args.workers}")
+    pin_file = Path(args.pin_file).expanduser() if args.pin_file else None
+    if pin_file:  # here too, so a bad pin file is named before anything starts
+        read_pin_file(pin_file)
+    return ServerConfig(
+        blob_dir=blob_dir, cache_bytes=budget, workers=args.workers, io=args.io,
+        verify=args.verify, client_timeout=args.client_timeout,
+        heartbeat_interval=args.heartbeat, lease_timeout=args.lease_timeout,
+        pin_file=pin_file, auto_pin=args.auto_pin, prefetch=args.prefetch)
+
+
+def _log_file(args, config) -> Path:
+    from .paths import daemon_paths
+
+    if args.log_file:
+        return Path(args.log_file).expanduser().absolute()
+    return daemon_paths(config.blob_dir).log
+
+
+def _cmd_start(args) -> int:
+    from .daemon import run_foreground, start_detached
+
+    config = _config(args)
+    state_file = Path(args.state_file).expanduser() if args.state_file else None
+    if args.foreground:
+        log_file = Path(args.log_file).expanduser().absolute() if args.log_file else None
+        return run_foreground(config, state_file, log_file=log_file)
+    log_file = _log_file(args, config)
+    argv = ["start", "--blobs", str(config.blob_dir), *start_flags(args)]
+    stats = start_detached(config.blob_dir, argv, log_file)
+    print(f"expertd serving {stats['blob_dir']} on {stats['endpoint']} (pid {stats['pid']}, "
+          f"{stats['arena_rows']} rows, {stats['arena_bytes'] / 2**30:.2f} GiB arena)")
+    print(f"  log: {log_file}")
+    return 0
+
+
+def _cmd_stop(args) -> int:
+    from .daemon import stop
+
+    try:
+        pid = stop(Path(args.blobs), timeout=args.timeout)
+    except DaemonNotRunning as exc:
+        print(f"{exc}; nothing to stop")
+        return 0
+    print(f"stopped expertd pid {pid}")
+    return 0
+
+
+def _cmd_restart(args) -> int:
+    from .daemon import stop
+
+    if args.foreground:
+        raise ValueError("restart starts the daemon detached; for --foreground, run stop "
+                         "then start --foreground")
+    _config(args)  # refuse bad flags before stopping a daemon that works
+    try:
+        print(f"stopped expertd pid {stop(Path(args.blobs), timeout=args.timeout)}")
+    except DaemonNotRunning as exc:
+        print(f"{exc}; starting one")
+    return _cmd_start(args)
+
+
+# ---- status ------------------------------------------------------------------------------------
+
+def _status_lines(s: dict) -> list:
+    return [
+        f"expertd pid {s['pid']} serving {s['blob_dir']}",
+        f"  endpoint     {s['endpoint']}",
+        f"  uptime       {s['uptime_s']:.1f} s",
+        f"  arena        {s['arena_bytes'] / 2**30:.3f} GiB, {s['rows_used']}/{s['arena_rows']} "
+        f"rows used, {s['pinned']} pinned",
+        f"  hits/misses  {s['hits']}/{s['misses']} (hit rate {s['hit_rate']:.1%})",
+        f"  prefetch     {s['prefetch']}: {s['prefetch_fills']} read ahead into "
+        f"{s['side_rows']} side rows, {s['prefetch_hits']} used, {s['prefetch_wasted']} "
+        f"wasted, {s['prefetch_dropped']} dropped",
+        f"  read         {s['bytes_read'] / 2**20:.1f} MiB in {s['fills']} fills, "
+        f"{s['fill_gbps']:.2f} GB/s while filling",
+        f"  clients      {s['clients']} connected, {s['leases']} leases",
+        f"  log          {s['log']}",
+    ]
+
+
+def log_location(blob_dir) -> str:
+    """Where the daemon of ``blob_dir`` logs: its service's log if one is installed here, else
+    the runtime directory's rotating log of detached daemons."""
+    from .paths import daemon_paths
+    from .service import make_plan
+
+    plan = make_plan(blob_dir)
+    return plan.log_hint if plan.path.exists() else str(daemon_paths(blob_dir).log)
+
+
+def _snapshot(args) -> tuple:
+    """``(exit code, text or JSON-able value)`` of one status look."""
+    from .connection import Connection
+    from .daemon import list_sockets
+    from .protocol import Op
+
+    targets = [dict(blob_dir=args.blobs)] if args.blobs else [
+        dict(socket=str(s)) for s in list_sockets()]
+    results, notes = [], []
+    for target in targets:
+        try:
+            with Connection(**target) as conn:
+                stats = conn.request(Op.STATS, timeout=args.timeout)
+            results.append({"running": True, **stats, "log": log_location(stats["blob_dir"])})
+        except DaemonError as exc:
+            if args.blobs:
+                if not isinstance(exc, DaemonNotRunning):
+                    raise
+                blob_dir = str(Path(args.blobs).expanduser().resolve())
+                down = {"running": False, "blob_dir": blob_dir, "log": log_location(blob_dir)}
+                return NOT_RUNNING, down if args.json else f"{exc}\n  log: {down['log']}"
+            notes.append(f"{target['socket']}: not answering ({exc})")
+    if args.json:
+        return 0, results[0] if args.blobs else results
+    if not results:
+        return NOT_RUNNING, "\n".join(notes + ["no expertd is running"])
+    return 0, "\n".join(["\n".join(_status_lines(s)) for s in results] + notes)
+
+
+def _cmd_status(args) -> int:
+    if args.watch is None:
+        code, out = _snapshot(args)
+        if args.json:
+            print(json.dumps(out, indent=2))
+        else:
+            print(out, file=sys.stdout if code == 0 else sys.stderr)
+        return code
+    if not (math.isfinite(args.watch) and args.watch > 0):
+        raise ValueError(f"--watch takes a number of seconds above 0, not {args.watch}")
+    clear = sys.stdout.isatty() and not args.json
+    try:
+        while True:
+            code, out = _snapshot(args)
+            if clear:
+                print("\033[H\033[2J", end="")
+            # One JSON document per line, so that a reader can follow it line by line.
+            print(json.dumps(out) if args.json else
+                  f"{time.strftime('%H:%M:%S')} (every {args.watch:g} s, Ctrl-C to stop)\n{out}",
+                  flush=True)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+# ---- the parser --------------------------------------------------------------------------------
+
+def add_start_flags(p: argparse.ArgumentParser) -> None:
+    """The flags ``start``, ``restart`` and ``service install`` share."""
+    p.add_argument("--blobs", required=True, metavar="BLOB_DIR", help="blob directory to serve")
+    p.add_argument("--cache-gb", default="4", metavar="SIZE",
+                   help="size of the shared expert cache, the whole arena: GiB (8), or 8G, "
+                   "512M, or a share of the experts' total size (30%%) (default: 4)")
+    p.add_argument("--workers", type=int, default=8, help="parallel pread workers (default: 8)")
+    p.add_argument("--io", choices=("direct", "buffered"), default="direct",
+                   help="direct: bypass the page cache (O_DIRECT / F_NOCACHE), so the arena is "
+                   "the only copy; buffered: trust the page cache (default: direct)")
+    p.add_argument("--verify", choices=("always", "first", "never"), default="always",
+                   help="check each expert's checksum every time it is read from the disk "
+                   "(a corrupt blob is refused by name, never served), only the first time, "
+                   "or never (default: always)")
+    p.add_argument("--pin-file", metavar="JSON",
+                   help="JSON list of [layer, expert] to pin (default: none)")
+    p.add_argument("--auto-pin", type=int, default=0, metavar="N",
+                   help="keep the N hottest resident experts pinned (default: 0, off)")
+    p.add_argument("--prefetch", choices=("on", "off", "auto"), default="auto",
+                   help="fill the experts clients predict into side rows that never evict "
+                   "cached ones: on, off (PREFETCH is ignored) or auto (on here; each client "
+                   "turns prediction off for layers where it does not pay; default: auto)")
+    p.add_argument("--client-timeout", type=float, default=10.0, metavar="S",
+                   help="reclaim a client's leases after S seconds without a heartbeat "
+                   "(default: 10)")
+    p.add_argument("--lease-timeout", type=float, default=30.0, metavar="S",
+                   help="revoke a lease held longer than S seconds, even from a live client "
+                   "(a client copies its rows in milliseconds; default: 30)")
+    p.add_argument("--heartbeat", type=float, default=1.0, metavar="S",
+                   help="heartbeat interval clients are told to use (default: 1)")
+    p.add_argument("--state-file", help="where the hot set is saved "
+                   "(default: per-user state dir)")
+    p.add_argument("--log-file", metavar="PATH",
+                   help="rotating log file (default: <runtime dir>/<id>.log when detached, "
+                   "stderr with --foreground)")
+
+
+# The start flags a service passes on, as (dest, flag, is_path); defaults are left out.
+START_FLAGS = (("cache_gb", "--cache-gb", False), ("workers", "--workers", False),
+               ("io", "--io", False), ("verify", "--verify", False),
+               ("pin_file", "--pin-file", True), ("auto_pin", "--auto-pin", False),
+               ("prefetch", "--prefetch", False), ("client_timeout", "--client-timeout", False),
+               ("lease_timeout", "--lease-timeout", False), ("heartbeat", "--heartbeat", False),
+               ("state_file", "--state-file", True))
+
+
+def start_flags(args) -> list:
+    """The ``start`` flags of ``args`` that differ from their defaults, paths made absolute."""
+    defaults = argparse.ArgumentParser()
+    add_start_flags(defaults)
+    flags = []
+    for dest, flag, is_path in START_FLAGS:
+        value = getattr(args, dest)
+        if value is None or value == defaults.get_default(dest):
+            continue
+        if is_path:
+            value = Path(value).expanduser().absolute()
+        flags += [flag, str(value)]
+    return flags
+
+
+def add_subcommands(sub) -> None:
+    p = sub.add_parser("start", help="start the daemon for a blob directory",
+                       description="Start the expertd daemon that serves BLOB_DIR: it creates "
+                       "the shared-memory expert cache and listens on a per-user socket derived "
+                       "from the directory. Returns once the daemon answers, unless "
+                       "--foreground (for launchd/systemd or debugging).")
+    add_start_flags(p)
+    p.add_argument("--foreground", action="store_true",
+                   help="serve in this process (default: detach once it answers)")
+    p.set_defaults(func=_cmd_start)
+
+    p = sub.add_parser("stop", help="stop the daemon of a blob directory",
+                       description="SIGTERM the daemon: it fails in-flight requests, saves its "
+                       "hot set, unlinks the arena and exits; SIGKILL after --timeout. "
+                       "Stopping a daemon that does not run says so and succeeds.")
+    p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds before SIGKILL (default: 10)")
+    p.set_defaults(func=_cmd_stop)
+
+    p = sub.add_parser("restart", help="stop the daemon if it runs, then start it",
+                       description="Stop the daemon of BLOB_DIR if one runs (as `stop`), then "
+                       "start one detached with the given flags (as `start`). Bad flags are "
+                       "refused before the running daemon is stopped.")
+    add_start_flags(p)
+    p.add_argument("--timeout", type=float, default=10.0,
+                   help="seconds before SIGKILL of the old daemon (default: 10)")
+    p.set_defaults(func=_cmd_restart, foreground=False)
+
+    p = sub.add_parser("status", help="show what a daemon is doing",
+                       description="Cache use, hits, misses, bytes read, fill throughput, "
+                       "clients, the log's path. Without --blobs: every daemon of this user. "
+                       f"Exits {NOT_RUNNING} when no daemon runs (--json then prints "
+                       '{"running": false, ...}).')
+    p.add_argument("--blobs", metavar="BLOB_DIR",
+                   help="the daemon of this blob directory (default: every daemon of yours)")
+    p.add_argument("--json", action="store_true",
+                   help="machine-readable output; with --watch, one JSON document per line "
+                   "(default: off)")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+                   help="refresh every SECONDS (2 if not given) until Ctrl-C (default: once)")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the daemon's answer (default: 5)")
+    p.set_defaults(func=_cmd_status)

@@ -1,0 +1,376 @@
+"""``expertd service``: run one daemon per blob directory under launchd (macOS) or systemd (Linux).
+
+What goes into the agent or unit file and which commands activate it are pure functions of a
+:class:`ServicePlan`, so tests render both platforms' files on any machine. The manager is the
+only supervisor: the daemon runs ``start --foreground`` and exits on SIGTERM.
+"""
+
+import hashlib
+import os
+import plistlib
+import secrets
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+PLATFORMS = ("linux", "macos")
+# launchd's and systemd's grace between SIGTERM and SIGKILL: above `expertd stop`'s 10 s, so
+# the daemon always gets to save its hot set and unlink its arena.
+STOP_GRACE_S = 15
+# The runtime variables clients use to find the daemon (see paths.runtime_dir): the service
+# gets the installing shell's values, so it serves where that shell's clients look.
+RUNTIME_VARS = ("XDG_RUNTIME_DIR", "XDG_STATE_HOME")
+
+
+def this_platform() -> str:
+    return "macos" if sys.platform == "darwin" else "linux"
+
+
+def service_id(blob_dir: Path) -> str:
+    """16 hex digits from the blob directory's real path and the user id.
+
+    Unlike the daemon's runtime ident, it leaves out the runtime directory: the service's name
+    must not change when XDG_RUNTIME_DIR does.
+    """
+    real = Path(blob_dir).expanduser().resolve()
+    return hashlib.sha256(f"{real}\0{os.getuid()}".encode()).hexdigest()[:16]
+
+
+def expertd_command() -> list:
+    """The absolute command that runs this expertd: this interpreter with ``-m expertd``.
+
+    Not resolved through symlinks: a virtual environment's python is a symlink, and resolving
+    it would lose the environment (and expertd with it).
+    """
+    return [os.path.abspath(sys.executable), "-m", "expertd"]
+
+
+@dataclass(frozen=True)
+class ServicePlan:
+    """Everything an install writes, for one blob directory on one platform."""
+
+    platform: str  # "linux" or "macos"
+    blob_dir: Path  # resolved
+    name: str  # launchd label (com.expertd.<id>) or systemd unit (expertd-<id>.service)
+    path: Path  # the plist or unit file
+    argv: tuple  # the daemon's whole command line, absolute paths
+    environment: tuple  # ((name, value), ...) pinned from the installing shell
+    log: Path | None  # macOS: the daemon's rotating log; Linux: the journal
+    launchd_log: Path | None  # macOS: the output launchd captures (before logging starts)
+
+    @property
+    def log_hint(self) -> str:
+        """Where this service's daemon logs, as a path or the command that shows it."""
+        return str(self.log) if self.log else f"journalctl --user -u {self.name}"
+
+
+def make_plan(blob_dir, start_flags=(), platform: str | None = None, home: Path | None = None,
+              environ=None) -> ServicePlan:
+    """The service for ``blob_dir`` with ``expertd start`` flags ``start_flags``.
+
+    Args:
+        start_flags: flags for ``expertd start`` (e.g. ``["--cache-gb", "8G"]``), passed as given
+            after ``--blobs`` (paths in them should already be absolute).
+        platform: "linux" or "macos" (default: this machine's).
+        home: the user's home (default: ``Path.home()``, i.e. ``$HOME``).
+        environ: the environment whose runtime variables are pinned (default: ``os.environ``).
+    Raises:
+        ValueError: for an unknown platform.
+    """
+    platform = platform or this_platform()
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, not {platform!r}")
+    home = Path(home) if home else Path.home()
+    environ = os.environ if environ is None else environ
+    real = Path(blob_dir).expanduser().resolve()
+    ident = service_id(real)
+    argv = [*expertd_command(), "start", "--blobs", str(real), *map(str, start_flags),
+            "--foreground"]
+    env = [(k, environ[k]) for k in RUNTIME_VARS if environ.get(k)]
+    if platform == "macos":
+        name = f"com.expertd.{ident}"
+        logs = home / "Library" / "Logs" / "expertd"
+        log = logs / f"{name}.log"
+        argv[-1:-1] = ["--log-file", str(log)]
+        if not environ.get("XDG_RUNTIME_DIR"):  # launchd agents need not inherit TMPDIR
+            env.append(("TMPDIR", environ.get("TMPDIR") or tempfile.gettempdir()))
+        return ServicePlan(platform, real, name, home / "Library" / "LaunchAgents" /
+                           f"{name}.plist", tuple(argv), tuple(env), log,
+                           logs / f"{name}.launchd.log")
+    name = f"expertd-{ident}.service"
+    return ServicePlan(platform, real, name, home / ".config" / "systemd" / "user" / name,
+                       tuple(argv), tuple(env), None, None)
+
+
+# ---- file contents ---------------------------------------------------------------------------
+
+def systemd_quote(arg: str) -> str:
+    """One ExecStart word: double-quoted when needed, with systemd's escapes.
+
+    systemd expands ``%`` specifiers and ``$VAR`` in ExecStart, and splits on spaces; quotes
+    and backslashes are C-style escaped inside double quotes.
+    """
+    word = arg.replace("%", "%%").replace("$", "$$")
+    if word and all(c.isalnum() or c in "/._-+=:,@" for c in word):
+        return word
+    for raw, escaped in (("\\", "\\\\"), ('"', '\\"'), ("\n", "\\n"), ("\t", "\\t")):
+        word = word.replace(raw, escaped)
+    return f'"{word}"'
+
+
+def render_unit(plan: ServicePlan) -> str:
+    """The systemd user unit's text."""
+    env = "".join(f"Environment={systemd_quote(f'{k}={v}')}\n" for k, v in plan.environment)
+    if not dict(plan.environment).get("XDG_RUNTIME_DIR"):
+        # The installing shell had none, so its clients look in /tmp: the daemon must too.
+        env += "UnsetEnvironment=XDG_RUNTIME_DIR\n"
+    return (
+        "# Written by `expertd service install`; remove with `expertd service uninstall`.\n"
+        "[Unit]\n"
+        f"Description=expertd serving {plan.blob_dir}\n"
+        "\n"
+        "[Service]\n"
+        "Type=simple\n"
+        f"ExecStart={' '.join(systemd_quote(a) for a in plan.argv)}\n"
+        f"{env}"
+        "Restart=on-failure\n"
+        "RestartSec=2\n"
+        f"TimeoutStopSec={STOP_GRACE_S}\n"
+        "KillMode=mixed\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=default.target\n"
+    )
+
+
+def plist_dict(plan: ServicePlan) -> dict:
+    """The launchd agent's property list, as a dict."""
+    return {
+        "Label": plan.name,
+        "ProgramArguments": list(plan.argv),
+        "EnvironmentVariables": dict(plan.environment),
+        "RunAtLoad": True,
+        # Restart after a crash, not after a clean stop (SIGTERM exits 0).
+        "KeepAlive": {"SuccessfulExit": False},
+        "ExitTimeOut": STOP_GRACE_S,
+        "ProcessType": "Interactive",  # the daemon is on every client's token path
+        "StandardOutPath": str(plan.launchd_log),
+        "StandardErrorPath": str(plan.launchd_log),
+    }
+
+
+def render(plan: ServicePlan) -> bytes:
+    """The file ``install`` writes at ``plan.path``."""
+    if plan.platform == "macos":
+        return plistlib.dumps(plist_dict(plan), sort_keys=False)
+    return render_unit(plan).encode()
+
+
+# ---- the manager's commands ------------------------------------------------------------------
+
+def install_commands(plan: ServicePlan) -> list:
+    """The commands that start the service once its file is written, in order."""
+    if plan.platform == "macos":
+        return [["launchctl", "bootstrap", f"gui/{os.getuid()}", str(plan.path)]]
+    return [["systemctl", "--user", "daemon-reload"],
+            ["systemctl", "--user", "enable", "--now", plan.name]]
+
+
+def stop_commands(plan: ServicePlan) -> list:
+    """The commands that stop and disable the service before its file is removed."""
+    if plan.platform == "macos":
+        return [["launchctl", "bootout", f"gui/{os.getuid()}/{plan.name}"]]
+    return [["systemctl", "--user", "disable", "--now", plan.name]]
+
+
+def reload_commands(plan: ServicePlan) -> list:
+    """The commands to run after the file is removed."""
+    return [] if plan.platform == "macos" else [["systemctl", "--user", "daemon-reload"]]
+
+
+def status_command(plan: ServicePlan) -> list:
+    """The command that shows the manager's view of the service."""
+    if plan.platform == "macos":
+        return ["launchctl", "print", f"gui/{os.getuid()}/{plan.name}"]
+    return ["systemctl", "--user", "is-active", plan.name]
+
+
+def shell_line(cmd) -> str:
+    """A command as one line to paste into a shell."""
+    import shlex
+
+    return shlex.join(cmd)
+
+
+def write_file(path: Path, data: bytes) -> bool:
+    """Write ``data`` to ``path`` atomically (mode 0644: launchd refuses writable agents).
+
+    Returns:
+        True if it replaced an existing file.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    existed = path.exists()
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # whatever the umask
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return existed
+
+
+def run(cmd, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """Run a manager command, capturing its output; a missing program is exit status 127."""
+    try:
+        return subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              timeout=timeout)
+    except FileNotFoundError:
+        return subprocess.CompletedProcess(cmd, 127, "", f"{cmd[0]}: command not found")
+
+
+# ---- the subcommands ---------------------------------------------------------------------------
+
+def _run_all(commands, action: str, then=()) -> bool:
+    """Run ``commands`` in order, stopping at the first failure, which is reported on stderr
+    with what to run by hand (the rest, and ``then``). Returns True if all succeeded."""
+    commands = list(commands)
+    for i, cmd in enumerate(commands):
+        done = run(cmd)
+        if done.returncode != 0:
+            why = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
+            left = "\n".join(f"  {shell_line(c)}" for c in [*commands[i:], *then])
+            print(f"expertd service {action}: `{shell_line(cmd)}` failed: {why}\n"
+                  f"run by hand once it can work:\n{left}", file=sys.stderr)
+            return False
+    return True
+
+
+def _plan(args) -> ServicePlan:
+    from .control import start_flags
+
+    flags = start_flags(args) if args.action == "install" else []
+    if args.action == "install" and args.log_file:
+        raise ValueError("--log-file is chosen by the service (macOS: ~/Library/Logs/expertd/, "
+                         "Linux: the journal); leave it out")
+    return make_plan(args.blobs, flags, platform=args.platform)
+
+
+def _manages_here(args, plan: ServicePlan) -> bool:
+    """True unless told not to touch the manager, or the file is for another platform."""
+    return not args.no_start and plan.platform == this_platform()
+
+
+def _cmd_install(args) -> int:
+    from .control import _config
+
+    _config(args)  # refuse a bad blob directory or budget now, not in a restart loop
+    plan = _plan(args)
+    replaced = write_file(plan.path, render(plan))
+    print(f"{'replaced' if replaced else 'wrote'} {plan.path}")
+    print(f"  runs: {shell_line(plan.argv)}")
+    print(f"  log: {plan.log_hint}")
+    commands = install_commands(plan)
+    if replaced:  # the running service keeps its old flags until it is restarted
+        commands = (stop_commands(plan) if plan.platform == "macos" else []) + commands + (
+            [["systemctl", "--user", "restart", plan.name]] if plan.platform == "linux" else [])
+    if not _manages_here(args, plan):
+        print("to start it, run:\n" + "\n".join(f"  {shell_line(c)}" for c in commands))
+        return 0
+    if replaced and plan.platform == "macos":
+        run(commands.pop(0))  # bootout of an agent that is not loaded fails: that is fine
+    if not _run_all(commands, "install"):
+        return 1
+    print(f"started {plan.name}")
+    return 0
+
+
+def _cmd_uninstall(args) -> int:
+    plan = _plan(args)
+    if not plan.path.exists():
+        print(f"no expertd service for {plan.blob_dir} is installed ({plan.path} does not "
+              "exist); nothing to remove")
+        return 0
+    if not _manages_here(args, plan):
+        plan.path.unlink()
+        print(f"removed {plan.path}")
+        commands = stop_commands(plan) + reload_commands(plan)
+        print("to stop it, run:\n" + "\n".join(f"  {shell_line(c)}" for c in commands))
+        return 0
+    # The file goes even if the manager cannot be reached: uninstall means "not any more".
+    stopped = _run_all(stop_commands(plan), "uninstall", then=reload_commands(plan))
+    plan.path.unlink()
+    print(f"removed {plan.path}")
+    return 0 if stopped and _run_all(reload_commands(plan), "uninstall") else 1
+
+
+def _cmd_status(args) -> int:
+    import argparse
+
+    from .control import _snapshot
+
+    plan = _plan(args)
+    installed = plan.path.exists()
+    print(f"{plan.name}: {plan.path} {'installed' if installed else 'not installed'}")
+    print(f"  log: {plan.log_hint}")
+    if plan.platform == this_platform():
+        cmd = status_command(plan)
+        done = run(cmd)
+        view = (done.stdout.strip() or done.stderr.strip() or f"exit status {done.returncode}")
+        if plan.platform == "macos":  # `launchctl print` is long: its state lines say enough
+            view = "\n".join(ln.strip() for ln in view.splitlines()
+                             if ln.strip().startswith(("state =", "pid =", "last exit"))) or view
+        print(f"  {shell_line(cmd)}: " + view.replace("\n", "\n    "))
+    code, out = _snapshot(argparse.Namespace(blobs=str(plan.blob_dir), json=False, timeout=5.0))
+    print(out if code == 0 else "  the daemon: not running")
+    return 0 if installed else 3
+
+
+def add_subcommands(sub) -> None:
+    from .control import add_start_flags
+
+    p = sub.add_parser("service", help="run the daemon as a launchd agent or systemd user unit",
+                       description="Install, remove or inspect a per-user service that keeps "
+                       "one expertd serving BLOB_DIR: a launchd agent in ~/Library/LaunchAgents "
+                       "on macOS (logs in ~/Library/Logs/expertd), a systemd user unit in "
+                       "~/.config/systemd/user on Linux (logs in the journal).")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    def common(q):
+        q.add_argument("--platform", choices=PLATFORMS, default=this_platform(),
+                       help="whose service file to handle; another platform's file is written "
+                       "but never activated")
+
+    q = actions.add_parser("install", help="write the service file and start the service",
+                           description="Write the agent/unit file for BLOB_DIR (replacing one "
+                           "already there) and start it with launchctl bootstrap / systemctl "
+                           "--user enable --now. The flags are `expertd start`'s.")
+    add_start_flags(q)
+    common(q)
+    q.add_argument("--no-start", action="store_true",
+                   help="only write the file and print the commands that would start it")
+    q.set_defaults(func=_cmd_install)
+
+    q = actions.add_parser("uninstall", help="stop the service and remove its file",
+                           description="Stop and disable the service of BLOB_DIR, remove its "
+                           "file. Nothing installed is not an error.")
+    q.add_argument("--blobs", required=True, metavar="BLOB_DIR")
+    common(q)
+    q.add_argument("--no-start", action="store_true",
+                   help="only remove the file and print the commands that would stop it")
+    q.set_defaults(func=_cmd_uninstall)
+
+    q = actions.add_parser("status", help="the service file, the manager's view, the daemon's",
+                           description="Whether the service file of BLOB_DIR exists, what "
+                           "systemctl/launchctl say about it, and the daemon's own status. "
+                           "Exits 3 if no service is installed.")
+    q.add_argument("--blobs", required=True, metavar="BLOB_DIR")
+    common(q)
+    q.set_defaults(func=_cmd_status)

@@ -1,0 +1,224 @@
+"""``expertd service``: the systemd unit and the launchd agent it writes into a temporary HOME,
+the exact commands it runs or prints, the template in launchd/, and a real daemon run from the
+command line the files hold."""
+
+import os
+import plistlib
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import expertd_cli, kill_serving_daemon, try_stats, wait_until
+from expertd.service import (STOP_GRACE_S, expertd_command, make_plan, plist_dict,
+                             service_id, systemd_quote)
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "launchd" / "com.expertd.agent.plist"
+CACHE = "80%"  # of the tiny model's 768 KiB of experts: 37 of its 48 rows
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch, isolated_env):
+    """A temporary HOME (Path.home() follows it) beside the test's runtime directories."""
+    path = tmp_path / "home"
+    path.mkdir()
+    monkeypatch.setenv("HOME", str(path))
+    return path
+
+
+@pytest.fixture
+def awkward_blobs(models, tmp_path) -> Path:
+    """The tiny model's blobs under a name with a space, '%' and '$' (systemd expands both)."""
+    out = tmp_path / "my blobs 50% $HOME"
+    shutil.copytree(models.blobs(), out)
+    return out.resolve()
+
+
+def _files(root: Path) -> list:
+    return sorted(p for p in root.rglob("*") if not p.is_dir())
+
+
+# ---- systemd (Linux) -----------------------------------------------------------------------------
+
+def test_systemd_quoting_escapes_what_systemd_would_expand():
+    assert systemd_quote("/usr/bin/python3") == "/usr/bin/python3"
+    assert systemd_quote("a b") == '"a b"'
+    assert systemd_quote("30%") == '"30%%"'
+    assert systemd_quote("$HOME") == '"$$HOME"'
+    assert systemd_quote('say "hi"\\') == '"say \\"hi\\"\\\\"'
+    assert systemd_quote("") == '""'
+
+
+def test_install_writes_the_unit_and_prints_the_exact_commands(awkward_blobs, home):
+    got = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE,
+                      "--workers", "2", "--platform", "linux", "--no-start")
+    assert got.returncode == 0, got.stderr
+    unit = f"expertd-{service_id(awkward_blobs)}.service"
+    path = home / ".config" / "systemd" / "user" / unit
+    assert _files(home) == [path]
+    text = path.read_text()
+    python = os.path.abspath(sys.executable)
+    blobs = str(awkward_blobs).replace("%", "%%").replace("$", "$$")
+    assert (f'ExecStart={python} -m expertd start --blobs "{blobs}" --cache-gb "80%%" '
+            "--workers 2 --foreground\n") in text
+    for line in ("Type=simple", "Restart=on-failure", f"TimeoutStopSec={STOP_GRACE_S}",
+                 "WantedBy=default.target",
+                 f"Environment=XDG_RUNTIME_DIR={os.environ['XDG_RUNTIME_DIR']}"):
+        assert f"\n{line}\n" in text, line
+    assert oct(path.stat().st_mode & 0o777) == oct(0o644)
+    assert got.stdout.splitlines()[-3:] == [
+        "to start it, run:", "  systemctl --user daemon-reload",
+        f"  systemctl --user enable --now {unit}"]
+
+    again = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", "90%",
+                        "--platform", "linux", "--no-start")
+    assert again.returncode == 0 and f"replaced {path}" in again.stdout, again
+    assert '--cache-gb "90%%"' in path.read_text() and "--workers" not in path.read_text()
+    assert f"  systemctl --user restart {unit}" in again.stdout  # the new flags take effect
+
+    gone = expertd_cli("service", "uninstall", "--blobs", awkward_blobs, "--platform", "linux",
+                       "--no-start")
+    assert gone.returncode == 0 and f"removed {path}" in gone.stdout, gone
+    assert f"  systemctl --user disable --now {unit}" in gone.stdout
+    assert _files(home) == []
+    nothing = expertd_cli("service", "uninstall", "--blobs", awkward_blobs)
+    assert nothing.returncode == 0 and "nothing to remove" in nothing.stdout, nothing
+
+
+def test_unit_passes_systemd_analyze_verify(awkward_blobs, home):
+    analyze = shutil.which("systemd-analyze")
+    if not analyze:
+        pytest.skip("systemd-analyze is not installed here")
+    assert expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE,
+                       "--platform", "linux", "--no-start").returncode == 0
+    unit = make_plan(awkward_blobs, platform="linux").path
+    ok = subprocess.run([analyze, "verify", "--user", str(unit)], capture_output=True, text=True,
+                        timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    # The check can fail: a relative ExecStart is refused.
+    bad = unit.with_name("expertd-bad.service")
+    bad.write_text(unit.read_text().replace(f"ExecStart={os.path.abspath(sys.executable)}",
+                                            "ExecStart=python"))
+    refused = subprocess.run([analyze, "verify", "--user", str(bad)], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode != 0
+
+
+def test_unit_without_a_runtime_dir_unsets_the_managers(models):
+    from expertd.service import render_unit
+
+    plan = make_plan(models.blobs(), platform="linux", home=Path("/home/u"), environ={})
+    assert plan.path == Path("/home/u/.config/systemd/user") / plan.name
+    unit = render_unit(plan)
+    assert "\nUnsetEnvironment=XDG_RUNTIME_DIR\n" in unit and "\nEnvironment=" not in unit
+
+
+def test_install_with_the_real_systemctl_reports_its_failure(awkward_blobs, home):
+    """No mock: this machine's systemctl runs. Where it has no user bus (containers, CI) it
+    fails; where it has one it cannot find a unit in the temporary HOME. Either way the file
+    stays, the error is shown and the commands to run by hand are printed."""
+    got = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE,
+                      "--platform", "linux")
+    if sys.platform == "darwin":
+        pytest.skip("systemctl is Linux's")
+    unit = make_plan(awkward_blobs, platform="linux")
+    assert got.returncode == 1, got
+    assert unit.path.exists()
+    assert "failed:" in got.stderr and "run by hand once it can work:" in got.stderr
+    assert f"systemctl --user enable --now {unit.name}" in got.stderr
+    assert "Traceback" not in got.stderr
+    status = expertd_cli("service", "status", "--blobs", awkward_blobs)
+    assert status.returncode == 0 and f"{unit.path} installed" in status.stdout, status
+    assert f"systemctl --user is-active {unit.name}:" in status.stdout
+    assert "the daemon: not running" in status.stdout
+    # The daemon's status names the service's log (the journal), running or not.
+    import json
+
+    daemon = expertd_cli("status", "--blobs", awkward_blobs, "--json")
+    assert json.loads(daemon.stdout)["log"] == f"journalctl --user -u {unit.name}"
+    gone = expertd_cli("service", "uninstall", "--blobs", awkward_blobs)
+    assert not unit.path.exists() and f"removed {unit.path}" in gone.stdout, gone
+    status = expertd_cli("service", "status", "--blobs", awkward_blobs)
+    assert status.returncode == 3 and "not installed" in status.stdout
+
+
+def test_install_refuses_bad_flags_before_writing_anything(awkward_blobs, home):
+    for flags, message in ((["--cache-gb", "nan"], "smallest cache that serves"),
+                           (["--workers", "0"], "--workers must be between"),
+                           (["--log-file", "x.log"], "--log-file is chosen by the service")):
+        got = expertd_cli("service", "install", "--blobs", awkward_blobs, *flags, "--no-start")
+        assert got.returncode == 1 and message in got.stderr, got
+        assert len(got.stderr.strip().splitlines()) == 1 and "Traceback" not in got.stderr
+    assert _files(home) == []
+
+
+# ---- launchd (macOS) ----------------------------------------------------------------------------
+
+def test_macos_agent_content_and_commands(awkward_blobs, home, tmp_path, monkeypatch):
+    pins = tmp_path / "pins.json"
+    pins.write_text("[[0, 1]]")
+    monkeypatch.chdir(tmp_path)  # a relative pin file is written as an absolute path
+    got = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", "512K",
+                      "--pin-file", "pins.json", "--platform", "macos", "--no-start")
+    assert got.returncode == 0, got.stderr
+    label = f"com.expertd.{service_id(awkward_blobs)}"
+    path = home / "Library" / "LaunchAgents" / f"{label}.plist"
+    assert _files(home) == [path]
+    agent = plistlib.loads(path.read_bytes())
+    logs = home / "Library" / "Logs" / "expertd"
+    assert agent["ProgramArguments"] == [
+        *expertd_command(), "start", "--blobs", str(awkward_blobs), "--cache-gb", "512K",
+        "--pin-file", str(pins), "--log-file", str(logs / f"{label}.log"), "--foreground"]
+    assert all(Path(a).is_absolute() for a in agent["ProgramArguments"] if "/" in a)
+    assert agent["Label"] == label and agent["RunAtLoad"] is True
+    assert agent["KeepAlive"] == {"SuccessfulExit": False}
+    assert agent["ExitTimeOut"] == STOP_GRACE_S
+    assert agent["StandardErrorPath"] == str(logs / f"{label}.launchd.log")
+    assert agent["EnvironmentVariables"]["XDG_RUNTIME_DIR"] == os.environ["XDG_RUNTIME_DIR"]
+    assert f"  launchctl bootstrap gui/{os.getuid()} {path}" in got.stdout
+    gone = expertd_cli("service", "uninstall", "--blobs", awkward_blobs, "--platform", "macos",
+                       "--no-start")
+    assert gone.returncode == 0 and f"launchctl bootout gui/{os.getuid()}/{label}" in gone.stdout
+    assert _files(home) == []
+
+
+def test_the_launchd_template_matches_what_install_writes(models):
+    home, tmp = Path("/Users/someone"), "/var/folders/xy/T/"
+    plan = make_plan(models.blobs(), ["--cache-gb", "8G"], platform="macos", home=home,
+                     environ={"TMPDIR": tmp})
+    filled = TEMPLATE.read_text()
+    for placeholder, value in (("@ID@", service_id(plan.blob_dir)),
+                               ("@PYTHON@", expertd_command()[0]),
+                               ("@BLOB_DIR@", str(plan.blob_dir)), ("@HOME@", str(home)),
+                               ("@TMPDIR@", tmp)):
+        assert placeholder in filled, placeholder
+        filled = filled.replace(placeholder, value)
+    assert plistlib.loads(filled.encode()) == plist_dict(plan)
+
+
+@pytest.mark.timeout(120)
+def test_the_agents_command_line_runs_a_daemon_that_logs_where_it_says(awkward_blobs, home):
+    """ProgramArguments and EnvironmentVariables, run as launchd would: the daemon serves,
+    logs under ~/Library/Logs/expertd, and exits 0 on SIGTERM (so KeepAlive leaves it down)."""
+    plan = make_plan(awkward_blobs, ["--cache-gb", CACHE], platform="macos")
+    agent = plist_dict(plan)
+    env = {**os.environ, **agent["EnvironmentVariables"]}
+    with open(os.devnull, "wb") as quiet:
+        proc = subprocess.Popen(agent["ProgramArguments"], env=env, stdin=subprocess.DEVNULL,
+                                stdout=quiet, stderr=quiet)
+    try:
+        stats = wait_until(lambda: proc.poll() is None and try_stats(awkward_blobs), 60,
+                           "the agent's daemon to answer")
+        assert stats["pid"] == proc.pid
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "serving" in plan.log.read_text()
+        assert oct(plan.log.stat().st_mode & 0o777) == oct(0o600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        kill_serving_daemon(awkward_blobs)
