@@ -1,0 +1,192 @@
+"""The daemon command line behaves like pg_ctl or systemctl: --version, restart, stop of a
+stopped daemon, status --json/--watch without a daemon, the log's path, --cache-gb sizes and
+their errors, every flag's default in --help. Real daemons, started detached by the CLI."""
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+
+from harness import expertd_cli, kill_serving_daemon, query_stats, wait_until
+from expertd.cli import DefaultsHelpFormatter, build_parser
+from expertd.control import parse_size
+from expertd.manifest import Manifest
+from expertd.paths import daemon_paths
+from expertd.shm.layout import Geometry
+
+
+@pytest.fixture
+def blobs(models):
+    return models.blobs()
+
+
+def test_version_comes_from_the_package_metadata():
+    got = expertd_cli("--version")
+    assert got.returncode == 0 and got.stdout == f"expertd {version('expertd')}\n", got
+
+
+def test_stop_and_status_without_a_daemon(blobs, isolated_env):
+    stop = expertd_cli("stop", "--blobs", blobs)
+    assert stop.returncode == 0, stop
+    assert f"no expertd serves {blobs}" in stop.stdout and "nothing to stop" in stop.stdout
+    status = expertd_cli("status", "--blobs", blobs, "--json")
+    assert status.returncode == 3, status
+    assert json.loads(status.stdout) == {"running": False, "blob_dir": str(blobs),
+                                         "log": str(daemon_paths(blobs).log)}
+    plain = expertd_cli("status", "--blobs", blobs)
+    assert plain.returncode == 3 and "no expertd serves" in plain.stderr
+    assert f"log: {daemon_paths(blobs).log}" in plain.stderr and "Traceback" not in plain.stderr
+    every = expertd_cli("status", "--json")
+    assert every.returncode == 0 and json.loads(every.stdout) == []
+
+
+@pytest.mark.timeout(120)
+def test_start_status_restart_stop(blobs, isolated_env):
+    log = daemon_paths(blobs).log
+    try:
+        restarted = expertd_cli("restart", "--blobs", blobs, "--cache-gb", "50%")
+        assert restarted.returncode == 0, restarted.stderr
+        assert "no expertd serves" in restarted.stdout and "starting one" in restarted.stdout
+        assert f"log: {log}" in restarted.stdout
+        first = query_stats(blobs)
+        status = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)
+        assert status["running"] is True and status["pid"] == first["pid"]
+        assert status["log"] == str(log)
+        assert f"log          {log}" in expertd_cli("status", "--blobs", blobs).stdout
+
+        # Bad flags are refused before the working daemon is stopped.
+        refused = expertd_cli("restart", "--blobs", blobs, "--cache-gb", "0")
+        assert refused.returncode == 1 and "smallest cache that serves" in refused.stderr
+        assert query_stats(blobs)["pid"] == first["pid"]
+
+        again = expertd_cli("restart", "--blobs", blobs, "--cache-gb", "100%", "--workers", "2")
+        assert again.returncode == 0, again.stderr
+        assert f"stopped expertd pid {first['pid']}" in again.stdout
+        second = query_stats(blobs)
+        assert second["pid"] != first["pid"] and second["arena_rows"] > first["arena_rows"]
+
+        stopped = expertd_cli("stop", "--blobs", blobs)
+        assert stopped.returncode == 0 and f"stopped expertd pid {second['pid']}" in stopped.stdout
+    finally:
+        kill_serving_daemon(blobs)
+
+
+@pytest.mark.timeout(120)
+def test_status_watch_refreshes_until_ctrl_c(blobs, isolated_env):
+    try:
+        assert expertd_cli("start", "--blobs", blobs, "--cache-gb", "50%").returncode == 0
+        pid = query_stats(blobs)["pid"]
+        watch = subprocess.Popen([sys.executable, "-m", "expertd", "status", "--blobs",
+                                  str(blobs), "--json", "--watch", "0.1"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            docs = [json.loads(watch.stdout.readline()) for _ in range(3)]
+            assert [d["pid"] for d in docs] == [pid] * 3
+            assert docs[2]["uptime_s"] > docs[0]["uptime_s"]  # refreshed, not repeated
+            watch.send_signal(signal.SIGINT)
+            _, err = watch.communicate(timeout=30)
+        finally:
+            if watch.poll() is None:
+                watch.kill()
+                watch.communicate()
+        assert watch.returncode == 0 and "Traceback" not in err, err
+    finally:
+        kill_serving_daemon(blobs)
+    # Watching a daemon that is not running keeps watching, and says so each time.
+    watch = subprocess.Popen([sys.executable, "-m", "expertd", "status", "--blobs", str(blobs),
+                              "--watch", "0.1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: "no expertd serves" in watch.stdout.readline(), 30, "a refresh")
+        watch.send_signal(signal.SIGINT)
+        _, err = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate()
+    assert watch.returncode == 0 and "Traceback" not in err, err
+    bad = expertd_cli("status", "--blobs", blobs, "--watch", "0")
+    assert bad.returncode == 1 and "--watch takes a number of seconds above 0" in bad.stderr
+
+
+# ---- --cache-gb ---------------------------------------------------------------------------------
+
+def test_cache_sizes_parse():
+    total = 3 * 2**30
+    assert parse_size("8", total) == 8
+    assert parse_size("8G", total) == 8 and parse_size("8gib", total) == 8
+    assert parse_size("512M", total) == 0.5 and parse_size("512 MB", total) == 0.5
+    assert parse_size("2T", total) == 2048 and parse_size("64K", total) == 2**-14
+    assert parse_size("30%", total) == pytest.approx(0.9)
+    assert parse_size("-5%", total) < 0
+    for garbage in ("", "G", "8X", "eight", "8GG", "%"):
+        with pytest.raises(ValueError):
+            parse_size(garbage, total)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size, fraction", [("60%", 0.6), ("640K", 640 / 768)])
+def test_the_arena_is_the_budget_never_more(blobs, isolated_env, size, fraction):
+    m = Manifest.load(blobs)
+    budget = int(m.total_expert_bytes * fraction)
+    want = Geometry.for_budget(len(m.layers), m.max_experts, m.stride, budget, side_rows=m.top_k)
+    try:
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", size)
+        assert started.returncode == 0, started.stderr
+        stats = query_stats(blobs)
+        assert stats["arena_bytes"] <= budget  # side rows and slot tables included
+        assert stats["arena_rows"] == want.cache_rows
+        assert stats["arena_bytes"] == want.total_size
+    finally:
+        kill_serving_daemon(blobs)
+
+
+@pytest.mark.parametrize("size", ["nan", "inf", "-inf", "0", "-1", "0%", "-5%", "0M", "lots",
+                                  "8X"])
+def test_bad_cache_sizes_name_the_smallest_that_works(blobs, isolated_env, size):
+    got = expertd_cli("start", "--blobs", blobs, f"--cache-gb={size}", timeout=30)
+    assert got.returncode == 1, got
+    assert got.stderr.count("\n") == 1 and "Traceback" not in got.stderr
+    assert (f"expertd start: error: --cache-gb {size} is not a cache size: give a finite "
+            "number of GiB above 0 (e.g. 8), or 8G, 512M, 30% (of the experts' 0.000732 GiB); "
+            f"the smallest cache that serves {blobs} is 0.000262 GiB\n") == got.stderr
+
+
+def test_a_cache_too_small_says_how_small_it_may_be(blobs, isolated_env):
+    got = expertd_cli("start", "--blobs", blobs, "--cache-gb", "10%", timeout=30)
+    assert got.returncode == 1 and got.stderr.count("\n") == 1, got
+    assert (f"--cache-gb 10% is too small for {blobs}: the smallest cache that serves it is "
+            "0.000262 GiB (8 rows of 16384 bytes") in got.stderr
+
+
+# ---- --help -------------------------------------------------------------------------------------
+
+def _parsers(parser, name="expertd"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child_name, child in action.choices.items():
+                yield from _parsers(child, f"{name} {child_name}")
+
+
+def test_every_flag_shows_its_default_in_help():
+    checked = 0
+    for name, parser in _parsers(build_parser()):
+        assert parser.formatter_class is DefaultsHelpFormatter or name == "expertd"
+        formatter = DefaultsHelpFormatter(name)
+        for action in parser._actions:
+            if (not action.option_strings or action.required or action.help == argparse.SUPPRESS
+                    or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+                continue
+            assert "default" in formatter._get_help_string(action), (name, action.dest)
+            checked += 1
+    assert checked > 40
+    shown = expertd_cli("start", "--help").stdout
+    for text in ("(default: 8)", "(default: 4)", "(default: direct)", "(default: none)",
+                 "30%)"):
+        assert text in shown, text
+    assert "no progress bar (default: off)" in expertd_cli("verify", "--help").stdout
