@@ -5,8 +5,13 @@ import time
 
 
 def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, seed: int = 0,
-             out=sys.stdout, prefetch: str = "auto") -> dict:
+             out=sys.stdout, prefetch: str = "auto", top_p: float = 0.0, min_p: float = 0.0,
+             top_k: int = 0, system_prompt: str | None = None,
+             chat_template: bool = True) -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
+
+    Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``) and the chat template (applied unless
+    ``chat_template`` is False, with ``system_prompt`` first) are mlx-lm's.
 
     Returns:
         dict with prompt/generation token counts and tok/s, the tokens, and the daemon's
@@ -20,15 +25,18 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
 
     model, tokenizer = load(blob_dir, prefetch=prefetch)
     session = model.expertd_session
-    if getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                               add_generation_prompt=True, tokenize=False)
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=False)
     mx.random.seed(seed)
     before = session.stats()
     tokens, last = [], None
     started = time.perf_counter()
+    sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k)
     for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                    sampler=make_sampler(temp)):
+                                    sampler=sampler):
         out.write(response.text)
         out.flush()
         tokens.append(response.token)
