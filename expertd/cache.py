@@ -224,11 +224,15 @@ class ExpertCache:
         if self.warm_done % step == 0 or self.warm_done == self.warm_total:
             log.info("warm-up: %d/%d experts read", self.warm_done, self.warm_total)
 
-    def harvest_hits(self) -> None:
+    def harvest_hits(self, rows: np.ndarray | None = None) -> None:
         """Credit the uses clients counted in the table since the last call, and promote the
         side rows they used. A prefetched row's first use is a saved miss (prefetch_hits);
-        its later uses, and uses of other rows, are client hits."""
-        rows, counts = self.table.harvest()
+        its later uses, and uses of other rows, are client hits.
+
+        Args:
+            rows: only these rows (the side rows, before a prefetch chooses among them).
+        """
+        rows, counts = self.table.harvest(rows)
         for row, count in zip(rows.tolist(), counts.tolist()):
             self.policy.on_touched(self.table.key(row), count)
             if self.side.side[row]:
@@ -278,7 +282,6 @@ class ExpertCache:
             return
         now = time.monotonic()
         gen = self.side.next_generation(owner)
-        self.harvest_hits()  # a used prefetch is promoted before rows are chosen
         want = []
         for e in experts:
             row, state = self.table.lookup(layer, e)
@@ -288,8 +291,19 @@ class ExpertCache:
             c["prefetch_merged"] += 1
             if self.side.side[row]:
                 self.side.claim(row, owner, gen, now)
-        busy = (self.book.leased > 0) | self.table.filling()
-        rows = self.side.choose(len(want), now, busy, self.table.row_keys() < 0)
+        if not want:
+            return
+        # Only the side rows are looked at: clients send a PREFETCH per layer, and work over
+        # the whole arena on each would take the serving thread from the demands.
+        side = self.side.side_rows()
+        self.harvest_hits(side)  # a used prefetch is promoted before rows are chosen
+        side = self.side.side_rows()
+        states = self.table.records["state"][side]
+        busy = np.zeros(self.side.total_rows, dtype=bool)
+        busy[side] = (self.book.leased[side] > 0) | (states == SlotState.FILLING)
+        empty = np.zeros_like(busy)
+        empty[side] = states == SlotState.EMPTY
+        rows = self.side.choose(len(want), now, busy, empty)
         c["prefetch_dropped"] += len(want) - len(rows)
         for e, row in zip(want, rows):
             c["prefetch_wasted"] += self.side.filled(row, owner, gen, now)

@@ -102,8 +102,18 @@ class SlotTable:
         self._harvested[row] = hits
         return delta
 
-    def harvest(self) -> tuple:
-        """Uses of READY rows since the last harvest: ``(rows, counts)``, both arrays."""
+    def harvest(self, rows: np.ndarray | None = None) -> tuple:
+        """Uses of READY rows since the last harvest: ``(rows, counts)``, both arrays.
+
+        Args:
+            rows: harvest only these rows (int array), e.g. the side rows before a prefetch.
+        """
+        if rows is not None:
+            hits = self.records["hits"][rows]
+            delta = hits - self._harvested[rows]
+            self._harvested[rows] = hits
+            used = (delta != 0) & (self.records["state"][rows] == SlotState.READY)
+            return rows[used], delta[used]
         hits = self.records["hits"][:self.n_rows].copy()
         delta = hits - self._harvested
         self._harvested = hits
