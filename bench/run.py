@@ -2,6 +2,7 @@
 
     python bench/run.py            (or: make bench)
     python bench/run.py --only fill   (re-measure cold fill; rewrite only its lines in RESULTS.md)
+    python bench/run.py --only overlap   (prefetch off vs on; rewrite only its section)
 
 Absolute numbers vary from run to run on a shared machine; the ratios are what to read.
 """
@@ -19,6 +20,8 @@ import numpy as np  # noqa: E402
 
 import capped  # noqa: E402
 import fill  # noqa: E402
+import overlap  # noqa: E402
+import overlap_report  # noqa: E402
 import warm_decode  # noqa: E402
 from common import MEDIUM, OUT, QWEN3_30B_LIKE, ROOT, SMALL, daemon, ensure_model, rss_breakdown, stats  # noqa: E402,E501
 
@@ -211,7 +214,7 @@ def main() -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--only", choices=("fill",),
+    parser.add_argument("--only", choices=("fill", "overlap"),
                         help="run one benchmark and rewrite only its lines in RESULTS.md")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -221,6 +224,10 @@ def main() -> int:
         patch_fill(ROOT / "RESULTS.md", f)
         print(f"updated the cold-fill lines of {ROOT / 'RESULTS.md'}")
         return 0
+    if args.only == "overlap":
+        overlap_report.write_section(ROOT / "RESULTS.md", overlap.run())
+        print(f"updated the overlap section of {ROOT / 'RESULTS.md'}")
+        return 0
     results = {}
     steps = [
         ("warm_small", lambda: warm_decode.run("small", SMALL)),
@@ -229,15 +236,22 @@ def main() -> int:
         ("capped", lambda: capped.run("small", SMALL)),
         ("sharing", lambda: sharing("small", SMALL)),
         ("memory", lambda: memory("qwen3-30b-like", QWEN3_30B_LIKE)),
+        ("overlap", overlap.run),
     ]
     for key, step in steps:
         t0 = time.monotonic()
         results[key] = step()
-        shown = {k: v for k, v in results[key].items() if not isinstance(v, list)}
+        shown = {k: v for k, v in results[key].items() if not isinstance(v, (list, dict))}
         print(f"{key} ({time.monotonic() - t0:.0f} s): {shown}", flush=True)
     (OUT / "results.json").write_text(json.dumps(results, indent=1))
     plots(results)
-    (ROOT / "RESULTS.md").write_text(report(results))
+    # The sections below the main table (written by other scripts) are kept; the overlap
+    # section is written again from this run.
+    results_md = ROOT / "RESULTS.md"
+    old = results_md.read_text() if results_md.exists() else ""
+    kept = old[old.find("\n## ") + 1:] if "\n## " in old else ""
+    results_md.write_text(report(results) + ("\n" + kept if kept else ""))
+    overlap_report.write_section(results_md, results["overlap"])
     print(f"wrote {ROOT / 'RESULTS.md'}")
     return 0
 

@@ -1,0 +1,268 @@
+"""The overlap benchmark's section of bench/RESULTS.md and its plots (see overlap.py)."""
+
+import time
+
+import numpy as np
+
+from common import ROOT
+
+HEADER = "## Overlap: prefetch off vs on (decode)"
+COMMAND = "`python bench/run.py --only overlap`"
+
+
+def _runs(learned: dict, fraction: float, mode: str) -> list:
+    return [r for r in learned["runs"] if r["fraction"] == fraction and r["mode"] == mode]
+
+
+def _med(runs: list, get) -> float:
+    return float(np.median([get(r) for r in runs]))
+
+
+def _verdict(ok: bool) -> str:
+    return "pass" if ok else "fail"
+
+
+def _fmt_tps(x: float) -> str:
+    return "∞ (no reads)" if not np.isfinite(x) else f"{x:.0f}"
+
+
+def exposed_table(L: dict) -> list:
+    lines = [
+        "| arena (rows) | prefetch | exposed µs/layer | critical-path copy µs | background copy µs "
+        "| daemon fill µs | fill wait µs | exposed ÷ (copy + background + fill) | target | "
+        "pass/fail |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for f in sorted({r["fraction"] for r in L["runs"]}):
+        off = _runs(L, f, "off")
+        for mode in ("off", "on"):
+            runs = _runs(L, f, mode)
+            d = lambda k: _med(runs, lambda r: r["decode"][k])  # noqa: E731
+            target, verdict = "–", "–"
+            if f == 1.0 and mode == "on":
+                target, verdict = "≤ 0.2", _verdict(d("ratio") <= 0.2)
+            elif f == 0.25 and mode == "on":
+                half = 0.5 * _med(off, lambda r: r["decode"]["fill_wait_us"])
+                target = f"fill wait ≤ ½ of off ({half:.0f} µs)"
+                verdict = _verdict(d("fill_wait_us") <= half)
+            lines.append(
+                f"| {f:.0%} ({runs[0]['rows']}) | {mode} | {d('exposed_us'):.0f} | "
+                f"{d('copy_us'):.1f} | {d('busy_us'):.1f} | {d('fill_us'):.0f} | "
+                f"{d('fill_wait_us'):.0f} | {d('ratio'):.3f} "
+                f"({', '.join(format(r['decode']['ratio'], '.3f') for r in runs)}) | {target} | "
+                f"{verdict} |")
+    return lines
+
+
+def prediction_table(L: dict) -> list:
+    cols = [(f, "on") for f in (0.25, 1.0)]
+    head = " | ".join(f"{f:.0%} arena: P / R" for f, _ in cols)
+    lines = [f"| predicted layer | {head} |", "| --- |" + " --- |" * len(cols)]
+    preds = [_runs(L, f, m)[0]["prediction"] for f, m in cols]
+    for layer in range(1, L["layers"]):
+        cells = []
+        for p in preds:
+            s = p[layer]
+            cells.append("–" if s is None or s["precision"] is None
+                         else f"{s['precision']:.2f} / {s['recall']:.2f}")
+        lines.append(f"| {layer} | {' | '.join(cells)} |")
+    return lines
+
+
+def mean_precision(pred: list) -> float:
+    got = [p for p in pred if p is not None and p["guessed"]]
+    return sum(p["right"] for p in got) / max(1, sum(p["guessed"] for p in got))
+
+
+def qwen_table(Q: dict) -> list:
+    lines = ["| prefetch | tok/s | exposed µs/layer | critical-path copy µs (MB) per layer | "
+             "background copy µs (MB) per layer | guess precision | exposed ÷ copy time |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in Q["runs"]:
+        d = r["decode"]
+        prec = mean_precision(r["prediction"]) if r["mode"] == "on" else None
+        lines.append(
+            f"| {r['mode']} | {r['tps']:.2f} | {d['exposed_us']:.0f} | {d['copy_us']:.0f} "
+            f"({d['exposed_bytes'] / 1e6:.1f}) | {d['busy_us']:.0f} "
+            f"({d['background_bytes'] / 1e6:.1f}) | {'–' if prec is None else f'{prec:.2f}'} | "
+            f"{d['ratio']:.3f} |")
+    return lines
+
+
+def curve_table(L: dict) -> list:
+    lines = ["| arena (rows) | tok/s off | tok/s on | resident tok/s | TTFT off ms | TTFT on ms "
+             "| resident TTFT ms | KiB read per token off / on | SSD bound tok/s off / on |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for res in L["resident"]:
+        f = res["fraction"]
+        off, on = _runs(L, f, "off"), _runs(L, f, "on")
+        m = lambda runs, k: _med(runs, lambda r: r[k])  # noqa: E731
+        lines.append(
+            f"| {f:.0%} ({off[0]['rows']}) | {m(off, 'tps'):.1f} | {m(on, 'tps'):.1f} | "
+            f"{res['tps']:.1f} | {m(off, 'ttft') * 1e3:.0f} | {m(on, 'ttft') * 1e3:.0f} | "
+            f"{res['ttft'] * 1e3:.0f} | {m(off, 'bytes_per_token') / 1024:.0f} / "
+            f"{m(on, 'bytes_per_token') / 1024:.0f} | {_fmt_tps(m(off, 'ssd_bound_tps'))} / "
+            f"{_fmt_tps(m(on, 'ssd_bound_tps'))} |")
+    return lines
+
+
+def belady_table(L: dict) -> list:
+    lines = ["| arena (rows) | prefetch | requests | Belady | LFU hit rate | prefetch saved | "
+             "hits / misses / prefetch hits | LFU ÷ Belady (≥ 0.95) | (hits + prefetch hits) ÷ "
+             "Belady |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    # Not at 100%: there every expert is fetched before the recorded generations.
+    for f in sorted({r["fraction"] for r in L["runs"]} - {1.0}):
+        for mode in ("off", "on"):
+            r = _runs(L, f, mode)[0]
+            b = r["belady"]
+            lines.append(
+                f"| {f:.0%} ({r['rows']}) | {mode} | {b['requests']} | {b['belady']:.3f} | "
+                f"{b['lfu']:.3f} | {b['saved']:.3f} | {b['hits']} / {b['misses']} / "
+                f"{b['prefetch_hits']} | {b['ratio']:.3f} ({_verdict(b['ratio'] >= 0.95)}) | "
+                f"{b['ratio_with_prefetch']:.3f} |")
+    return lines
+
+
+def hit_path_rows(L: dict) -> list:
+    lines = []
+    for mode in ("off", "on"):
+        r = _runs(L, 1.0, mode)[0]
+        calls = np.array([s for s in r["hit_path"] if s[0] <= L["top_k"]])
+        fetch, pre = calls[:, 1], calls[:, 2]
+        both = fetch + pre
+        lines.append(
+            f"| hit path per MoE layer, learned model, prefetch {mode} ({len(calls)} decode "
+            f"calls) | {np.percentile(both, 50):.1f} µs p50, {np.percentile(both, 99):.1f} p99 "
+            f"(fetch {np.percentile(fetch, 50):.1f}, prestage {np.percentile(pre, 50):.1f}) | "
+            f"≤ 20 µs p50 | {_verdict(np.percentile(both, 50) <= 20)} |")
+    return lines
+
+
+def plots(L: dict) -> list:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fr = [res["fraction"] for res in L["resident"]]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for mode, style in (("off", "o-"), ("on", "s-")):
+        a.plot(fr, [_med(_runs(L, f, mode), lambda r: r["tps"]) for f in fr], style,
+               label=f"expertd, prefetch {mode}")
+        b.plot(fr, [_med(_runs(L, f, mode), lambda r: r["ttft"]) * 1e3 for f in fr], style,
+               label=f"expertd, prefetch {mode}")
+        bound = [_med(_runs(L, f, mode), lambda r: r["ssd_bound_tps"]) for f in fr]
+        pts = [(f, x) for f, x in zip(fr, bound) if np.isfinite(x)]
+        if pts:
+            a.plot(*zip(*pts), ":", label=f"SSD bound, prefetch {mode}")
+    a.plot(fr, [res["tps"] for res in L["resident"]], "k--", label="resident mlx-lm")
+    b.plot(fr, [res["ttft"] * 1e3 for res in L["resident"]], "k--", label="resident mlx-lm")
+    a.set_yscale("log")
+    a.set_title("decode tok/s (higher is better)")
+    b.set_title(f"TTFT, {L['prompt_tokens']}-token prompt (lower is better)")
+    for ax in (a, b):
+        ax.set_xlabel("arena (fraction of all experts)")
+        ax.legend(fontsize=7)
+    b.set_ylabel("ms")
+    fig.tight_layout()
+    fig.savefig(ROOT / "overlap_curve.png", dpi=110)
+
+    cases = [(f, m) for f in (0.25, 1.0) for m in ("off", "on")]
+    fig, axes = plt.subplots(len(cases), 1, figsize=(11, 1.3 * len(cases) + 1), sharex=True)
+    colours = dict(sync="tab:blue", exposed="tab:red", rest="tab:green", between="lightgrey")
+    for ax, (f, m) in zip(axes, cases):
+        rec = _runs(L, f, m)[0]["timeline"]
+        t0 = rec[0][1]
+        for i, (layer, start, synced, fetched, done) in enumerate(rec):
+            spans = [("sync", start, synced), ("exposed", synced, fetched),
+                     ("rest", fetched, done)]
+            if i + 1 < len(rec):
+                spans.append(("between", done, rec[i + 1][1]))
+            for name, s, e in spans:
+                ax.broken_barh([((s - t0) * 1e3, (e - s) * 1e3)], (0, 1), color=colours[name])
+            ax.text((start - t0) * 1e3, 1.05, str(layer), fontsize=6)
+        ax.set_yticks([])
+        ax.set_ylabel(f"{f:.0%}\n{m}", rotation=0, labelpad=20, fontsize=8)
+    handles = [matplotlib.patches.Patch(color=c, label=n) for n, c in (
+        ("router sync (incl. lazy compute of the previous layer and attention)", colours["sync"]),
+        ("exposed fetch (less is better)", colours["exposed"]),
+        ("rest of the call: graph build, guess, prestage", colours["rest"]),
+        ("between MoE calls (host work outside the switch)", colours["between"]))]
+    axes[0].legend(handles=handles, fontsize=6, loc="upper right", ncol=2)
+    axes[-1].set_xlabel("ms from the first call shown (3 decode tokens, layer number above)")
+    fig.suptitle("learned model, per MoE layer call: arena % and prefetch", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(ROOT / "overlap_timeline.png", dpi=110)
+    return ["overlap_curve.png", "overlap_timeline.png"]
+
+
+def section(result: dict) -> str:
+    L, Q = result["learned"], result["qwen30b"]
+    plots(L)
+    full_on = _runs(L, 1.0, "on")
+    r25_on, r25_off = _runs(L, 0.25, "on"), _runs(L, 0.25, "off")
+    res25 = next(r for r in L["resident"] if r["fraction"] == 0.25)
+    ttft25 = _med(r25_on, lambda r: r["ttft"]) / res25["ttft"]
+    lines = [
+        HEADER, "",
+        f"Produced by {COMMAND} on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in "
+        f"{result['seconds'] / 60:.1f} min (Linux x86-64, 2 shared cores, MLX on the CPU, about "
+        "100× slower than Metal: the copies here are small next to compute, so tok/s hardly "
+        "moves with them; the exposed time is what carries over to Apple Silicon).",
+        "",
+        f"Learned-routing model ({L['layers']} layers × {L['n_keys'] // L['layers']} experts, "
+        f"top-{L['top_k']}, {L['stride'] / 1024:.0f} KiB rows). Each run: a fresh daemon with "
+        "that many cache rows (`--cache-gb` sized for them; the 2 × top-k side rows come on "
+        "top), one client (`load(..., prefetch=off|on)`); at 100% every expert is fetched into "
+        f"the arena first; a warm-up generation on one held-out prompt, then the measured one on "
+        f"another: {L['prompt_tokens']}-token held-out prompt, {L['decode_tokens']} tokens "
+        f"sampled at temperature 1 with a fixed seed (greedy decoding of this small model repeats "
+        "one token, and so would its routing). Per-layer numbers are over the decode calls after "
+        f"the first token; medians of {L['rounds']} rounds, off and on alternating, each round "
+        "listed. Tokens equal resident mlx-lm's in every run (checked).",
+        "",
+        "Exposed = the main thread from the router sync until the layer's rows are in place "
+        "(`timing['exposed_s']`); critical-path copy = `timing['copy_s']`; background copy = "
+        "the copier thread's busy time; daemon fill = the daemon's `fill_seconds` (pread time), "
+        "fill wait = demand round trips and drains (`timing['fill_wait_s']`).",
+        "", "| row | measured | target | pass/fail |", "| --- | --- | --- | --- |",
+        f"| exposed ÷ copy + fill, 100% arena, prefetch on | "
+        f"{_med(full_on, lambda r: r['decode']['ratio']):.3f} | ≤ 0.2 | "
+        f"{_verdict(_med(full_on, lambda r: r['decode']['ratio']) <= 0.2)} |",
+        f"| exposed fill time, 25% arena, on ÷ off | "
+        f"{_med(r25_on, lambda r: r['decode']['fill_wait_us']) / _med(r25_off, lambda r: r['decode']['fill_wait_us']):.3f} "  # noqa: E501
+        f"| ≤ 0.5 | {_verdict(_med(r25_on, lambda r: r['decode']['fill_wait_us']) <= 0.5 * _med(r25_off, lambda r: r['decode']['fill_wait_us']))} |",  # noqa: E501
+        f"| TTFT ÷ resident, 25% arena, prefetch on, {L['prompt_tokens']}-token prompt | "
+        f"{ttft25:.2f} | ≤ 1.2 (the issue's prefill goal) | {_verdict(ttft25 <= 1.2)} |",
+        *hit_path_rows(L), "",
+        "Exposed time per MoE layer (decode):", "", *exposed_table(L), "",
+        "Guess precision / recall per predicted layer (prefetch on, whole run incl. warm-up; "
+        "layer L's guess is made at layer L−1's router sync):", "", *prediction_table(L), "",
+        f"Capped decode (a curve, no bar: tok/s higher is better, TTFT lower is better). SSD "
+        f"bound = raw O_DIRECT random reads of {L['stride'] / 1024:.0f} KiB rows, "
+        f"{L['ssd_gbps']:.2f} GB/s ({L['ssd_tool']}, 8 threads, same run) ÷ the daemon's "
+        "bytes read per decode token:", "", *curve_table(L), "",
+        "Hit rate ÷ Belady on the routing each run recorded (warm-up and measured generation, "
+        "every call's distinct experts in call order; Belady at the daemon's cache rows, cold "
+        "start as the daemon). LFU hit rate = STATS hits ÷ (hits + misses + prefetch hits); a "
+        "used prefetched row is a saved miss, counted apart (first round):", "",
+        *belady_table(L), "",
+        f"Qwen3-30B-A3B expert shapes (`qwen3-30b-like`: {Q['layers']} layers, top-{Q['top_k']},"
+        f" {Q['expert_bytes'] / 2**20:.2f} MiB per expert), every expert in the arena, "
+        f"{Q['tokens']} decode tokens, one round. Random router: the guesses are the router's "
+        f"own noise ({Q['experts']} experts, top-{Q['top_k']}: chance precision "
+        f"{Q['top_k'] / Q['experts']:.2f}), and prefetch='on' keeps guessing "
+        "(auto would switch most layers off).", "", *qwen_table(Q), "",
+        "![overlap curve](overlap_curve.png)", "![overlap timeline](overlap_timeline.png)", ""]
+    return "\n".join(lines)
+
+
+def write_section(results_md, result: dict) -> None:
+    """Put the overlap section into RESULTS.md, replacing an older one, other sections kept."""
+    text = section(result)
+    current = results_md.read_text() if results_md.exists() else ""
+    start = current.find(HEADER)
+    if start < 0:
+        current = current.rstrip("\n") + "\n\n" + text
+    else:
+        end = current.find("\n## ", start + len(HEADER))
+        current = current[:start] + text + ("" if end < 0 else current[end + 1:])
+    results_md.write_text(current)
