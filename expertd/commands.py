@@ -10,6 +10,7 @@ def add_subcommands(sub) -> None:
 
     add_control_subcommands(sub)
     add_client_subcommands(sub)
+    add_serving_subcommands(sub)
 
 
 def _cmd_generate(args) -> int:
@@ -69,3 +70,98 @@ def add_client_subcommands(sub) -> None:
                    "(default: ~/.cache/expertd/demo)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the model and blobs")
     p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_serve(args) -> int:
+    from expertd.client.serve import serve
+
+    options = dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                   max_tokens=args.max_tokens, chat_template=args.chat_template,
+                   use_default_chat_template=args.use_default_chat_template,
+                   chat_template_args=args.chat_template_args,
+                   decode_concurrency=args.decode_concurrency,
+                   prompt_concurrency=args.prompt_concurrency,
+                   prefill_step_size=args.prefill_step_size,
+                   prompt_cache_size=args.prompt_cache_size,
+                   allowed_origins=args.allowed_origins, log_level=args.log_level)
+    return serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,
+                 options=options)
+
+
+def _cmd_chat(args) -> int:
+    from expertd.client.chat import chat
+
+    return chat(Path(args.blobs), system_prompt=args.system_prompt, max_tokens=args.max_tokens,
+                temp=args.temp, top_p=args.top_p, seed=args.seed, max_kv_size=args.max_kv_size,
+                prefetch=args.prefetch)
+
+
+def _json_object(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
+
+
+def add_serving_subcommands(sub) -> None:
+    d = " (default: %(default)s)"
+    prefetch_help = "guess each next MoE layer's experts (see expertd generate --help)" + d
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (mlx_lm.server) on the "
+                       "shared cache",
+                       description="Serve the model of BLOB_DIR with mlx_lm.server's OpenAI-"
+                       "compatible API (/v1/chat/completions, /v1/completions, /v1/models, "
+                       "/health), its experts streamed through the running expertd, plus "
+                       "/metrics in the Prometheus text format. Several servers, generate "
+                       "runs and Python clients share one daemon. Like mlx_lm.server, it "
+                       "only implements basic security checks: keep it on a trusted network.")
+    p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on" + d)
+    p.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free "
+                   "port, printed at start)" + d)
+    p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto",
+                   help=prefetch_help)
+    p.add_argument("--chat-template", default="", help="a chat template (Jinja) replacing the "
+                   "tokenizer's" + d)
+    p.add_argument("--use-default-chat-template", action="store_true",
+                   help="use the tokenizer's default chat template if it has none" + d)
+    p.add_argument("--chat-template-args", type=_json_object, default={},
+                   help="JSON arguments for apply_chat_template, e.g. "
+                   "'{\"enable_thinking\":false}'" + d)
+    p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature" + d)
+    p.add_argument("--top-p", type=float, default=1.0, help="default top-p" + d)
+    p.add_argument("--top-k", type=int, default=0, help="default top-k (0: off)" + d)
+    p.add_argument("--min-p", type=float, default=0.0, help="default min-p (0: off)" + d)
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="default most tokens generated per request" + d)
+    p.add_argument("--decode-concurrency", type=int, default=32,
+                   help="requests decoded together in one batch" + d)
+    p.add_argument("--prompt-concurrency", type=int, default=8,
+                   help="prompts processed together in one batch" + d)
+    p.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="prompt tokens per prefill step" + d)
+    p.add_argument("--prompt-cache-size", type=int, default=10,
+                   help="most KV caches kept for reuse across requests" + d)
+    p.add_argument("--allowed-origins", type=lambda text: text.split(","), default=["*"],
+                   help="CORS origins, comma-separated (default: *)")
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="mlx_lm.server's logging level" + d)
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("chat", help="interactive chat (like mlx_lm.chat) on the shared cache",
+                       description="Chat with the model of BLOB_DIR in the terminal, its "
+                       "experts streamed through the running expertd. Type q (or /q, or end "
+                       "the input) to quit, r to reset the conversation, h for help; the "
+                       "conversation's KV cache is kept across turns, as in mlx_lm.chat.")
+    p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
+    p.add_argument("--system-prompt", help="system prompt for the chat template")
+    p.add_argument("--max-tokens", "-m", type=int, default=256,
+                   help="most tokens generated per reply" + d)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature" + d)
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p" + d)
+    p.add_argument("--seed", type=int, default=0, help="random seed" + d)
+    p.add_argument("--max-kv-size", type=int, help="most tokens kept in the KV cache "
+                   "(default: unbounded)")
+    p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto",
+                   help=prefetch_help)
+    p.set_defaults(func=_cmd_chat)

@@ -1,0 +1,332 @@
+"""``expertd serve``: mlx-lm's OpenAI-compatible server, with its model streamed through expertd.
+
+mlx_lm.server's request handling, chat templates, sampling, batching, prompt cache and streaming
+are used as they are. Only three things differ: the model comes from ``expertd.client.load`` (a
+ModelProvider that serves it and refuses any other name), ``/metrics`` is added, and the HTTP
+server is bound here, so that ``--port 0`` reports the real port and SIGTERM closes the session
+(a goodbye to the daemon). This module is the only one that relies on mlx_lm.server's private
+surface (``ModelProvider._load`` and its attributes, ``ResponseGenerator``, ``APIHandler``);
+pyproject.toml pins mlx-lm to the range it was written against.
+"""
+
+import argparse
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+from expertd.connection import Connection
+from expertd.errors import DaemonError
+from expertd.protocol import Op
+
+# mlx_lm.server's own defaults for the flags `expertd serve` does not expose (mlx-lm 0.32).
+MLX_SERVER_DEFAULTS = dict(
+    adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,
+    chat_template="", use_default_chat_template=False, temp=0.0, top_p=1.0, top_k=0, min_p=0.0,
+    max_tokens=512, chat_template_args={}, decode_concurrency=32, prompt_concurrency=8,
+    prefill_step_size=2048, prompt_cache_size=10, prompt_cache_bytes=None, kv_bits=None,
+    kv_group_size=64, quantized_kv_start=5000, pipeline=False, allowed_origins=["*"],
+    log_level="INFO")
+METRICS_STATS_TIMEOUT = 2.0  # seconds a scrape waits for the daemon's STATS
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def model_names(blob_dir: Path) -> tuple[str, set]:
+    """The id this server lists for ``blob_dir`` (the directory's name), and every name a
+    request may use for it: that id, the path as given or resolved, and "default_model"."""
+    name = blob_dir.name
+    return name, {name, str(blob_dir), str(blob_dir.resolve()), "default_model"}
+
+
+class ServerCounters:
+    """What the HTTP side did, for /metrics; updated from the handler threads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests = self.errors = self.prompt_tokens = self.generated_tokens = 0
+        # Between each request's first and last generated token: decode speed, prompt excluded.
+        self.decode_tokens = 0
+        self.decode_seconds = 0.0
+
+    def add(self, **amounts) -> None:
+        with self._lock:
+            for key, amount in amounts.items():
+                setattr(self, key, getattr(self, key) + amount)
+
+
+def _server_classes():
+    """mlx_lm.server's classes, extended; built on first use so that importing this module
+    does not import mlx."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator
+
+    class StreamedModelProvider(ModelProvider):
+        """Serves the one model loaded through expertd under its names; never loads another."""
+
+        def __init__(self, cli_args, model, tokenizer, names: set):
+            super().__init__(cli_args)
+            self.streamed, self.names = (model, tokenizer), names
+
+        def load(self, model_path, adapter_path=None, draft_model_path=None):
+            if model_path not in self.names:
+                raise ValueError(f"model {model_path!r} is not served here; this server serves "
+                                 f"{self.cli_args.model_id!r} (GET /v1/models lists it)")
+            if adapter_path is not None:
+                raise ValueError("expertd serve does not load adapters")
+            if draft_model_path not in (None, "default_model"):
+                raise ValueError("expertd serve does not load draft models")
+            if self.model is None:
+                self._load(model_path)
+            return self.model, self.tokenizer
+
+        def _load(self, model_path, adapter_path=None, draft_model_path=None):
+            model, tokenizer = self.streamed
+            self.model_key = (self.cli_args.model, None, None)
+            self.model, self.tokenizer = model, tokenizer
+            self.processor = self.draft_model = None
+            self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+
+    class CountingResponseGenerator(ResponseGenerator):
+        """mlx-lm's generator, counting requests and tokens on their way to the handler."""
+
+        def __init__(self, provider, prompt_cache, counters: ServerCounters):
+            self.counters = counters
+            super().__init__(provider, prompt_cache)
+
+        def generate(self, request, generation_args, progress_callback=None):
+            self.counters.add(requests=1)
+            try:
+                ctx, responses = super().generate(request, generation_args, progress_callback)
+            except Exception:
+                self.counters.add(errors=1)
+                raise
+            return ctx, self._counted(ctx, responses)
+
+        def _counted(self, ctx, responses):
+            first = last = None
+            count = 0
+            try:
+                for response in responses:
+                    last = time.perf_counter()
+                    first = first or last
+                    count += 1
+                    yield response
+            finally:
+                self.counters.add(prompt_tokens=len(ctx.prompt), generated_tokens=count,
+                                  decode_tokens=max(0, count - 1),
+                                  decode_seconds=(last - first) if count else 0.0)
+
+    class ExpertdHandler(APIHandler):
+        """mlx-lm's handler; /v1/models lists the streamed model, /metrics is added."""
+
+        def do_GET(self):
+            if self.path == "/metrics":
+                self._send(200, PROMETHEUS_TYPE, self.server.metrics().encode())
+            elif self.path == "/v1/models" or self.path.startswith("/v1/models/"):
+                self._models()
+            else:
+                super().do_GET()
+
+        def _models(self):
+            name = self.response_generator.cli_args.model_id
+            entry = {"id": name, "object": "model", "created": self.created,
+                     "owned_by": "expertd"}
+            wanted = self.path[len("/v1/models/"):]
+            if not wanted:
+                body = {"object": "list", "data": [entry]}
+            elif wanted in self.server.names:
+                body = entry
+            else:
+                error = {"message": f"model {wanted!r} is not served here; this server serves "
+                                    f"{name!r}", "type": "invalid_request_error",
+                         "code": "model_not_found"}
+                self._send(404, "application/json", json.dumps({"error": error}).encode())
+                return
+            self._send(200, "application/json", json.dumps(body).encode())
+
+        def _send(self, status: int, content_type: str, body: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self._set_cors_headers()
+            self.end_headers()
+            self.wfile.write(body)
+
+    return StreamedModelProvider, CountingResponseGenerator, ExpertdHandler
+
+
+class ExpertdHTTPServer(ThreadingHTTPServer):
+    """The HTTP server, holding what /metrics and /v1/models need to know."""
+
+    daemon_threads = True  # a client holding a stream open must not keep the process alive
+
+    def __init__(self, address, handler, *, blob_dir: Path, session, counters: ServerCounters,
+                 names: set):
+        super().__init__(address, handler)
+        self.blob_dir, self.session, self.counters, self.names = (blob_dir, session, counters,
+                                                                  names)
+
+    def metrics(self) -> str:
+        """The Prometheus text exposition of the daemon's counters and this server's."""
+        return render_metrics(self._daemon_stats(), self.counters, self.session.counters)
+
+    def _daemon_stats(self) -> dict | None:
+        # Its own socket: the session's belongs to the generation thread.
+        try:
+            with Connection(self.blob_dir) as conn:
+                return conn.request(Op.STATS, timeout=METRICS_STATS_TIMEOUT)
+        except DaemonError:
+            return None
+
+
+# (metric, type, help, where the value comes from)
+DAEMON_METRICS = [
+    ("hits", "counter", "expert lookups served from the arena", "hits"),
+    ("misses", "counter", "expert lookups that had to be read from the blob files", "misses"),
+    ("prefetch_hits", "counter", "misses saved by a prefetched side row", "prefetch_hits"),
+    ("hit_rate", "gauge", "hits / (hits + misses + prefetch hits) since the daemon started",
+     "hit_rate"),
+    ("bytes_read", "counter", "bytes the daemon read from the blob files", "bytes_read"),
+    ("fill_gbps", "gauge", "GB/s read while the daemon was filling rows", "fill_gbps"),
+    ("clients", "gauge", "client processes attached to the daemon", "clients"),
+    ("arena_bytes", "gauge", "size of the shared-memory arena", "arena_bytes"),
+    ("rows_used", "gauge", "arena rows holding an expert", "rows_used"),
+]
+
+
+def render_metrics(stats: dict | None, server: ServerCounters, client: dict) -> str:
+    """Prometheus text format: ``expertd_daemon_*`` from STATS (``expertd_daemon_up 0`` and
+    nothing else of the daemon's when it does not answer), ``expertd_server_*`` of this server,
+    ``expertd_client_*`` of this process's session."""
+    lines = []
+
+    def metric(name, kind, text, value):
+        lines.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"])
+
+    metric("expertd_daemon_up", "gauge", "1 if the daemon answered this scrape",
+           int(stats is not None))
+    for name, kind, text, key in DAEMON_METRICS if stats is not None else []:
+        suffix = "_total" if kind == "counter" else ""
+        metric(f"expertd_daemon_{name}{suffix}", kind, text, stats[key])
+    tps = server.decode_tokens / server.decode_seconds if server.decode_seconds else 0.0
+    for name, kind, text, value in [
+        ("requests", "counter", "completion requests received", server.requests),
+        ("request_errors", "counter", "requests refused before generating", server.errors),
+        ("prompt_tokens", "counter", "prompt tokens of the requests", server.prompt_tokens),
+        ("generated_tokens", "counter", "tokens generated", server.generated_tokens),
+        ("decode_seconds", "counter", "seconds between each request's first and last token",
+         round(server.decode_seconds, 6)),
+        ("tokens_per_second", "gauge", "decode tok/s over all requests, prompts excluded",
+         round(tps, 3)),
+    ]:
+        suffix = "_total" if kind == "counter" else ""
+        metric(f"expertd_server_{name}{suffix}", kind, text, value)
+    for key in ("fast_hits", "demanded", "staged_used", "reconnects"):
+        metric(f"expertd_client_{key}_total", "counter", f"this server's session: {key}",
+               client.get(key, 0))
+    return "\n".join(lines) + "\n"
+
+
+def mlx_server_args(blob_dir: Path, options: dict) -> argparse.Namespace:
+    """The namespace mlx_lm.server reads its settings from: its defaults, then ``options``."""
+    unknown = set(options) - set(MLX_SERVER_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown mlx_lm.server options: {', '.join(sorted(unknown))}")
+    name, _ = model_names(blob_dir)
+    return argparse.Namespace(**{**MLX_SERVER_DEFAULTS, **options}, model=str(blob_dir),
+                              model_id=name)
+
+
+def _bind(host: str, port: int, handler_factory, **state) -> ExpertdHTTPServer:
+    """Listen on ``host:port`` (IPv4 or IPv6, as mlx_lm.server resolves it)."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        server_class = type("Server", (ExpertdHTTPServer,), {"address_family": family})
+        return server_class(address, handler_factory, **state)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another "
+                      "--port or stop what uses it") from None
+
+
+def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "auto",
+          options: dict | None = None, out=sys.stdout) -> int:
+    """Serve the model of ``blob_dir`` over HTTP until SIGINT or SIGTERM.
+
+    Args:
+        blob_dir: a blob directory served by a running daemon.
+        host, port: where to listen (port 0: any free port; the line printed names it).
+        prefetch: the client's prefetch mode (see ``expertd.client.load``).
+        options: mlx_lm.server settings by their argparse names (``temp``, ``max_tokens``,
+            ``chat_template``, ...); the rest keep mlx_lm.server's defaults.
+        out: where the "listening" line goes.
+    Returns:
+        0 after a clean shutdown (the session closed with a goodbye to the daemon).
+    Raises:
+        DaemonNotRunning: no daemon serves ``blob_dir`` (the message says how to start one).
+        OSError: the address cannot be bound.
+        ValueError: an unknown option.
+    """
+    from mlx_lm.models.cache import LRUPromptCache
+    from mlx_lm.server import get_system_fingerprint
+
+    from expertd.client import load
+
+    blob_dir = Path(blob_dir).expanduser()
+    cli_args = mlx_server_args(blob_dir, options or {})
+    logging.basicConfig(level=getattr(logging, cli_args.log_level.upper()),
+                        format="%(asctime)s - %(levelname)s - %(message)s")
+    # Loaded here rather than in the generation thread, so that a daemon that is not running
+    # is a one-line error before anything listens.
+    model, tokenizer = load(blob_dir, prefetch=prefetch)
+    session = model.expertd_session
+    try:
+        if cli_args.chat_template:
+            tokenizer.chat_template = cli_args.chat_template  # as mlx_lm.server's load does
+            tokenizer.has_chat_template = True
+        elif cli_args.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = tokenizer.default_chat_template
+        provider_class, generator_class, handler_class = _server_classes()
+        name, names = model_names(blob_dir)
+        provider = provider_class(cli_args, model, tokenizer, names)
+        counters = ServerCounters()
+        fingerprint = get_system_fingerprint()
+        httpd = None
+        generator = generator_class(provider, LRUPromptCache(cli_args.prompt_cache_size),
+                                    counters)
+        try:
+            httpd = _bind(host, port, lambda *a, **k: handler_class(
+                generator, *a, system_fingerprint=fingerprint, **k),
+                blob_dir=blob_dir, session=session, counters=counters, names=names)
+            bound_host, bound_port = httpd.server_address[:2]
+            print(f"expertd serve: {name} on http://{bound_host}:{bound_port}/v1 (blob dir "
+                  f"{session.paths.blob_dir}, daemon pid {session.daemon_pid}); stop with "
+                  "Ctrl-C", file=out, flush=True)
+            _serve_until_signal(httpd)
+        finally:
+            if httpd is not None:
+                httpd.server_close()
+            generator.stop_and_join()
+    finally:
+        session.close()
+    return 0
+
+
+def _serve_until_signal(httpd) -> None:
+    """Serve until SIGINT or SIGTERM, either of which ends ``serve_forever`` in this thread."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)

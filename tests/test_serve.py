@@ -1,0 +1,229 @@
+"""``expertd serve``: mlx_lm.server's OpenAI API on the shared cache, through the official client.
+
+Real processes only: one daemon, two ``expertd serve`` processes on ports they pick themselves,
+the ``openai`` package talking to them. Greedy answers must equal ``expertd generate --temp 0``
+and resident mlx-lm for the same prompt and chat template, and the second server must find in
+the arena everything the first one had the daemon read.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import mlx_lm
+import pytest
+from openai import NotFoundError, OpenAI
+
+from harness import SMALL_CACHE_GB, Daemon, expertd_cli, wait_until
+
+pytestmark = pytest.mark.timeout(240)
+
+# The synthetic tokenizer has no chat template: both servers and the resident run get this one.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+PROMPT = "def main(): print("
+MAX_TOKENS = 12
+START_TIMEOUT = 60.0
+STOP_TIMEOUT = 20.0
+
+
+class Server:
+    """A real ``expertd serve --port 0`` process; ``url`` is read from the line it prints."""
+
+    def __init__(self, blob_dir, tmp_path, *flags):
+        self.out = tmp_path / f"serve-{os.urandom(4).hex()}.out"
+        self.err = self.out.with_suffix(".err")
+        cmd = [sys.executable, "-m", "expertd", "serve", "--blobs", str(blob_dir), "--port",
+               "0", "--log-level", "WARNING", *map(str, flags)]
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        try:
+            line = wait_until(self._listening, START_TIMEOUT, "expertd serve to listen")
+        except BaseException:
+            self.close()
+            raise
+        self.url = line.split(" on ", 1)[1].split()[0]
+        self.base = self.url.removesuffix("/v1")
+        self.client = OpenAI(base_url=self.url, api_key="expertd", max_retries=0, timeout=60)
+
+    def _listening(self) -> str | None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"expertd serve exited with {self.proc.returncode}:\n"
+                                 f"{self.err.read_text()}")
+        return next((line for line in self.out.read_text().splitlines()
+                     if line.startswith("expertd serve: ")), None)
+
+    def get(self, path: str) -> tuple[int, str, str]:
+        """Status, content type and body of GET ``path``."""
+        with urllib.request.urlopen(self.base + path, timeout=30) as reply:
+            return reply.status, reply.headers["Content-Type"], reply.read().decode()
+
+    def close(self) -> int:
+        """SIGTERM, then SIGKILL past ``STOP_TIMEOUT``; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_TIMEOUT)
+                raise AssertionError("expertd serve did not stop within "
+                                     f"{STOP_TIMEOUT:g} s of SIGTERM") from None
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def parse_metrics(text: str) -> tuple[dict, dict]:
+    """Prometheus text format: ``({name: value}, {name: type})``; malformed lines fail."""
+    values, types = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            types[name] = kind
+        elif line and not line.startswith("#"):
+            name, value = line.split()
+            values[name] = float(value)
+    assert set(values) == set(types), "every sample has its # TYPE line"
+    return values, types
+
+
+def resident_tokens(model_dir, prompt, chat_template: str | None = None) -> list[int]:
+    """Greedy tokens of mlx-lm with the whole model resident (``prompt``: text or messages)."""
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+        prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+    return [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt,
+                                                     max_tokens=MAX_TOKENS)]
+
+
+def reply_tokens(choice) -> list[int]:
+    """Token ids of a non-streamed reply asked with ``logprobs=True`` (mlx_lm.server's form)."""
+    content = choice.logprobs.model_extra.get("content") if choice.logprobs.model_extra else None
+    content = content if content is not None else choice.logprobs.content
+    return [item["id"] if isinstance(item, dict) else item.model_extra["id"] for item in content]
+
+
+def test_two_servers_share_one_daemon(models, isolated_env, tmp_path):
+    blobs, model_dir = models.blobs(), models.model()
+    with (Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB) as daemon,
+          Server(blobs, tmp_path, "--chat-template", CHAT_TEMPLATE) as a,
+          Server(blobs, tmp_path, "--chat-template", CHAT_TEMPLATE) as b):
+        assert daemon.stats()["clients"] == 2
+        assert daemon.stats()["bytes_read"] == 0, "loading a server reads no expert"
+
+        # The same greedy chat through both: the daemon reads its experts once, for the first.
+        replies, grew = [], []
+        for server in (a, b):
+            before = daemon.stats()["bytes_read"]
+            replies.append(server.client.chat.completions.create(
+                model=blobs.name, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+                logprobs=True))
+            grew.append(daemon.stats()["bytes_read"] - before)
+        assert grew[0] > 0 and grew[1] == 0, f"bytes read per server: {grew}"
+        chat_tokens = [reply_tokens(r.choices[0]) for r in replies]
+        assert chat_tokens[0] == chat_tokens[1] == resident_tokens(model_dir, MESSAGES,
+                                                                   CHAT_TEMPLATE)
+        assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+        assert replies[0].usage.completion_tokens == MAX_TOKENS
+
+        # A plain completion equals `expertd generate --temp 0 --ignore-chat-template`.
+        completion = b.client.completions.create(model=blobs.name, prompt=PROMPT,
+                                                 max_tokens=MAX_TOKENS, temperature=0,
+                                                 logprobs=True)
+        summary = tmp_path / "generate.json"
+        done = expertd_cli("generate", "--blobs", blobs, "--prompt", PROMPT, "--max-tokens",
+                           MAX_TOKENS, "--temp", 0, "--ignore-chat-template",
+                           "--json-summary", summary, timeout=120)
+        assert done.returncode == 0, done.stderr
+        generated = json.loads(summary.read_text())["tokens"]
+        assert reply_tokens(completion.choices[0]) == generated == resident_tokens(model_dir,
+                                                                                   PROMPT)
+        assert done.stdout.startswith(completion.choices[0].text)
+
+        # Streaming gives the same text, chunk by chunk, and its usage when asked.
+        chunks = list(a.client.chat.completions.create(
+            model=blobs.name, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0,
+            stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            replies[0].choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+        streamed = a.client.completions.create(model=str(blobs), prompt=PROMPT,
+                                               max_tokens=MAX_TOKENS, temperature=0,
+                                               stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
+
+        # Model names: the listed id, the blob path and "default_model" work; others are refused.
+        assert [m.id for m in a.client.models.list()] == [blobs.name]
+        assert a.client.models.retrieve(blobs.name).id == blobs.name
+        with pytest.raises(NotFoundError) as refused:
+            a.client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
+        # mlx_lm.server's error body, {"error": text}, for this as for its other errors.
+        assert refused.value.response.json() == {"error": (
+            f"model 'gpt-4o' is not served here; this server serves '{blobs.name}' "
+            "(GET /v1/models lists it)")}
+        with pytest.raises(NotFoundError, match="not served here"):
+            a.client.models.retrieve("gpt-4o")
+        default = a.client.completions.create(model="default_model", prompt=PROMPT,
+                                              max_tokens=MAX_TOKENS, temperature=0)
+        assert default.choices[0].text == completion.choices[0].text
+
+        assert a.get("/health")[::2] == (200, '{"status": "ok"}')
+        status, kind, text = a.get("/metrics")
+        assert status == 200 and kind.startswith("text/plain; version=0.0.4")
+        values, types = parse_metrics(text)
+        stats = daemon.stats()
+        assert values["expertd_daemon_up"] == 1
+        assert values["expertd_daemon_bytes_read_total"] == stats["bytes_read"]
+        assert values["expertd_daemon_clients"] == 2
+        assert values["expertd_daemon_hits_total"] == stats["hits"] > 0
+        assert values["expertd_daemon_misses_total"] == stats["misses"] > 0
+        assert types["expertd_daemon_hits_total"] == "counter"
+        assert types["expertd_daemon_hit_rate"] == "gauge"
+        for name in ("fill_gbps", "prefetch_hits_total"):
+            assert f"expertd_daemon_{name}" in values
+        # Server a: the chat, the streamed chat and completion, the refused name, default_model.
+        assert values["expertd_server_requests_total"] == 5
+        assert values["expertd_server_request_errors_total"] == 1
+        assert values["expertd_server_generated_tokens_total"] == 4 * MAX_TOKENS
+        assert values["expertd_server_tokens_per_second"] > 0
+        assert values["expertd_client_fast_hits_total"] + \
+            values["expertd_client_demanded_total"] > 0
+
+        # A port already taken: one line naming it, before anything else happens.
+        port = a.url.rsplit(":", 1)[1].split("/")[0]
+        taken = expertd_cli("serve", "--blobs", blobs, "--port", port, timeout=120)
+        assert taken.returncode == 1
+        assert taken.stderr.strip().splitlines() == [
+            f"expertd serve: error: cannot listen on 127.0.0.1:{port} (Address already in "
+            "use); pick another --port or stop what uses it"]
+
+        # SIGTERM: exit 0, and the goodbye drops the client at once.
+        assert a.close() == 0 and b.close() == 0
+        assert daemon.stats()["clients"] == 0
+
+
+def test_serve_without_a_daemon(models, isolated_env):
+    blobs = models.blobs()
+    done = expertd_cli("serve", "--blobs", blobs, "--port", "0", timeout=120)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"start one with: expertd start --blobs {blobs}" in lines[0]
+    assert done.stdout == ""
+
+
+def test_serve_help_shows_defaults():
+    done = expertd_cli("serve", "--help")
+    assert done.returncode == 0
+    for default in ("(default: 127.0.0.1)", "(default: 8080)", "(default: auto)",
+                    "(default: 512)", "(default: 0.0)"):
+        assert default in " ".join(done.stdout.split())  # argparse wraps lines anywhere
