@@ -14,8 +14,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
     ``chat_template`` is False, with ``system_prompt`` first) are mlx-lm's.
 
     Returns:
-        dict with prompt/generation token counts and tok/s, the tokens, and the daemon's
-        hits, misses and bytes read during the run.
+        dict with prompt/generation token counts and tok/s, the tokens, this client's hits,
+        misses, hit rate and bytes read for it, and the whole daemon's during the run.
     """
     import mlx.core as mx
     from mlx_lm import stream_generate
@@ -42,21 +42,25 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
         tokens.append(response.token)
         last = response
     elapsed = time.perf_counter() - started
+    mine = session.usage()
     after = session.stats()
     session.close()
-    hits = after["hits"] - before["hits"]
-    misses = after["misses"] - before["misses"]
     return dict(
         prompt_tokens=last.prompt_tokens if last else 0,
         prompt_tps=last.prompt_tps if last else 0.0,
         generation_tokens=last.generation_tokens if last else 0,
         generation_tps=last.generation_tps if last else 0.0,
-        seconds=elapsed, tokens=tokens, hits=hits, misses=misses,
-        hit_rate=hits / max(1, hits + misses),
-        bytes_read=after["bytes_read"] - before["bytes_read"],
+        seconds=elapsed, tokens=tokens,
+        # This client's own: experts it used, the ones read from the disk for it, and the bytes
+        # read for it (its misses and the prefetches it asked for).
+        hits=mine["hits"], misses=mine["misses"], hit_rate=mine["hit_rate"],
+        bytes_read=mine["bytes_read"], prefetch_reads=mine["prefetch_reads"],
+        # The whole daemon's during the run (other clients included).
+        daemon_hits=after["hits"] - before["hits"],
+        daemon_misses=after["misses"] - before["misses"],
+        daemon_bytes_read=after["bytes_read"] - before["bytes_read"],
         fast_hits=session.counters["fast_hits"], demanded=session.counters["demanded"],
         staged_used=session.counters["staged_used"],
-        prefetch_hits=after.get("prefetch_hits", 0) - before.get("prefetch_hits", 0),
         prediction=session.prediction(),
     )
 

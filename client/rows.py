@@ -18,7 +18,9 @@ from expertd.client.interrupts import HeldInterrupts
 from expertd.errors import DaemonError
 from expertd.protocol import Op
 
-DRAIN_TIMEOUT = 5.0
+# How long a fetch waits for rows someone else is filling before it demands them itself. The
+# demand merges onto the same fill, and moves a prefetch's low-priority read to the front.
+DRAIN_TIMEOUT = 0.05
 
 
 class DaemonDied(DaemonError):
@@ -158,11 +160,14 @@ class RowReader:
         native.remap(self.raw, self._slot_of_offset, self._slots_offset, self._n_experts, layer,
                      guessed, slots, versions, filling)
         ready = slots >= 0
-        absent = guessed[~ready & (filling < 0)]
-        if len(absent) and self._socket_lock.acquire(blocking=False):
+        absent = int((~ready & (filling < 0)).sum())
+        if absent and self._socket_lock.acquire(blocking=False):
+            # All of the guess, not only what is absent: a resident guess may sit in a side row,
+            # and naming it claims that row for this generation, so the daemon does not reuse
+            # it for the absent ones while the copier reads it.
             try:  # fire and forget; skipped if the heartbeat thread has the socket right now
-                self._send_quietly(Op.PREFETCH, {"layer": layer, "experts": absent.tolist()})
-                self.counters["prefetch_asked"] += len(absent)
+                self._send_quietly(Op.PREFETCH, {"layer": layer, "experts": guessed.tolist()})
+                self.counters["prefetch_asked"] += absent
             finally:
                 self._socket_lock.release()
         staged = Prestage(layer, self.epoch, guessed, guessed[ready], slots[ready],
@@ -203,12 +208,17 @@ class RowReader:
             slots, versions = staged.slots[at], staged.versions[at]
             # Copied before this check: an unchanged even version means the bytes were never
             # rewritten while (or since) the copier read them.
-            if native.validate(self.raw, self._slots_offset, slots, versions):
+            if not native.validate(self.raw, self._slots_offset, slots, versions):
+                # Some row changed since the copier read it: keep the others.
+                self.counters["retries"] += 1
+                good = [j for j in range(len(at))
+                        if native.validate(self.raw, self._slots_offset, slots[j:j + 1],
+                                           versions[j:j + 1])]
+                keep, at = [keep[j] for j in good], [at[j] for j in good]
+                slots = slots[good]
+            if keep:
                 native.bump_hits(self.raw, self._slots_offset, slots)
                 self.counters["staged_used"] += len(at)
-            else:
-                keep, at = [], []
-                self.counters["retries"] += 1
         self.counters["staged_unused"] += len(staged.experts) - len(keep)
         if not keep:
             return np.arange(len(wanted), dtype=np.int32), None
@@ -232,6 +242,8 @@ class RowReader:
         slots[:] = reply["rows"]
         versions[:] = reply["versions"]
         self.counters["demanded"] += len(experts)
+        self.counters["misses"] += reply.get("misses", 0)
+        self.counters["prefetch_saved"] += reply.get("saved", 0)
 
     def _drain(self, layer, experts, slots, versions, filling) -> None:
         idx = np.flatnonzero(filling >= 0)

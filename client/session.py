@@ -54,7 +54,8 @@ class Session(RowReader):
         self.reconnect_timeout = reconnect_timeout
         self.requested_group = max_group or max(64, 4 * self.manifest.top_k)
         self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0,
-                             late_leases=0, prefetch_asked=0, staged_used=0, staged_unused=0)
+                             late_leases=0, prefetch_asked=0, staged_used=0, staged_unused=0,
+                             misses=0, prefetch_saved=0)
         # Where the main thread's time goes after each router sync (see switch.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
                            copier_wait_s=0.0, layers=0)
@@ -307,6 +308,18 @@ class Session(RowReader):
         """Per MoE layer, how the guesses made for it went (None for a layer nobody guesses)."""
         return [None] + [g.guesses.summary() if g is not None else None
                          for g in self.guessers[:-1]]
+
+    def usage(self) -> dict:
+        """This client's own use of the cache so far: experts it used, how many of them had to
+        be read from the disk for it (its misses), and the bytes read for it (its misses and
+        the prefetches it asked for)."""
+        c = self.counters
+        used = c["fast_hits"] + c["staged_used"] + c["demanded"]
+        prefetched = self.stats().get("client_prefetch_reads", 0)
+        return dict(used=used, misses=c["misses"], hits=used - c["misses"],
+                    hit_rate=(used - c["misses"]) / used if used else 0.0,
+                    prefetch_reads=prefetched,
+                    bytes_read=(c["misses"] + prefetched) * self.manifest.stride)
 
     def stats(self) -> dict:
         return self.request(Op.STATS, {})

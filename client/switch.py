@@ -56,10 +56,14 @@ class Staging:
     def acquire(self, layer: int):
         """The next buffer, and the rows staged in it for ``layer`` (or None)."""
         buf = self.idle()
-        self.turn ^= 1
-        staged, buf.staged = buf.staged, None
+        staged = buf.staged
         if staged is not None and staged.job is not None:
-            staged.job.wait()  # the copier must be done with the buffer before anyone writes
+            # The copier must be done with the buffer before anyone writes into it; until this
+            # wait returns (a KeyboardInterrupt may cut it short), the job stays on the buffer,
+            # so the next acquire waits for it again.
+            staged.job.wait()
+        buf.staged = None
+        self.turn ^= 1
         return buf, staged if staged is not None and staged.layer == layer else None
 
     def idle(self) -> StagingBuffer:

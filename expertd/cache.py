@@ -104,6 +104,7 @@ class ExpertCache:
         self.counters["demand_hits"] += len(d.experts) - len(need) - saved
         self.counters["prefetch_hits"] += saved
         self.counters["misses"] += len(need)
+        d.misses, d.saved = len(need), saved
         if not waiting:
             self._answer(d)
         return True
@@ -120,7 +121,8 @@ class ExpertCache:
             return
         self.book.answered(d, time.monotonic())
         self.send(d.owner, reply_ok(d.rid, Op.DEMAND, rows=d.rows,
-                                    versions=self.table.versions(d.rows), lease=d.lease))
+                                    versions=self.table.versions(d.rows), lease=d.lease,
+                                    misses=d.misses, saved=d.saved))
 
     def retry_queued(self, alive) -> None:
         """Start the queued demands that fit now, oldest first; ``alive(owner)`` filters."""
@@ -268,18 +270,21 @@ class ExpertCache:
         self.side.swap(row, int(victims[0]))
         return True
 
-    def prefetch(self, owner: bytes, layer: int, experts) -> None:
+    def prefetch(self, owner: bytes, layer: int, experts) -> int:
         """Fill the experts of ``layer`` that ``owner`` predicts it will need into side rows.
 
         Experts resident or filling anywhere are merged (and their side rows claimed for this
         generation); the others take overwritable side rows, at most ``side_rows`` of them, and
         are read after every queued demand. None free: dropped.
+
+        Returns:
+            How many experts it started reading.
         """
         c = self.counters
         c["prefetch_requested"] += len(experts)
         if self.prefetch_mode == "off":
             c["prefetch_ignored"] += len(experts)
-            return
+            return 0
         now = time.monotonic()
         gen = self.side.next_generation(owner)
         want = []
@@ -292,7 +297,7 @@ class ExpertCache:
             if self.side.side[row]:
                 self.side.claim(row, owner, gen, now)
         if not want:
-            return
+            return 0
         # Only the side rows are looked at: clients send a PREFETCH per layer, and work over
         # the whole arena on each would take the serving thread from the demands.
         side = self.side.side_rows()
@@ -309,3 +314,4 @@ class ExpertCache:
             c["prefetch_wasted"] += self.side.filled(row, owner, gen, now)
             self._fill(row, layer, e, urgent=False)
             self.prefetch_rows.add(row)
+        return len(rows)

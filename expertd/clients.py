@@ -19,6 +19,7 @@ class Client:
     token: bytes  # what its heartbeat socket must show
     last_seen: float
     pins: set = field(default_factory=set)  # keys it pinned: they die with it
+    prefetch_reads: int = 0  # experts read ahead because it asked (its share of bytes read)
 
 
 class ClientRegistry:

@@ -27,6 +27,8 @@ class Demand:
     lease: int = 0
     error: tuple | None = None  # (code, message) of the first failed fill
     dropped: bool = False  # its owner went away while it was queued
+    misses: int = 0  # experts it had read from the disk
+    saved: int = 0  # experts it found read ahead by a prefetch (first use of a side row)
 
 
 @dataclass(eq=False)

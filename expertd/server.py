@@ -206,7 +206,9 @@ class ExpertServer:
             self._send(identity, reply_ok(rid, op, token=client.token, **self._hello()))
             return
         if op is Op.STATS:
-            self._send(identity, reply_ok(rid, op, **self.stats()))
+            asker = self.clients.get(identity)
+            mine = {} if asker is None else {"client_prefetch_reads": asker.prefetch_reads}
+            self._send(identity, reply_ok(rid, op, **self.stats(), **mine))
             return
         client = self.clients.seen(identity, now)
         if client is None:
@@ -223,7 +225,7 @@ class ExpertServer:
             if op is Op.DEMAND:
                 self._demand(identity, rid, req)
             elif op is Op.PREFETCH:
-                self.cache.prefetch(identity, req.layer, req.experts)
+                client.prefetch_reads += self.cache.prefetch(identity, req.layer, req.experts)
             elif op is Op.PIN:
                 self._pin(client, rid, req)
             elif op is Op.UNPIN:

@@ -1,0 +1,75 @@
+"""`expertd generate`: mlx_lm.generate's flags, and a summary of this client's own use of the cache."""
+
+import json
+import os
+import subprocess
+import sys
+
+from harness import Daemon
+from expertd.manifest import Manifest
+
+PROMPT = "Once upon a time"
+
+
+def run_generate(blob_dir, env, out, *flags, stdin=None):
+    """One ``expertd generate`` process; its JSON summary and its last line of output."""
+    proc = subprocess.run([sys.executable, "-m", "expertd", "generate", "--blobs", str(blob_dir),
+                           "--max-tokens", "8", "--json-summary", str(out), *flags],
+                          env={**os.environ, **env}, input=stdin or "", capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(out.read_text()), proc.stdout.strip().splitlines()[-1]
+
+
+def test_the_summary_is_this_clients_own(models, isolated_env, tmp_path):
+    blob_dir = models.blobs()
+    stride = Manifest.load(blob_dir).stride
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+        cold, _ = run_generate(blob_dir, isolated_env, tmp_path / "a.json", "--prompt", PROMPT,
+                               "--prefetch", "off")
+        warm, line = run_generate(blob_dir, isolated_env, tmp_path / "b.json", "--prompt",
+                                  PROMPT, "--prefetch", "off")
+    assert cold["misses"] > 0 and cold["bytes_read"] == cold["misses"] * stride
+    assert cold["bytes_read"] == cold["daemon_bytes_read"]  # it was alone
+    assert cold["hits"] + cold["misses"] == cold["fast_hits"] + cold["demanded"]
+    # The same prompt again: everything was read for the first client already.
+    assert warm["tokens"] == cold["tokens"]
+    assert warm["misses"] == warm["bytes_read"] == warm["daemon_bytes_read"] == 0
+    assert warm["hit_rate"] == 1.0 and warm["hits"] > 0
+    assert "hit rate 100.0% | read 0.0 MiB" in line
+
+
+def test_prefetches_asked_for_count_as_this_clients_reads(models, isolated_env, tmp_path):
+    blob_dir = models.blobs()
+    stride = Manifest.load(blob_dir).stride
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+        summary, _ = run_generate(blob_dir, isolated_env, tmp_path / "a.json", "--prompt",
+                                  PROMPT, "--prefetch", "on")
+    assert summary["prefetch_reads"] > 0
+    assert summary["bytes_read"] == (summary["misses"] + summary["prefetch_reads"]) * stride
+    assert summary["bytes_read"] == summary["daemon_bytes_read"]
+
+
+def test_prompt_dash_reads_stdin(models, isolated_env, tmp_path):
+    blob_dir = models.blobs()
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+        given, _ = run_generate(blob_dir, isolated_env, tmp_path / "a.json", "--prompt", PROMPT)
+        piped, _ = run_generate(blob_dir, isolated_env, tmp_path / "b.json", "--prompt", "-",
+                                stdin=PROMPT)
+    assert piped["prompt_tokens"] == given["prompt_tokens"] > 1
+    assert piped["tokens"] == given["tokens"]
+
+
+def test_sampling_flags_are_mlx_lms(models, isolated_env, tmp_path):
+    blob_dir = models.blobs()
+    flags = ("--prompt", PROMPT, "--temp", "1.0", "--top-p", "0.9", "--min-p", "0.01",
+             "--top-k", "5", "--seed")
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+        one, _ = run_generate(blob_dir, isolated_env, tmp_path / "a.json", *flags, "7")
+        two, _ = run_generate(blob_dir, isolated_env, tmp_path / "b.json", *flags, "7")
+        top1, _ = run_generate(blob_dir, isolated_env, tmp_path / "c.json", "--prompt", PROMPT,
+                               "--temp", "1.0", "--top-k", "1", "--seed", "7")
+        greedy, _ = run_generate(blob_dir, isolated_env, tmp_path / "d.json", "--prompt", PROMPT)
+    assert one["tokens"] == two["tokens"] and len(one["tokens"]) == 8  # the seed repeats it
+    # top-k 1 leaves the sampler one choice: greedy decoding, whatever the temperature.
+    assert top1["tokens"] == greedy["tokens"]
