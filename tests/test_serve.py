@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 
 import mlx_lm
 import pytest
@@ -96,9 +98,14 @@ def parse_metrics(text: str) -> tuple[dict, dict]:
     return values, types
 
 
+@cache
+def resident_model(model_dir):
+    return mlx_lm.load(str(model_dir))
+
+
 def resident_tokens(model_dir, prompt, chat_template: str | None = None) -> list[int]:
     """Greedy tokens of mlx-lm with the whole model resident (``prompt``: text or messages)."""
-    model, tokenizer = mlx_lm.load(str(model_dir))
+    model, tokenizer = resident_model(model_dir)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
         prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
@@ -199,13 +206,21 @@ def test_two_servers_share_one_daemon(models, isolated_env, tmp_path):
         assert values["expertd_client_fast_hits_total"] + \
             values["expertd_client_demanded_total"] > 0
 
+        # Requests at the same time (mlx-lm batches them): each gets its resident answer.
+        prompts = ["hello there my friend", "x = [1, 2, 3]", "import os", PROMPT]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda prompt: reply_tokens(b.client.completions.create(
+                model=blobs.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                logprobs=True).choices[0]), prompts))
+        assert together == [resident_tokens(model_dir, prompt) for prompt in prompts]
+
         # A port already taken: one line naming it, before anything else happens.
         port = a.url.rsplit(":", 1)[1].split("/")[0]
         taken = expertd_cli("serve", "--blobs", blobs, "--port", port, timeout=120)
         assert taken.returncode == 1
         assert taken.stderr.strip().splitlines() == [
-            f"expertd serve: error: cannot listen on 127.0.0.1:{port} (Address already in "
-            "use); pick another --port or stop what uses it"]
+            (f"expertd serve: error: cannot listen on 127.0.0.1:{port} (Address already in "
+             "use); pick another --port or stop what uses it")]
 
         # SIGTERM: exit 0, and the goodbye drops the client at once.
         assert a.close() == 0 and b.close() == 0
