@@ -76,7 +76,7 @@ def _cmd_serve(args) -> int:
     from expertd.client.serve import serve
 
     options = dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                   max_tokens=args.max_tokens, chat_template=args.chat_template,
+                   max_tokens=args.max_tokens, chat_template=args.chat_template or "",
                    use_default_chat_template=args.use_default_chat_template,
                    chat_template_args=args.chat_template_args,
                    decode_concurrency=args.decode_concurrency,
@@ -104,8 +104,7 @@ def _json_object(text: str) -> dict:
 
 
 def add_serving_subcommands(sub) -> None:
-    d = " (default: %(default)s)"
-    prefetch_help = "guess each next MoE layer's experts (see expertd generate --help)" + d
+    prefetch_help = "guess each next MoE layer's experts (see expertd generate --help)"
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (mlx_lm.server) on the "
                        "shared cache",
                        description="Serve the model of BLOB_DIR with mlx_lm.server's OpenAI-"
@@ -115,37 +114,39 @@ def add_serving_subcommands(sub) -> None:
                        "runs and Python clients share one daemon. Like mlx_lm.server, it "
                        "only implements basic security checks: keep it on a trusted network.")
     p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on" + d)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free "
-                   "port, printed at start)" + d)
+                   "port, printed at start)")
     p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto",
                    help=prefetch_help)
-    p.add_argument("--chat-template", default="", help="a chat template (Jinja) replacing the "
-                   "tokenizer's" + d)
+    p.add_argument("--chat-template", help="a chat template (Jinja) replacing the "
+                   "tokenizer's")
     p.add_argument("--use-default-chat-template", action="store_true",
-                   help="use the tokenizer's default chat template if it has none" + d)
+                   help="use the tokenizer's built-in chat template if none is set")
     p.add_argument("--chat-template-args", type=_json_object, default={},
                    help="JSON arguments for apply_chat_template, e.g. "
-                   "'{\"enable_thinking\":false}'" + d)
-    p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature" + d)
-    p.add_argument("--top-p", type=float, default=1.0, help="default top-p" + d)
-    p.add_argument("--top-k", type=int, default=0, help="default top-k (0: off)" + d)
-    p.add_argument("--min-p", type=float, default=0.0, help="default min-p (0: off)" + d)
+                   "'{\"enable_thinking\":false}'")
+    p.add_argument("--temp", type=float, default=0.0,
+                   help="sampling temperature of requests that set none")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of requests that set none")
+    p.add_argument("--top-k", type=int, default=0, help="top-k of requests that set none (0: off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="min-p of requests that set none (0: off)")
     p.add_argument("--max-tokens", type=int, default=512,
-                   help="default most tokens generated per request" + d)
+                   help="most tokens generated for a request that sets no max_tokens")
     p.add_argument("--decode-concurrency", type=int, default=32,
-                   help="requests decoded together in one batch" + d)
+                   help="requests decoded together in one batch")
     p.add_argument("--prompt-concurrency", type=int, default=8,
-                   help="prompts processed together in one batch" + d)
+                   help="prompts processed together in one batch")
     p.add_argument("--prefill-step-size", type=int, default=2048,
-                   help="prompt tokens per prefill step" + d)
+                   help="prompt tokens per prefill step")
     p.add_argument("--prompt-cache-size", type=int, default=10,
-                   help="most KV caches kept for reuse across requests" + d)
+                   help="most KV caches kept for reuse across requests")
     p.add_argument("--allowed-origins", type=lambda text: text.split(","), default=["*"],
                    help="CORS origins, comma-separated (default: *)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                   help="mlx_lm.server's logging level" + d)
+                   help="mlx_lm.server's logging level")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("chat", help="interactive chat (like mlx_lm.chat) on the shared cache",
@@ -156,10 +157,10 @@ def add_serving_subcommands(sub) -> None:
     p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
     p.add_argument("--system-prompt", help="system prompt for the chat template")
     p.add_argument("--max-tokens", "-m", type=int, default=256,
-                   help="most tokens generated per reply" + d)
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature" + d)
-    p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p" + d)
-    p.add_argument("--seed", type=int, default=0, help="random seed" + d)
+                   help="most tokens generated per reply")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--max-kv-size", type=int, help="most tokens kept in the KV cache "
                    "(default: unbounded)")
     p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto",
