@@ -125,6 +125,37 @@ def hit_path_probe(session) -> list:
     return samples
 
 
+def copier_costs(session, n: int = 1000) -> dict:
+    """Prestage and the copier alone (no MLX work in flight), every expert resident: µs p50 of
+    ``prestage`` of top_k guessed rows, of the native remap inside it, of handing the copier an
+    empty job and getting it back, and of waiting for a job of top_k rows just handed over."""
+    from expertd import native
+
+    rng = np.random.default_rng(0)
+    dest = np.empty(session.staging_bytes(), np.uint8)
+    layers, k = len(session.manifest.layers), session.manifest.top_k
+    out = {key: [] for key in ("prestage", "remap", "empty_job", "job_wait")}
+    slots, versions, filling = np.empty(k, np.int32), np.empty(k, np.uint64), np.empty(k, np.int32)
+    for i in range(n):
+        layer = 1 + i % (layers - 1)
+        guessed = np.sort(rng.choice(session.manifest.layers[layer].num_experts, k,
+                                     replace=False)).astype(np.int32)
+        t0 = time.perf_counter()
+        staged = session.prestage(layer, guessed, dest, session.copier)
+        t1 = time.perf_counter()
+        staged.job.wait()
+        t2 = time.perf_counter()
+        native.remap(session.raw, session._slot_of_offset, session._slots_offset,
+                     session._n_experts, layer, guessed, slots, versions, filling)
+        t3 = time.perf_counter()
+        session.copier.submit(lambda: None).wait()
+        t4 = time.perf_counter()
+        for key, span in (("prestage", t1 - t0), ("job_wait", t2 - t1), ("remap", t3 - t2),
+                          ("empty_job", t4 - t3)):
+            out[key].append(span * 1e6)
+    return {key: float(np.median(v)) for key, v in out.items()}
+
+
 def delta(a: dict, b: dict) -> dict:
     """What happened between two snapshots, per decode layer call where it is a time."""
     layers = max(1, b["timing"]["layers"] - a["timing"]["layers"])
@@ -176,6 +207,8 @@ def one_run(blob_dir, tokenizer, prompts, rows: int, mode: str, all_resident: bo
                 p = hit_path_probe(session)
                 generate(model, tokenizer, ids, 24)
                 result["hit_path"] = p
+                if mode == "on":
+                    result["copier_costs"] = copier_costs(session)
             if timeline:
                 session.timeline = []
                 generate(model, tokenizer, ids, TIMELINE_TOKENS + 2)
@@ -315,6 +348,7 @@ def run(log=print) -> dict:
     started = time.monotonic()
     result = dict(learned=learned(log=log), qwen30b=qwen30b(log=log))
     result["seconds"] = time.monotonic() - started
+    result["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = _json(result)
     (OUT / "overlap.json").write_text(text)
     return json.loads(text)  # plain Python values from here on
