@@ -279,8 +279,9 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
 
     blob_dir = Path(blob_dir).expanduser()
     cli_args = mlx_server_args(blob_dir, options or {})
-    logging.basicConfig(level=getattr(logging, cli_args.log_level.upper()),
-                        format="%(asctime)s - %(levelname)s - %(message)s")
+    # The command line has configured logging already (then this only sets the level).
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(message)s")
+    logging.getLogger().setLevel(cli_args.log_level.upper())
     # Loaded here rather than in the generation thread, so that a daemon that is not running
     # is a one-line error before anything listens.
     model, tokenizer = load(blob_dir, prefetch=prefetch)

@@ -2,6 +2,9 @@
 
 import argparse
 import json
+import logging
+import os
+import sys
 from pathlib import Path
 
 
@@ -84,8 +87,15 @@ def _cmd_serve(args) -> int:
                    prefill_step_size=args.prefill_step_size,
                    prompt_cache_size=args.prompt_cache_size,
                    allowed_origins=args.allowed_origins, log_level=args.log_level)
-    return serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,
-                 options=options)
+    status = serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,
+                   options=options)
+    # Everything is closed (the daemon got its goodbye): skip the C++ static destructors. With
+    # MLX 0.32 on Linux they abort ("terminate called without an active exception") once
+    # mlx-lm has decoded requests in a batch; `mlx_lm.server` itself exits that way.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(status)
 
 
 def _cmd_chat(args) -> int:

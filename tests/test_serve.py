@@ -185,15 +185,16 @@ def test_two_servers_share_one_daemon(models, isolated_env, tmp_path):
         assert default.choices[0].text == completion.choices[0].text
 
         assert a.get("/health")[::2] == (200, '{"status": "ok"}')
+        before = daemon.stats()
         status, kind, text = a.get("/metrics")
+        after = daemon.stats()
         assert status == 200 and kind.startswith("text/plain; version=0.0.4")
         values, types = parse_metrics(text)
-        stats = daemon.stats()
         assert values["expertd_daemon_up"] == 1
-        assert values["expertd_daemon_bytes_read_total"] == stats["bytes_read"]
         assert values["expertd_daemon_clients"] == 2
-        assert values["expertd_daemon_hits_total"] == stats["hits"] > 0
-        assert values["expertd_daemon_misses_total"] == stats["misses"] > 0
+        # Clients report their lock-free hits with their heartbeats: hits may still grow.
+        for name in ("hits", "misses", "bytes_read"):
+            assert 0 < before[name] <= values[f"expertd_daemon_{name}_total"] <= after[name]
         assert types["expertd_daemon_hits_total"] == "counter"
         assert types["expertd_daemon_hit_rate"] == "gauge"
         for name in ("fill_gbps", "prefetch_hits_total"):
