@@ -39,7 +39,7 @@ PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 def model_names(blob_dir: Path) -> tuple[str, set]:
     """The id this server lists for ``blob_dir`` (the directory's name), and every name a
     request may use for it: that id, the path as given or resolved, and "default_model"."""
-    name = blob_dir.name
+    name = blob_dir.resolve().name  # "." has no name of its own
     return name, {name, str(blob_dir), str(blob_dir.resolve()), "default_model"}
 
 
@@ -305,6 +305,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
                 generator, *a, system_fingerprint=fingerprint, **k),
                 blob_dir=blob_dir, session=session, counters=counters, names=names)
             bound_host, bound_port = httpd.server_address[:2]
+            bound_host = f"[{bound_host}]" if ":" in bound_host else bound_host  # IPv6
             print(f"expertd serve: {name} on http://{bound_host}:{bound_port}/v1 (blob dir "
                   f"{session.paths.blob_dir}, daemon pid {session.daemon_pid}); stop with "
                   "Ctrl-C", file=out, flush=True)
