@@ -13,7 +13,7 @@ from .switch import Staging, make_streamed
 
 
 def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = None,
-         prefetch: str = "auto"):
+         prefetch: str = "auto", copy_ahead_bytes: int | None = None):
     """Build the model of ``blob_dir`` with mlx-lm's classes, experts served by expertd.
 
     Args:
@@ -25,6 +25,9 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
             router sync, copies the resident ones in the background and asks the daemon to
             prefetch the rest, and a layer whose guesses are mostly wrong stops guessing (and
             tries again now and then); "on": always guess; "off": never.
+        copy_ahead_bytes: the background copy of a layer's guessed rows runs only when they
+            are at least this many bytes (default 512 KiB); smaller ones are cheaper to copy
+            when the layer runs than to hand to another thread.
     Returns:
         ``(model, tokenizer)``, usable with ``mlx_lm.generate`` / ``stream_generate``.
     Raises:
@@ -35,6 +38,8 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
     """
     check_mode(prefetch)
     session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group)
+    if copy_ahead_bytes is not None:
+        session.copy_ahead_bytes = max(0, int(copy_ahead_bytes))
     try:
         model, tokenizer = _build(session, prefetch)
     except BaseException:

@@ -21,6 +21,11 @@ from expertd.protocol import Op
 # How long a fetch waits for rows someone else is filling before it demands them itself. The
 # demand merges onto the same fill, and moves a prefetch's low-priority read to the front.
 DRAIN_TIMEOUT = 0.05
+# Below this many bytes, a layer's guessed rows are cheaper to copy on the critical path than to
+# hand to the copier thread: handing a job over and waiting for it cost about 50 µs here
+# (bench/RESULTS.md, overlap notes), the time memcpy takes for about 250 KB at this machine's
+# 5 GB/s. Qwen3-30B-A3B's guessed rows are 2.5 MB each.
+COPY_AHEAD_MIN_BYTES = 512 * 1024
 
 
 class DaemonDied(DaemonError):
@@ -172,8 +177,10 @@ class RowReader:
                 self._socket_lock.release()
         staged = Prestage(layer, self.epoch, guessed, guessed[ready], slots[ready],
                           versions[ready])
-        # Rows are copied only when they fit the staging buffer as one group.
-        fits = len(staged.experts) <= self.max_group
+        # Rows are copied ahead only when they fit the staging buffer as one group, and when
+        # the copy is worth a thread hand-off (see COPY_AHEAD_MIN_BYTES).
+        fits = (len(staged.experts) <= self.max_group and len(staged.experts)
+                * self.manifest.layers[layer].expert_bytes >= self.copy_ahead_bytes)
         staged.where = {e: p for p, e in enumerate(staged.experts.tolist())} if fits else {}
         if staged.where:
             offsets, nbytes = self._segment_tables[layer]

@@ -19,7 +19,7 @@ import numpy as np
 import zmq
 
 from expertd.client.heartbeat import Heartbeat
-from expertd.client.rows import DaemonDied, RowReader
+from expertd.client.rows import COPY_AHEAD_MIN_BYTES, DaemonDied, RowReader
 from expertd.client.interrupts import HeldInterrupts
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning, ProtocolError
@@ -61,6 +61,7 @@ class Session(RowReader):
                            copier_wait_s=0.0, layers=0)
         self.guessers: list = []  # predict.Guesser per MoE layer (set by the loader)
         self.copier = None  # copier.Copier (set by the loader)
+        self.copy_ahead_bytes = COPY_AHEAD_MIN_BYTES  # see rows.COPY_AHEAD_MIN_BYTES
         self.timeline = None  # a list to record (layer, t0, t_sync, t_fetched, t_done) per call
         self.conn = self.arena = self._heartbeat = None
         self.max_group = None

@@ -83,6 +83,7 @@ def run_together(blob_dir, env: dict, workdir: Path, prompts: list, max_tokens: 
             procs.append((spawn_client("generate", "--blobs", blob_dir, "--prompt-len", length,
                                        "--seed", seed, "--max-tokens", max_tokens,
                                        "--barrier", barrier, "--prefetch", prefetch,
+                                       "--copy-ahead-bytes", 0,
                                        "--out", out, env=env), out))
 
         def all_ready():

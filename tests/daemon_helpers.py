@@ -217,7 +217,8 @@ def parity_client(args) -> dict:
     from expertd.client import load
 
     resident, _ = mlx_lm.load(args.model)
-    streamed, tokenizer = load(args.blobs, prefetch=args.prefetch)
+    streamed, tokenizer = load(args.blobs, prefetch=args.prefetch,
+                               copy_ahead_bytes=args.copy_ahead_bytes)
     runs = compare_runs(resident, streamed, tokenizer.vocab_size)
     session = streamed.expertd_session
     result = dict(implementation=native.IMPLEMENTATION, runs=runs,
@@ -237,7 +238,7 @@ def generate_client(args) -> dict:
     from expertd.client import load
 
     model, tokenizer = load(args.blobs, reconnect_timeout=args.reconnect_timeout,
-                            prefetch=args.prefetch)
+                            prefetch=args.prefetch, copy_ahead_bytes=args.copy_ahead_bytes)
     session = model.expertd_session
     prompt = prompt_ids(args.prompt_len, tokenizer.vocab_size, args.seed)
     if args.barrier:
@@ -307,6 +308,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--prefetch", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--copy-ahead-bytes", type=int)
     p.set_defaults(func=parity_client)
     p = sub.add_parser("generate", help="greedy generation, tokens written as they come")
     p.add_argument("--blobs", required=True)
@@ -317,6 +319,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--barrier")
     p.add_argument("--reconnect-timeout", type=float, default=60.0)
     p.add_argument("--prefetch", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--copy-ahead-bytes", type=int)
     p.add_argument("--out", required=True)
     p.set_defaults(func=generate_client)
     return parser

@@ -57,7 +57,8 @@ def test_streamed_logits_equal_resident(models, isolated_env, tmp_path, family_m
     with Daemon(blob_dir, isolated_env, *flags) as daemon:
         expected_rows = min(rows, every_expert)
         assert daemon.ready["arena_rows"] == expected_rows
-        model, tokenizer = load(blob_dir, prefetch=prefetch)
+        # Tiny rows: copy them ahead anyway, so the copier's path is what is checked.
+        model, tokenizer = load(blob_dir, prefetch=prefetch, copy_ahead_bytes=0)
         session = model.expertd_session
         try:
             runs = compare_runs(resident_model(model_dir), model, tokenizer.vocab_size)
@@ -98,7 +99,8 @@ def test_pure_python_twin_logits_equal_resident(models, isolated_env, tmp_path, 
     with Daemon(blob_dir, isolated_env,
                 *client_flags(blob_dir, rows, tmp_path / "state.json")) as daemon:
         proc = spawn_client("parity", "--blobs", blob_dir, "--model", model_dir, "--out", out,
-                            "--prefetch", "on", env=isolated_env, pure=True)
+                            "--prefetch", "on", "--copy-ahead-bytes", "0", env=isolated_env,
+                            pure=True)
         result = finish_client(proc, out, timeout=120)
         stats = daemon.stats()
     assert result["implementation"] == "python"

@@ -212,8 +212,8 @@ def test_a_guessing_client_survives_its_daemon_restarting(qwen, isolated_env, tm
     first = Daemon(blob_dir, isolated_env, *flags)
     tokens_file, out = tmp_path / "tokens.txt", tmp_path / "client.json"
     proc = spawn_client("generate", "--blobs", blob_dir, "--prompt-len", 17, "--max-tokens", 30,
-                        "--tokens-file", tokens_file, "--prefetch", "on", "--out", out,
-                        env=isolated_env)
+                        "--tokens-file", tokens_file, "--prefetch", "on",
+                        "--copy-ahead-bytes", 0, "--out", out, env=isolated_env)
     try:
         def started():
             assert proc.poll() is None, proc.communicate()[1]
@@ -293,7 +293,7 @@ def interrupted(blobs, out, expected) -> None:
     from expertd.client import load
 
     expected = json.loads(expected)
-    model, tokenizer = load(blobs, prefetch="on")
+    model, tokenizer = load(blobs, prefetch="on", copy_ahead_bytes=0)
     session = model.expertd_session
     prompt = mx.array(prompt_ids(9, tokenizer.vocab_size))
     stop = threading.Event()

@@ -29,7 +29,7 @@ TOKENS = 80
 
 def decode(blob_dir, prefetch: str = "auto"):
     """Sampled decoding of TOKENS tokens; the session's per-layer guess summaries and counters."""
-    model, _ = load(blob_dir, prefetch=prefetch)
+    model, _ = load(blob_dir, prefetch=prefetch, copy_ahead_bytes=0)
     session = model.expertd_session
     try:
         mx.random.seed(0)
@@ -112,3 +112,21 @@ def test_a_switched_off_layer_tries_again_after_a_while():
 def test_an_unknown_mode_is_refused(models, isolated_env, mode):
     with pytest.raises(ValueError, match="prefetch must be one of auto, on, off"):
         load(models.blobs(**RANDOM), prefetch=mode)
+
+
+def test_rows_too_small_to_pay_for_a_thread_hand_off_are_not_copied_ahead(models, isolated_env):
+    """The default copy_ahead_bytes: this model's guessed rows (a few KiB a layer) are copied
+    when their layer runs, never handed to the copier; the guesses are still made and scored."""
+    blob_dir = models.blobs(**RANDOM)
+    with Daemon(blob_dir, isolated_env, "--cache-gb", CACHE_GB):
+        model, _ = load(blob_dir, prefetch="on")
+        session = model.expertd_session
+        try:
+            assert session.copy_ahead_bytes == 512 * 1024
+            prompt = mx.array(prompt_ids(8, 512))
+            for _ in generate_step(prompt, model, max_tokens=16):
+                pass
+            assert session.copier.jobs == 0 and session.counters["staged_used"] == 0
+            assert all(p["calls"] >= 16 for p in session.prediction()[1:])
+        finally:
+            session.close()
