@@ -265,7 +265,7 @@ def ssd_gbps(blob_dir, threads: int = 8) -> tuple:
     return float(np.median([raw_direct_read(blob_dir, threads, s) for s in range(3)])), "python"
 
 
-def learned(rounds: int = 3, log=print) -> dict:
+def learned(rounds: int = 5, log=print) -> dict:
     """Everything on the learned-routing model: the arena curve, off and on at each size."""
     from expertd.manifest import Manifest
     from learned import ensure_learned_model
