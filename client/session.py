@@ -57,8 +57,10 @@ class Session(RowReader):
                              late_leases=0, prefetch_asked=0, staged_used=0, staged_unused=0,
                              misses=0, prefetch_saved=0)
         # Where the main thread's time goes after each router sync (see switch.py).
+        # prestage_s: the main thread's time preparing the next layer's guess (after the rows
+        # are in place, so outside exposed_s).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
-                           copier_wait_s=0.0, layers=0)
+                           copier_wait_s=0.0, prestage_s=0.0, layers=0)
         self.guessers: list = []  # predict.Guesser per MoE layer (set by the loader)
         self.copier = None  # copier.Copier (set by the loader)
         self.copy_ahead_bytes = COPY_AHEAD_MIN_BYTES  # see rows.COPY_AHEAD_MIN_BYTES
