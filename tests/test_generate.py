@@ -73,3 +73,22 @@ def test_sampling_flags_are_mlx_lms(models, isolated_env, tmp_path):
     assert one["tokens"] == two["tokens"] and len(one["tokens"]) == 8  # the seed repeats it
     # top-k 1 leaves the sampler one choice: greedy decoding, whatever the temperature.
     assert top1["tokens"] == greedy["tokens"]
+
+
+def test_tilde_in_blobs_is_expanded_by_start_generate_and_status(models, isolated_env, tmp_path,
+                                                                  monkeypatch):
+    """`--blobs ~/...` given literally (no shell to expand it), as a launchd agent or a quoted
+    argument would pass it."""
+    home = tmp_path / "home"
+    (home / "blobs").mkdir(parents=True)
+    os.symlink(models.blobs(), home / "blobs" / "tiny")
+    monkeypatch.setenv("HOME", str(home))  # for the harness's own client too
+    env = {**isolated_env, "HOME": str(home)}
+    with Daemon("~/blobs/tiny", env, "--cache-gb", "0.01") as daemon:
+        assert daemon.ready["blob_dir"] == str(models.blobs().resolve())
+        summary, _ = run_generate("~/blobs/tiny", env, tmp_path / "a.json", "--prompt", PROMPT)
+        status = subprocess.run([sys.executable, "-m", "expertd", "status", "--blobs",
+                                 "~/blobs/tiny", "--json"], env={**os.environ, **env},
+                                capture_output=True, text=True, timeout=60)
+    assert len(summary["tokens"]) == 8
+    assert status.returncode == 0 and json.loads(status.stdout)["pid"] == daemon.pid
