@@ -7,11 +7,13 @@ import time
 def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, seed: int = 0,
              out=sys.stdout, prefetch: str = "auto", top_p: float = 0.0, min_p: float = 0.0,
              top_k: int = 0, system_prompt: str | None = None,
-             chat_template: bool = True) -> dict:
+             chat_template: bool = True, pipeline_group=None) -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
 
     Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``) and the chat template (applied unless
-    ``chat_template`` is False, with ``system_prompt`` first) are mlx-lm's.
+    ``chat_template`` is False, with ``system_prompt`` first) are mlx-lm's. With
+    ``pipeline_group`` (under ``mlx.launch``), this process runs its rank's pipeline stage
+    (see ``load``); every rank computes the same tokens.
 
     Returns:
         dict with prompt/generation token counts and tok/s, the tokens, this client's hits,
@@ -23,7 +25,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
 
     from expertd.client import load
 
-    model, tokenizer = load(blob_dir, prefetch=prefetch)
+    model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group)
     session = model.expertd_session
     if chat_template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []

@@ -7,13 +7,14 @@ from expertd.blobstore import check_trunk
 from expertd.errors import BlobStoreError
 
 from .copier import Copier
+from .pipeline import refuse_stage, split_model, stage_layers
 from .predict import check_mode, make_guessers
 from .session import Session
 from .switch import Staging, make_streamed
 
 
 def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = None,
-         prefetch: str = "auto", copy_ahead_bytes: int | None = None):
+         prefetch: str = "auto", copy_ahead_bytes: int | None = None, pipeline_group=None):
     """Build the model of ``blob_dir`` with mlx-lm's classes, experts served by expertd.
 
     Args:
@@ -28,20 +29,25 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
         copy_ahead_bytes: the background copy of a layer's guessed rows runs only when they
             are at least this many bytes (default 512 KiB); smaller ones are cheaper to copy
             when the layer runs than to hand to another thread.
+        pipeline_group: an ``mx.distributed`` group (under ``mlx.launch``): split the model
+            with mlx-lm's own ``pipeline(group)`` and stream only this rank's layers, from
+            the daemon of this host (``blob_dir`` may hold only this rank's layer range).
     Returns:
         ``(model, tokenizer)``, usable with ``mlx_lm.generate`` / ``stream_generate``.
     Raises:
         DaemonNotRunning: no daemon serves ``blob_dir`` (the message says how to start one).
         DaemonError: the daemon serves another directory or another version of it.
         BlobStoreError: the blob directory is not valid, or a trunk file does not match its
-            checksum (the message names the file and says to re-run ``expertd convert``).
+            checksum (the message names the file and says to re-run ``expertd convert``), or
+            it holds one pipeline stage and no ``pipeline_group`` was given.
+        PipelineError: the family cannot be split, or ``blob_dir`` lacks this rank's layers.
     """
     check_mode(prefetch)
     session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group)
     if copy_ahead_bytes is not None:
         session.copy_ahead_bytes = max(0, int(copy_ahead_bytes))
     try:
-        model, tokenizer = _build(session, prefetch)
+        model, tokenizer = _build(session, prefetch, pipeline_group)
     except BaseException:
         session.close()  # its heartbeat thread and the arena mapping go with it
         raise
@@ -49,7 +55,7 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
     return model, tokenizer
 
 
-def _build(session, prefetch: str):
+def _build(session, prefetch: str, pipeline_group=None):
     """The model with its switch modules streamed through ``session``, and its tokenizer."""
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
     from mlx_lm.utils import load_model, load_tokenizer
@@ -60,9 +66,17 @@ def _build(session, prefetch: str):
     # Nothing unverified is computed with: the trunk's bytes are checked before mlx reads them.
     check_trunk(session.paths.blob_dir, session.manifest)
     model, config = load_model(trunk, lazy=True, strict=False)
+    layers = session.manifest.layers
+    if pipeline_group is None:
+        refuse_stage(session.manifest, session.paths.blob_dir)
+    else:
+        # mlx-lm's own split; the other ranks' layers are gone, so only ours are streamed, and
+        # guesses never cross a stage boundary.
+        start, stop = split_model(model, pipeline_group, session.manifest,
+                                  session.paths.blob_dir, config["model_type"])
+        layers = stage_layers(layers, start, stop)
     modules = dict(model.named_modules())
     staging = Staging(session.staging_bytes())
-    layers = session.manifest.layers
     guessers = make_guessers(modules, layers, prefetch)
     session.guessers = guessers
     copier = session.copier = Copier()
@@ -79,4 +93,7 @@ def _build(session, prefetch: str):
     if absent:
         raise BlobStoreError(f"{trunk}: weights missing from the trunk: {', '.join(absent[:5])}")
     mx.eval(model.parameters())
+    if pipeline_group is not None:
+        # As mlx-lm's sharded_load: every rank is loaded before the first forward's sends.
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=pipeline_group))
     return model, load_tokenizer(trunk, eos_token_ids=config.get("eos_token_id"))

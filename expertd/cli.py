@@ -33,9 +33,12 @@ def _cmd_synth(args) -> int:
 def _cmd_convert(args) -> int:
     from .tools.convert import convert
 
-    manifest = convert(Path(args.model_dir), Path(args.blob_dir), progress=not args.quiet)
+    manifest = convert(Path(args.model_dir), Path(args.blob_dir), progress=not args.quiet,
+                       layers=args.layers)
     gib = manifest.total_expert_bytes / 2**30
-    print(f"wrote {len(manifest.layers)} MoE layers ({gib:.2f} GiB of experts, stride "
+    stage = "" if manifest.stage is None else (f" of transformer layers {manifest.stage} "
+                                               f"(of {manifest.stage.num_layers})")
+    print(f"wrote {len(manifest.layers)} MoE layers{stage} ({gib:.2f} GiB of experts, stride "
           f"{manifest.stride} bytes) and trunk/ to {args.blob_dir}")
     return 0
 
@@ -134,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "stays small whatever the model size. The output appears atomically.")
     p.add_argument("model_dir", help="mlx-lm model directory (config.json + *.safetensors)")
     p.add_argument("blob_dir", help="output blob directory (must not exist)")
+    p.add_argument("--layers", metavar="A:B",
+                   help="write one pipeline stage only: the transformer layers A:B (a Python "
+                   "slice, as mlx-lm's pipeline split gives a rank; see README 'Several "
+                   "machines'), their experts and the trunk that stage needs (default: the "
+                   "whole model)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_convert)
 

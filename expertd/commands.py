@@ -22,15 +22,42 @@ def _cmd_generate(args) -> int:
     from expertd.client.generate import generate, summary_line
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    group, out = (_pipeline_group() if args.pipeline else None), sys.stdout
+    if group is not None and group.rank() != 0:
+        out = open(os.devnull, "w")  # rank 0 prints; every rank computes the same tokens
     summary = generate(Path(args.blobs), prompt, max_tokens=args.max_tokens, temp=args.temp,
                        seed=args.seed, prefetch=args.prefetch, top_p=args.top_p,
                        min_p=args.min_p, top_k=args.top_k, system_prompt=args.system_prompt,
-                       chat_template=not args.ignore_chat_template)
+                       chat_template=not args.ignore_chat_template, out=out,
+                       pipeline_group=group)
+    if group is not None:
+        from expertd.client.pipeline import gather_usage
+
+        summary["ranks"] = gather_usage(summary, group)
+        if group.rank() != 0:
+            out.close()
+            return 0
     print()
     print(summary_line(summary))
+    for rank in summary.get("ranks", []):
+        print(f"[expertd] rank {rank['rank']}: {rank['hits']} hits, {rank['misses']} misses, "
+              f"read {rank['bytes_read'] / 2**20:.1f} MiB from its own daemon")
     if args.json_summary:
         Path(args.json_summary).write_text(json.dumps(summary))
     return 0
+
+
+def _pipeline_group():
+    """This process's ``mx.distributed`` group, which ``mlx.launch`` sets up."""
+    import mlx.core as mx
+
+    from .errors import ExpertdError
+
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise ExpertdError("--pipeline runs one pipeline stage per process: start one process "
+                           "per stage with mlx.launch (README: Several machines)")
+    return group
 
 
 def _cmd_demo(args) -> int:
@@ -61,6 +88,10 @@ def add_client_subcommands(sub) -> None:
                    help="guess each next MoE layer's experts at the router sync, copy the "
                    "resident ones in the background and have the daemon read the others ahead; "
                    "auto (default) stops guessing in a layer whose guesses are mostly wrong")
+    p.add_argument("--pipeline", action="store_true",
+                   help="run under mlx.launch: split the model into pipeline stages with "
+                   "mlx-lm's own split, one per process, each streaming its layers from the "
+                   "expertd of its host (README: Several machines); rank 0 prints")
     p.add_argument("--json-summary", metavar="FILE", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_generate)
 

@@ -11,7 +11,11 @@ from .tools.safetensors import DTYPE_SIZES
 
 FORMAT = "expertd-blobs"
 # 2: the trunk's files have checksums too ("trunk": {name: {"checksum", "size"}}).
-FORMAT_VERSION = 2
+# 3: a pipeline stage's directory: "stage": {"start", "stop", "num_layers"}. A whole model's
+#    manifest is still written as version 2, so older expertd versions keep reading it, and
+#    refuse a stage's directory (which they could not serve correctly) with "upgrade expertd".
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)
 STRIDE_ALIGN = 16384
 CHECKSUM = "xxh3_64"
 
@@ -68,6 +72,22 @@ class TrunkFile:
 
 
 @dataclass(frozen=True)
+class Stage:
+    """The transformer layers ``start:stop`` (Python slice) of a model of ``num_layers`` layers:
+    what one pipeline stage's blob directory holds (``expertd convert --layers``)."""
+
+    start: int
+    stop: int
+    num_layers: int
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.stop}"
+
+    def covers(self, start: int, stop: int) -> bool:
+        return self.start <= start and stop <= self.stop
+
+
+@dataclass(frozen=True)
 class Manifest:
     model_type: str
     stride: int
@@ -76,6 +96,7 @@ class Manifest:
     trunk: tuple = ()  # TrunkFile for every file of trunk/
     checksum: str = CHECKSUM
     digest: str = ""  # sha256 of the manifest file: tells two conversions apart
+    stage: Stage | None = None  # None: the whole model
 
     @property
     def max_experts(self) -> int:
@@ -86,11 +107,21 @@ class Manifest:
         return sum(layer.num_experts * self.stride for layer in self.layers)
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "version": FORMAT_VERSION, "model_type": self.model_type,
-                "stride": self.stride, "top_k": self.top_k, "checksum": self.checksum,
-                "layers": [layer.to_json() for layer in self.layers],
+        data = {"format": FORMAT, "version": 2 if self.stage is None else 3,
+                "model_type": self.model_type, "stride": self.stride, "top_k": self.top_k,
+                "checksum": self.checksum, "layers": [layer.to_json() for layer in self.layers],
                 "trunk": {f.name: {"checksum": f"{f.checksum:016x}", "size": f.size}
                           for f in self.trunk}}
+        if self.stage is not None:
+            data["stage"] = {"start": self.stage.start, "stop": self.stage.stop,
+                             "num_layers": self.stage.num_layers}
+        return data
+
+    def describe(self, blob_dir) -> str:
+        """What the directory holds, for messages: "BLOB_DIR (layers 2:4 of 4)"."""
+        if self.stage is None:
+            return f"{blob_dir} (the whole model)"
+        return f"{blob_dir} (transformer layers {self.stage} of {self.stage.num_layers} only)"
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
@@ -120,11 +151,11 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise BlobStoreError(f"{path}: not an expertd manifest")
         version = data.get("version")
-        if version != FORMAT_VERSION:
+        if version not in READ_VERSIONS:
             advice = ("upgrade expertd" if isinstance(version, int) and version > FORMAT_VERSION
                       else RECONVERT)
             raise BlobStoreError(f"{path}: format version {version}, this expertd reads "
-                                 f"version {FORMAT_VERSION}; {advice}")
+                                 f"versions {READ_VERSIONS[0]} to {FORMAT_VERSION}; {advice}")
         if data.get("checksum") != CHECKSUM:
             raise BlobStoreError(f"{path}: unknown checksum {data.get('checksum')!r}")
         where = str(path)
@@ -140,8 +171,9 @@ class Manifest:
         if not 1 <= top_k <= min(layer.num_experts for layer in layers):
             raise BlobStoreError(f"{path}: top_k {top_k} is not between 1 and the experts of "
                                  f"a layer; {RECONVERT}")
+        stage = _stage_from_json(path, data.get("stage")) if version >= 3 else None
         return cls(_get(data, "model_type", str, where), stride, top_k, layers, trunk,
-                   digest=hashlib.sha256(text).hexdigest())
+                   digest=hashlib.sha256(text).hexdigest(), stage=stage)
 
 
 _KINDS = {int: "an integer", str: "a string", list: "a list", dict: "an object"}
@@ -219,6 +251,19 @@ def _layer_from_json(path: Path, i: int, raw, stride: int) -> MoeLayer:
         raise BlobStoreError(f"{where}: segments do not fit in {layer.expert_bytes} bytes "
                              f"within a stride of {stride}")
     return layer
+
+
+def _stage_from_json(path: Path, raw) -> Stage | None:
+    if raw is None:
+        return None
+    where = f"{path}: stage"
+    raw = _object(raw, where)
+    stage = Stage(_get(raw, "start", int, where), _get(raw, "stop", int, where),
+                  _get(raw, "num_layers", int, where))
+    if not 0 <= stage.start < stage.stop <= stage.num_layers:
+        raise BlobStoreError(f"{where}: layers {stage} are not a range within "
+                             f"{stage.num_layers} layers; {RECONVERT}")
+    return stage
 
 
 def _trunk_from_json(path: Path, raw: dict) -> tuple:

@@ -237,7 +237,9 @@ class ExpertServer:
 
     def _check_range(self, req) -> None:
         if req.layer >= len(self.n_experts):
-            raise ProtocolError(f"layer {req.layer} out of range (0..{len(self.n_experts) - 1})",
+            # A stage's directory holds some of the model's layers: say which, and where.
+            raise ProtocolError(f"layer {req.layer} out of range (0..{len(self.n_experts) - 1}) "
+                                f"of {self.store.manifest.describe(self.store.dir)}",
                                 ErrorCode.OUT_OF_RANGE)
         n = self.n_experts[req.layer]
         bad = [e for e in req.experts if e >= n]

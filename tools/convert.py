@@ -5,6 +5,14 @@ the number of experts is sliced per expert. The model is never loaded: tensors a
 byte range by byte range from the safetensors shards, so memory stays bounded by one expert row
 plus one copy chunk. The output appears atomically (written under a temporary name, renamed),
 and a lock next to the destination keeps two runs from writing it at once.
+
+``--layers A:B`` writes one pipeline stage's directory (see client/pipeline.py): the blobs of
+the MoE layers among transformer layers A:B only, and a trunk with just what that stage runs,
+as mlx-lm's ``sharded_load`` fetches only its shard's weights: the embeddings, final norm and
+head (every stage keeps them) plus the non-expert weights of layers A:B. So a host stores only
+its own stage, trunk included; a whole trunk would not help any stage, and for the largest
+models it is tens of GB. The manifest records the range; the MoE layers are numbered 0.. within
+the directory (their files keep the model's MoE layer numbers in their names).
 """
 
 import errno
@@ -18,7 +26,7 @@ import xxhash
 
 from expertd.blobstore import file_checksum
 from expertd.errors import ConvertError, ModelDirError
-from expertd.manifest import STRIDE_ALIGN, Manifest, MoeLayer, Segment, TrunkFile
+from expertd.manifest import STRIDE_ALIGN, Manifest, MoeLayer, Segment, Stage, TrunkFile
 from expertd.runfile import read_private, take_lock
 from .safetensors import SafetensorsWriter, read_header
 
@@ -183,10 +191,45 @@ def resolve_model(spec) -> Path:
                             f"was found {where} ({type(exc).__name__})") from None
 
 
-def convert(model_dir: Path, blob_dir: Path, progress: bool = True) -> Manifest:
+def select_stage(config: dict, layers: list, trunk: list, spec: str):
+    """Keep the MoE layers and trunk tensors of the transformer layers ``spec`` ("A:B").
+
+    Returns:
+        ``(stage, layers, trunk)``: the :class:`Stage`, its MoE layers renumbered from 0, and
+        the trunk tensors it needs (those of no layer, and those of layers A:B).
+    Raises:
+        ConvertError: the family cannot be split into pipeline stages, or ``spec`` is not a
+            range of the model's layers, or the range holds no MoE layer.
+    """
+    from expertd.client.pipeline import PipelineError, check_pipeline_support, layer_number
+    from expertd.client.pipeline import parse_layers
+    from .mlxlm import model_classes
+
+    model_class, args_class = model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    try:
+        check_pipeline_support(model, config["model_type"])
+        start, stop = parse_layers(spec, len(model.model.layers))
+    except (PipelineError, ValueError) as exc:
+        raise ConvertError(str(exc)) from None
+    stage = Stage(start, stop, len(model.model.layers))
+    kept = [layer for layer in layers if start <= layer_number(layer.module) < stop]
+    if not kept:
+        raise ConvertError(f"--layers {spec}: transformer layers {stage} hold no MoE layer; "
+                           "such a stage needs no expertd (run it with mlx-lm alone)")
+    kept = [MoeLayer(i, layer.module, layer.file, layer.num_experts, layer.expert_bytes,
+                     layer.segments, layer.checksums) for i, layer in enumerate(kept)]
+    trunk = [t for t in trunk if (n := layer_number(t.name)) is None or start <= n < stop]
+    return stage, kept, trunk
+
+
+def convert(model_dir: Path, blob_dir: Path, progress: bool = True,
+            layers: str | None = None) -> Manifest:
     """Convert ``model_dir`` into ``blob_dir`` (which must not exist).
 
-    ``model_dir`` may also be a Hugging Face repo id (see :func:`resolve_model`).
+    ``model_dir`` may also be a Hugging Face repo id (see :func:`resolve_model`). With
+    ``layers`` ("A:B", transformer layers as a Python slice), only that pipeline stage is
+    written (see :func:`select_stage`).
 
     A lock file next to the destination (``.NAME.lock``) is held for the whole run. A leftover
     temporary directory from an interrupted run is removed and the work restarts.
@@ -197,12 +240,17 @@ def convert(model_dir: Path, blob_dir: Path, progress: bool = True) -> Manifest:
         ModelDirError: see :func:`plan`.
         FileExistsError: if ``blob_dir`` exists.
         ConvertError: another run is writing ``blob_dir``, the disk is full, or the
-            destination cannot be written; nothing is left behind.
+            destination cannot be written; nothing is left behind. Or ``layers`` is not a
+            stage of this model (see :func:`select_stage`).
     """
     model_dir, blob_dir = resolve_model(model_dir), Path(os.path.expanduser(str(blob_dir)))
     if blob_dir.exists():
         raise FileExistsError(f"{blob_dir} already exists; remove it or choose another path")
+    spec = layers
     config, tensors, layers, stride, trunk = plan(model_dir)
+    stage = None
+    if spec is not None:
+        stage, layers, trunk = select_stage(config, layers, trunk, spec)
     try:
         blob_dir.parent.mkdir(parents=True, exist_ok=True)
         with _destination_lock(blob_dir):
@@ -211,7 +259,7 @@ def convert(model_dir: Path, blob_dir: Path, progress: bool = True) -> Manifest:
                 raise FileExistsError(f"{blob_dir} already exists; remove it or choose "
                                       "another path")
             return _convert_locked(model_dir, blob_dir, config, tensors, layers, stride, trunk,
-                                   progress)
+                                   progress, stage)
     except OSError as exc:
         if isinstance(exc, FileExistsError) and not exc.filename:
             raise
@@ -224,7 +272,7 @@ def convert(model_dir: Path, blob_dir: Path, progress: bool = True) -> Manifest:
 
 
 def _convert_locked(model_dir, blob_dir, config, tensors, layers, stride, trunk,
-                    progress) -> Manifest:
+                    progress, stage=None) -> Manifest:
     from tqdm import tqdm
 
     tmp = blob_dir.parent / f".{blob_dir.name}.partial"
@@ -253,7 +301,7 @@ def _convert_locked(model_dir, blob_dir, config, tensors, layers, stride, trunk,
         trunk_files = _write_trunk(model_dir, tmp / "trunk", config, trunk, bar.update)
         manifest = Manifest(config["model_type"], stride,
                             int(config.get("num_experts_per_tok", 1)), tuple(done_layers),
-                            trunk_files)
+                            trunk_files, stage=stage)
         manifest.save(tmp / "manifest.json")
         _fsync_dir(tmp)
         os.rename(tmp, blob_dir)
