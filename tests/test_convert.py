@@ -659,3 +659,72 @@ def test_tilde_is_expanded_in_both_paths(models, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (home / "blobs" / "tiny" / "manifest.json").is_file()
     assert not (Path.cwd() / "~").exists()
+
+
+# ---- --layers A:B: one pipeline stage's directory ----------------------------------------------
+
+def test_layers_writes_only_the_stage_and_records_its_range(models, tmp_path):
+    """deepseek_v3's layer 0 is dense: layers 0:2 hold one MoE layer, 2:4 hold two."""
+    model = models.model(family="deepseek_v3", layers=4)
+    whole = Manifest.load(models.blobs(family="deepseek_v3", layers=4))
+    for spec, start, stop in (("0:2", 0, 2), ("2:", 2, 4)):
+        out = tmp_path / spec.replace(":", "-")
+        proc = subprocess.run([EXPERTD, "convert", str(model), str(out), "--layers", spec, "-q"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert f"of transformer layers {start}:{stop} (of 4)" in proc.stdout
+        m = Manifest.load(out)
+        assert json.loads((out / "manifest.json").read_text())["version"] == 3
+        assert (m.stage.start, m.stage.stop, m.stage.num_layers) == (start, stop, 4)
+        expected = [layer for layer in whole.layers
+                    if start <= int(layer.module.split(".")[2]) < stop]
+        # The same blobs as the whole model's, renumbered from 0 within the directory.
+        assert [(l.module, l.file, l.checksums) for l in m.layers] == \
+            [(l.module, l.file, l.checksums) for l in expected]
+        assert [l.index for l in m.layers] == list(range(len(expected)))
+        assert sorted(p.name for p in out.glob("*.blob")) == [l.file for l in expected]
+        for layer in m.layers:
+            assert (out / layer.file).read_bytes() == (whole_dir(models) / layer.file).read_bytes()
+        # The trunk: what no layer owns, and the non-expert weights of the stage's layers.
+        names = set(read_header(out / "trunk" / "model.safetensors"))
+        layer_of = {n: int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+        assert set(layer_of.values()) == set(range(start, stop))
+        assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= names
+    # A whole model's manifest stays version 2 (older expertd versions still read it).
+    assert json.loads((whole_dir(models) / "manifest.json").read_text())["version"] == 2
+    assert whole.stage is None
+
+
+def whole_dir(models) -> Path:
+    return models.blobs(family="deepseek_v3", layers=4)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("2", "--layers 2: expected A:B, a range of transformer layers as a Python slice (e.g. 0:2)"),
+    ("a:b", "--layers a:b: expected A:B, a range of transformer layers as a Python slice"),
+    ("3:9", "--layers 3:9: the model has transformer layers 0:4; give a non-empty range "
+            "within it"),
+    ("2:2", "--layers 2:2: the model has transformer layers 0:4; give a non-empty range"),
+    ("0:1", "--layers 0:1: transformer layers 0:1 hold no MoE layer; such a stage needs no "
+            "expertd (run it with mlx-lm alone)"),
+])
+def test_layers_errors_are_one_line_and_leave_nothing(models, tmp_path, spec, message):
+    model = models.model(family="deepseek_v3", layers=4)
+    proc = subprocess.run([EXPERTD, "convert", str(model), str(tmp_path / "out"), "--layers",
+                           spec, "-q"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"expertd convert: error: {message}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_stage_manifest_with_a_bad_range_is_refused(models, tmp_path):
+    out = tmp_path / "stage"
+    convert(models.model(layers=4), out, progress=False, layers="2:4")
+    data = json.loads((out / "manifest.json").read_text())
+    data["stage"]["stop"] = 9
+    (out / "manifest.json").write_text(json.dumps(data))
+    from expertd.errors import BlobStoreError
+    with pytest.raises(BlobStoreError, match=r"stage: layers 2:9 are not a range within 4 "
+                       r"layers; re-run expertd convert"):
+        Manifest.load(out)
