@@ -134,17 +134,27 @@ def copier_costs(session, n: int = 1000) -> dict:
     rng = np.random.default_rng(0)
     dest = np.empty(session.staging_bytes(), np.uint8)
     layers, k = len(session.manifest.layers), session.manifest.top_k
-    out = {key: [] for key in ("prestage", "remap", "empty_job", "job_wait")}
+    out = {key: [] for key in ("prestage", "prestage_default", "remap", "empty_job", "job_wait")}
     slots, versions, filling = np.empty(k, np.int32), np.empty(k, np.uint64), np.empty(k, np.int32)
+    default = session.copy_ahead_bytes
     for i in range(n):
         layer = 1 + i % (layers - 1)
         guessed = np.sort(rng.choice(session.manifest.layers[layer].num_experts, k,
                                      replace=False)).astype(np.int32)
-        t0 = time.perf_counter()
-        staged = session.prestage(layer, guessed, dest, session.copier)
-        t1 = time.perf_counter()
-        staged.job.wait()
-        t2 = time.perf_counter()
+        # With the session's own threshold (rows this small are not handed to the copier)...
+        t = time.perf_counter()
+        session.prestage(layer, guessed, dest, session.copier)
+        out["prestage_default"].append((time.perf_counter() - t) * 1e6)
+        # ...and with the copy handed over whatever its size.
+        session.copy_ahead_bytes = 0
+        try:
+            t0 = time.perf_counter()
+            staged = session.prestage(layer, guessed, dest, session.copier)
+            t1 = time.perf_counter()
+            staged.job.wait()
+            t2 = time.perf_counter()
+        finally:
+            session.copy_ahead_bytes = default
         native.remap(session.raw, session._slot_of_offset, session._slots_offset,
                      session._n_experts, layer, guessed, slots, versions, filling)
         t3 = time.perf_counter()

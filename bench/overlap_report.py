@@ -270,7 +270,10 @@ def notes(L: dict, Q: dict) -> list:
         f"handing an empty job to the copier thread and getting it back costs "
         f"{cc['empty_job']:.0f} µs (thread wake-up and GIL hand-off), and waiting for a "
         f"{L['top_k'] * L['stride'] // 1024} KiB job just handed over {cc['job_wait']:.0f} µs: "
-        "for rows this small the copier costs more than the copy.", ""]
+        "for rows this small the copier costs more than the copy. So the client hands a guess "
+        "to the copier only from `copy_ahead_bytes` (512 KiB) up; below it prestage is the "
+        f"remap and the PREFETCH alone: {cc.get('prestage_default', float('nan')):.0f} µs p50 "
+        "here.", ""]
 
 
 def section(result: dict) -> str:
