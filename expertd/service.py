@@ -7,7 +7,6 @@ only supervisor: the daemon runs ``start --foreground`` and exits on SIGTERM.
 
 import hashlib
 import os
-import plistlib
 import secrets
 import subprocess
 import sys
@@ -164,6 +163,8 @@ def plist_dict(plan: ServicePlan) -> dict:
 def render(plan: ServicePlan) -> bytes:
     """The file ``install`` writes at ``plan.path``."""
     if plan.platform == "macos":
+        import plistlib  # only here: every `expertd` command builds the parser that imports us
+
         return plistlib.dumps(plist_dict(plan), sort_keys=False)
     return render_unit(plan).encode()
 

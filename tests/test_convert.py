@@ -567,7 +567,9 @@ def test_full_disk_is_one_line_and_leaves_nothing(models, small_tmpfs):
 
 
 # Root reads everything: the command drops to nobody after its imports to see a refusal.
-AS_NOBODY = ("import os, sys; import tqdm, expertd.tools.convert; from expertd.cli import main; "
+# (Python's own modules are root's here: everything the command imports is imported first.)
+AS_NOBODY = ("import os, sys; import tqdm, expertd.tools.convert; "
+             "from expertd.cli import build_parser, main; build_parser(); "
              "os.setgroups([]); os.setgid(65534); os.setuid(65534); sys.exit(main(sys.argv[1:]))")
 
 
