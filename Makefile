@@ -15,10 +15,11 @@ $(STAMP): pyproject.toml setup.py cython_ext/_native.pyx
 demo: $(STAMP)
 	$(BIN)/expertd demo
 
-# The suite runs twice: with the Cython hot paths and with their pure-Python twins.
+# The suite runs twice: with the Cython hot paths and with their pure-Python twins (the tests
+# that exercise them; see the markers in pyproject.toml and tests/conftest.py).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
-	EXPERTD_PURE_PYTHON=1 $(BIN)/python -m pytest -q -m "not slow"
+	EXPERTD_PURE_PYTHON=1 $(BIN)/python -m pytest -q -m "not slow and not once"
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[bench]"

@@ -139,6 +139,20 @@ def _linux_segments() -> set:
     return {p.name for p in Path("/dev/shm").glob("expertd-*")}
 
 
+# Modules of the product surface (command line, services, servers, conversion, pure logic): their
+# hot paths are the parity, client and daemon tests', which the pure-Python run repeats; these
+# run once, with the Cython extension (make test's first pass).
+ONCE = {"test_cli", "test_service", "test_serve", "test_chat", "test_convert", "test_synth",
+        "test_blobstore", "test_verify", "test_pipeline", "test_policy", "test_leases",
+        "test_side_book", "test_generate"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__ in ONCE:
+            item.add_marker(pytest.mark.once)
+
+
 def pytest_terminal_summary(terminalreporter):
     if _UNREPORTED:
         terminalreporter.write_line(

@@ -339,6 +339,13 @@ def expected_bytes(blob_dir) -> dict:
 
 # ---- client processes --------------------------------------------------------------------------
 
+def sigint_as_usual() -> None:
+    """``preexec_fn`` for children that are sent SIGINT: a shell runs background jobs with
+    SIGINT ignored, and an ignored signal stays ignored across exec, so a test suite started
+    in the background would otherwise see its children shrug Ctrl-C off."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn_client(mode: str, *args, env: dict | None = None, pure: bool | None = None,
                  script: Path | None = None, stdin: bool = False) -> subprocess.Popen:
     """A client process running ``daemon_helpers.py MODE ARGS...`` (text pipes).
@@ -356,7 +363,8 @@ def spawn_client(mode: str, *args, env: dict | None = None, pure: bool | None = 
     return subprocess.Popen([sys.executable, str(script or CLIENT_SCRIPT), mode,
                              *map(str, args)], env=full,
                             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_as_usual)
 
 
 def stop_process(proc: subprocess.Popen | None, timeout: float = STOP_TIMEOUT) -> None:

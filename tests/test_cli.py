@@ -11,7 +11,7 @@ from importlib.metadata import version
 
 import pytest
 
-from harness import expertd_cli, kill_serving_daemon, query_stats, wait_until
+from harness import expertd_cli, kill_serving_daemon, query_stats, sigint_as_usual, wait_until
 from expertd.cli import DefaultsHelpFormatter, build_parser
 from expertd.control import parse_size
 from expertd.manifest import Manifest
@@ -82,7 +82,8 @@ def test_status_watch_refreshes_until_ctrl_c(blobs, isolated_env):
         pid = query_stats(blobs)["pid"]
         watch = subprocess.Popen([sys.executable, "-m", "expertd", "status", "--blobs",
                                   str(blobs), "--json", "--watch", "0.1"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 preexec_fn=sigint_as_usual)
         try:
             docs = [json.loads(watch.stdout.readline()) for _ in range(3)]
             assert [d["pid"] for d in docs] == [pid] * 3
@@ -99,7 +100,7 @@ def test_status_watch_refreshes_until_ctrl_c(blobs, isolated_env):
     # Watching a daemon that is not running keeps watching, and says so each time.
     watch = subprocess.Popen([sys.executable, "-m", "expertd", "status", "--blobs", str(blobs),
                               "--watch", "0.1"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_usual)
     try:
         wait_until(lambda: "no expertd serves" in watch.stdout.readline(), 30, "a refresh")
         watch.send_signal(signal.SIGINT)

@@ -41,7 +41,7 @@ def wait_released(daemon, timeout: float = 15.0) -> None:
         raise AssertionError(f"{exc}: {last['leases']} leases, {last['clients']} clients") from None
 
 
-@pytest.mark.parametrize("prefetch", ["on", "off"])
+@pytest.mark.parametrize("prefetch", ["on", pytest.param("off", marks=pytest.mark.once)])
 @pytest.mark.parametrize("n_clients", [2, 3])
 def test_concurrent_clients_under_eviction_match_solo(qwen, isolated_env, tmp_path, n_clients,
                                                       prefetch):
