@@ -78,13 +78,18 @@ def daemon(blob_dir: Path, cache_gb: float, *flags: str):
     try:
         yield proc.pid
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_daemon(proc)
         state.unlink(missing_ok=True)
+
+
+def stop_daemon(proc: subprocess.Popen) -> None:
+    """SIGTERM a foreground daemon; SIGKILL it if it has not exited within 15 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def stats(blob_dir: Path) -> dict:

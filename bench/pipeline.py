@@ -13,7 +13,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MEDIUM, OUT, ensure_model  # noqa: E402
+from common import MEDIUM, OUT, ensure_model, stop_daemon  # noqa: E402
 
 PY = sys.executable
 LAUNCH = str(Path(PY).with_name("mlx.launch"))
@@ -41,15 +40,6 @@ def start_daemon(blob_dir: Path, cache_gb: float, env: dict) -> subprocess.Popen
                                f"{proc.stderr.read() if proc.poll() is not None else ''}")
         time.sleep(0.1)
     return proc
-
-
-def stop_daemon(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def generate_flags(tokens: int, summary: Path) -> str:
