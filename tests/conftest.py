@@ -139,12 +139,16 @@ def _linux_segments() -> set:
     return {p.name for p in Path("/dev/shm").glob("expertd-*")}
 
 
-# Modules of the product surface (command line, services, servers, conversion, pure logic): their
-# hot paths are the parity, client and daemon tests', which the pure-Python run repeats; these
-# run once, with the Cython extension (make test's first pass).
+# Modules that run once, with the Cython extension (make test's first pass), not again with the
+# pure-Python twins: the product surface (command line, services, servers, conversion), pure
+# logic, and the daemon's own robustness (hostile frames, fairness, lifecycle, recovery), where
+# the twin code is only the seqlock writes that test_daemon and test_side_rows repeat. The hot
+# paths the twins replace (remap, drain, copies, validation) are the client, parity, prefill and
+# prefetch tests', which both passes run.
 ONCE = {"test_cli", "test_service", "test_serve", "test_chat", "test_convert", "test_synth",
         "test_blobstore", "test_verify", "test_pipeline", "test_policy", "test_leases",
-        "test_side_book", "test_generate"}
+        "test_side_book", "test_generate", "test_attack", "test_protocol_fuzz", "test_lifecycle",
+        "test_daemon_fairness", "test_daemon_recovery", "test_fill_verify"}
 
 
 def pytest_collection_modifyitems(items):
