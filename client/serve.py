@@ -255,7 +255,7 @@ def _bind(host: str, port: int, handler_factory, **state) -> ExpertdHTTPServer:
 
 
 def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "auto",
-          options: dict | None = None, out=sys.stdout) -> int:
+          options: dict | None = None, out=sys.stdout, pipeline_group=None) -> int:
     """Serve the model of ``blob_dir`` over HTTP until SIGINT or SIGTERM.
 
     Args:
@@ -265,6 +265,9 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         options: mlx_lm.server settings by their argparse names (``temp``, ``max_tokens``,
             ``chat_template``, ...); the rest keep mlx_lm.server's defaults.
         out: where the "listening" line goes.
+        pipeline_group: under mlx.launch, the ranks' group: this process runs its pipeline
+            stage; rank 0 answers HTTP and shares each request with the others (mlx_lm.server's
+            own distributed mode), the other ranks compute their stage until SIGINT or SIGTERM.
     Returns:
         0 after a clean shutdown (the session closed with a goodbye to the daemon).
     Raises:
@@ -284,7 +287,8 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     logging.getLogger().setLevel(cli_args.log_level.upper())
     # Loaded here rather than in the generation thread, so that a daemon that is not running
     # is a one-line error before anything listens.
-    model, tokenizer = load(blob_dir, prefetch=prefetch)
+    model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group)
+    cli_args.pipeline = pipeline_group is not None
     session = model.expertd_session
     try:
         if cli_args.chat_template:
@@ -300,6 +304,12 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         httpd = None
         generator = generator_class(provider, LRUPromptCache(cli_args.prompt_cache_size),
                                     counters)
+        if pipeline_group is not None and pipeline_group.rank() != 0:
+            # This rank's generation thread follows rank 0's requests (mlx-lm shares them).
+            # Its thread is left to the process's exit: it waits on rank 0, which may be gone.
+            _serve_until_signal(None)
+            return 0
+        distributed = pipeline_group is not None
         try:
             httpd = _bind(host, port, lambda *a, **k: handler_class(
                 generator, *a, system_fingerprint=fingerprint, **k),
@@ -313,21 +323,27 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         finally:
             if httpd is not None:
                 httpd.server_close()
-            generator.stop_and_join()
+            if not distributed:  # under mlx.launch the other ranks may have stopped first
+                generator.stop_and_join()
     finally:
         session.close()
     return 0
 
 
 def _serve_until_signal(httpd) -> None:
-    """Serve until SIGINT or SIGTERM, either of which ends ``serve_forever`` in this thread."""
+    """Serve (``httpd``, or nothing but wait) until SIGINT or SIGTERM, either of which ends
+    ``serve_forever`` (or the wait) in this thread."""
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        httpd.serve_forever()
+        if httpd is not None:
+            httpd.serve_forever()
+        else:
+            while True:
+                signal.pause()
     except KeyboardInterrupt:
         pass
     finally:

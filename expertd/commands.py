@@ -119,7 +119,7 @@ def _cmd_serve(args) -> int:
                    prompt_cache_size=args.prompt_cache_size,
                    allowed_origins=args.allowed_origins, log_level=args.log_level)
     status = serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,
-                   options=options)
+                   options=options, pipeline_group=_pipeline_group() if args.pipeline else None)
     # Everything is closed (the daemon got its goodbye): skip the C++ static destructors. With
     # MLX 0.32 on Linux they abort ("terminate called without an active exception") once
     # mlx-lm has decoded requests in a batch; `mlx_lm.server` itself exits that way.
@@ -160,6 +160,10 @@ def add_serving_subcommands(sub) -> None:
                    "port, printed at start)")
     p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto",
                    help=prefetch_help)
+    p.add_argument("--pipeline", action="store_true",
+                   help="run under mlx.launch, one pipeline stage per rank, each rank's BLOB_DIR "
+                   "holding its stage (expertd convert --layers); rank 0 answers HTTP, as "
+                   "mlx_lm.server --pipeline does (README: Several machines)")
     p.add_argument("--chat-template", help="a chat template (Jinja) replacing the "
                    "tokenizer's")
     p.add_argument("--use-default-chat-template", action="store_true",

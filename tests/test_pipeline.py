@@ -89,6 +89,44 @@ def worker(blobs_prefix: str, out: str) -> None:
     session.close()
 
 
+def serve_pipeline(tmp_path: Path) -> str:
+    """``expertd serve --pipeline`` on two ranks: one greedy completion through rank 0's HTTP
+    server, then Ctrl-C (SIGINT to the launch's process group) stops every rank."""
+    import signal
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        http_port = probe.getsockname()[1]
+    command = (f"{shlex.quote(sys.executable)} -m expertd serve --pipeline --blobs "
+               f"{tmp_path}/stage$MLX_RANK --port {http_port}")
+    wrapped = ('XDG_RUNTIME_DIR=$(cat %s/rt$MLX_RANK) XDG_STATE_HOME=%s/state$MLX_RANK exec %s'
+               % (tmp_path, tmp_path, command))
+    proc = subprocess.Popen([str(LAUNCH), "-n", "2", "--backend", "ring", "-p",
+                             str(free_port_pair()), "--", "sh", "-c", wrapped],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        line = proc.stdout.readline()  # rank 0's "expertd serve: ... on http://..." line
+        assert f":{http_port}/v1" in line, (line, proc.stderr.read() if proc.poll() else "")
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v1/completions", method="POST",
+            data=json.dumps({"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            text = json.loads(reply.read())["choices"][0]["text"]
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the ranks did not stop on Ctrl-C") from None
+        return text
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
 def stage_dirs(models, tmp_path: Path, **kwargs) -> tuple:
     """The model, and one blob directory per rank holding only that rank's layers."""
     from expertd.tools.convert import convert
@@ -138,6 +176,8 @@ def test_two_ranks_equal_resident_mlx_lm(models, tmp_path, monkeypatch, family, 
                          f"{shlex.quote(PROMPT)} --ignore-chat-template "
                          f"--max-tokens {TOKENS} --json-summary {tmp_path}/cli.json")
             assert (tmp_path / "cli.json").exists(), cli.stderr
+            if family == "qwen3_moe":
+                served = serve_pipeline(tmp_path)
     finally:
         for env in envs:
             subprocess.run(["rm", "-rf", env["XDG_RUNTIME_DIR"]])
@@ -152,6 +192,11 @@ def test_two_ranks_equal_resident_mlx_lm(models, tmp_path, monkeypatch, family, 
         assert got["streamed"] == [layer.module for layer in
                                    Manifest.load(tmp_path / f"stage{rank}").layers]
         assert got["usage"]["misses"] > 0
+    if family == "qwen3_moe":
+        from mlx_lm import load as mlx_load
+
+        _, tokenizer = mlx_load(str(model))
+        assert served == tokenizer.decode(tokens)  # greedy, through rank 0's HTTP server
     summary = json.loads((tmp_path / "cli.json").read_text())
     assert summary["tokens"] == tokens
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
