@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import Daemon, RawClient
+from harness import Daemon, RawClient, sigint_as_usual
 from expertd.errors import BlobStoreError, DaemonError
 from expertd.manifest import Manifest
 
@@ -105,7 +105,7 @@ def serve_pipeline(tmp_path: Path) -> str:
     proc = subprocess.Popen([str(LAUNCH), "-n", "2", "--backend", "ring", "-p",
                              str(free_port_pair()), "--", "sh", "-c", wrapped],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=sigint_as_usual)
     try:
         line = proc.stdout.readline()  # rank 0's "expertd serve: ... on http://..." line
         assert f":{http_port}/v1" in line, (line, proc.stderr.read() if proc.poll() else "")
