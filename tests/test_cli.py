@@ -76,6 +76,18 @@ def test_start_status_restart_stop(blobs, isolated_env):
 
 
 @pytest.mark.timeout(120)
+def interrupt_cleanly(watch: subprocess.Popen) -> None:
+    """Ctrl-C a ``status --watch``: it must exit 0 without a traceback (killed if it does not)."""
+    watch.send_signal(signal.SIGINT)
+    try:
+        _, err = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate()
+    assert watch.returncode == 0 and "Traceback" not in err, err
+
+
 def test_status_watch_refreshes_until_ctrl_c(blobs, isolated_env):
     try:
         assert expertd_cli("start", "--blobs", blobs, "--cache-gb", "50%").returncode == 0
@@ -88,13 +100,8 @@ def test_status_watch_refreshes_until_ctrl_c(blobs, isolated_env):
             docs = [json.loads(watch.stdout.readline()) for _ in range(3)]
             assert [d["pid"] for d in docs] == [pid] * 3
             assert docs[2]["uptime_s"] > docs[0]["uptime_s"]  # refreshed, not repeated
-            watch.send_signal(signal.SIGINT)
-            _, err = watch.communicate(timeout=30)
         finally:
-            if watch.poll() is None:
-                watch.kill()
-                watch.communicate()
-        assert watch.returncode == 0 and "Traceback" not in err, err
+            interrupt_cleanly(watch)
     finally:
         kill_serving_daemon(blobs)
     # Watching a daemon that is not running keeps watching, and says so each time.
@@ -103,13 +110,8 @@ def test_status_watch_refreshes_until_ctrl_c(blobs, isolated_env):
                              stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_usual)
     try:
         wait_until(lambda: "no expertd serves" in watch.stdout.readline(), 30, "a refresh")
-        watch.send_signal(signal.SIGINT)
-        _, err = watch.communicate(timeout=30)
     finally:
-        if watch.poll() is None:
-            watch.kill()
-            watch.communicate()
-    assert watch.returncode == 0 and "Traceback" not in err, err
+        interrupt_cleanly(watch)
     bad = expertd_cli("status", "--blobs", blobs, "--watch", "0")
     assert bad.returncode == 1 and "--watch takes a number of seconds above 0" in bad.stderr
 
