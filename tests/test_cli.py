@@ -75,7 +75,6 @@ def test_start_status_restart_stop(blobs, isolated_env):
         kill_serving_daemon(blobs)
 
 
-@pytest.mark.timeout(120)
 def interrupt_cleanly(watch: subprocess.Popen) -> None:
     """Ctrl-C a ``status --watch``: it must exit 0 without a traceback (killed if it does not)."""
     watch.send_signal(signal.SIGINT)
@@ -88,6 +87,7 @@ def interrupt_cleanly(watch: subprocess.Popen) -> None:
     assert watch.returncode == 0 and "Traceback" not in err, err
 
 
+@pytest.mark.timeout(120)
 def test_status_watch_refreshes_until_ctrl_c(blobs, isolated_env):
     try:
         assert expertd_cli("start", "--blobs", blobs, "--cache-gb", "50%").returncode == 0
