@@ -99,15 +99,22 @@ class RowReader:
             self._bases[layer] = bases
         return bases
 
-    def _fetch_chunk(self, layer, experts, positions, dest, bases, offsets, nbytes) -> None:
+    def _remap(self, layer: int, experts: np.ndarray) -> tuple:
+        """Lock-free lookup of ``experts`` in the shared slot table: ``(missing, slots,
+        versions, filling)`` as :func:`expertd.native.remap` fills them."""
         n = len(experts)
         slots = np.empty(n, np.int32)
         versions = np.empty(n, np.uint64)
         filling = np.empty(n, np.int32)
+        missing = native.remap(self.raw, self._slot_of_offset, self._slots_offset,
+                               self._n_experts, layer, experts, slots, versions, filling)
+        return missing, slots, versions, filling
+
+    def _fetch_chunk(self, layer, experts, positions, dest, bases, offsets, nbytes) -> None:
+        n = len(experts)
         raw = self.raw
         timing = self.timing
-        missing = native.remap(raw, self._slot_of_offset, self._slots_offset, self._n_experts,
-                               layer, experts, slots, versions, filling)
+        missing, slots, versions, filling = self._remap(layer, experts)
         if missing and (filling >= 0).any():
             started = time.perf_counter()
             self._drain(layer, experts, slots, versions, filling)
@@ -158,12 +165,7 @@ class RowReader:
     def prestage(self, layer: int, guessed: np.ndarray, dest: np.ndarray, copier) -> Prestage:
         """Start copying the resident rows of ``guessed`` (distinct, sorted) into ``dest`` on
         ``copier``'s thread, and ask the daemon to prefetch the others into its side rows."""
-        n = len(guessed)
-        slots = np.empty(n, np.int32)
-        versions = np.empty(n, np.uint64)
-        filling = np.empty(n, np.int32)
-        native.remap(self.raw, self._slot_of_offset, self._slots_offset, self._n_experts, layer,
-                     guessed, slots, versions, filling)
+        _, slots, versions, filling = self._remap(layer, guessed)
         ready = slots >= 0
         absent = int((~ready & (filling < 0)).sum())
         if absent and self._socket_lock.acquire(blocking=False):
@@ -226,7 +228,7 @@ class RowReader:
             if keep:
                 native.bump_hits(self.raw, self._slots_offset, slots)
                 self.counters["staged_used"] += len(at)
-        self.counters["staged_unused"] += len(staged.experts) - len(keep)
+        self.counters["staged_unused"] += len(staged.where) - len(keep)  # copied, not used
         if not keep:
             return np.arange(len(wanted), dtype=np.int32), None
         positions = [-1] * len(wanted)

@@ -55,16 +55,23 @@ class Staging:
 
     def acquire(self, layer: int):
         """The next buffer, and the rows staged in it for ``layer`` (or None)."""
-        buf = self.idle()
-        staged = buf.staged
-        if staged is not None and staged.job is not None:
-            # The copier must be done with the buffer before anyone writes into it; until this
-            # wait returns (a KeyboardInterrupt may cut it short), the job stays on the buffer,
-            # so the next acquire waits for it again.
-            staged.job.wait()
-        buf.staged = None
+        staged = self.idle().staged
+        # The copier must be done with the buffer before anyone writes into it; until that wait
+        # returns (a KeyboardInterrupt may cut it short), the job stays on the buffer, so the
+        # next acquire waits for it again.
+        buf = self.free_idle()
         self.turn ^= 1
         return buf, staged if staged is not None and staged.layer == layer else None
+
+    def free_idle(self) -> StagingBuffer:
+        """The idle buffer, ready for a new copy job: one still staged there from a forward
+        pass that never used it is waited for and dropped, so the copier never shares a buffer
+        with another writer."""
+        buf = self.idle()
+        if buf.staged is not None and buf.staged.job is not None:
+            buf.staged.job.wait()
+        buf.staged = None
+        return buf
 
     def idle(self) -> StagingBuffer:
         """The buffer the next :meth:`acquire` returns, free to be written into."""
@@ -123,8 +130,8 @@ class StreamedSwitch:
         if guess is not None:
             staging = time.perf_counter()
             guessed = np.unique(np.array(guess)).astype(np.int32)
-            idle = st.staging.idle()
-            idle.staged = session.prestage(st.layer + 1, guessed, idle.host, st.copier)
+            buf = st.staging.free_idle()
+            buf.staged = session.prestage(st.layer + 1, guessed, buf.host, st.copier)
             timing["prestage_s"] += time.perf_counter() - staging
         timing["sync_s"] += synced - started
         if fetched is not None:

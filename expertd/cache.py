@@ -51,7 +51,7 @@ class ExpertCache:
         self.workers = workers
         self.send = send
         self.background: deque = deque()  # (layer, expert) to fill when workers are free
-        self.background_rows: set = set()  # rows being filled for warm-up, prefetch or pins
+        self.background_rows: set = set()  # rows being filled for warm-up or pins
         self.warm_total = self.warm_done = 0
         self.room_changed = False  # rows were freed: queued demands may fit now
         self.counters = dict(demand_hits=0, client_hits=0, misses=0, bytes_read=0, fills=0,

@@ -60,6 +60,11 @@ def _pipeline_group():
     return group
 
 
+def add_prefetch_flag(p, help_text: str) -> None:
+    """The client's --prefetch, the same on every subcommand that loads the model."""
+    p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto", help=help_text)
+
+
 def _cmd_demo(args) -> int:
     from .tools.demo import run_demo
 
@@ -84,10 +89,9 @@ def add_client_subcommands(sub) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="sampling min-p (0: off)")
     p.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto",
-                   help="guess each next MoE layer's experts at the router sync, copy the "
-                   "resident ones in the background and have the daemon read the others ahead; "
-                   "auto (default) stops guessing in a layer whose guesses are mostly wrong")
+    add_prefetch_flag(p, "guess each next MoE layer's experts at the router sync, copy the "
+                      "resident ones in the background and have the daemon read the others "
+                      "ahead; auto stops guessing in a layer whose guesses are mostly wrong")
     p.add_argument("--pipeline", action="store_true",
                    help="run under mlx.launch: split the model into pipeline stages with "
                    "mlx-lm's own split, one per process, each streaming its layers from the "
@@ -158,8 +162,7 @@ def add_serving_subcommands(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free "
                    "port, printed at start)")
-    p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto",
-                   help=prefetch_help)
+    add_prefetch_flag(p, prefetch_help)
     p.add_argument("--pipeline", action="store_true",
                    help="run under mlx.launch, one pipeline stage per rank, each rank's BLOB_DIR "
                    "holding its stage (expertd convert --layers); rank 0 answers HTTP, as "
@@ -208,6 +211,5 @@ def add_serving_subcommands(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--max-kv-size", type=int, help="most tokens kept in the KV cache "
                    "(default: unbounded)")
-    p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto",
-                   help=prefetch_help)
+    add_prefetch_flag(p, prefetch_help)
     p.set_defaults(func=_cmd_chat)
