@@ -143,13 +143,13 @@ def copier_costs(session, n: int = 1000) -> dict:
                                      replace=False)).astype(np.int32)
         # With the session's own threshold (rows this small are not handed to the copier)...
         t = time.perf_counter()
-        session.prestage(layer, guessed, dest, session.copier)
+        session.prestage(layer, guessed, k, dest, session.copier)
         out["prestage_default"].append((time.perf_counter() - t) * 1e6)
         # ...and with the copy handed over whatever its size.
         session.copy_ahead_bytes = 0
         try:
             t0 = time.perf_counter()
-            staged = session.prestage(layer, guessed, dest, session.copier)
+            staged = session.prestage(layer, guessed, k, dest, session.copier)
             t1 = time.perf_counter()
             staged.job.wait()
             t2 = time.perf_counter()

@@ -14,7 +14,8 @@ from .switch import Staging, make_streamed
 
 
 def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = None,
-         prefetch: str = "auto", copy_ahead_bytes: int | None = None, pipeline_group=None):
+         prefetch: str = "auto", copy_ahead_bytes: int | None = None, pipeline_group=None,
+         guess_width: int | None = None):
     """Build the model of ``blob_dir`` with mlx-lm's classes, experts served by expertd.
 
     Args:
@@ -29,6 +30,9 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
         copy_ahead_bytes: the background copy of a layer's guessed rows runs only when they
             are at least this many bytes (default 512 KiB); smaller ones are cheaper to copy
             when the layer runs than to hand to another thread.
+        guess_width: experts read ahead per expert a token routes to (default 2, see
+            ``predict.GUESS_WIDTH``): the daemon fills the absent ones of that many of the next
+            router's best-ranked experts into its side rows; the copy ahead stays at the top-k.
         pipeline_group: an ``mx.distributed`` group (under ``mlx.launch``): split the model
             with mlx-lm's own ``pipeline(group)`` and stream only this rank's layers, from
             the daemon of this host (``blob_dir`` may hold only this rank's layer range).
@@ -43,9 +47,14 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
         PipelineError: the family cannot be split, or ``blob_dir`` lacks this rank's layers.
     """
     check_mode(prefetch)
+    if guess_width is not None and (isinstance(guess_width, bool) or not isinstance(guess_width, int)
+                                    or guess_width < 1):
+        raise ValueError(f"guess_width must be a whole number of at least 1, not {guess_width!r}")
     session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group)
     if copy_ahead_bytes is not None:
         session.copy_ahead_bytes = max(0, int(copy_ahead_bytes))
+    if guess_width is not None:
+        session.guess_width = guess_width
     try:
         model, tokenizer = _build(session, prefetch, pipeline_group)
     except BaseException:

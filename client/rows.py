@@ -38,8 +38,9 @@ class Prestage:
 
     layer: int
     epoch: int
-    guessed: np.ndarray  # every expert guessed (sorted)
-    experts: np.ndarray  # those resident when guessed, copied to positions 0, 1, ...
+    guessed: np.ndarray  # every expert guessed, best first (the read-ahead)
+    n_core: int  # the first n_core of them are the core, the next layer's likely top-k
+    experts: np.ndarray  # those of the core resident when guessed, copied to positions 0, 1, ...
     slots: np.ndarray
     versions: np.ndarray
     job: object = None  # the copier's CopyJob
@@ -162,12 +163,15 @@ class RowReader:
 
     # ---- the guessed rows of the next layer ------------------------------------------------
 
-    def prestage(self, layer: int, guessed: np.ndarray, dest: np.ndarray, copier) -> Prestage:
-        """Start copying the resident rows of ``guessed`` (distinct, sorted) into ``dest`` on
-        ``copier``'s thread, and ask the daemon to prefetch the others into its side rows."""
+    def prestage(self, layer: int, guessed: np.ndarray, n_core: int, dest: np.ndarray,
+                 copier) -> Prestage:
+        """Start copying the resident rows of the guess's core (``guessed[:n_core]``) into
+        ``dest`` on ``copier``'s thread, and ask the daemon to read the absent experts of the
+        whole guess (distinct, best first) into its side rows."""
         _, slots, versions, filling = self._remap(layer, guessed)
         ready = slots >= 0
         absent = int((~ready & (filling < 0)).sum())
+        ready[n_core:] = False
         if absent and self._socket_lock.acquire(blocking=False):
             # All of the guess, not only what is absent: a resident guess may sit in a side row,
             # and naming it claims that row for this generation, so the daemon does not reuse
@@ -177,7 +181,7 @@ class RowReader:
                 self.counters["prefetch_asked"] += absent
             finally:
                 self._socket_lock.release()
-        staged = Prestage(layer, self.epoch, guessed, guessed[ready], slots[ready],
+        staged = Prestage(layer, self.epoch, guessed, n_core, guessed[ready], slots[ready],
                           versions[ready])
         # Rows are copied ahead only when they fit the staging buffer as one group, and when
         # the copy is worth a thread hand-off (see COPY_AHEAD_MIN_BYTES).

@@ -110,7 +110,7 @@ class StreamedSwitch:
         # Guess the next layer's experts in the same evaluation as this layer's router: no
         # extra host sync. Only while decoding: a prompt's layer routes to most experts anyway.
         if st.guesser is not None and indices.size <= DECODE_IDS and st.guesser.guesses.wanted():
-            guess = st.guesser.lazy(x, indices.shape[-1])
+            guess = st.guesser.lazy(x, indices.shape[-1], session.guess_width)
             mx.eval(indices, guess)
         idx = np.array(indices)  # the one host sync of this layer: the router's choice
         synced = time.perf_counter()
@@ -120,7 +120,7 @@ class StreamedSwitch:
             unique = np.unique(idx).astype(np.int32)
         staged = st.staging.idle().staged
         if staged is not None and staged.layer == st.layer and st.incoming is not None:
-            st.incoming.record(staged.guessed, unique)
+            st.incoming.record(staged.guessed[:staged.n_core], unique, staged.guessed)
         size = session.max_group
         if len(unique) <= size:
             out, fetched = self._run_one(st, x, idx, unique)
@@ -129,9 +129,15 @@ class StreamedSwitch:
         timing = session.timing
         if guess is not None:
             staging = time.perf_counter()
-            guessed = np.unique(np.array(guess)).astype(np.int32)
+            g = np.array(guess)
+            # Best first: every token's first choice, then every token's second, and so on;
+            # the core (the top-k) comes first, and a daemon short of side rows reads the most
+            # likely experts and drops the rest.
+            ranked = list(dict.fromkeys(g.reshape(-1, g.shape[-1]).T.ravel().tolist()))
+            n_core = len(set(g[..., :indices.shape[-1]].ravel().tolist()))
             buf = st.staging.free_idle()
-            buf.staged = session.prestage(st.layer + 1, guessed, buf.host, st.copier)
+            buf.staged = session.prestage(st.layer + 1, np.array(ranked, dtype=np.int32),
+                                          n_core, buf.host, st.copier)
             timing["prestage_s"] += time.perf_counter() - staging
         timing["sync_s"] += synced - started
         if fetched is not None:

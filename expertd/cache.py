@@ -45,6 +45,8 @@ class ExpertCache:
         self.side = SideBook(g.cache_rows, g.side_rows)
         self.prefetch_mode = prefetch
         self.prefetch_rows: set = set()  # rows being filled for a prefetch
+        # False while the LFU cache may still have rows that never held anything (see _absorb).
+        self._cache_full = False
         self.book = book
         self.pool = pool
         self.stride = g.stride
@@ -68,7 +70,7 @@ class ExpertCache:
         """Lease what is resident, fill the rest; False (nothing held) if rows are short."""
         if not self.book.fits(d.owner, len(d.experts)):
             return False
-        rows, need, waiting, side_used = [], [], set(), []
+        rows, need, waiting, side_used, absorbed = [], [], set(), [], []
         for i, e in enumerate(d.experts):
             row, state = self.table.lookup(d.layer, e)
             if state == SlotState.READY or state == SlotState.FILLING:
@@ -77,6 +79,8 @@ class ExpertCache:
                     waiting.add(row)
                 if self.side.side[row]:
                     side_used.append(row)
+                elif self.side.prefetched[row]:  # read ahead, then taken into the cache
+                    absorbed.append(row)
             else:
                 rows.append(-1)
                 need.append(i)
@@ -101,6 +105,8 @@ class ExpertCache:
             if row in self.prefetch_rows:
                 self.pool.expedite(row)  # a demand waits on it now: it goes first
             saved += self._use_side(row)
+        for row in absorbed:
+            saved += self.side.take(row)
         self.counters["demand_hits"] += len(d.experts) - len(need) - saved
         self.counters["prefetch_hits"] += saved
         self.counters["misses"] += len(need)
@@ -150,6 +156,8 @@ class ExpertCache:
     # ---- fills -----------------------------------------------------------------------------
 
     def _fill(self, row: int, layer: int, expert: int, urgent: bool = True) -> None:
+        if not self.side.side[row] and self.side.take(row):
+            self.counters["prefetch_wasted"] += 1  # read ahead, taken into the cache, never used
         evicted = self.table.begin_fill(row, layer, expert)
         if evicted is not None and evicted[1]:
             self.policy.on_touched(*evicted)  # uses not harvested yet belong to the old key
@@ -176,6 +184,7 @@ class ExpertCache:
             else:
                 log.error("fill failed: %s", error[1])
                 self.counters["fill_errors"] += 1
+                self._cache_full = False  # the row is empty again, maybe a cache row
                 self.side.prefetched[row] = False  # nothing was read: nothing to waste
             self.prefetch_rows.discard(row)
             if row in self.background_rows:
@@ -237,8 +246,8 @@ class ExpertCache:
         rows, counts = self.table.harvest(rows)
         for row, count in zip(rows.tolist(), counts.tolist()):
             self.policy.on_touched(self.table.key(row), count)
-            if self.side.side[row]:
-                saved = self._use_side(row)
+            if self.side.side[row] or self.side.prefetched[row]:
+                saved = self._use_side(row) if self.side.side[row] else self.side.take(row)
                 self.counters["prefetch_hits"] += saved
                 count -= saved
             self.counters["client_hits"] += count
@@ -270,6 +279,23 @@ class ExpertCache:
         self.side.swap(row, int(victims[0]))
         return True
 
+    def _absorb(self) -> None:
+        """While the LFU cache still has rows that never held an expert, side rows holding one
+        swap roles with them: the side row's expert stays resident as a cache row (its bytes
+        are not moved, so a client may go on reading them), and the empty row becomes a side
+        row for the next prefetch. A wrong guess evicts nothing this way either, and a cache
+        large enough for every expert never reads one twice. Once no cache row is empty this
+        is skipped, so the full arena is scanned only while the cache warms up."""
+        states = self.table.records["state"]
+        empty = np.flatnonzero(~self.side.side & (states == SlotState.EMPTY)
+                               & (self.book.leased == 0))
+        if not len(empty):
+            self._cache_full = True
+            return
+        held = np.flatnonzero(self.side.side & (states == SlotState.READY))
+        for row, victim in zip(held.tolist(), empty.tolist()):
+            self.side.swap(row, victim, unused=True)
+
     def prefetch(self, owner: bytes, layer: int, experts) -> int:
         """Fill the experts of ``layer`` that ``owner`` predicts it will need into side rows.
 
@@ -298,6 +324,8 @@ class ExpertCache:
                 self.side.claim(row, owner, gen, now)
         if not want:
             return 0
+        if not self._cache_full:
+            self._absorb()
         # Only the side rows are looked at: clients send a PREFETCH per layer, and work over
         # the whole arena on each would take the serving thread from the demands.
         side = self.side.side_rows()

@@ -25,6 +25,7 @@ class ServerConfig:
     auto_pin: int = 0
     save_interval: float = 60.0
     prefetch: str = "auto"
+    side_rows: int | None = None  # prefetch rows per generation; None: the model's top_k
 
     def __post_init__(self):
         if self.cache_bytes <= 0:
@@ -43,6 +44,8 @@ class ServerConfig:
             raise ValueError("client timeout must exceed the heartbeat interval")
         if self.auto_pin < 0:
             raise ValueError("auto-pin must not be negative")
+        if self.side_rows is not None and self.side_rows < 0:
+            raise ValueError("side rows must not be negative")
         if self.prefetch not in PREFETCH_MODES:
             raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}")
 

@@ -17,6 +17,7 @@ from .errors import DaemonError, DaemonNotRunning
 from .hotset import read_pin_file
 
 MAX_WORKERS = 256
+MAX_SIDE_ROWS = 64  # x top_k: prefetch rows per generation, at most
 MAX_CACHE_GB = 1 << 20  # a PiB: no machine has it, and int(gb * 2**30) never overflows below it
 NOT_RUNNING = 3  # status's exit code when no daemon runs, as pg_ctl and LSB init scripts use
 _UNITS = {"": 2**30, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -49,11 +50,12 @@ def parse_size(text: str, total_bytes: int) -> float:
     return sign * number * _UNITS[unit] / 2**30
 
 
-def cache_bytes(text: str, manifest, blobs) -> int:
+def cache_bytes(text: str, manifest, blobs, side_rows: int | None = None) -> int:
     """``--cache-gb`` in bytes, refused unless the daemon can serve the model with it.
 
     The budget is the whole arena (slot tables and prefetch side rows included). The floor is
-    2 x top_k cache rows (capped at the model's expert count) beside the 2 x top_k side rows:
+    2 x top_k cache rows (capped at the model's expert count) beside the 2 x ``side_rows``
+    side rows (``side_rows`` defaults to top_k):
     one demand may hold at most half of the rows pins leave (``config.cache_limits``); below
     the floor demands shrink to a row or two and every layer of every token waits on several
     round trips.
@@ -64,8 +66,9 @@ def cache_bytes(text: str, manifest, blobs) -> int:
     from .shm.layout import Geometry
 
     m = manifest
+    side = m.top_k if side_rows is None else side_rows
     rows = min(2 * m.top_k, len(m.layers) * m.max_experts)
-    least = Geometry.smallest_budget(len(m.layers), m.max_experts, m.stride, side_rows=m.top_k,
+    least = Geometry.smallest_budget(len(m.layers), m.max_experts, m.stride, side_rows=side,
                                      cache_rows=rows)
     least_gb = math.ceil(least / 2**30 * 1e6) / 1e6  # rounded up: the number shown works
     total_gb = m.total_expert_bytes / 2**30
@@ -84,7 +87,7 @@ def cache_bytes(text: str, manifest, blobs) -> int:
     if size < least:
         raise ValueError(f"--cache-gb {text} is too small for {blobs}: the smallest cache "
                          f"that serves it is {least_gb:g} GiB ({rows} rows of {m.stride} bytes, "
-                         f"twice a token's top_k = {m.top_k} experts, beside 2 x {m.top_k} "
+                         f"twice a token's top_k = {m.top_k} experts, beside 2 x {side} "
                          "prefetch rows)")
     return size
 
@@ -99,7 +102,11 @@ def _config(args):
     blob_dir = Path(args.blobs).expanduser().resolve()
     store = BlobStore(blob_dir)  # refuse a bad directory here, not in the detached child
     try:
-        budget = cache_bytes(args.cache_gb, store.manifest, args.blobs)
+        top_k = store.manifest.top_k
+        if args.side_rows is not None and not 0 <= args.side_rows <= MAX_SIDE_ROWS * top_k:
+            raise ValueError(f"--side-rows must be between 0 and {MAX_SIDE_ROWS * top_k} "
+                             f"({MAX_SIDE_ROWS} x top_k = {top_k}), not {args.side_rows}")
+        budget = cache_bytes(args.cache_gb, store.manifest, args.blobs, args.side_rows)
     finally:
         store.close()
     if not 1 <= args.workers <= MAX_WORKERS:
@@ -111,7 +118,8 @@ def _config(args):
         blob_dir=blob_dir, cache_bytes=budget, workers=args.workers, io=args.io,
         verify=args.verify, client_timeout=args.client_timeout,
         heartbeat_interval=args.heartbeat, lease_timeout=args.lease_timeout,
-        pin_file=pin_file, auto_pin=args.auto_pin, prefetch=args.prefetch)
+        pin_file=pin_file, auto_pin=args.auto_pin, prefetch=args.prefetch,
+        side_rows=args.side_rows)
 
 
 def _log_file(args, config) -> Path:
@@ -273,6 +281,11 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
                    help="fill the experts clients predict into side rows that never evict "
                    "cached ones: on, off (PREFETCH is ignored) or auto (on here; each client "
                    "turns prediction off for layers where it does not pay; default: auto)")
+    p.add_argument("--side-rows", type=int, default=None, metavar="N",
+                   help="prefetch rows per generation; the arena keeps two generations, so "
+                   "2 x N rows of the cache budget. One client reads ahead up to twice a "
+                   "token's top_k experts per layer: raise N when several clients decode at "
+                   "once (STATS prefetch_dropped counts what found no row) (default: top_k)")
     p.add_argument("--client-timeout", type=float, default=10.0, metavar="S",
                    help="reclaim a client's leases after S seconds without a heartbeat "
                    "(default: 10)")
@@ -292,7 +305,8 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
 START_FLAGS = (("cache_gb", "--cache-gb", False), ("workers", "--workers", False),
                ("io", "--io", False), ("verify", "--verify", False),
                ("pin_file", "--pin-file", True), ("auto_pin", "--auto-pin", False),
-               ("prefetch", "--prefetch", False), ("client_timeout", "--client-timeout", False),
+               ("prefetch", "--prefetch", False), ("side_rows", "--side-rows", False),
+               ("client_timeout", "--client-timeout", False),
                ("lease_timeout", "--lease-timeout", False), ("heartbeat", "--heartbeat", False),
                ("state_file", "--state-file", True))
 

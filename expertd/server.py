@@ -55,7 +55,9 @@ class ExpertServer:
         m = self.store.manifest
         self.n_experts = [layer.num_experts for layer in m.layers]
         g = self.geometry = Geometry.for_budget(len(m.layers), m.max_experts, m.stride,
-                                                config.cache_bytes, side_rows=m.top_k)
+                                                config.cache_bytes,
+                                                side_rows=(m.top_k if config.side_rows is None
+                                                           else config.side_rows))
         self.max_pins, self.max_demand, client_cap = cache_limits(g.cache_rows)
         # Checked before anything is created: more pins than PIN allows would leave demands
         # too few rows, and they would wait forever.

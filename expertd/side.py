@@ -130,6 +130,13 @@ class SideBook:
 
     # ---- use and promotion ----------------------------------------------------------------
 
+    def take(self, row: int) -> bool:
+        """Cache row ``row`` was used or is being rewritten: True if it held a prefetched
+        expert nobody had used yet (one that joined the cache unused, see :meth:`swap`)."""
+        first = bool(self.prefetched[row])
+        self.prefetched[row] = False
+        return first
+
     def used(self, row: int) -> bool:
         """A demand or a client used side row ``row``: it waits for promotion.
 
@@ -141,14 +148,17 @@ class SideBook:
         self.pending.add(row)
         return first
 
-    def swap(self, row: int, victim: int) -> None:
+    def swap(self, row: int, victim: int, unused: bool = False) -> None:
         """Promote side row ``row`` into the cache and demote cache row ``victim`` to a side
         row. The victim keeps its expert (a later use promotes it back) but no claim, so it
-        is among the first rows a prefetch rewrites."""
+        is among the first rows a prefetch rewrites. ``unused``: ``row`` joins the cache
+        before anyone used it (it took an empty cache row's place), so it stays counted as
+        prefetched until it is used (:meth:`take`) or evicted."""
         if not self.side[row] or self.side[victim]:
             raise ValueError(f"swap needs a side row and a cache row, got {row} and {victim}")
         self.side[row], self.side[victim] = False, True
-        self.prefetched[row] = self.prefetched[victim] = False
+        self.prefetched[row] = unused and bool(self.prefetched[row])
+        self.prefetched[victim] = False
         self._claims.pop(row, None)
         self._claims.pop(victim, None)
         self._stamp[victim] = 0.0

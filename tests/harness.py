@@ -298,6 +298,14 @@ class RawClient:
         finally:
             self.release(reply["lease"])
 
+    def fill_cache(self, layer: int) -> None:
+        """Demand experts 0, 1, ... of ``layer`` until every LFU cache row holds one. While a
+        cache row is empty, the daemon moves prefetched rows into it rather than rewrite
+        them, so tests of the side rows' own turnover start from a full cache."""
+        rows = self.hello["cache_rows"]
+        for start in range(0, rows, 2):
+            self.fetch(layer, range(start, min(start + 2, rows)))
+
     def slot(self, layer: int, expert: int) -> tuple:
         """(row, state, version) of a key as the shared table shows it; row -1 if absent."""
         g = self.arena.geometry

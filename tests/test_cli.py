@@ -166,6 +166,31 @@ def test_a_cache_too_small_says_how_small_it_may_be(blobs, isolated_env):
             "0.000262 GiB (8 rows of 16384 bytes") in got.stderr
 
 
+@pytest.mark.timeout(120)
+def test_side_rows_come_out_of_the_budget(blobs, isolated_env):
+    """--side-rows N: 2 x N prefetch rows, taken from the same --cache-gb budget."""
+    m = Manifest.load(blobs)
+    budget = m.total_expert_bytes
+    want = Geometry.for_budget(len(m.layers), m.max_experts, m.stride, budget, side_rows=10)
+    assert want.cache_rows < Geometry.for_budget(len(m.layers), m.max_experts, m.stride, budget,
+                                                 side_rows=m.top_k).cache_rows
+    try:
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", "100%", "--side-rows", "10")
+        assert started.returncode == 0, started.stderr
+        stats = query_stats(blobs)
+        assert stats["side_rows"] == 20 and stats["arena_rows"] == want.cache_rows
+        assert stats["arena_bytes"] == want.total_size <= budget
+    finally:
+        kill_serving_daemon(blobs)
+
+
+@pytest.mark.parametrize("rows", ["-1", "257"])
+def test_side_rows_out_of_range_are_refused_in_one_line(blobs, isolated_env, rows):
+    got = expertd_cli("start", "--blobs", blobs, "--side-rows", rows, timeout=30)
+    assert got.returncode == 1 and got.stderr.count("\n") == 1, got
+    assert f"--side-rows must be between 0 and 256 (64 x top_k = 4), not {rows}" in got.stderr
+
+
 # ---- --help -------------------------------------------------------------------------------------
 
 def _parsers(parser, name="expertd"):

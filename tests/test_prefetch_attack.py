@@ -57,6 +57,7 @@ def test_a_client_that_never_reads_cannot_keep_the_side_rows(models, isolated_en
     blobs = models.blobs()
     with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
         with RawClient(blobs) as hog, RawClient(blobs) as other:
+            hog.fill_cache(2)
             prefetch(hog, 0, [0, 1, 2, 3])
             prefetch(hog, 0, [4, 5, 6, 7])
             filled = time.monotonic()

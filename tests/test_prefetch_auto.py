@@ -11,6 +11,7 @@ import re
 import shutil
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
@@ -19,7 +20,7 @@ from mlx_lm.sample_utils import make_sampler
 from client_helpers import prompt_ids
 from harness import Daemon
 from expertd.client import load
-from expertd.client.predict import MIN_PRECISION, RETEST_AFTER, WINDOW, LayerGuesses
+from expertd.client.predict import MIN_PRECISION, RETEST_AFTER, WINDOW, Guesser, LayerGuesses
 from expertd.tools.convert import convert
 
 RANDOM = dict(layers=4, experts=64, top_k=2)
@@ -106,6 +107,39 @@ def test_a_switched_off_layer_tries_again_after_a_while():
     for _ in range(WINDOW):  # right this time: it stays on
         g.record(np.array([0, 1], np.int32), np.array([0, 1], np.int32))
     assert g.active and g.switched_off == 1 and g.wanted()
+
+
+def test_auto_judges_the_core_and_scores_the_width_apart():
+    """A wide read-ahead is half wrong by design; auto's verdict is on the top-k core alone."""
+    g = LayerGuesses("auto")
+    for _ in range(2 * WINDOW):
+        g.record(np.array([0, 1], np.int32), np.array([0, 1], np.int32),
+                 np.array([0, 1, 5, 6], np.int32))
+    s = g.summary()
+    assert g.active and g.switched_off == 0
+    assert (s["precision"], s["recall"]) == (1.0, 1.0)
+    assert (s["wide_precision"], s["wide_recall"], s["wide_guessed"]) == (0.5, 1.0, 8 * WINDOW)
+
+
+def test_a_wide_guess_ranks_the_routers_top_k_first():
+    """Guesser.lazy with a width: the first k columns are the router's top-k (the set
+    argpartition picks), the rest the next best, in order."""
+    mx.random.seed(3)
+    router = nn.Linear(32, 24, bias=False)
+    x = mx.random.normal((2, 3, 32))
+    guess = Guesser(router, None)
+    scores = np.array(router(x))
+    for width, k in ((1, 4), (2, 4), (3, 8), (9, 4)):
+        got = np.array(guess.lazy(x, k, width))
+        n = min(k * width, 24)
+        assert got.shape == (2, 3, n)
+        best = np.argsort(-scores, axis=-1, kind="stable")
+        for t in np.ndindex(2, 3):
+            assert set(got[t][:k].tolist()) == set(best[t][:k].tolist())
+            assert set(got[t].tolist()) == set(best[t][:n].tolist())
+            ranked = scores[t][got[t]]
+            if width > 1:
+                assert (np.diff(ranked) <= 0).all()
 
 
 @pytest.mark.parametrize("mode", ["sometimes", "", None])

@@ -2,6 +2,8 @@
 (invariant 3), promotion by a role swap when a demand or a client uses a row, demands ahead of
 prefetches in the pread pool, and three client processes racing it all under eviction."""
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -36,6 +38,12 @@ def wait_fills(c: RawClient, n: int) -> dict:
         return wait_until(done, 10.0, f"{n} prefetch fills")
     except AssertionError as exc:
         raise AssertionError(f"{exc}; last STATS: {last}") from None
+
+
+def stopped(pid: int) -> bool:
+    """Is process ``pid`` stopped by a signal (state T in /proc)?"""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] == "T"
 
 
 def slots(c: RawClient, layer: int, experts) -> dict:
@@ -80,12 +88,53 @@ def test_prefetch_fills_side_rows_and_evicts_nothing(models, isolated_env):
             assert stats["prefetch_merged"] == 3 and stats["prefetch_fills"] == 4
 
 
+def test_a_prefetch_longer_than_the_side_rows_reads_its_first_experts(models, isolated_env):
+    """Clients list a guess best first: with fewer free side rows than absent experts, the
+    daemon reads the head of the list and drops the tail (counted), whatever the expert ids."""
+    blobs = models.blobs()
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+        with RawClient(blobs) as c:
+            ranked = [13, 2, 9, 0, 15, 4, 7]
+            prefetch(c, 1, ranked)
+            stats = wait_fills(c, SIDE)
+            assert stats["prefetch_fills"] == SIDE
+            assert stats["prefetch_dropped"] == len(ranked) - SIDE
+            for e in ranked[:SIDE]:
+                assert c.slot(1, e)[1] == SlotState.READY, e
+            for e in ranked[SIDE:]:
+                assert c.slot(1, e)[1] == SlotState.EMPTY, e
+
+
+def test_a_cache_with_empty_rows_keeps_every_prefetched_expert(models, isolated_env):
+    """While LFU cache rows are empty, read-ahead rows take their place instead of being
+    rewritten: four generations (twice what the side rows hold) all stay resident, nothing is
+    read twice, and using one later still counts as a saved miss."""
+    blobs = models.blobs()
+    want = expected_bytes(blobs)
+    with running_daemon(blobs, isolated_env, "--cache-gb", "200%"):
+        with RawClient(blobs) as c:
+            gens = [(0, [0, 1, 2, 3]), (0, [4, 5, 6, 7]), (0, [8, 9, 10, 11]), (1, [0, 1, 2, 3])]
+            for n, (layer, experts) in enumerate(gens, 1):
+                prefetch(c, layer, experts)
+                wait_fills(c, 4 * n)
+            for layer, experts in gens:
+                for e in experts:
+                    assert c.slot(layer, e)[1] == SlotState.READY, (layer, e)
+            assert c.fetch(0, [0, 9]) == [want[(0, 0)], want[(0, 9)]]
+            stats = c.request(Op.STATS)
+            assert stats["fills"] == 16 and stats["bytes_read"] == 16 * c.hello["stride"]
+            assert stats["misses"] == 0 and stats["prefetch_hits"] == 2
+            assert stats["prefetch_wasted"] == 0 and stats["prefetch_dropped"] == 0
+            assert stats["side_rows_used"] <= stats["side_rows"]
+
+
 def test_a_generation_is_kept_while_the_next_fills(models, isolated_env):
     """Invariant 3: client A's generation g stays put while g + 1 fills; g + 2 may reuse g's
     rows; another client cannot take A's two latest generations within SIDE_HOLD."""
     blobs = models.blobs()
     with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
         with RawClient(blobs) as a, RawClient(blobs) as b:
+            a.fill_cache(2)
             s1, s2, s3 = [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]
             prefetch(a, 0, s1)
             wait_fills(a, 4)
@@ -147,6 +196,7 @@ def test_a_row_used_lock_free_is_promoted_before_the_next_prefetch(models, isola
     blobs = models.blobs()
     with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
         with RawClient(blobs) as c:
+            c.fill_cache(1)
             prefetch(c, 2, [0, 1, 2, 3])
             wait_fills(c, 4)
             used = [c.slot(2, e)[0] for e in (1, 2)]
@@ -157,7 +207,7 @@ def test_a_row_used_lock_free_is_promoted_before_the_next_prefetch(models, isola
                 stats = wait_fills(c, 4 + 4 * (gen + 1))
             assert slots(c, 2, [1, 2]) == kept
             assert stats["prefetch_hits"] == 2 and stats["client_hits"] == 0
-            assert stats["rows_used"] == 2 and stats["prefetch_dropped"] == 0
+            assert stats["rows_used"] == c.hello["cache_rows"] and stats["prefetch_dropped"] == 0
             assert stats["prefetch_wasted"] == 2 + 4 + 4  # the 2 unused, generations 2 and 3
 
 
@@ -175,15 +225,25 @@ def test_off_ignores_prefetches(models, isolated_env):
 
 def test_demands_go_before_queued_prefetch_fills(models, isolated_env):
     """One worker, sixteen prefetch fills queued (two generations of top_k = 8 on rows of
-    ~1 MiB): a demand sent behind them is answered while most of them still wait."""
+    ~1 MiB): a demand sent behind them is answered while most of them still wait.
+
+    The three requests are sent while the daemon is stopped (SIGSTOP), so they wait together
+    in its socket: otherwise a loaded machine may let the worker read most prefetches before
+    the daemon has even received the demand, which says nothing about the queue's order."""
     blobs = models.blobs(layers=1, experts=32, top_k=8, hidden=512, moe_inter=512)
-    with running_daemon(blobs, isolated_env, "--cache-gb", "0.05", "--workers", "1"):
+    with running_daemon(blobs, isolated_env, "--cache-gb", "0.05", "--workers", "1") as d:
         with RawClient(blobs) as c:
             g = c.arena.geometry
             predicted = list(range(16))
-            c.conn.send(Op.PREFETCH, {"layer": 0, "experts": predicted[:8]})
-            c.conn.send(Op.PREFETCH, {"layer": 0, "experts": predicted[8:]})
-            reply = c.demand(0, [31])
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                wait_until(lambda: stopped(d.pid), 10.0, "the daemon to stop")
+                c.conn.send(Op.PREFETCH, {"layer": 0, "experts": predicted[:8]})
+                c.conn.send(Op.PREFETCH, {"layer": 0, "experts": predicted[8:]})
+                rid = c.conn.send(Op.DEMAND, {"layer": 0, "experts": [31]})
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+            reply = c.conn.wait(rid, 20.0)
             states = [int(c.arena.slots[c.slot(0, e)[0]]["state"]) if c.slot(0, e)[0] >= 0
                       else -1 for e in predicted]
             c.release(reply["lease"])
