@@ -22,12 +22,13 @@ def _flat(trace) -> tuple[np.ndarray, int, int]:
     return trace[:, 0] * n_experts + trace[:, 1], n_layers, n_experts
 
 
-def belady_hits(trace, capacity: int) -> int:
+def belady_hits(trace, capacity: int, count_from: int = 0) -> int:
     """Hits of the optimal offline policy (evict the key whose next use is furthest away).
 
     Args:
         trace: (N, 2) array or sequence of (layer, expert).
         capacity: rows in the cache.
+        count_from: requests before this index warm the cache and are not counted.
     """
     keys, _, _ = _flat(trace)
     n = len(keys)
@@ -43,7 +44,7 @@ def belady_hits(trace, capacity: int) -> int:
     for i in range(n):
         key = int(keys[i])
         if key in resident:
-            hits += 1
+            hits += i >= count_from
         elif len(resident) >= capacity:
             while True:
                 far, victim = heapq.heappop(heap)
