@@ -24,6 +24,9 @@ from common import OUT, daemon, ensure_model, stats
 
 FRACTIONS = (0.10, 0.25, 0.50, 0.75, 1.00)
 MODES = ("off", "on")
+# At the 25% arena (the fill-wait bar) also prefetch on with the read-ahead as narrow as the
+# copy ahead (guess_width=1, what the client did before it read ahead twice the top-k).
+NARROW = "on, width 1"
 PROMPT_TOKENS = 32
 DECODE_TOKENS = 64
 TEMP = 1.0  # greedy decoding of this small model repeats one token: its routing would too
@@ -193,7 +196,10 @@ def one_run(blob_dir, tokenizer, prompts, rows: int, mode: str, all_resident: bo
     tokens = tokens or DECODE_TOKENS
     with ExitStack() as stack:
         _start(stack, blob_dir, rows)
-        model, _ = load(blob_dir, prefetch=mode)
+        if mode == NARROW:
+            model, _ = load(blob_dir, prefetch="on", guess_width=1)
+        else:
+            model, _ = load(blob_dir, prefetch=mode)
         session = model.expertd_session
         try:
             trace = record_routing(model)
@@ -296,7 +302,8 @@ def learned(rounds: int = 5, log=print) -> dict:
         rows = max(2 * manifest.top_k, round(f * n_keys))
         res.append(dict(fraction=f, **resident(model_dir, tokenizer, prompts[1])))
         for round_ in range(rounds):
-            for mode in MODES:  # alternating, so the machine's noise hits both alike
+            # Alternating, so the machine's noise hits every mode alike.
+            for mode in MODES + ((NARROW,) if f == 0.25 else ()):
                 full = f == 1.0
                 first = round_ == 0
                 r = one_run(blob_dir, tokenizer, prompts, rows, mode, full, probe=full and first,

@@ -5,6 +5,7 @@ import time
 import numpy as np
 
 from common import ROOT
+from overlap import NARROW
 
 HEADER = "## Overlap: prefetch off vs on (decode)"
 COMMAND = "`python bench/run.py --only overlap`"
@@ -34,7 +35,7 @@ def exposed_table(L: dict) -> list:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for f in sorted({r["fraction"] for r in L["runs"]}):
         off = _runs(L, f, "off")
-        for mode in ("off", "on"):
+        for mode in [m for m in ("off", "on", NARROW) if _runs(L, f, m)]:
             runs = _runs(L, f, mode)
             d = lambda k: _med(runs, lambda r: r["decode"][k])  # noqa: E731
             target, verdict = "–", "–"
@@ -61,15 +62,18 @@ def exposed_table(L: dict) -> list:
 
 def prediction_table(L: dict) -> list:
     cols = [(f, "on") for f in (0.25, 1.0)]
-    head = " | ".join(f"{f:.0%} arena: P / R" for f, _ in cols)
-    lines = [f"| predicted layer | {head} |", "| --- |" + " --- |" * len(cols)]
+    head = " | ".join(f"{f:.0%} arena: core P / R | read-ahead P / R" for f, _ in cols)
+    lines = [f"| predicted layer | {head} |", "| --- |" + " --- |" * 2 * len(cols)]
     preds = [_runs(L, f, m)[0]["prediction"] for f, m in cols]
     for layer in range(1, L["layers"]):
         cells = []
         for p in preds:
             s = p[layer]
-            cells.append("–" if s is None or s["precision"] is None
-                         else f"{s['precision']:.2f} / {s['recall']:.2f}")
+            if s is None or s["precision"] is None:
+                cells += ["–", "–"]
+                continue
+            cells.append(f"{s['precision']:.2f} / {s['recall']:.2f}")
+            cells.append(f"{s['wide_precision']:.2f} / {s['wide_recall']:.2f}")
         lines.append(f"| {layer} | {' | '.join(cells)} |")
     return lines
 
@@ -207,6 +211,18 @@ def notes(L: dict, Q: dict) -> list:
     pred = _runs(L, 1.0, "on")[0]["prediction"]
     p = {i: x["precision"] for i, x in enumerate(pred) if x is not None and x["guessed"]}
     later = [v for i, v in p.items() if i >= 2]
+    wide = {i: x["wide_recall"] for i, x in enumerate(pred) if x is not None and x["guessed"]}
+    wide_later = [v for i, v in wide.items() if i >= 2]
+    narrow = _runs(L, 0.25, NARROW)
+    fw = lambda runs: _med(runs, lambda r: r["decode"]["fill_wait_us"])  # noqa: E731
+    narrow_note = ([
+        f"- Reading ahead twice the top-k: at the 25% arena the fill wait is "
+        f"{fw(_runs(L, 0.25, 'on')):.0f} µs per layer against {fw(narrow):.0f} with the "
+        f"read-ahead as narrow as the copy ahead (`guess_width=1`) and {fw(_runs(L, 0.25, 'off')):.0f} "
+        f"with prefetch off (on ÷ off {fw(_runs(L, 0.25, 'on')) / fw(_runs(L, 0.25, 'off')):.2f}, "
+        f"width 1 ÷ off {fw(narrow) / fw(_runs(L, 0.25, 'off')):.2f}). Daemon fill time per layer "
+        f"(wrong guesses read too): {_med(_runs(L, 0.25, 'on'), lambda r: r['decode']['fill_us']):.0f} "
+        f"µs against {_med(narrow, lambda r: r['decode']['fill_us']):.0f}."] if narrow else [])
     fr = [res["fraction"] for res in L["resident"]]
     m = lambda f, mode, k: _med(_runs(L, f, mode), lambda r: r[k])  # noqa: E731
     md = lambda f, mode, k: _med(_runs(L, f, mode), lambda r: r["decode"][k])  # noqa: E731
@@ -229,11 +245,15 @@ def notes(L: dict, Q: dict) -> list:
                    for (f, mode), (a, b, c) in spans.items())
     return [
         "Notes:", "",
-        f"- Prediction precision (= recall: as many guesses as routed experts) reached "
-        f"{min(later):.2f}–{max(later):.2f} on layers 2–{L['layers'] - 1} and {p[1]:.2f} on layer "
-        "1 (guessed from layer 0's input, which is little more than the embedding); the same "
-        "routing in every run (the tokens are), so the 25% and 100% columns agree. It matches "
-        "the offline statistics of the learned-model section below.",
+        f"- Prediction precision of the core (the next router's top-k; = its recall, as many "
+        f"guesses as routed experts) reached {min(later):.2f}–{max(later):.2f} on layers "
+        f"2–{L['layers'] - 1} and {p[1]:.2f} on layer 1 (guessed from layer 0's input, which is "
+        "little more than the embedding); the same routing in every run (the tokens are), so the "
+        "25% and 100% columns agree. It matches the offline statistics of the learned-model "
+        f"section below. The read-ahead (twice as many, best first) recalls "
+        f"{min(wide_later):.2f}–{max(wide_later):.2f} on layers 2–{L['layers'] - 1} and "
+        f"{wide[1]:.2f} on layer 1.",
+        *narrow_note,
         f"- Exposed time, prefetch on ÷ off, per arena: {exp}. Where there are fills, prefetch "
         f"hides {1 - max(capped):.0%}–{1 - min(capped):.0%} of the exposed time; at 100% there "
         "are none, and the guess (prestage, claiming) costs about what the copies it saves did.",

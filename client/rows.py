@@ -177,7 +177,8 @@ class RowReader:
             # and naming it claims that row for this generation, so the daemon does not reuse
             # it for the absent ones while the copier reads it.
             try:  # fire and forget; skipped if the heartbeat thread has the socket right now
-                self._send_quietly(Op.PREFETCH, {"layer": layer, "experts": guessed.tolist()})
+                self._send_quietly(Op.PREFETCH, {"layer": layer, "experts": guessed.tolist(),
+                                                 "core": n_core})
                 self.counters["prefetch_asked"] += absent
             finally:
                 self._socket_lock.release()

@@ -59,6 +59,7 @@ class ExpertCache:
         self.counters = dict(demand_hits=0, client_hits=0, misses=0, bytes_read=0, fills=0,
                              fill_errors=0, prefetch_requested=0, prefetch_ignored=0,
                              prefetch_merged=0, prefetch_fills=0, prefetch_dropped=0,
+                             prefetch_shed=0,
                              prefetch_hits=0, prefetch_wasted=0)
         self.in_flight = 0
         self._busy_since = 0.0
@@ -296,12 +297,15 @@ class ExpertCache:
         for row, victim in zip(held.tolist(), empty.tolist()):
             self.side.swap(row, victim, unused=True)
 
-    def prefetch(self, owner: bytes, layer: int, experts) -> int:
+    def prefetch(self, owner: bytes, layer: int, experts, core: int | None = None) -> int:
         """Fill the experts of ``layer`` that ``owner`` predicts it will need into side rows.
 
         Experts resident or filling anywhere are merged (and their side rows claimed for this
         generation); the others take overwritable side rows, at most ``side_rows`` of them, and
-        are read after every queued demand. None free: dropped.
+        are read after every queued demand. None free: dropped. ``experts`` come best guess
+        first; those past the first ``core`` are a wider guess, about half of it wrong, read only
+        while workers are spare (shed otherwise): when reads back up, as on a daemon the SSD
+        bounds, wrong guesses would take bandwidth the demands need.
 
         Returns:
             How many experts it started reading.
@@ -313,15 +317,22 @@ class ExpertCache:
             return 0
         now = time.monotonic()
         gen = self.side.next_generation(owner)
-        want = []
-        for e in experts:
+        core = len(experts) if core is None else core
+        want, n_core = [], 0
+        for i, e in enumerate(experts):
             row, state = self.table.lookup(layer, e)
             if state == SlotState.EMPTY:
                 want.append(e)
+                n_core += i < core
                 continue
             c["prefetch_merged"] += 1
             if self.side.side[row]:
                 self.side.claim(row, owner, gen, now)
+        tail = len(want) - n_core
+        if tail:
+            keep = min(tail, max(0, self.workers - self.in_flight - n_core))
+            c["prefetch_shed"] += tail - keep
+            want = want[:n_core + keep]
         if not want:
             return 0
         if not self._cache_full:

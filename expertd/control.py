@@ -185,7 +185,8 @@ def _status_lines(s: dict) -> list:
         f"  hits/misses  {s['hits']}/{s['misses']} (hit rate {s['hit_rate']:.1%})",
         f"  prefetch     {s['prefetch']}: {s['prefetch_fills']} read ahead into "
         f"{s['side_rows']} side rows, {s['prefetch_hits']} used, {s['prefetch_wasted']} "
-        f"wasted, {s['prefetch_dropped']} dropped",
+        f"wasted, {s['prefetch_dropped']} dropped, {s['prefetch_shed']} shed (no "
+        "spare worker)",
         f"  read         {s['bytes_read'] / 2**20:.1f} MiB in {s['fills']} fills, "
         f"{s['fill_gbps']:.2f} GB/s while filling",
         f"  clients      {s['clients']} connected, {s['leases']} leases",

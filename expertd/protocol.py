@@ -58,10 +58,14 @@ class Hello:
 
 @dataclass(frozen=True)
 class Experts:
-    """Body of DEMAND, PREFETCH, PIN and UNPIN: one layer, distinct experts."""
+    """Body of DEMAND, PREFETCH, PIN and UNPIN: one layer, distinct experts.
+
+    A PREFETCH lists its experts best guess first and may say how many of them are its
+    ``core`` (the rest is a wider guess the daemon reads only with workers to spare)."""
 
     layer: int
     experts: tuple
+    core: int | None = None
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,8 @@ def _experts(body: dict) -> Experts:
         raise ProtocolError("experts must be non-negative integers")
     if len(set(experts)) != len(experts):
         raise ProtocolError("experts must be distinct")
-    return Experts(layer, tuple(experts))
+    core = _int(body, "core", 0, len(experts)) if "core" in body else None
+    return Experts(layer, tuple(experts), core)
 
 
 CLIENT_ID_BYTES = 16

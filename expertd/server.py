@@ -227,7 +227,8 @@ class ExpertServer:
             if op is Op.DEMAND:
                 self._demand(identity, rid, req)
             elif op is Op.PREFETCH:
-                client.prefetch_reads += self.cache.prefetch(identity, req.layer, req.experts)
+                client.prefetch_reads += self.cache.prefetch(identity, req.layer, req.experts,
+                                                             req.core)
             elif op is Op.PIN:
                 self._pin(client, rid, req)
             elif op is Op.UNPIN:
@@ -320,8 +321,8 @@ class ExpertServer:
             prefetch=cache.prefetch_mode, side_rows=2 * g.side_rows,
             side_rows_used=cache.table.rows_used(cache.side.side),
             **{k: c[k] for k in ("prefetch_requested", "prefetch_ignored", "prefetch_merged",
-                                 "prefetch_fills", "prefetch_dropped", "prefetch_hits",
-                                 "prefetch_wasted")},
+                                 "prefetch_fills", "prefetch_dropped", "prefetch_shed",
+                                 "prefetch_hits", "prefetch_wasted")},
             bytes_read=c["bytes_read"], fills=c["fills"], fill_errors=c["fill_errors"],
             fill_seconds=round(busy, 6),
             fill_gbps=round(c["bytes_read"] / busy / 1e9, 3) if busy else 0.0,

@@ -152,6 +152,9 @@ def test_malformed_requests_get_error_replies(daemon, peer):
     for op, body in ((Op.RELEASE, {"lease": -1}), (Op.PREFETCH, {"layer": 99, "experts": [0]}),
                      (Op.HEARTBEAT, {"client": b"short"}), (Op.PIN, {"layer": 0})):
         assert peer.call(op, body)["ok"] is False  # fire-and-forget ops too answer errors
+    for core in (-1, 3, "1", 1.0, True, None):  # a PREFETCH's core: 0..len(experts)
+        _error(peer.call(Op.PREFETCH, {"layer": 0, "experts": [4, 5], "core": core}),
+               ErrorCode.BAD_REQUEST)
     _error(peer.call(Op.HELLO, {"version": PROTOCOL_VERSION + 1, "client": peer.identity,
                                 "pid": 1}), ErrorCode.VERSION)
     # A larger body never reaches Python (ZeroMQ's MAXMSGSIZE drops the peer, see below);

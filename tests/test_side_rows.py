@@ -128,6 +128,32 @@ def test_a_cache_with_empty_rows_keeps_every_prefetched_expert(models, isolated_
             assert stats["side_rows_used"] <= stats["side_rows"]
 
 
+def test_a_guess_past_its_core_is_read_only_with_workers_to_spare(models, isolated_env):
+    """A PREFETCH's experts past its ``core`` are a wider guess: read while workers are idle,
+    shed (and counted) while reads are backed up, the core read either way. The busy case
+    sends a demand of four misses and the prefetch while the daemon is stopped, so both are
+    handled in one batch with the four reads in flight on the four workers."""
+    blobs = models.blobs(layers=1, experts=32, top_k=8, hidden=512, moe_inter=512)
+    with running_daemon(blobs, isolated_env, "--cache-gb", "0.05", "--workers", "4") as d:
+        with RawClient(blobs) as c:
+            c.conn.send(Op.PREFETCH, {"layer": 0, "experts": [3, 1, 2], "core": 1})
+            stats = wait_fills(c, 3)
+            assert stats["prefetch_shed"] == 0
+            assert all(c.slot(0, e)[1] == SlotState.READY for e in (1, 2, 3))
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                wait_until(lambda: stopped(d.pid), 10.0, "the daemon to stop")
+                rid = c.conn.send(Op.DEMAND, {"layer": 0, "experts": [20, 21, 22, 23]})
+                c.conn.send(Op.PREFETCH, {"layer": 0, "experts": [5, 6, 7, 8], "core": 2})
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
+            c.release(c.conn.wait(rid, 20.0)["lease"])
+            stats = wait_fills(c, 5)
+            assert stats["prefetch_shed"] == 2 and stats["fills"] == 9
+            assert [c.slot(0, e)[1] for e in (5, 6, 7, 8)] == [SlotState.READY] * 2 + [
+                SlotState.EMPTY] * 2
+
+
 def test_a_generation_is_kept_while_the_next_fills(models, isolated_env):
     """Invariant 3: client A's generation g stays put while g + 1 fills; g + 2 may reuse g's
     rows; another client cannot take A's two latest generations within SIDE_HOLD."""
