@@ -153,12 +153,13 @@ class SideBook:
         row. The victim keeps its expert (a later use promotes it back) but no claim, so it
         is among the first rows a prefetch rewrites. ``unused``: ``row`` joins the cache
         before anyone used it (it took an empty cache row's place), so it stays counted as
-        prefetched until it is used (:meth:`take`) or evicted."""
+        prefetched until it is used (:meth:`take`) or evicted. A victim that joined the cache
+        that way and was never used stays counted as prefetched too: its first use is still a
+        saved miss (:meth:`used`), its rewrite a waste (:meth:`filled`)."""
         if not self.side[row] or self.side[victim]:
             raise ValueError(f"swap needs a side row and a cache row, got {row} and {victim}")
         self.side[row], self.side[victim] = False, True
         self.prefetched[row] = unused and bool(self.prefetched[row])
-        self.prefetched[victim] = False
         self._claims.pop(row, None)
         self._claims.pop(victim, None)
         self._stamp[victim] = 0.0

@@ -187,6 +187,52 @@ def test_shutdown_with_prefetch_fills_queued(models, isolated_env):
         assert "Traceback" not in d.log_text()
 
 
+def test_an_absorbed_prefetch_demoted_unused_still_counts(models, isolated_env):
+    """A read-ahead row taken into an empty cache row, then demoted to a side row before
+    anyone used it (a promotion's LFU victim: it was never counted as used): its first use is
+    still a saved miss, and its rewrite still a waste. Every expert prefetched is accounted
+    for once: prefetch_fills == prefetch_hits + prefetch_wasted."""
+    blobs = models.blobs()
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+        with RawClient(blobs) as c:
+            assert c.hello["cache_rows"] == 10 and c.hello["side_rows"] == 4
+            prefetch(c, 0, [0, 1, 2, 3])
+            quiet(c)
+            prefetch(c, 0, [4, 5, 6, 7])  # 0..3 take four empty cache rows
+            quiet(c)
+            for start in range(0, 6, 2):  # the six other cache rows, used once each
+                c.fetch(1, [start, start + 1])
+            # 4 sits in a side row: its use promotes it, and the victim is one of 0..3 (never
+            # used, the lowest frequency), demoted to a side row with its expert.
+            reply = c.demand(0, [4])
+            c.release(reply["lease"])
+            assert reply["saved"] == 1
+            for lease in [c.demand(0, [e])["lease"] for e in (0, 1, 2, 3)]:
+                c.release(lease)
+            stats = quiet(c)
+            assert stats["prefetch_hits"] == 5 and stats["prefetch_wasted"] == 0, stats
+            # Three more generations: the side rows' unused experts (5, 6, 7 and the demoted
+            # one) are rewritten, the client's own generations letting them go.
+            prefetch(c, 2, [0, 1, 2, 3])
+            quiet(c)
+            prefetch(c, 2, [4, 5, 6, 7])
+            quiet(c)
+            prefetch(c, 2, [8, 9, 10, 11])
+            stats = quiet(c)
+            assert stats["prefetch_fills"] == 20, stats
+            resident = sum(c.slot(0, e)[1] == SlotState.READY for e in (5, 6, 7))
+            used = [(2, e) for e in range(12) if c.slot(2, e)[1] == SlotState.READY]
+            for layer, e in used:
+                c.release(c.demand(layer, [e])["lease"])
+            for e in (5, 6, 7):
+                if c.slot(0, e)[1] == SlotState.READY:
+                    c.release(c.demand(0, [e])["lease"])
+            stats = quiet(c)
+            assert stats["prefetch_hits"] + stats["prefetch_wasted"] == stats["prefetch_fills"], \
+                (resident, len(used), stats)
+            check_arena(c, stats)
+
+
 # ---- model-level clients with prefetch on -----------------------------------------------------
 
 @pytest.fixture
