@@ -111,6 +111,16 @@ class SideBook:
                 mask[row] = False
         return mask
 
+    def absorbable(self, now: float, ready: np.ndarray) -> np.ndarray:
+        """Side rows that may join the cache before anyone used them (``ExpertCache._absorb``):
+        ``ready`` (bool per row), and claimed by no client's two latest generations within the
+        hold, or used already and waiting for a cache row. A generation its client may still
+        read stays a side row: in the cache, unused, it would be the LFU's first victim.
+        """
+        rows = np.flatnonzero(self.side & np.asarray(ready, dtype=bool)).tolist()
+        return np.array([r for r in rows if r in self.pending or not self._protected(r, now)],
+                        dtype=np.intp)
+
     def choose(self, n: int, now: float, busy: np.ndarray, empty: np.ndarray) -> list:
         """Up to ``n`` side rows to rewrite: empty ones first, then unclaimed ones (demoted
         cache rows), then those whose claims lapsed, least recently filled first.

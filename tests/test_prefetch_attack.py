@@ -196,10 +196,9 @@ def test_an_absorbed_prefetch_demoted_unused_still_counts(models, isolated_env):
     with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
         with RawClient(blobs) as c:
             assert c.hello["cache_rows"] == 10 and c.hello["side_rows"] == 4
-            prefetch(c, 0, [0, 1, 2, 3])
-            quiet(c)
-            prefetch(c, 0, [4, 5, 6, 7])  # 0..3 take four empty cache rows
-            quiet(c)
+            for gen in range(3):  # the third: 0..3 (no longer claimed) take empty cache rows
+                prefetch(c, 0, range(4 * gen, 4 * gen + 4))
+                quiet(c)
             for start in range(0, 6, 2):  # the six other cache rows, used once each
                 c.fetch(1, [start, start + 1])
             # 4 sits in a side row: its use promotes it, and the victim is one of 0..3 (never
@@ -211,26 +210,47 @@ def test_an_absorbed_prefetch_demoted_unused_still_counts(models, isolated_env):
                 c.release(lease)
             stats = quiet(c)
             assert stats["prefetch_hits"] == 5 and stats["prefetch_wasted"] == 0, stats
-            # Three more generations: the side rows' unused experts (5, 6, 7 and the demoted
+            # Three more generations: the side rows' unused experts (5..11 and the demoted
             # one) are rewritten, the client's own generations letting them go.
-            prefetch(c, 2, [0, 1, 2, 3])
-            quiet(c)
-            prefetch(c, 2, [4, 5, 6, 7])
-            quiet(c)
-            prefetch(c, 2, [8, 9, 10, 11])
+            for gen in range(3):
+                prefetch(c, 2, range(4 * gen, 4 * gen + 4))
+                quiet(c)
             stats = quiet(c)
-            assert stats["prefetch_fills"] == 20, stats
-            resident = sum(c.slot(0, e)[1] == SlotState.READY for e in (5, 6, 7))
-            used = [(2, e) for e in range(12) if c.slot(2, e)[1] == SlotState.READY]
-            for layer, e in used:
-                c.release(c.demand(layer, [e])["lease"])
-            for e in (5, 6, 7):
-                if c.slot(0, e)[1] == SlotState.READY:
-                    c.release(c.demand(0, [e])["lease"])
+            assert stats["prefetch_fills"] == 24, stats
+            for layer, e in [(layer, e) for layer in (0, 2) for e in range(12)]:
+                if c.slot(layer, e)[1] == SlotState.READY:  # the rest: each used once
+                    c.release(c.demand(layer, [e])["lease"])
             stats = quiet(c)
             assert stats["prefetch_hits"] + stats["prefetch_wasted"] == stats["prefetch_fills"], \
-                (resident, len(used), stats)
+                stats
             check_arena(c, stats)
+
+
+def test_another_clients_prefetch_does_not_expose_a_generation_to_demands(models, isolated_env):
+    """Invariant 3 with the absorb: A's latest read-ahead sits in side rows, B's PREFETCH finds
+    empty cache rows and moves read-ahead rows into them, B's demands then need rows. A's
+    generation must stay put until A itself moves on (or SIDE_HOLD lapses): taken into the
+    cache unused, its rows would be the LFU's first victims (never counted as used) and B's
+    demands would rewrite them before A read them."""
+    blobs = models.blobs()
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+        with RawClient(blobs) as a, RawClient(blobs) as b:
+            for start in range(0, 6, 2):  # six of the ten cache rows, four left empty
+                b.fetch(1, [start, start + 1])
+            prefetch(a, 0, [0, 1, 2, 3])
+            quiet(a)
+            filled = time.monotonic()
+            kept = [a.slot(0, e) for e in range(4)]
+            assert all(state == SlotState.READY for _, state, _ in kept)
+            prefetch(b, 2, [0, 1, 2, 3])
+            quiet(b)
+            b.fetch(2, [8, 9])
+            b.fetch(2, [10, 11])
+            assert time.monotonic() - filled < SIDE_HOLD, "too slow to test within the hold"
+            assert [a.slot(0, e) for e in range(4)] == kept, "A's read-ahead was rewritten"
+            stats = quiet(b)
+            assert stats["prefetch_dropped"] == 0 and stats["prefetch_wasted"] == 0, stats
+            check_arena(b, stats)
 
 
 # ---- model-level clients with prefetch on -----------------------------------------------------
