@@ -18,7 +18,7 @@ demo: $(STAMP)
 # The suite runs twice: with the Cython hot paths and with their pure-Python twins (the tests
 # that exercise them; see the markers in pyproject.toml and tests/conftest.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 	EXPERTD_PURE_PYTHON=1 $(BIN)/python -m pytest -q -m "not slow and not once"
 
 bench: $(STAMP)

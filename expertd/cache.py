@@ -103,9 +103,12 @@ class ExpertCache:
         # Leased now, so no promotion below picks another of this demand's rows as its victim.
         saved = 0
         for row in side_used:
+            first = self._use_side(row)
             if row in self.prefetch_rows:
                 self.pool.expedite(row)  # a demand waits on it now: it goes first
-            saved += self._use_side(row)
+                if first:  # counted now, taken back should the read fail
+                    self._saved_unread.add(row)
+            saved += first
         for row in absorbed:
             saved += self.side.take(row)
         self.counters["demand_hits"] += len(d.experts) - len(need) - saved
@@ -187,6 +190,9 @@ class ExpertCache:
                 self.counters["fill_errors"] += 1
                 self._cache_full = False  # the row is empty again, maybe a cache row
                 self.side.prefetched[row] = False  # nothing was read: nothing to waste
+                if row in self._saved_unread:
+                    self.counters["prefetch_hits"] -= 1  # nothing was read: nothing saved
+            self._saved_unread.discard(row)
             self.prefetch_rows.discard(row)
             if row in self.background_rows:
                 self.background_rows.discard(row)
@@ -280,20 +286,21 @@ class ExpertCache:
         self.side.swap(row, int(victims[0]))
         return True
 
-    def _absorb(self) -> None:
+    def _absorb(self, now: float) -> None:
         """While the LFU cache still has rows that never held an expert, side rows holding one
         swap roles with them: the side row's expert stays resident as a cache row (its bytes
         are not moved, so a client may go on reading them), and the empty row becomes a side
         row for the next prefetch. A wrong guess evicts nothing this way either, and a cache
         large enough for every expert never reads one twice. Once no cache row is empty this
-        is skipped, so the full arena is scanned only while the cache warms up."""
+        is skipped, so the full arena is scanned only while the cache warms up. A generation
+        a client may still read is left in the side rows (invariant 3, see SideBook)."""
         states = self.table.records["state"]
         empty = np.flatnonzero(~self.side.side & (states == SlotState.EMPTY)
                                & (self.book.leased == 0))
         if not len(empty):
             self._cache_full = True
             return
-        held = np.flatnonzero(self.side.side & (states == SlotState.READY))
+        held = self.side.absorbable(now, states == SlotState.READY)
         for row, victim in zip(held.tolist(), empty.tolist()):
             self.side.swap(row, victim, unused=True)
 
@@ -336,7 +343,7 @@ class ExpertCache:
         if not want:
             return 0
         if not self._cache_full:
-            self._absorb()
+            self._absorb(now)
         # Only the side rows are looked at: clients send a PREFETCH per layer, and work over
         # the whole arena on each would take the serving thread from the demands.
         side = self.side.side_rows()

@@ -308,9 +308,6 @@ def test_a_failed_read_ahead_leaves_an_empty_row_the_next_prefetches_take(own_bl
             check_arena(c, stats)
 
 
-@pytest.mark.xfail(strict=True, reason="ExpertCache.start counts a demand on a read-ahead in "
-                   "flight as a saved miss at once; a failed read is never taken back "
-                   "(the fix belongs in ExpertCache.completions' error path)")
 def test_a_failed_read_ahead_that_a_demand_waited_on_saved_nothing(own_blobs, isolated_env):
     """No saved miss is counted for a read-ahead whose read brought nothing."""
     with running_daemon(own_blobs, isolated_env, "--cache-gb", TINY_CACHE_GB,
