@@ -45,6 +45,7 @@ class ExpertCache:
         self.side = SideBook(g.cache_rows, g.side_rows)
         self.prefetch_mode = prefetch
         self.prefetch_rows: set = set()  # rows being filled for a prefetch
+        self._saved_unread: set = set()  # of those, rows a demand counted as saved misses
         # False while the LFU cache may still have rows that never held anything (see _absorb).
         self._cache_full = False
         self.book = book
