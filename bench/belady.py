@@ -56,13 +56,15 @@ def belady_hits(trace, capacity: int, count_from: int = 0) -> int:
     return hits
 
 
-def policy_hits(trace, capacity: int, group: int = 1, **options) -> int:
+def policy_hits(trace, capacity: int, group: int = 1, layered: bool = False, **options) -> int:
     """Hits of ``LfuPolicy`` with demand fills; ``options`` go to its constructor.
 
     ``group`` > 1 takes the requests ``group`` at a time (one token's top_k experts of one layer)
     as one demand, the way ``expertd/cache.py`` starts one: the victims of all its misses are
     chosen in one call with the demand's resident rows not eligible, so one miss cannot evict a
     row another of the same demand uses. ``group`` 1 is one request after the other.
+    ``layered`` passes the demand's layer and missing experts, as the daemon does (per-layer
+    quotas, when the policy has them on); a demand's requests must then share one layer.
     """
     keys, n_layers, n_experts = _flat(trace)
     policy = LfuPolicy(capacity, n_layers, n_experts, **options)
@@ -78,7 +80,9 @@ def policy_hits(trace, capacity: int, group: int = 1, **options) -> int:
         if missing:
             eligible = np.ones(capacity, dtype=bool)
             eligible[[key_row[flat] for flat in demand if flat in key_row]] = False
-            for flat, row in zip(missing, policy.victims(len(missing), eligible, row_keys)):
+            where = ((missing[0] // n_experts, [flat % n_experts for flat in missing])
+                     if layered else ())
+            for flat, row in zip(missing, policy.victims(len(missing), eligible, row_keys, *where)):
                 key_row.pop(int(row_keys[row]), None)
                 row_keys[row] = flat
                 key_row[flat] = row
@@ -147,15 +151,17 @@ def npz_trace(path) -> tuple[np.ndarray, int, int]:
 
 
 HEADER = (f"{'trace':<14}{'capacity':>14}{'belady':>9}{'lfu':>9}{'lfu-dem':>9}{'lru':>9}"
-          f"{'lfu/belady':>12}{'dem/belady':>12}{'lru/belady':>12}")
+          f"{'lfu-q':>9}{'lfu/belady':>12}{'dem/belady':>12}{'lru/belady':>12}{'q/belady':>12}")
 
 
 def _report(name: str, trace, n_keys: int, top_k: int, fractions, target: float | None) -> None:
-    """One line per capacity; ``lfu-dem`` is LFU fed whole demands of top_k (``group``)."""
+    """One line per capacity; ``lfu-dem`` is LFU fed whole demands of top_k (``group``), and
+    ``lfu-q`` the same demands with their layer, as the daemon runs them (per-layer quotas)."""
     for fraction in fractions:
         capacity = max(1, round(fraction * n_keys))
         rates = [hits(trace, capacity) / len(trace) for hits in (
-            belady_hits, policy_hits, lambda t, c: policy_hits(t, c, group=top_k), lru_hits)]
+            belady_hits, policy_hits, lambda t, c: policy_hits(t, c, group=top_k), lru_hits,
+            lambda t, c: policy_hits(t, c, group=top_k, layered=True, min_quota=top_k))]
         line = (f"{name:<14}{f'{capacity} ({fraction:.0%})':>14}"
                 + "".join(f"{rate:>9.4f}" for rate in rates)
                 + "".join(f"{rate / rates[0]:>12.3f}" for rate in rates[1:]))

@@ -34,14 +34,16 @@ class ExpertCache:
         send: ``send(identity, frames)``, how answers go out.
         prefetch: "on", "auto" (the daemon fills what clients ask for; clients decide per
             layer whether to ask) or "off" (PREFETCH is counted and ignored).
+        top_k: experts each token routes to per layer: no layer's quota of rows goes below it.
     """
 
-    def __init__(self, arena, pool, book: LeaseBook, workers: int, send, prefetch: str = "auto"):
+    def __init__(self, arena, pool, book: LeaseBook, workers: int, send, prefetch: str = "auto",
+                 top_k: int = 1):
         g = arena.geometry
         # The slot table, the policy and the lease book span every row: a side row becomes a
         # cache row by a role swap, never by a copy.
         self.table = SlotTable(arena)
-        self.policy = LfuPolicy(g.total_rows, g.n_layers, g.n_experts)
+        self.policy = LfuPolicy(g.total_rows, g.n_layers, g.n_experts, min_quota=top_k)
         self.side = SideBook(g.cache_rows, g.side_rows)
         self.prefetch_mode = prefetch
         self.prefetch_rows: set = set()  # rows being filled for a prefetch
@@ -89,7 +91,8 @@ class ExpertCache:
         if need:
             eligible = self._evictable()
             eligible[[r for r in rows if r >= 0]] = False  # never evict what this demand uses
-            victims = self.policy.victims(len(need), eligible, self.table.row_keys())
+            victims = self.policy.victims(len(need), eligible, self.table.row_keys(), d.layer,
+                                          [d.experts[i] for i in need])
             if len(victims) < len(need):
                 return False
             for i, row in zip(need, victims):

@@ -1,9 +1,13 @@
 """The arena's cache policy: LFU with decay and pins, as pure logic driven by events.
 
 Frequencies are kept per key (layer, expert), not per row, so an expert that was evicted and
-comes back keeps its history. Which row holds which key is not kept here: the daemon's slot table
-is the one map of that, and passes it in as ``row_keys`` (flat key per row, -1 for an empty row)
-to the calls that need it. No I/O, threads or logging here: the daemon owns the locking.
+comes back keeps its history. A demand of layer L may also be held to per-layer quotas: layers
+are visited in order, so when L demands, L's other experts wait a whole token and evicting among
+them wastes least; quotas move to layers that miss keys they evicted lately (ghosts).
+
+Which row holds which key is not kept here: the daemon's slot table is the one map of that, and
+passes it in as ``row_keys`` (flat key per row, -1 for an empty row) to the calls that need it.
+No I/O, threads or logging here: the daemon owns the locking.
 """
 
 import math
@@ -46,15 +50,31 @@ class LfuPolicy:
         decay_interval: touches (sum of counts) after which every frequency is multiplied by
             ``decay_factor``; 0 means ``8 * n_rows``.
         decay_factor: in (0, 1]; 1 disables decay.
+        layer_quotas: hold demands that name their layer to per-layer quotas (see
+            :meth:`victims`); False ignores the layer.
+        min_quota: no layer's quota is moved below this (the daemon passes the model's top_k).
+        ghosts: recently evicted keys remembered per layer, to move quotas.
     Raises:
         ValueError: on any argument out of range.
     """
 
     def __init__(self, n_rows: int, n_layers: int, n_experts: int, *,
-                 decay_interval: int = 0, decay_factor: float = 0.5):
+                 decay_interval: int = 0, decay_factor: float = 0.5,
+                 layer_quotas: bool = True, min_quota: int = 1, ghosts: int = 8):
         self.n_rows = _positive_int("n_rows", n_rows)
         self.n_layers = _positive_int("n_layers", n_layers)
         self.n_experts = _positive_int("n_experts", n_experts)
+        if not isinstance(layer_quotas, bool):
+            raise ValueError(f"layer_quotas must be True or False, got {layer_quotas!r}")
+        self.layer_quotas = layer_quotas
+        self.min_quota = _positive_int("min_quota", min_quota)
+        self.n_ghosts = _count("ghosts", ghosts)
+        # Rows per layer, an even split to start with; they sum to n_rows and are not saved.
+        base, extra = divmod(self.n_rows, self.n_layers)
+        self.quotas = np.full(self.n_layers, base, dtype=np.int64)
+        self.quotas[:extra] += 1
+        # Per layer, its last evicted keys (flat), oldest first: a dict kept in insertion order.
+        self._ghosts = [{} for _ in range(self.n_layers)]
         decay_interval = _count("decay_interval", decay_interval)
         if isinstance(decay_factor, bool) or not isinstance(decay_factor, (int, float, np.floating)):
             raise ValueError(f"decay_factor must be a number, got {decay_factor!r}")
@@ -281,17 +301,28 @@ class LfuPolicy:
         order = np.lexsort((-self._last_used[flats], -self._freq[flats]))
         return flats[order[:limit]]
 
-    def victims(self, n: int, eligible: np.ndarray, row_keys: np.ndarray) -> list[int]:
+    def victims(self, n: int, eligible: np.ndarray, row_keys: np.ndarray,
+                layer: int | None = None, missing=()) -> list[int]:
         """Up to ``n`` rows to evict, best first.
 
         Empty rows come first (lowest row first), then rows whose key has the lowest decayed
         frequency, ties broken by least recent fill or touch. Rows with ``eligible[row]`` False
         and rows holding a pinned key (explicit, automatic or held) are never returned.
 
+        With ``layer`` (the demanding layer) and quotas on, the choice is narrowed, the rule
+        above applying within each step: while ``layer`` holds fewer rows than its quota, it
+        takes empty rows and rows of layers over their quota; then empty rows and its own rows;
+        what those cannot give, any eligible row. Before that, each of ``missing`` that
+        ``layer`` evicted lately moves one row of quota to ``layer`` from the layer whose
+        weakest unpinned resident key is weakest (never below ``min_quota``).
+
         Args:
             n: how many rows are wanted.
             eligible: bool array of ``n_rows``; the daemon clears leased and filling rows.
             row_keys: the slot table's flat key per row, -1 for an empty row.
+            layer: the layer of the demand these rows are for; None (background fills,
+                promotions of side rows) ignores quotas.
+            missing: experts of ``layer`` the demand will fill into the returned rows.
         Returns:
             Distinct row numbers, fewer than ``n`` if not enough rows qualify.
         """
@@ -301,8 +332,72 @@ class LfuPolicy:
             raise ValueError(f"eligible must be a bool array of shape ({self.n_rows},), "
                              f"got {eligible.dtype} {eligible.shape}")
         row_keys = self._check_row_keys(row_keys)
+        if layer is not None:
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+                raise ValueError(f"layer must be an integer, got {layer!r}")
+            if not 0 <= layer < self.n_layers:
+                raise ValueError(f"layer {layer} out of range (0..{self.n_layers - 1})")
+            layer = int(layer)
+            missing = [self._flat((layer, e)) for e in missing]
         if n == 0:
             return []
+        if layer is None or not self.layer_quotas:
+            chosen = self._lfu_victims(n, eligible, row_keys)
+        else:
+            chosen = self._quota_victims(n, eligible, row_keys, layer, missing)
+        if self.layer_quotas and self.n_ghosts:
+            self._remember_evicted(row_keys[chosen].tolist())
+        return chosen
+
+    def _remember_evicted(self, flats: list) -> None:
+        """Each evicted key becomes the newest ghost of its layer; the oldest beyond
+        ``n_ghosts`` are forgotten."""
+        for flat in flats:
+            if flat >= 0:
+                ghosts = self._ghosts[flat // self.n_experts]
+                ghosts.pop(flat, None)
+                ghosts[flat] = True
+                if len(ghosts) > self.n_ghosts:
+                    del ghosts[next(iter(ghosts))]
+
+    def _quota_victims(self, n: int, eligible: np.ndarray, row_keys: np.ndarray, layer: int,
+                       missing: list) -> list[int]:
+        row_layer = row_keys // self.n_experts  # -1 for empty rows
+        resident = row_keys >= 0
+        for flat in missing:
+            if self._ghosts[layer].pop(flat, False):
+                self._move_quota(layer, row_keys, row_layer, resident)
+        held = np.bincount(row_layer[resident], minlength=self.n_layers)
+        # Up to its quota the layer grows into empty rows and rows of layers over theirs;
+        # beyond it, it replaces its own keys.
+        room = int(self.quotas[layer] - held[layer])
+        chosen = []
+        if room > 0:
+            over = resident & (held > self.quotas)[np.where(resident, row_layer, 0)]
+            chosen = self._lfu_victims(min(n, room), eligible & (~resident | over), row_keys)
+        for allowed in (~resident | (row_layer == layer), eligible):
+            if len(chosen) < n:  # the last pass: pins or leases left too few, any eligible row
+                allowed = eligible & allowed
+                allowed[chosen] = False
+                chosen += self._lfu_victims(n - len(chosen), allowed, row_keys)
+        return chosen
+
+    def _move_quota(self, layer: int, row_keys: np.ndarray, row_layer: np.ndarray,
+                    resident: np.ndarray) -> None:
+        """One row of quota to ``layer`` from the layer whose weakest unpinned key is weakest."""
+        candidates = resident.copy()
+        candidates[resident] = ~self._pinned[row_keys[resident]]
+        weakest = np.full(self.n_layers, np.inf)
+        np.minimum.at(weakest, row_layer[candidates], self._freq[row_keys[candidates]])
+        weakest[layer] = np.inf
+        weakest[self.quotas <= self.min_quota] = np.inf
+        donor = int(np.argmin(weakest))
+        if np.isfinite(weakest[donor]):
+            self.quotas[donor] -= 1
+            self.quotas[layer] += 1
+
+    def _lfu_victims(self, n: int, eligible: np.ndarray, row_keys: np.ndarray) -> list[int]:
+        """The plain rule: empty eligible rows, then unpinned rows by (frequency, recency)."""
         empty = np.flatnonzero(eligible & (row_keys < 0))
         if empty.size >= n:
             return empty[:n].tolist()

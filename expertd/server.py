@@ -72,7 +72,7 @@ class ExpertServer:
             book = LeaseBook(g.total_rows, client_cap, MAX_QUEUED_PER_CLIENT,
                              config.lease_timeout)
             self.cache = ExpertCache(self.arena, self.pool, book, config.workers, self._send,
-                                     prefetch=config.prefetch)
+                                     prefetch=config.prefetch, top_k=m.top_k)
             self.policy = self.cache.policy
             self.clients = ClientRegistry(config.client_timeout)
             self._ticks = 0

@@ -313,6 +313,9 @@ def test_load_state_rejects_malformed_snapshots_without_changing_anything(state,
     ((4, 2, 4), {"decay_factor": 0.0}, r"decay_factor must be in \(0, 1\]"),
     ((4, 2, 4), {"decay_factor": 1.5}, r"decay_factor must be in \(0, 1\]"),
     ((4, 2, 4), {"decay_factor": "half"}, "decay_factor must be a number"),
+    ((4, 2, 4), {"min_quota": 0}, "min_quota must be at least 1"),
+    ((4, 2, 4), {"ghosts": -1}, "ghosts must be a non-negative integer"),
+    ((4, 2, 4), {"layer_quotas": 1}, "layer_quotas must be True or False"),
 ])
 def test_constructor_rejects_bad_arguments(args, options, message):
     with pytest.raises(ValueError, match=message):
@@ -346,6 +349,9 @@ EMPTY = np.full(3, -1, dtype=np.int64)  # the slot table of a 3-row arena with n
     (lambda p: p.victims(1, np.ones(3, dtype=bool), np.array([0, 8, -1])), "row_keys out of range"),
     (lambda p: p.victims(1, np.ones(3, dtype=bool), np.array([0, -2, 1])), "row_keys out of range"),
     (lambda p: p.victims(0, np.ones(3, dtype=bool), np.array([9, 0, 1])), "row_keys out of range"),
+    (lambda p: p.victims(1, np.ones(3, dtype=bool), EMPTY, 2), "layer 2 out of range"),
+    (lambda p: p.victims(1, np.ones(3, dtype=bool), EMPTY, True), "layer must be an integer"),
+    (lambda p: p.victims(1, np.ones(3, dtype=bool), EMPTY, 0, [4]), r"key \(0, 4\) out of range"),
     (lambda p: p.hot_keys(-1), "limit must be a non-negative integer"),
     (lambda p: p.auto_pin(-2, EMPTY), "n must be a non-negative integer"),
     (lambda p: p.auto_pin(1, [[0, 1, 2]]), "row_keys must be an integer array"),
@@ -397,15 +403,161 @@ def test_large_arena_matches_a_full_sort():
         assert policy.victims(n, eligible, row_keys) == expected[:n]
 
 
+# --- per-layer quotas ---
+
+
+def two_layers(**options) -> tuple[LfuPolicy, np.ndarray]:
+    """Six rows, quotas 3 and 3: layer 0 holds four keys (frequencies 9, 5, 7, 6 in rows
+    0..3), layer 1 two cold ones (frequency 1, rows 4 and 5)."""
+    policy = LfuPolicy(6, 2, 8, decay_interval=1000, layer_quotas=True, **options)
+    rows = np.array([0, 1, 2, 3, 8, 9], dtype=np.int64)
+    for flat in rows:
+        policy.on_touched(divmod(int(flat), 8))
+    for expert, count in enumerate([8, 4, 6, 5]):
+        policy.on_touched((0, expert), count)
+    return policy, rows
+
+
+def test_quotas_start_as_an_even_split():
+    assert LfuPolicy(10, 4, 8).quotas.tolist() == [3, 3, 2, 2]
+    assert two_layers()[0].quotas.tolist() == [3, 3]
+
+
+def test_a_layer_at_its_quota_evicts_its_own_rows():
+    policy, rows = two_layers()
+    assert policy.victims(1, all_rows(policy), rows) == [4]  # plain LFU: the coldest anywhere
+    assert policy.victims(1, all_rows(policy), rows, layer=0) == [1]
+    assert policy.victims(4, all_rows(policy), rows, layer=0) == [1, 3, 2, 0]
+    eligible = all_rows(policy)
+    eligible[1] = False  # the demand uses row 1
+    assert policy.victims(1, eligible, rows, layer=0) == [3]
+    rows[5] = -1
+    assert policy.victims(2, all_rows(policy), rows, layer=0) == [5, 1]  # empty rows first
+
+
+def test_a_layer_under_its_quota_takes_rows_of_layers_over_theirs():
+    policy, rows = two_layers()
+    assert policy.victims(1, all_rows(policy), rows, layer=1) == [1]
+    # Layer 1 has room for one row more: the second victim is its own coldest.
+    assert policy.victims(2, all_rows(policy), rows, layer=1) == [1, 4]
+    assert policy.victims(1, all_rows(policy), rows, layer=1, missing=[5]) == [1]
+    rows[2] = -1  # layer 0 is down to its quota: the room is the empty row
+    assert policy.victims(2, all_rows(policy), rows, layer=1) == [2, 4]
+    rows[3] = -1  # and empty rows are taken first in every step
+    assert policy.victims(2, all_rows(policy), rows, layer=1) == [2, 3]
+    # Quotas off: the layer is ignored.
+    plain, rows = two_layers()
+    plain.layer_quotas = False
+    assert plain.victims(1, all_rows(plain), rows, layer=1) == [4]
+
+
+def test_too_few_rows_in_the_quota_fall_back_to_any_eligible_row():
+    policy, rows = two_layers()
+    policy.pin((0, 1))
+    eligible = np.array([True, True, False, False, True, True])  # rows 2 and 3 leased
+    # Layer 0's own rows give only row 0 (row 1 is pinned); the rest is plain LFU.
+    assert policy.victims(3, eligible, rows, layer=0) == [0, 4, 5]
+    assert policy.victims(9, eligible, rows, layer=0) == [0, 4, 5]
+    assert policy.victims(9, eligible, rows, layer=1) == [0, 4, 5]
+    assert policy.victims(1, np.zeros(6, dtype=bool), rows, layer=0) == []
+
+
+def three_layers(**options) -> tuple[LfuPolicy, np.ndarray]:
+    """Six rows, quotas 2, 2, 2; each layer's weakest key: layer 0 3, layer 1 2, layer 2 1."""
+    policy = LfuPolicy(6, 3, 4, decay_interval=1000, layer_quotas=True, **options)
+    rows = np.array([0, 1, 4, 5, 8, 9], dtype=np.int64)
+    for flat, count in zip(rows, [9, 3, 8, 2, 7, 1]):
+        policy.on_touched(divmod(int(flat), 4), int(count))
+    return policy, rows
+
+
+def test_a_miss_on_a_ghost_moves_quota_from_the_layer_with_the_weakest_key():
+    policy, rows = three_layers()
+    assert policy.victims(1, all_rows(policy), rows, 0, [2]) == [1]  # evicts (0, 1)
+    rows[1] = 2
+    assert policy.quotas.tolist() == [2, 2, 2]  # (0, 2) was no ghost
+    # (0, 1) comes back: layer 0 is short of rows and takes one of layer 2's.
+    assert policy.victims(1, all_rows(policy), rows, 0, [1]) == [5]
+    assert policy.quotas.tolist() == [3, 2, 1]
+    rows[5] = 1
+    # A ghost counts once; (2, 1) is a ghost of layer 2 now.
+    assert policy.victims(1, all_rows(policy), rows, 0, [1]) == [1]
+    assert policy.quotas.tolist() == [3, 2, 1]
+
+
+def test_pinned_keys_and_min_quota_limit_the_donors():
+    policy, rows = three_layers(min_quota=2)
+    policy.victims(1, all_rows(policy), rows, 0, [2])
+    rows[1] = 2
+    assert policy.victims(1, all_rows(policy), rows, 0, [1]) == [1]
+    assert policy.quotas.tolist() == [2, 2, 2]  # no layer may go below 2
+
+    policy, rows = three_layers()
+    policy.pin((2, 1))
+    policy.victims(1, all_rows(policy), rows, 0, [2])
+    rows[1] = 2
+    policy.victims(1, all_rows(policy), rows, 0, [1])
+    assert policy.quotas.tolist() == [3, 1, 2]  # layer 2's weakest key is pinned: layer 1 gives
+
+
+def test_ghost_lists_keep_the_last_evictions_of_each_layer():
+    policy, rows = three_layers(ghosts=1)
+    policy.victims(2, all_rows(policy), rows, 0, [2, 3])  # evicts (0, 1) then (0, 0)
+    rows[[1, 0]] = [2, 3]
+    # (0, 1) was pushed out of the ghosts by (0, 0): one move, not two.
+    policy.victims(2, all_rows(policy), rows, 0, [1, 0])
+    assert policy.quotas.tolist() == [3, 2, 1]
+
+
+def test_layer_none_is_the_plain_rule_whatever_the_quotas():
+    rng = np.random.default_rng(1)
+    n_rows, n_layers, n_experts = 400, 8, 100
+    policy = LfuPolicy(n_rows, n_layers, n_experts, decay_interval=10**9, layer_quotas=True,
+                       min_quota=4)
+    row_keys = rng.choice(n_layers * n_experts, size=n_rows, replace=False).astype(np.int64)
+    for flat in row_keys:
+        policy.on_touched(divmod(int(flat), n_experts))
+    for layer in range(n_layers):
+        policy.touch_many(layer, rng.integers(0, n_experts, size=300),
+                          rng.integers(0, 3, size=300))
+    for flat in rng.choice(row_keys, size=20, replace=False):
+        policy.pin(divmod(int(flat), n_experts))
+    row_keys[rng.choice(n_rows, size=10, replace=False)] = -1
+    for step in range(50):  # layered demands move quotas and record ghosts in between
+        eligible = rng.random(n_rows) < 0.9
+        layer = int(rng.integers(n_layers))
+        missing = rng.integers(0, n_experts, size=4).tolist()
+        assert set(policy.victims(4, eligible, row_keys, layer, missing)) <= set(
+            reference_order(policy, eligible, row_keys))
+        for n in [1, 7, 60, n_rows]:
+            assert policy.victims(n, eligible, row_keys) == reference_order(
+                policy, eligible, row_keys)[:n]
+    assert policy.quotas.sum() == n_rows
+
+
+def test_quotas_are_not_saved_and_old_states_load():
+    policy, rows = three_layers()
+    policy.victims(1, all_rows(policy), rows, 0, [2])
+    rows[1] = 2
+    policy.victims(1, all_rows(policy), rows, 0, [1])
+    state = json.loads(json.dumps(policy.state()))
+    assert set(state) == {"format", "version", "frequencies", "pins"}
+    restored = LfuPolicy.from_state(state, 6, 3, 4)
+    assert restored.quotas.tolist() == [2, 2, 2]
+    assert restored.hot_keys(10) == policy.hot_keys(10)
+
+
+
 class PolicyMachine(RuleBasedStateMachine):
     """Random event sequences against a plain model of rows, frequencies and pins."""
 
-    N_ROWS, N_LAYERS, N_EXPERTS, INTERVAL = 6, 2, 5, 7
+    N_ROWS, N_LAYERS, N_EXPERTS, INTERVAL, MIN_QUOTA = 6, 2, 5, 7, 2
 
     def __init__(self):
         super().__init__()
         self.policy = LfuPolicy(self.N_ROWS, self.N_LAYERS, self.N_EXPERTS,
-                                decay_interval=self.INTERVAL, decay_factor=0.5)
+                                decay_interval=self.INTERVAL, decay_factor=0.5,
+                                layer_quotas=True, min_quota=self.MIN_QUOTA, ghosts=2)
         self.rows = {}  # row -> key: the model of the daemon's slot table
         self.freq = {}  # key -> frequency, mirrored exactly (powers of two)
         self.since_decay = 0
@@ -536,6 +688,26 @@ class PolicyMachine(RuleBasedStateMachine):
                 assert not freqs and all(c < r for c in chosen)
             elif freqs:
                 assert self.freq[self.rows[r]] >= freqs[-1]
+
+    @rule(n=st.integers(0, N_ROWS + 2), mask=st.lists(st.booleans(), min_size=N_ROWS,
+                                                       max_size=N_ROWS),
+          layer=st.integers(0, N_LAYERS - 1),
+          missing=st.lists(st.integers(0, N_EXPERTS - 1), max_size=3))
+    def victims_of_a_layer(self, n, mask, layer, missing):
+        # Quotas change which rows go first, never which rows may go, nor how many.
+        eligible = np.array(mask, dtype=bool)
+        chosen = self.policy.victims(n, eligible, self.row_keys(), layer, missing)
+        pinned = self.pinned()
+        qualify = {r for r in range(self.N_ROWS)
+                   if eligible[r] and (r not in self.rows or self.rows[r] not in pinned)}
+        assert all(isinstance(r, int) for r in chosen)
+        assert len(chosen) == len(set(chosen)) == min(n, len(qualify))
+        assert set(chosen) <= qualify
+
+    @invariant()
+    def quotas_share_the_rows(self):
+        quotas = self.policy.quotas
+        assert quotas.sum() == self.N_ROWS and quotas.min() >= self.MIN_QUOTA
 
     @invariant()
     def frequencies_agree_with_the_model(self):
