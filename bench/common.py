@@ -22,6 +22,19 @@ SMALL = dict(family="qwen3_moe", layers=8, experts=32, top_k=4, hidden=256, moe_
              bits=4, mode="affine", seed=2)
 
 
+def write_section(results_md: Path, header: str, text: str) -> None:
+    """Put ``text`` (a section starting with ``header``) into ``results_md`` in place of an
+    older section with the same header, every other section kept."""
+    current = results_md.read_text() if results_md.exists() else ""
+    start = current.find(header)
+    if start < 0:
+        current = current.rstrip("\n") + "\n\n" + text
+    else:
+        end = current.find("\n## ", start + len(header))
+        current = current[:start] + text + ("" if end < 0 else current[end + 1:])
+    results_md.write_text(current)
+
+
 def ensure_model(name: str, spec: dict) -> tuple:
     """(model_dir, blob_dir) of a synthetic model, built and converted once."""
     from expertd.tools.convert import convert

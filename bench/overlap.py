@@ -32,8 +32,8 @@ DECODE_TOKENS = 64
 TEMP = 1.0  # greedy decoding of this small model repeats one token: its routing would too
 TIMELINE_TOKENS = 3
 STAT_KEYS = ("hits", "misses", "prefetch_hits", "prefetch_requested", "prefetch_fills",
-             "prefetch_wasted", "prefetch_dropped", "prefetch_merged", "bytes_read",
-             "fill_seconds")
+             "prefetch_wasted", "prefetch_dropped", "prefetch_shed", "prefetch_merged",
+             "bytes_read", "fill_seconds")
 
 
 def arena_gb(blob_dir, rows: int) -> float:

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from belady import belady_hits, npz_trace, policy_hits, routing_trace
+from common import write_section
 from expertd.policy import LfuPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -567,18 +568,6 @@ def section(results: list, seconds: float, zipf: dict) -> str:
     return "\n".join(text) + "\n"
 
 
-def write_section(text: str) -> None:
-    """Put ``text`` into RESULTS.md in place of an older section with the same header."""
-    current = RESULTS.read_text() if RESULTS.exists() else ""
-    start = current.find(HEADER)
-    if start < 0:
-        current = current.rstrip("\n") + "\n\n" + text
-    else:
-        end = current.find("\n## ", start + len(HEADER))
-        current = current[:start] + text + ("" if end < 0 else current[end + 1:])
-    RESULTS.write_text(current)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     out = ROOT / "bench" / "out" / "learned"
@@ -599,7 +588,7 @@ def main() -> None:
     zipf = zipf_check()
     seconds = time.monotonic() - started
     if not args.no_write:
-        write_section(section(results, seconds, zipf))
+        write_section(RESULTS, HEADER, section(results, seconds, zipf))
         print(f"wrote {HEADER!r} in {RESULTS}")
 
 
