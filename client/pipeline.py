@@ -122,6 +122,31 @@ def gather_usage(summary: dict, group) -> list:
     order, on every rank: each rank streams from its own daemon, so each has its own."""
     import mlx.core as mx
 
+    # Generation evaluates the step after the last token ahead of time: its sends between
+    # stages may still be in flight; they finish before anything else is exchanged.
+    mx.synchronize()
     mine = mx.array([int(summary[k]) for k in USAGE_KEYS], dtype=mx.int64)
     rows = mx.distributed.all_gather(mine[None], group=group, stream=mx.cpu).tolist()
+    leave_together(group)
     return [dict(zip(USAGE_KEYS, row), rank=r) for r, row in enumerate(rows)]
+
+
+def leave_together(group) -> None:
+    """A token passed once around the ring (0 -> 1 -> ... -> 0) before the ranks exit.
+
+    A rank that returns from a collective may still be the target of a peer's send in that
+    collective (MLX's ring sends both ways); exiting then closes its sockets under the peer,
+    whose send fails with EPIPE and aborts the collective on the rank still in it. In the token
+    pass each rank writes only to the next one, which reads before it writes or exits, so no
+    write ever meets a closed socket.
+    """
+    import mlx.core as mx
+
+    rank, size = group.rank(), group.size()
+    token = mx.zeros((1,), dtype=mx.int32)
+    if rank != 0:
+        token = mx.distributed.recv_like(token, rank - 1, group=group, stream=mx.cpu)
+        mx.eval(token)
+    mx.eval(mx.distributed.send(token, (rank + 1) % size, group=group, stream=mx.cpu))
+    if rank == 0:
+        mx.eval(mx.distributed.recv_like(token, size - 1, group=group, stream=mx.cpu))

@@ -41,14 +41,14 @@ def flip_byte(blob_dir, layer: int, expert: int, at: int = 100) -> None:
 
 
 def evict(client: RawClient, layer: int, expert: int) -> None:
-    """Fetch other layers' experts until (layer, expert) has left the cache."""
+    """Fetch every other expert, of every layer, until (layer, expert) has left the cache (the
+    policy's per-layer quotas may make a layer evict its own experts before another's)."""
     step = client.hello["max_demand"]
-    others = [li for li in range(len(client.manifest.layers)) if li != layer]
     for _ in range(4):
-        for other in others:
-            n = client.manifest.layers[other].num_experts
-            for start in range(0, n, step):
-                client.fetch(other, list(range(start, min(n, start + step))))
+        for other in client.manifest.layers:
+            keys = [e for e in range(other.num_experts) if (other.index, e) != (layer, expert)]
+            for start in range(0, len(keys), step):
+                client.fetch(other.index, keys[start:start + step])
         if client.slot(layer, expert)[0] < 0:
             return
     raise AssertionError(f"layer {layer} expert {expert} stayed in the cache")
