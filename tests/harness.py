@@ -306,6 +306,21 @@ class RawClient:
         for start in range(0, rows, 2):
             self.fetch(layer, range(start, min(start + 2, rows)))
 
+    def evict(self, layer: int, expert: int, untouched=()) -> None:
+        """Fetch every other expert, of every layer, until (layer, expert) has left the cache
+        (the policy's per-layer quotas may make a layer evict its own experts first). The
+        (layer, expert) keys in ``untouched`` are never fetched."""
+        step = self.hello["max_demand"]
+        skip = {(layer, expert), *untouched}
+        for _ in range(4):
+            for other in self.manifest.layers:
+                keys = [e for e in range(other.num_experts) if (other.index, e) not in skip]
+                for start in range(0, len(keys), step):
+                    self.fetch(other.index, keys[start:start + step])
+            if self.slot(layer, expert)[0] < 0:
+                return
+        raise AssertionError(f"layer {layer} expert {expert} stayed in the cache")
+
     def slot(self, layer: int, expert: int) -> tuple:
         """(row, state, version) of a key as the shared table shows it; row -1 if absent."""
         g = self.arena.geometry

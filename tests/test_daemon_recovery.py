@@ -85,18 +85,6 @@ def _flip_byte(blobs, layer: int, expert: int) -> None:
         f.write(bytes([byte ^ 0xFF]))
 
 
-def _evict(client, layer: int, expert: int) -> None:
-    """Fetch other layers' experts until (layer, expert) has left the cache."""
-    step = client.hello["max_demand"]
-    for _ in range(4):
-        for other in {0, 1, 2} - {layer}:
-            for start in range(0, 16, step):
-                client.fetch(other, list(range(start, min(16, start + step))))
-        if client.slot(layer, expert)[0] < 0:
-            return
-    raise AssertionError(f"layer {layer} expert {expert} stayed in the cache")
-
-
 def test_verify_always_catches_corruption_after_a_good_first_read(models, isolated_env,
                                                                   tmp_path):
     blobs = tmp_path / "blobs"
@@ -105,7 +93,7 @@ def test_verify_always_catches_corruption_after_a_good_first_read(models, isolat
         with RawClient(blobs) as c:
             assert c.fetch(1, [5]) == [expected_bytes(models.blobs())[(1, 5)]]
             _flip_byte(blobs, 1, 5)
-            _evict(c, 1, 5)
+            c.evict(1, 5)
             with pytest.raises(DaemonError, match="layer 1 expert 5"):
                 c.demand(1, [5])
 
@@ -119,7 +107,7 @@ def test_verify_first_checks_each_expert_once(models, isolated_env, tmp_path):
         with RawClient(blobs) as c:
             c.fetch(1, [5])
             _flip_byte(blobs, 1, 5)
-            _evict(c, 1, 5)
+            c.evict(1, 5, untouched=[(1, 6)])
             assert c.request(Op.STATS)["fill_errors"] == 0
             c.fetch(1, [5])  # refilled without a check: served
             assert c.request(Op.STATS)["fill_errors"] == 0

@@ -40,19 +40,6 @@ def flip_byte(blob_dir, layer: int, expert: int, at: int = 100) -> None:
         os.fsync(f.fileno())  # the daemon reads with O_DIRECT: the bytes must be on the disk
 
 
-def evict(client: RawClient, layer: int, expert: int) -> None:
-    """Fetch every other expert, of every layer, until (layer, expert) has left the cache (the
-    policy's per-layer quotas may make a layer evict its own experts before another's)."""
-    step = client.hello["max_demand"]
-    for _ in range(4):
-        for other in client.manifest.layers:
-            keys = [e for e in range(other.num_experts) if (other.index, e) != (layer, expert)]
-            for start in range(0, len(keys), step):
-                client.fetch(other.index, keys[start:start + step])
-        if client.slot(layer, expert)[0] < 0:
-            return
-    raise AssertionError(f"layer {layer} expert {expert} stayed in the cache")
-
 
 def assert_names_the_corruption(message: str, blob_dir, layer: int, expert: int) -> None:
     path = blob_dir / Manifest.load(blob_dir).layers[layer].file
@@ -72,7 +59,7 @@ def test_every_refill_of_a_corrupted_expert_is_refused_and_never_served(blobs, i
         assert c.fetch(LAYER, [EXPERT]) == [want[(LAYER, EXPERT)]]  # the first fill is sound
         flip_byte(blobs, LAYER, EXPERT)
         for attempt in range(1, 4):
-            evict(c, LAYER, EXPERT)
+            c.evict(LAYER, EXPERT)
             with pytest.raises(DaemonError) as err:
                 c.demand(LAYER, [EXPERT - 1, EXPERT])
             assert err.value.code == ErrorCode.CHECKSUM, str(err.value)
