@@ -37,14 +37,20 @@ STAT_KEYS = ("hits", "misses", "prefetch_hits", "prefetch_requested", "prefetch_
 
 
 def arena_gb(blob_dir, rows: int) -> float:
-    """``--cache-gb`` that gives exactly ``rows`` cache rows (side rows come on top)."""
+    """``--cache-gb`` that gives exactly ``rows`` cache rows, the daemon's default side rows
+    (``Geometry.default_side_rows``) on top."""
+    from expertd.config import GUESS_WIDTH
     from expertd.manifest import Manifest
     from expertd.shm.layout import Geometry
 
     m = Manifest.load(blob_dir)
-    least = Geometry.smallest_budget(len(m.layers), m.max_experts, m.stride, side_rows=m.top_k,
-                                     cache_rows=rows)
-    return math.ceil(least / 2**30 * 1e6) / 1e6
+    shape = (len(m.layers), m.max_experts, m.stride)
+    for side in (GUESS_WIDTH * m.top_k, m.top_k):
+        least = Geometry.smallest_budget(*shape, side_rows=side, cache_rows=rows)
+        gb = math.ceil(least / 2**30 * 1e6) / 1e6
+        if Geometry.default_side_rows(*shape, int(gb * 2**30), m.top_k, GUESS_WIDTH) == side:
+            return gb
+    raise AssertionError(f"no budget gives {rows} cache rows")
 
 
 def record_routing(model) -> list:

@@ -286,7 +286,7 @@ def notes(L: dict, Q: dict) -> list:
         "(`timing` has no prestage time).",
         "- Hit rates: prefetched rows used are counted apart (STATS prefetch_hits); LFU's own "
         "hit rate barely moves with prefetch on, the misses it saves move to prefetch hits. "
-        "(hits + prefetch hits) ÷ Belady can exceed 1: the 2 × top-k side rows are capacity "
+        "(hits + prefetch hits) ÷ Belady can exceed 1: the side rows are capacity "
         "Belady's cache does not have. STATS counts slightly fewer lookups than the trace "
         "holds requests (requests column) because the prompt's calls are demanded in groups.",
         "- The hit path rows time the whole `Session.fetch` minus its copies and waits (the "
@@ -320,7 +320,7 @@ def section(result: dict) -> str:
         "",
         f"Learned-routing model ({L['layers']} layers × {L['n_keys'] // L['layers']} experts, "
         f"top-{L['top_k']}, {L['stride'] / 1024:.0f} KiB rows). Each run: a fresh daemon with "
-        "that many cache rows (`--cache-gb` sized for them; the 2 × top-k side rows come on "
+        "that many cache rows (`--cache-gb` sized for them; the daemon's default side rows come on "
         "top), one client (`load(..., prefetch=off|on)`); at 100% every expert is fetched into "
         f"the arena first; a warm-up generation on one held-out prompt, then the measured one on "
         f"another: {L['prompt_tokens']}-token held-out prompt, {L['decode_tokens']} tokens "

@@ -31,7 +31,7 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
             are at least this many bytes (default 512 KiB); smaller ones are cheaper to copy
             when the layer runs than to hand to another thread.
         guess_width: experts read ahead per expert a token routes to (default 2, see
-            ``predict.GUESS_WIDTH``): the daemon fills the absent ones of that many of the next
+            ``expertd.config.GUESS_WIDTH``): the daemon fills the absent ones of that many of the next
             router's best-ranked experts into its side rows; the copy ahead stays at the top-k.
         pipeline_group: an ``mx.distributed`` group (under ``mlx.launch``): split the model
             with mlx-lm's own ``pipeline(group)`` and stream only this rank's layers, from

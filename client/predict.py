@@ -16,9 +16,9 @@ layer's own compute needs (on Apple Silicon the GPU shares it), so copies stay a
 On the learned benchmark model, recall of the next layer's experts goes from 0.80-0.87 at the
 core to 0.96-0.99 at twice its width (bench/RESULTS.md).
 
-Each predicted layer keeps its own precision (of the core) over a window of guesses. In ``auto`` mode a layer
-whose precision falls below :data:`MIN_PRECISION` stops guessing and tries again after
-:data:`RETEST_AFTER` calls. 0.5 is the break-even point when a right guess saves about what a
+Each predicted layer keeps its own precision (of the core) over a window of guesses. In
+``auto`` mode a layer whose precision falls below :data:`MIN_PRECISION` stops guessing and tries
+again after :data:`RETEST_AFTER` calls. 0.5 is the break-even point when a right guess saves about what a
 wrong one costs (one row copy, and one SSD read if the row was not resident).
 """
 
@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from expertd.config import GUESS_WIDTH  # experts read ahead per routed expert (the core: 1)
+
 MODES = ("auto", "on", "off")
 WINDOW = 32  # guesses per precision verdict
 MIN_PRECISION = 0.5
 RETEST_AFTER = 256  # calls a switched-off layer waits before it guesses again
-GUESS_WIDTH = 2  # experts read ahead per routed expert (the core copied ahead is 1)
 
 
 def check_mode(mode: str) -> str:
@@ -74,7 +75,8 @@ class LayerGuesses:
             self.active, self.idle_calls = True, 0
         return self.active
 
-    def record(self, guessed: np.ndarray, routed: np.ndarray, wide: np.ndarray | None = None) -> None:
+    def record(self, guessed: np.ndarray, routed: np.ndarray,
+               wide: np.ndarray | None = None) -> None:
         """Score a guess against the experts the router chose.
 
         Args:

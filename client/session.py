@@ -21,7 +21,7 @@ import zmq
 from expertd.client.heartbeat import Heartbeat
 from expertd.client.rows import COPY_AHEAD_MIN_BYTES, DaemonDied, RowReader
 from expertd.client.interrupts import HeldInterrupts
-from expertd.client.predict import GUESS_WIDTH
+from expertd.config import GUESS_WIDTH
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning, ProtocolError
 from expertd.manifest import Manifest
@@ -65,7 +65,7 @@ class Session(RowReader):
         self.guessers: list = []  # predict.Guesser per MoE layer (set by the loader)
         self.copier = None  # copier.Copier (set by the loader)
         self.copy_ahead_bytes = COPY_AHEAD_MIN_BYTES  # see rows.COPY_AHEAD_MIN_BYTES
-        self.guess_width = GUESS_WIDTH  # see predict.GUESS_WIDTH
+        self.guess_width = GUESS_WIDTH  # see client.predict
         self.timeline = None  # a list to record (layer, t0, t_sync, t_fetched, t_done) per call
         self.conn = self.arena = self._heartbeat = None
         self.max_group = None

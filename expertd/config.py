@@ -7,6 +7,9 @@ from pathlib import Path
 from .io import VERIFY_MODES
 
 PREFETCH_MODES = ("auto", "on", "off")
+# Experts a client reads ahead per expert a token routes to (client.predict); the daemon's
+# default side rows are sized for it.
+GUESS_WIDTH = 2
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class ServerConfig:
     auto_pin: int = 0
     save_interval: float = 60.0
     prefetch: str = "auto"
-    side_rows: int | None = None  # prefetch rows per generation; None: the model's top_k
+    side_rows: int | None = None  # prefetch rows per generation; None: Geometry.default_side_rows
 
     def __post_init__(self):
         if self.cache_bytes <= 0:

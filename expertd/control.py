@@ -286,7 +286,8 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
                    help="prefetch rows per generation; the arena keeps two generations, so "
                    "2 x N rows of the cache budget. One client reads ahead up to twice a "
                    "token's top_k experts per layer: raise N when several clients decode at "
-                   "once (STATS prefetch_dropped counts what found no row) (default: top_k)")
+                   "once (STATS prefetch_dropped counts what found no row) (default: 2 x top_k "
+                   "when that leaves 16 times as many cache rows, else top_k)")
     p.add_argument("--client-timeout", type=float, default=10.0, metavar="S",
                    help="reclaim a client's leases after S seconds without a heartbeat "
                    "(default: 10)")

@@ -17,7 +17,7 @@ from . import native
 from .blobstore import BlobStore
 from .cache import ExpertCache
 from .clients import ClientRegistry
-from .config import ServerConfig, cache_limits
+from .config import GUESS_WIDTH, ServerConfig, cache_limits
 from .errors import ProtocolError
 from .hotset import load_hot_set, read_pin_file, save_hot_set
 from .io import FillPool
@@ -54,10 +54,12 @@ class ExpertServer:
         self.store = BlobStore(config.blob_dir, direct=config.io == "direct")
         m = self.store.manifest
         self.n_experts = [layer.num_experts for layer in m.layers]
+        side = config.side_rows
+        if side is None:
+            side = Geometry.default_side_rows(len(m.layers), m.max_experts, m.stride,
+                                              config.cache_bytes, m.top_k, GUESS_WIDTH)
         g = self.geometry = Geometry.for_budget(len(m.layers), m.max_experts, m.stride,
-                                                config.cache_bytes,
-                                                side_rows=(m.top_k if config.side_rows is None
-                                                           else config.side_rows))
+                                                config.cache_bytes, side_rows=side)
         self.max_pins, self.max_demand, client_cap = cache_limits(g.cache_rows)
         # Checked before anything is created: more pins than PIN allows would leave demands
         # too few rows, and they would wait forever.

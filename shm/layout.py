@@ -130,6 +130,20 @@ class Geometry:
         return fixed + cache_rows * (stride + SLOT_DTYPE.itemsize)
 
     @classmethod
+    def default_side_rows(cls, n_layers: int, n_experts: int, stride: int, budget_bytes: int,
+                          top_k: int, width: int = 2) -> int:
+        """Prefetch rows per generation when ``expertd start`` is not told: ``width`` x top_k
+        (what one client reads ahead per layer) if the budget still leaves at least 16 times
+        as many cache rows, so the two generations take at most 1/8 of the arena; else top_k.
+        """
+        wide = width * top_k
+        try:
+            g = cls.for_budget(n_layers, n_experts, stride, budget_bytes, side_rows=wide)
+        except ValueError:
+            return top_k
+        return wide if g.cache_rows >= 16 * wide else top_k
+
+    @classmethod
     def for_budget(cls, n_layers: int, n_experts: int, stride: int, budget_bytes: int,
                    side_rows: int = 0) -> "Geometry":
         """The largest arena whose total size stays within ``budget_bytes``.

@@ -184,6 +184,21 @@ def test_side_rows_come_out_of_the_budget(blobs, isolated_env):
         kill_serving_daemon(blobs)
 
 
+@pytest.mark.timeout(120)
+def test_a_big_enough_arena_gets_two_read_ahead_widths_of_side_rows(models, isolated_env):
+    """Without --side-rows: 2 x top_k per generation once the cache keeps 16 times as many
+    rows beside them, top_k in a smaller arena."""
+    blobs = models.blobs(layers=3, experts=64, top_k=4)
+    for size, side in (("100%", 8), ("30%", 4)):
+        try:
+            started = expertd_cli("start", "--blobs", blobs, "--cache-gb", size)
+            assert started.returncode == 0, started.stderr
+            stats = query_stats(blobs)
+            assert stats["side_rows"] == 2 * side, (size, stats["arena_rows"])
+        finally:
+            kill_serving_daemon(blobs)
+
+
 @pytest.mark.parametrize("rows", ["-1", "257"])
 def test_side_rows_out_of_range_are_refused_in_one_line(blobs, isolated_env, rows):
     got = expertd_cli("start", "--blobs", blobs, "--side-rows", rows, timeout=30)

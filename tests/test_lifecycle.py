@@ -218,6 +218,18 @@ def test_a_budget_short_of_the_side_rows_says_so():
         assert Geometry.for_budget(3, 16, stride, budget - 1, side_rows=side).cache_rows == rows - 1
 
 
+def test_default_side_rows_are_twice_top_k_only_in_a_big_enough_arena():
+    """Two read-ahead widths per generation when the cache keeps 16 times as many rows beside
+    them; top_k when the arena is small, or the model has too few experts to fill it."""
+    stride, top_k = 16384, 4
+    for rows, want in ((127, 4), (128, 8), (2000, 8)):
+        budget = Geometry.smallest_budget(8, 512, stride, side_rows=8, cache_rows=rows)
+        assert Geometry.default_side_rows(8, 512, stride, budget, top_k) == want, rows
+    budget = Geometry.smallest_budget(3, 16, stride, side_rows=8, cache_rows=2000)
+    assert Geometry.default_side_rows(3, 16, stride, budget, top_k) == top_k  # 48 experts
+    assert Geometry.default_side_rows(3, 16, stride, 1000, top_k) == top_k  # no room at all
+
+
 # ---- start-up failures ---------------------------------------------------------------------------
 
 BLOCK_BEFORE_STATE = """
