@@ -94,10 +94,13 @@ class DaemonLfu(Policy):
         self.row_keys = np.full(capacity, -1, dtype=np.int64)
         self.key_row = {}
 
+    def choose(self, missing, demand, eligible) -> list:
+        return self.policy.victims(len(missing), eligible, self.row_keys)
+
     def fill(self, missing, demand, step):
         eligible = np.ones(self.capacity, dtype=bool)
         eligible[[self.key_row[key] for key in demand if key in self.key_row]] = False
-        for key, row in zip(missing, self.policy.victims(len(missing), eligible, self.row_keys)):
+        for key, row in zip(missing, self.choose(missing, demand, eligible)):
             old = int(self.row_keys[row])
             if old >= 0:
                 del self.key_row[old]
@@ -118,20 +121,10 @@ class DaemonQuotaLfu(DaemonLfu):
     def __init__(self, capacity, stream, **options):
         super().__init__(capacity, stream, layer_quotas=True, min_quota=stream.top_k, **options)
 
-    def fill(self, missing, demand, step):
-        layer = demand[0] // self.n_experts
-        eligible = np.ones(self.capacity, dtype=bool)
-        eligible[[self.key_row[key] for key in demand if key in self.key_row]] = False
-        chosen = self.policy.victims(len(missing), eligible, self.row_keys, layer,
-                                     [key % self.n_experts for key in missing])
-        for key, row in zip(missing, chosen):
-            old = int(self.row_keys[row])
-            if old >= 0:
-                del self.key_row[old]
-                self.resident.discard(old)
-            self.row_keys[row] = key
-            self.key_row[key] = row
-            self.resident.add(key)
+    def choose(self, missing, demand, eligible) -> list:
+        return self.policy.victims(len(missing), eligible, self.row_keys,
+                                   demand[0] // self.n_experts,
+                                   [key % self.n_experts for key in missing])
 
 
 class Lru(Policy):

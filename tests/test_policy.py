@@ -672,12 +672,7 @@ class PolicyMachine(RuleBasedStateMachine):
     def victims(self, n, mask):
         eligible = np.array(mask, dtype=bool)
         chosen = self.policy.victims(n, eligible, self.row_keys())
-        pinned = self.pinned()
-        qualify = {r for r in range(self.N_ROWS)
-                   if eligible[r] and (r not in self.rows or self.rows[r] not in pinned)}
-        assert all(isinstance(r, int) for r in chosen)
-        assert len(chosen) == len(set(chosen)) == min(n, len(qualify))
-        assert set(chosen) <= qualify
+        qualify = self.check_victims(n, eligible, chosen)
         # Empty rows first, then non-decreasing frequency; nothing left behind is colder.
         empties = [r for r in chosen if r not in self.rows]
         assert chosen[:len(empties)] == empties
@@ -696,13 +691,19 @@ class PolicyMachine(RuleBasedStateMachine):
     def victims_of_a_layer(self, n, mask, layer, missing):
         # Quotas change which rows go first, never which rows may go, nor how many.
         eligible = np.array(mask, dtype=bool)
-        chosen = self.policy.victims(n, eligible, self.row_keys(), layer, missing)
+        self.check_victims(n, eligible, self.policy.victims(n, eligible, self.row_keys(), layer,
+                                                            missing))
+
+    def check_victims(self, n, eligible, chosen) -> set:
+        """Distinct ints, as many as asked or as qualify, all qualifying; the qualifying rows
+        (eligible, and empty or holding an unpinned key)."""
         pinned = self.pinned()
         qualify = {r for r in range(self.N_ROWS)
                    if eligible[r] and (r not in self.rows or self.rows[r] not in pinned)}
         assert all(isinstance(r, int) for r in chosen)
         assert len(chosen) == len(set(chosen)) == min(n, len(qualify))
         assert set(chosen) <= qualify
+        return qualify
 
     @invariant()
     def quotas_share_the_rows(self):
