@@ -28,16 +28,16 @@ import mlx.core as mx
 import numpy as np
 
 from expertd.config import GUESS_WIDTH  # experts read ahead per routed expert (the core: 1)
+from expertd.config import PREFETCH_MODES
 
-MODES = ("auto", "on", "off")
 WINDOW = 32  # guesses per precision verdict
 MIN_PRECISION = 0.5
 RETEST_AFTER = 256  # calls a switched-off layer waits before it guesses again
 
 
 def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"prefetch must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode not in PREFETCH_MODES:
+        raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, not {mode!r}")
     return mode
 
 

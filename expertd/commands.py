@@ -62,7 +62,9 @@ def _pipeline_group():
 
 def add_prefetch_flag(p, help_text: str) -> None:
     """The client's --prefetch, the same on every subcommand that loads the model."""
-    p.add_argument("--prefetch", choices=("auto", "on", "off"), default="auto", help=help_text)
+    from .config import PREFETCH_MODES
+
+    p.add_argument("--prefetch", choices=PREFETCH_MODES, default="auto", help=help_text)
 
 
 def _cmd_demo(args) -> int:

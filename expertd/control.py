@@ -262,6 +262,8 @@ def _cmd_status(args) -> int:
 
 def add_start_flags(p: argparse.ArgumentParser) -> None:
     """The flags ``start``, ``restart`` and ``service install`` share."""
+    from .config import PREFETCH_MODES
+
     p.add_argument("--blobs", required=True, metavar="BLOB_DIR", help="blob directory to serve")
     p.add_argument("--cache-gb", default="4", metavar="SIZE",
                    help="size of the shared expert cache, the whole arena: GiB (8), or 8G, "
@@ -278,7 +280,7 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
                    help="JSON list of [layer, expert] to pin (default: none)")
     p.add_argument("--auto-pin", type=int, default=0, metavar="N",
                    help="keep the N hottest resident experts pinned (default: 0, off)")
-    p.add_argument("--prefetch", choices=("on", "off", "auto"), default="auto",
+    p.add_argument("--prefetch", choices=PREFETCH_MODES, default="auto",
                    help="fill the experts clients predict into side rows that never evict "
                    "cached ones: on, off (PREFETCH is ignored) or auto (on here; each client "
                    "turns prediction off for layers where it does not pay; default: auto)")
