@@ -7,13 +7,14 @@ import time
 def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, seed: int = 0,
              out=sys.stdout, prefetch: str = "auto", top_p: float = 0.0, min_p: float = 0.0,
              top_k: int = 0, system_prompt: str | None = None,
-             chat_template: bool = True, pipeline_group=None) -> dict:
+             chat_template: bool = True, pipeline_group=None, pool_gb: float | None = None) -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
 
     Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``) and the chat template (applied unless
     ``chat_template`` is False, with ``system_prompt`` first) are mlx-lm's. With
     ``pipeline_group`` (under ``mlx.launch``), this process runs its rank's pipeline stage
-    (see ``load``); every rank computes the same tokens.
+    (see ``load``); every rank computes the same tokens. ``pool_gb`` sizes the expert pools
+    (see ``load``).
 
     Returns:
         dict with prompt/generation token counts and tok/s, the tokens, this client's hits,
@@ -25,7 +26,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
 
     from expertd.client import load
 
-    model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group)
+    model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
+                            pool_gb=pool_gb)
     session = model.expertd_session
     if chat_template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -45,6 +47,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
         last = response
     elapsed = time.perf_counter() - started
     mine = session.usage()
+    counters = session.all_counters()
     after = session.stats()
     session.close()
     return dict(
@@ -62,7 +65,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
         daemon_misses=after["misses"] - before["misses"],
         daemon_bytes_read=after["bytes_read"] - before["bytes_read"],
         fast_hits=session.counters["fast_hits"], demanded=session.counters["demanded"],
-        staged_used=session.counters["staged_used"],
+        **{k: counters[k] for k in ("pool_hits", "pool_moved", "ahead_used")},
+        pool_bytes=session.pool_bytes, timing=dict(session.timing),
         prediction=session.prediction(),
     )
 

@@ -7,35 +7,49 @@ from expertd.blobstore import check_trunk
 from expertd.errors import BlobStoreError
 
 from .copier import Copier
+from .layer import StreamedLayer
 from .pipeline import refuse_stage, split_model, stage_layers
+from .pool import POOL_BACKINGS, default_backing, make_pool, plan_rows
 from .predict import check_mode, make_guessers
 from .session import Session
-from .switch import Staging, make_streamed
+from .switch import expert_segments, make_streamed
+
+COPY_AHEAD_MIN_BYTES = 512 * 1024  # see load(copy_ahead_bytes=)
 
 
-def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = None,
-         prefetch: str = "auto", copy_ahead_bytes: int | None = None, pipeline_group=None,
-         guess_width: int | None = None):
+def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 60.0,
+         max_group: int | None = None, prefetch: str = "auto",
+         copy_ahead_bytes: int | None = None, pipeline_group=None,
+         guess_width: int | None = None, pool_backing: str | None = None):
     """Build the model of ``blob_dir`` with mlx-lm's classes, experts served by expertd.
 
     Args:
         blob_dir: a directory written by ``expertd convert``, served by a running daemon.
+        pool_gb: GiB of expert pools, split evenly over the MoE layers: this process's own
+            copy of the experts it computes with (its expert memory). Default: on a discrete
+            GPU (CUDA), every expert that fits in half of its free memory; on unified memory
+            (Metal, the CPU), the smallest pool that works twice over (2 x top-k rows a
+            layer). A budget below the smallest pool (top-k rows a layer) is refused.
         reconnect_timeout: seconds to wait for a daemon that died to come back.
-        max_group: most experts of one layer held by this process at once (default: 64 or
+        max_group: most experts moved from the daemon's arena at once (default: 64 or
             4 x top-k, within what the daemon allows).
         prefetch: "auto" (default): each MoE layer guesses the next layer's experts at its own
-            router sync, copies the resident ones in the background and asks the daemon to
-            prefetch the rest, and a layer whose guesses are mostly wrong stops guessing (and
-            tries again now and then); "on": always guess; "off": never.
-        copy_ahead_bytes: the background copy of a layer's guessed rows runs only when they
-            are at least this many bytes (default 512 KiB); smaller ones are cheaper to copy
-            when the layer runs than to hand to another thread.
+            router sync, writes the resident ones into the next layer's pool in the background
+            and asks the daemon to read the rest ahead, and a layer whose guesses are mostly
+            wrong stops guessing (and tries again now and then); "on": always guess; "off":
+            never.
+        copy_ahead_bytes: a layer's guessed rows are written ahead only when they are at
+            least this many bytes (default 512 KiB); smaller ones are cheaper to move when
+            the layer runs than to hand to another thread.
         guess_width: experts read ahead per expert a token routes to (default 2, see
             ``expertd.config.GUESS_WIDTH``): the daemon fills the absent ones of that many of the next
             router's best-ranked experts into its side rows; the copy ahead stays at the top-k.
         pipeline_group: an ``mx.distributed`` group (under ``mlx.launch``): split the model
             with mlx-lm's own ``pipeline(group)`` and stream only this rank's layers, from
             the daemon of this host (``blob_dir`` may hold only this rank's layer range).
+        pool_backing: "device" (rows in GPU memory, written by MLX's scatter; the default
+            on CUDA) or "host" (rows the host writes into directly; the default on unified
+            memory).
     Returns:
         ``(model, tokenizer)``, usable with ``mlx_lm.generate`` / ``stream_generate``.
     Raises:
@@ -45,18 +59,23 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
             checksum (the message names the file and says to re-run ``expertd convert``), or
             it holds one pipeline stage and no ``pipeline_group`` was given.
         PipelineError: the family cannot be split, or ``blob_dir`` lacks this rank's layers.
+        ValueError: a pool budget below the smallest that works, or a bad argument.
     """
     check_mode(prefetch)
+    backing = pool_backing or default_backing()
+    if backing not in POOL_BACKINGS:
+        raise ValueError(f"pool_backing must be one of {', '.join(POOL_BACKINGS)}, "
+                         f"not {pool_backing!r}")
     if guess_width is not None and (isinstance(guess_width, bool) or not isinstance(guess_width, int)
                                     or guess_width < 1):
         raise ValueError(f"guess_width must be a whole number of at least 1, not {guess_width!r}")
     session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group)
-    if copy_ahead_bytes is not None:
-        session.copy_ahead_bytes = max(0, int(copy_ahead_bytes))
+    session.copy_ahead_bytes = (COPY_AHEAD_MIN_BYTES if copy_ahead_bytes is None
+                                else max(0, int(copy_ahead_bytes)))
     if guess_width is not None:
         session.guess_width = guess_width
     try:
-        model, tokenizer = _build(session, prefetch, pipeline_group)
+        model, tokenizer = _build(session, prefetch, pipeline_group, pool_gb, backing)
     except BaseException:
         session.close()  # its heartbeat thread and the arena mapping go with it
         raise
@@ -64,7 +83,7 @@ def load(blob_dir, *, reconnect_timeout: float = 60.0, max_group: int | None = N
     return model, tokenizer
 
 
-def _build(session, prefetch: str, pipeline_group=None):
+def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str):
     """The model with its switch modules streamed through ``session``, and its tokenizer."""
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
     from mlx_lm.utils import load_model, load_tokenizer
@@ -85,16 +104,27 @@ def _build(session, prefetch: str, pipeline_group=None):
                                   session.paths.blob_dir, config["model_type"])
         layers = stage_layers(layers, start, stop)
     modules = dict(model.named_modules())
-    staging = Staging(session.staging_bytes())
+    rows = plan_rows(layers, session.manifest.top_k, pool_gb, backing)
     guessers = make_guessers(modules, layers, prefetch)
     session.guessers = guessers
     copier = session.copier = Copier()
-    for layer, guesser, before in zip(layers, guessers, [None] + guessers[:-1]):
+    streamed = []
+    for layer, n, guesser, before in zip(layers, rows, guessers, [None] + guessers[:-1]):
         module = modules.get(layer.module)
         if not isinstance(module, (SwitchGLU, SwitchMLP)):
             raise BlobStoreError(f"{trunk}: the model has no switch module at {layer.module}")
-        make_streamed(module, session, layer, staging, guesser,
-                      before.guesses if before is not None else None, copier)
+        segments = expert_segments(module, layer)
+        pool = make_pool(layer, n, [seg[2:] for seg in segments], backing, session.max_group)
+        state = StreamedLayer(session, layer.index, pool, [seg[:2] for seg in segments],
+                              layer.num_experts, guesser,
+                              before.guesses if before is not None else None, copier=copier)
+        if streamed:
+            streamed[-1].next, state.previous = state, streamed[-1]
+        streamed.append(state)
+        make_streamed(module, state)
+    session.pools = [state.pool for state in streamed]
+    session.pool_bytes = sum(pool.nbytes for pool in session.pools)
+    session.announce_pools()
     stored = set()
     for path in trunk.glob("model*.safetensors"):
         stored.update(read_header(path))

@@ -173,7 +173,8 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
 
     def metrics(self) -> str:
         """The Prometheus text exposition of the daemon's counters and this server's."""
-        return render_metrics(self._daemon_stats(), self.counters, self.session.counters)
+        return render_metrics(self._daemon_stats(), self.counters, self.session.all_counters(),
+                              self.session.pool_bytes)
 
     def _daemon_stats(self) -> dict | None:
         # Its own socket: the session's belongs to the generation thread.
@@ -199,7 +200,18 @@ DAEMON_METRICS = [
 ]
 
 
-def render_metrics(stats: dict | None, server: ServerCounters, client: dict) -> str:
+CLIENT_METRICS = [
+    ("pool_hits", "routed experts found in this server's expert pools"),
+    ("pool_moved", "routed experts moved into its pools from the daemon's arena"),
+    ("ahead_used", "experts written ahead into its pools and then routed to"),
+    ("fast_hits", "experts it moved from the arena without asking the daemon"),
+    ("demanded", "experts it demanded from the daemon (absent or being filled)"),
+    ("reconnects", "times it re-attached to a restarted daemon"),
+]
+
+
+def render_metrics(stats: dict | None, server: ServerCounters, client: dict,
+                   pool_bytes: int = 0) -> str:
     """Prometheus text format: ``expertd_daemon_*`` from STATS (``expertd_daemon_up 0`` and
     nothing else of the daemon's when it does not answer), ``expertd_server_*`` of this server,
     ``expertd_client_*`` of this process's session."""
@@ -226,9 +238,10 @@ def render_metrics(stats: dict | None, server: ServerCounters, client: dict) -> 
     ]:
         suffix = "_total" if kind == "counter" else ""
         metric(f"expertd_server_{name}{suffix}", kind, text, value)
-    for key in ("fast_hits", "demanded", "staged_used", "reconnects"):
-        metric(f"expertd_client_{key}_total", "counter", f"this server's session: {key}",
-               client.get(key, 0))
+    for key, text in CLIENT_METRICS:
+        metric(f"expertd_client_{key}_total", "counter", text, client.get(key, 0))
+    metric("expertd_client_pool_bytes", "gauge",
+           "this server's own expert memory: its pools' bytes", pool_bytes)
     return "\n".join(lines) + "\n"
 
 
@@ -255,6 +268,7 @@ def _bind(host: str, port: int, handler_factory, **state) -> ExpertdHTTPServer:
 
 
 def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "auto",
+          pool_gb: float | None = None,
           options: dict | None = None, out=sys.stdout, pipeline_group=None) -> int:
     """Serve the model of ``blob_dir`` over HTTP until SIGINT or SIGTERM.
 
@@ -262,6 +276,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         blob_dir: a blob directory served by a running daemon.
         host, port: where to listen (port 0: any free port; the line printed names it).
         prefetch: the client's prefetch mode (see ``expertd.client.load``).
+        pool_gb: the client's expert pools (see ``expertd.client.load``).
         options: mlx_lm.server settings by their argparse names (``temp``, ``max_tokens``,
             ``chat_template``, ...); the rest keep mlx_lm.server's defaults.
         out: where the "listening" line goes.
@@ -287,7 +302,8 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     logging.getLogger().setLevel(cli_args.log_level.upper())
     # Loaded here rather than in the generation thread, so that a daemon that is not running
     # is a one-line error before anything listens.
-    model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group)
+    model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
+                            pool_gb=pool_gb)
     cli_args.pipeline = pipeline_group is not None
     session = model.expertd_session
     try:

@@ -1,49 +1,48 @@
-"""A client's attachment to the daemon: socket, mapped arena, heartbeat, reconnection.
+"""A client's attachment to the daemon: hello, arena view, requests, heartbeat, reconnection.
 
-The per-layer hot path (``fetch``, ``prestage``) is in rows.py; ``switch.py`` views the rows it
-copies as MLX arrays.
-
-No lease outlives its use, whatever interrupts the client: every lease the daemon grants is
-recorded the moment its reply is read (with SIGINT held back for those few steps) and released
-in a ``finally``; a demand whose waiter was interrupted keeps its request id, and its late reply
-is released by whichever thread reads it next (the heartbeat thread when the client is idle).
+The session composes three parts that each own their state: an :class:`ArenaView` (the mapped
+arena: lookups, drains, seqlock-checked copies), a :class:`Requester` (the socket, request ids,
+demands and their leases) and a :class:`Heartbeat` (a thread that tells the daemon the client
+lives). What it adds is the reading of rows that combines them, and reconnection: a daemon that
+dies or restarts is waited for and attached again, and the read starts over on the new arena.
+The layers' expert pools (pool.py) live in the client's memory and survive a reconnection.
 """
 
-import logging
 import os
 import sys
-import threading
 import time
 
 import numpy as np
-import zmq
 
+from expertd.client.arena_view import ArenaView
+from expertd.client.backing import buffer_bytes, segment_bases
 from expertd.client.heartbeat import Heartbeat
-from expertd.client.rows import COPY_AHEAD_MIN_BYTES, DaemonDied, RowReader
 from expertd.client.interrupts import HeldInterrupts
+from expertd.client.requester import DaemonDied, Requester
 from expertd.config import GUESS_WIDTH
 from expertd.connection import Connection
-from expertd.errors import DaemonError, DaemonNotRunning, ProtocolError
+from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
-from expertd.protocol import PROTOCOL_VERSION, ErrorCode, Op, parse_reply, request
+from expertd.protocol import PROTOCOL_VERSION, Op
 from expertd.runfile import serving_epoch
-from expertd.shm.layout import Arena
 
-log = logging.getLogger("expertd.client")
-
-POLL_SLICE = 0.05  # how often a wait looks at the daemon's liveness and a held-back SIGINT
-REQUEST_TIMEOUT = 300.0  # a daemon that heartbeats but never answers one request
 GOODBYE_LINGER_MS = 200  # how long close() lets the goodbye reach the daemon
+# How long a read waits for rows someone else is filling before it demands them itself. The
+# demand merges onto the same fill, and moves a prefetch's low-priority read to the front.
+DRAIN_TIMEOUT = 0.05
+
+__all__ = ["DaemonDied", "Session"]
 
 
-class Session(RowReader):
+class Session:
     """One client's connection to the expertd serving ``blob_dir``.
 
     Args:
         blob_dir: the blob directory; the daemon is found from it.
         reconnect_timeout: how long to wait for a restarted daemon after the old one died.
-        max_group: most experts fetched at once (bounds the client's own expert memory).
+        max_group: most experts moved from the arena at once (default: 64 or 4 x top-k,
+            within what the daemon leases at once).
     Raises:
         DaemonNotRunning: no daemon serves the directory (the message says how to start one).
         DaemonError: the daemon serves another blob directory or speaks another protocol.
@@ -55,31 +54,23 @@ class Session(RowReader):
         self.reconnect_timeout = reconnect_timeout
         self.requested_group = max_group or max(64, 4 * self.manifest.top_k)
         self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0,
-                             late_leases=0, prefetch_asked=0, staged_used=0, staged_unused=0,
-                             misses=0, prefetch_saved=0)
-        # Where the main thread's time goes after each router sync (see switch.py).
-        # prestage_s: the main thread's time preparing the next layer's guess (after the rows
-        # are in place, so outside exposed_s).
+                             late_leases=0, prefetch_asked=0, misses=0, prefetch_saved=0,
+                             hits_reported=0)
+        # Where the main thread's time goes per MoE layer call (see layer.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
                            copier_wait_s=0.0, prestage_s=0.0, layers=0)
         self.guessers: list = []  # predict.Guesser per MoE layer (set by the loader)
+        self.pools: list = []  # pool.ExpertPool per streamed MoE layer (set by the loader)
+        self.pool_bytes = 0  # the client's expert memory: its pools (told to the daemon)
         self.copier = None  # copier.Copier (set by the loader)
-        self.copy_ahead_bytes = COPY_AHEAD_MIN_BYTES  # see rows.COPY_AHEAD_MIN_BYTES
         self.guess_width = GUESS_WIDTH  # see client.predict
         self.timeline = None  # a list to record (layer, t0, t_sync, t_fetched, t_done) per call
-        self.conn = self.arena = self._heartbeat = None
+        self.conn = self.view = self.requester = self._heartbeat = None
         self.max_group = None
-        self._bases: dict = {}
         self._segment_tables = [
             (np.array([seg.offset for seg in layer.segments], dtype=np.intp),
              np.array([seg.nbytes for seg in layer.segments], dtype=np.intp))
             for layer in self.manifest.layers]
-        # The socket is used by the calling thread, and by the heartbeat thread only while no
-        # request is in progress (to release late leases); the lock hands it over between them.
-        self._socket_lock = threading.RLock()
-        self._demands: set = set()  # ids of demands sent whose reply has not been read
-        self._leases: set = set()  # leases granted and not yet released
-        self._next_rid = 0
         self._attach()
 
     # ---- attachment ------------------------------------------------------------------------
@@ -89,7 +80,8 @@ class Session(RowReader):
         conn = Connection(self.paths.blob_dir)
         try:
             hello = conn.request(Op.HELLO, {"version": PROTOCOL_VERSION, "client": conn.client_id,
-                                            "pid": os.getpid()}, timeout=10.0)
+                                            "pid": os.getpid(), "pool_bytes": self.pool_bytes},
+                                 timeout=10.0)
         except DaemonError:
             conn.close()
             raise
@@ -102,19 +94,17 @@ class Session(RowReader):
                               "(converted again since it started?); restart it with: expertd stop "
                               f"--blobs {self.paths.blob_dir} && expertd start --blobs "
                               f"{self.paths.blob_dir}")
-        arena = Arena.attach(hello["arena"])
-        if arena.epoch != hello["epoch"]:
-            arena.close()
+        view = ArenaView(hello["arena"], self._segment_tables)
+        if view.epoch != hello["epoch"]:
+            view.close()
             conn.close()
             raise DaemonError("the daemon's arena changed during attach; try again")
-        self.conn, self.arena, self.hello = conn, arena, hello
+        self.conn, self.view, self.hello = conn, view, hello
         self.daemon_pid, self.epoch = hello["pid"], hello["epoch"]
-        self.raw = arena.raw
-        g = arena.geometry
-        self._slot_of_offset, self._slots_offset = g.slot_of_offset, g.slots_offset
-        self._rows_offset, self._stride, self._n_experts = g.rows_offset, g.stride, g.n_experts
-        # Fixed at the first attach: the staging buffers are sized for it. A daemon restarted
-        # with a smaller cache is served in chunks of what it leases at once.
+        self.requester = Requester(conn, self.daemon_pid, self.paths.blob_dir, self._daemon_alive,
+                                   self.counters)
+        # Fixed at the first attach: the read buffers are sized for it. A daemon restarted
+        # with a smaller cache is read from in chunks of what it leases at once.
         if self.max_group is None:
             # No layer needs more rows at once than it has experts.
             self.max_group = min(hello["max_demand"], self.requested_group,
@@ -126,6 +116,13 @@ class Session(RowReader):
         self._heartbeat = Heartbeat(self.paths.endpoint, conn.client_id, hello["token"], interval,
                                     max(hello["client_timeout"], 3 * interval),
                                     self._daemon_alive, self._reap)
+        self.requester.heartbeat = self._heartbeat
+
+    def announce_pools(self) -> None:
+        """Tell the daemon this client's expert memory (its pools), for status: a second
+        hello, which keeps the client's token, leases and pins."""
+        self.request(Op.HELLO, {"version": PROTOCOL_VERSION, "client": self.conn.client_id,
+                                "pid": os.getpid(), "pool_bytes": self.pool_bytes})
 
     def _check_not_dead(self) -> None:
         """A daemon killed with SIGKILL leaves its socket and run files: do not wait on them."""
@@ -139,11 +136,11 @@ class Session(RowReader):
             self._heartbeat.stop()
         if self.conn is not None:
             self.conn.close()
-        # Leases and demands belong to the daemon they were made with.
-        self._demands.clear()
-        self._leases.clear()
-        # The old mapping stays valid until nothing references it; numpy views may outlive us.
-        self.conn = self.arena = self._heartbeat = None
+        if self.requester is not None:
+            self.requester.forget()
+        # The old mapping stays valid until nothing references it: a copy ahead in flight may
+        # still read it.
+        self.conn = self.view = self._heartbeat = None
 
     def close(self) -> None:
         """Say goodbye (the daemon drops this client's leases and pins at once) and detach."""
@@ -152,7 +149,7 @@ class Session(RowReader):
         if self._heartbeat is not None:
             self._heartbeat.stop()
         if self.conn is not None:
-            self._send_quietly(Op.GOODBYE, {})
+            self.requester.send_quietly(Op.GOODBYE, {})
             self.conn.sock.close(linger=GOODBYE_LINGER_MS)  # bounded: the daemon may be gone
         self._detach()
 
@@ -179,135 +176,159 @@ class Session(RowReader):
     def _daemon_alive(self) -> bool:
         """The daemon we said hello to still holds the directory's lock (a pid reused by
         another process, or a new daemon, does not count) and still serves."""
-        return serving_epoch(self.paths) == self.epoch and bool(self.arena.header["serving"][0])
+        view = self.view
+        return serving_epoch(self.paths) == self.epoch and view is not None and view.serving
 
-    # ---- requests --------------------------------------------------------------------------
+    def _reap(self) -> bool:
+        requester = self.requester
+        return requester.reap() if requester is not None else False
+
+    def check_alive(self) -> None:
+        """Re-attach now if the heartbeat saw the daemon die (while every expert was in the
+        pools, nothing else would notice, and this process would keep its arena mapped)."""
+        if self._heartbeat is not None and self._heartbeat.lost:
+            self._reconnect(f"expertd (pid {self.daemon_pid}) serving {self.paths.blob_dir} died")
+
+    # ---- reading rows ----------------------------------------------------------------------
+
+    def read_rows(self, layer: int, experts: np.ndarray, dest: np.ndarray, bases: np.ndarray,
+                  positions: np.ndarray) -> None:
+        """Copy the bytes of ``experts`` (distinct int32) of ``layer`` into ``dest``: segment
+        ``s`` of ``experts[i]`` at ``bases[s] + positions[i] * nbytes[s]``.
+
+        Rows found in the arena are copied without the daemon (and seqlock-checked); the rest
+        are demanded, leased while copied and released. Survives a daemon restart.
+        """
+        self.check_alive()
+        while True:
+            try:
+                # A daemon restarted with a smaller cache may lease fewer rows at once.
+                limit = self.demand_limit
+                for start in range(0, len(experts), limit):
+                    self._read_chunk(layer, experts[start:start + limit], dest, bases,
+                                     positions[start:start + limit])
+                return
+            except DaemonDied as exc:
+                self._reconnect(str(exc))
+
+    def _read_chunk(self, layer, experts, dest, bases, positions) -> None:
+        view, timing = self.view, self.timing
+        found = view.lookup(layer, experts)
+        if found.missing and (found.filling >= 0).any():
+            started = time.perf_counter()
+            self.counters["drained"] += view.drain(layer, experts, found, DRAIN_TIMEOUT)
+            timing["fill_wait_s"] += time.perf_counter() - started
+        slots, versions = found.slots, found.versions
+        if not (slots < 0).any():
+            started = time.perf_counter()
+            view.copy(layer, slots, dest, bases, positions)
+            timing["copy_s"] += time.perf_counter() - started
+            if view.unchanged(slots, versions):
+                view.count_hits(slots)  # found without the daemon: counted for its LFU
+                self.counters["fast_hits"] += len(experts)
+                return
+            # A row was evicted and refilled while we copied it: lease the group instead.
+            self.counters["retries"] += 1
+        requester = self.requester
+        # The lock keeps the heartbeat thread off leases in use. SIGINT is held back until the
+        # leases are released (a copy takes a millisecond or so), except while the demand waits.
+        with requester.lock, HeldInterrupts() as held:
+            try:
+                while True:
+                    started = time.perf_counter()
+                    slots, versions = requester.demand(layer, experts, held)
+                    copying = time.perf_counter()
+                    view.copy(layer, slots, dest, bases, positions)
+                    timing["fill_wait_s"] += copying - started
+                    timing["copy_s"] += time.perf_counter() - copying
+                    if view.unchanged(slots, versions):
+                        return
+                    # Our lease lapsed (held past the daemon's bound): lease them again.
+                    self.counters["retries"] += 1
+                    requester.release_leases()
+            finally:
+                # Whatever happened (KeyboardInterrupt while waiting included), nothing stays
+                # leased.
+                requester.release_all()
+
+    def fetch(self, layer: int, experts, dest: np.ndarray | None = None) -> np.ndarray:
+        """Read ``experts`` of ``layer`` into ``dest`` (a buffer of :meth:`staging_bytes`,
+        laid out by :meth:`bases`), positions 0, 1, ... Returns ``dest``."""
+        experts = np.asarray(experts, dtype=np.int32)
+        if dest is None:
+            dest = np.empty(self.staging_bytes(), np.uint8)
+        self.read_rows(layer, experts, dest, self.bases(layer),
+                       np.arange(len(experts), dtype=np.int32))
+        return dest
+
+    def bases(self, layer: int) -> np.ndarray:
+        """Where each segment of ``layer`` starts in a :meth:`fetch` buffer."""
+        return segment_bases(self.max_group, self._segment_tables[layer][1])
+
+    def staging_bytes(self) -> int:
+        """Bytes a :meth:`fetch` buffer needs for ``max_group`` experts of any layer."""
+        return max(buffer_bytes(self.max_group, nbytes) for _, nbytes in self._segment_tables)
+
+    def copy_into(self, view: ArenaView, layer: int, slots, dest, bases, positions) -> None:
+        """Copy rows ``slots`` of ``view`` (the copier's job: no lease, checked on commit)."""
+        started = time.perf_counter()
+        view.copy(layer, slots, dest, bases, positions)
+        self.timing["copy_s"] += time.perf_counter() - started
+
+    def prefetch(self, layer: int, guessed: np.ndarray, n_core: int) -> None:
+        """Ask the daemon to read the absent experts of ``guessed`` (distinct, best first) of
+        ``layer`` into its side rows. All of it is named, not only what is absent: a resident
+        guess may sit in a side row, and naming it keeps the daemon from reusing that row."""
+        found = self.view.lookup(layer, guessed)
+        absent = int(((found.slots < 0) & (found.filling < 0)).sum())
+        if absent:
+            self.requester.prefetch(layer, guessed, n_core, absent)
+
+    def report_hits(self, layer: int, experts: np.ndarray) -> None:
+        """Tell the daemon's LFU that ``experts`` were used from a pool (through the slot
+        table, no message): pooled experts stay warm in the shared cache for other clients."""
+        found = self.view.lookup(layer, experts)
+        slots = found.slots[found.slots >= 0]
+        if len(slots):
+            self.view.count_hits(slots)
+            self.counters["hits_reported"] += len(slots)
+
+    # ---- requests ---------------------------------------------------------------------------
 
     def request(self, op: Op, body: dict) -> dict:
         """A request that survives a daemon restart: re-attaches and retries once it is back."""
         while True:
             try:
-                return self._ask(op, body)
+                return self.requester.ask(op, body)
             except DaemonDied as exc:
                 self._reconnect(str(exc))
 
-    def _ask(self, op: Op, body: dict, held: HeldInterrupts | None = None) -> dict:
-        """One request to the daemon attached now; DaemonDied if it is gone.
+    @property
+    def _demands(self) -> set:
+        return self.requester.demands
 
-        SIGINT is held back (by ``held``, or here) except while waiting, where one that came is
-        delivered every POLL_SLICE. A demand's lease is in ``self._leases`` when this returns.
-        """
-        if held is None:
-            with HeldInterrupts() as held:
-                return self._ask(op, body, held)
-        with self._socket_lock:
-            rid = self._new_rid()
-            if op is Op.DEMAND:
-                self._demands.add(rid)  # before the send: its reply is never unaccounted for
-            self.conn.sock.send_multipart(request(rid, op, body))
-            try:
-                return self._wait(rid, held)
-            except BaseException:
-                if self._demands:
-                    self._heartbeat.wake()  # to release the late lease as soon as it comes
-                raise
+    @property
+    def _leases(self) -> set:
+        return self.requester.leases
 
-    def _new_rid(self) -> bytes:
-        self._next_rid += 1
-        return b"s" + self._next_rid.to_bytes(8, "little")
+    # ---- reports ---------------------------------------------------------------------------
 
-    def _send_quietly(self, op: Op, body: dict) -> None:
-        """Fire and forget (release, goodbye); never blocks on a daemon that is gone."""
-        try:
-            self.conn.sock.send_multipart(request(self._new_rid(), op, body), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the daemon is gone or flooded; its leases die with it or with our heartbeat
+    def pool_counters(self) -> dict:
+        """The pools' counters summed over the layers."""
+        total = dict(hits=0, moved=0, ahead=0, ahead_used=0, ahead_unused=0, settled=0)
+        for pool in self.pools:
+            for key, value in pool.counters.items():
+                total[key] += value
+        return total
 
-    def _release_leases(self) -> None:
-        with self._socket_lock:
-            while self._leases:
-                lease = next(iter(self._leases))
-                # Sent before it is forgotten: an interrupt in between means one more release
-                # (which the daemon ignores), never one less.
-                self._send_quietly(Op.RELEASE, {"lease": lease})
-                self._leases.discard(lease)
-
-    def _read_reply(self, rid: bytes | None):
-        """Read one waiting reply; the body if it answers ``rid``, else None.
-
-        Replies to interrupted demands have their lease released here. Call with the socket
-        lock held and, in the main thread, SIGINT held back.
-        """
-        got, _, body = parse_reply(self.conn.sock.recv_multipart(zmq.NOBLOCK))
-        if got in self._demands:
-            self._demands.discard(got)
-            if body.get("ok") and "lease" in body:
-                if got == rid:
-                    self._leases.add(body["lease"])
-                else:
-                    self.counters["late_leases"] += 1
-                    self._send_quietly(Op.RELEASE, {"lease": body["lease"]})
-        return body if got == rid else None
-
-    def _reap(self) -> bool:
-        """Heartbeat thread: while no request or fetch runs, release the leases of late replies
-        to interrupted demands (and any lease an interrupted release left behind).
-
-        Returns True while something is left to release.
-        """
-        if not (self._demands or self._leases) or not self._socket_lock.acquire(blocking=False):
-            return bool(self._demands or self._leases)
-        try:
-            while self.conn.sock.poll(0):
-                self._read_reply(None)
-            self._release_leases()
-            return bool(self._demands)
-        except (zmq.ZMQError, ProtocolError):
-            return False
-        finally:
-            self._socket_lock.release()
-
-    def _wait(self, rid: bytes, held: HeldInterrupts) -> dict:
-        deadline = time.monotonic() + REQUEST_TIMEOUT
-        sock = self.conn.sock
-        while True:
-            if held.pending:
-                held.deliver()  # KeyboardInterrupt: the demand, if any, stays recorded
-            if sock.poll(int(POLL_SLICE * 1000)):
-                while sock.poll(0):
-                    body = self._read_reply(rid)
-                    if body is not None:
-                        return self._checked(body)
-                continue
-            if not self._daemon_alive():
-                raise DaemonDied(f"expertd (pid {self.daemon_pid}) serving "
-                                 f"{self.paths.blob_dir} died")
-            if self._heartbeat.stuck:
-                raise DaemonError(f"expertd (pid {self.daemon_pid}) serving "
-                                  f"{self.paths.blob_dir} has answered no heartbeat for "
-                                  f"{self._heartbeat.time_to_dead:g} s; restart it with: "
-                                  f"expertd restart --blobs {self.paths.blob_dir}")
-            if time.monotonic() > deadline:
-                raise DaemonError(f"expertd (pid {self.daemon_pid}) is alive but has not "
-                                  f"answered for {REQUEST_TIMEOUT:g} s")
-
-    def _checked(self, body: dict) -> dict:
-        if body.get("ok"):
-            return body
-        code = body.get("code")
-        if code == ErrorCode.SHUTTING_DOWN:
-            raise DaemonDied(f"expertd (pid {self.daemon_pid}) is shutting down")
-        if code == ErrorCode.NOT_HELLO:
-            # A daemon restarted before we noticed got this request on the old socket path
-            # (or ours timed out our heartbeat): attach again.
-            raise DaemonDied(f"expertd serving {self.paths.blob_dir} no longer knows this "
-                             "client (restarted?)")
-        raise DaemonError(str(body.get("error", "unknown error")), code)
-
-    def staging_bytes(self) -> int:
-        """Bytes a destination needs for ``max_group`` experts of any layer."""
-        return max(self.max_group * layer.expert_bytes + 64 * len(layer.segments)
-                   for layer in self.manifest.layers)
+    def all_counters(self) -> dict:
+        """The session's counters and its pools' (``pool_hits``: routed experts found in a
+        pool; ``pool_moved``: moved in when routed; ``ahead``: written ahead of their layer,
+        ``ahead_used`` / ``ahead_unused`` of those; ``settled``: computations evaluated early
+        so that their rows could be rewritten)."""
+        pools = self.pool_counters()
+        return {**self.counters, "pool_hits": pools["hits"], "pool_moved": pools["moved"],
+                **{k: pools[k] for k in ("ahead", "ahead_used", "ahead_unused", "settled")}}
 
     def prediction(self) -> list:
         """Per MoE layer, how the guesses made for it went (None for a layer nobody guesses)."""
@@ -315,15 +336,17 @@ class Session(RowReader):
                          for g in self.guessers[:-1]]
 
     def usage(self) -> dict:
-        """This client's own use of the cache so far: experts it used, how many of them had to
-        be read from the disk for it (its misses), and the bytes read for it (its misses and
-        the prefetches it asked for)."""
+        """This client's own use of the cache so far: experts it used (from its pools or the
+        arena), how many of them had to be read from the disk for it (its misses), and the
+        bytes read for it (its misses and the prefetches it asked for)."""
         c = self.counters
-        used = c["fast_hits"] + c["staged_used"] + c["demanded"]
+        pools = self.pool_counters()
+        used = pools["hits"] + pools["moved"]
         prefetched = self.stats().get("client_prefetch_reads", 0)
         return dict(used=used, misses=c["misses"], hits=used - c["misses"],
                     hit_rate=(used - c["misses"]) / used if used else 0.0,
-                    prefetch_reads=prefetched,
+                    prefetch_reads=prefetched, pool_bytes=self.pool_bytes,
+                    moved=pools["moved"],
                     bytes_read=(c["misses"] + prefetched) * self.manifest.stride)
 
     def stats(self) -> dict:

@@ -20,6 +20,7 @@ class Client:
     last_seen: float
     pins: set = field(default_factory=set)  # keys it pinned: they die with it
     prefetch_reads: int = 0  # experts read ahead because it asked (its share of bytes read)
+    pool_bytes: int = 0  # its own expert memory, as its hello said
 
 
 class ClientRegistry:
@@ -46,7 +47,7 @@ class ClientRegistry:
     def get(self, identity: bytes) -> Client | None:
         return self._clients.get(identity)
 
-    def hello(self, identity: bytes, pid: int, now: float) -> Client | None:
+    def hello(self, identity: bytes, pid: int, now: float, pool_bytes: int = 0) -> Client | None:
         """Register a client (a second hello keeps its token and pins); None if full."""
         client = self._clients.get(identity)
         if client is None:
@@ -54,8 +55,12 @@ class ClientRegistry:
                 return None
             client = Client(identity, pid, os.urandom(HEARTBEAT_TOKEN_BYTES), now)
             self._clients[identity] = client
-        client.pid, client.last_seen = pid, now
+        client.pid, client.last_seen, client.pool_bytes = pid, now, pool_bytes
         return client
+
+    def summary(self) -> list:
+        """Per client: its pid and its own expert memory (for status)."""
+        return [dict(pid=c.pid, pool_bytes=c.pool_bytes) for c in self._clients.values()]
 
     def seen(self, identity: bytes, now: float) -> Client | None:
         """A request from ``identity``: it is alive. None if it never said hello."""

@@ -29,7 +29,7 @@ def _cmd_generate(args) -> int:
                        seed=args.seed, prefetch=args.prefetch, top_p=args.top_p,
                        min_p=args.min_p, top_k=args.top_k, system_prompt=args.system_prompt,
                        chat_template=not args.ignore_chat_template, out=out,
-                       pipeline_group=group)
+                       pipeline_group=group, pool_gb=args.pool_gb)
     if group is not None:
         from expertd.client.pipeline import gather_usage
 
@@ -61,10 +61,24 @@ def _pipeline_group():
 
 
 def add_prefetch_flag(p, help_text: str) -> None:
-    """The client's --prefetch, the same on every subcommand that loads the model."""
+    """The client's --prefetch and --pool-gb, the same on every subcommand that loads the
+    model."""
     from .config import PREFETCH_MODES
 
     p.add_argument("--prefetch", choices=PREFETCH_MODES, default="auto", help=help_text)
+    p.add_argument("--pool-gb", type=_positive_gb, default=None, metavar="G",
+                   help="GiB of this process's own expert pools, split over the MoE layers: "
+                   "the experts it computes with, moved from the daemon's cache when missing "
+                   "(default: on a CUDA GPU every expert that fits in half its free memory; on "
+                   "Metal and the CPU 2 x top-k rows a layer; below top-k rows a layer is "
+                   "refused)")
+
+
+def _positive_gb(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, not {text!r}")
+    return value
 
 
 def _cmd_demo(args) -> int:
@@ -125,7 +139,7 @@ def _cmd_serve(args) -> int:
                    prompt_cache_size=args.prompt_cache_size,
                    allowed_origins=args.allowed_origins, log_level=args.log_level)
     status = serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,
-                   options=options, pipeline_group=_pipeline_group() if args.pipeline else None)
+                   options=options, pool_gb=args.pool_gb, pipeline_group=_pipeline_group() if args.pipeline else None)
     # Everything is closed (the daemon got its goodbye): skip the C++ static destructors. With
     # MLX 0.32 on Linux they abort ("terminate called without an active exception") once
     # mlx-lm has decoded requests in a batch; `mlx_lm.server` itself exits that way.
@@ -140,7 +154,7 @@ def _cmd_chat(args) -> int:
 
     return chat(Path(args.blobs), system_prompt=args.system_prompt, max_tokens=args.max_tokens,
                 temp=args.temp, top_p=args.top_p, seed=args.seed, max_kv_size=args.max_kv_size,
-                prefetch=args.prefetch)
+                prefetch=args.prefetch, pool_gb=args.pool_gb)
 
 
 def _json_object(text: str) -> dict:

@@ -190,6 +190,8 @@ def _status_lines(s: dict) -> list:
         f"  read         {s['bytes_read'] / 2**20:.1f} MiB in {s['fills']} fills, "
         f"{s['fill_gbps']:.2f} GB/s while filling",
         f"  clients      {s['clients']} connected, {s['leases']} leases",
+        *[f"    pid {c['pid']:<8} pools {c['pool_bytes'] / 2**20:.1f} MiB"
+          for c in s.get("client_pools", [])],
         f"  log          {s['log']}",
     ]
 

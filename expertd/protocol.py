@@ -54,6 +54,7 @@ class Hello:
     version: int
     client: bytes
     pid: int
+    pool_bytes: int = 0  # the client's own expert memory (its pools), for status
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,8 @@ def parse_request(frames: list):
     body = unpack(raw)
     if op is Op.HELLO:
         req = Hello(_int(body, "version"), _bytes(body, "client", CLIENT_ID_BYTES),
-                    _int(body, "pid"))
+                    _int(body, "pid"),
+                    _int(body, "pool_bytes", 0, 2**62) if "pool_bytes" in body else 0)
     elif op in (Op.DEMAND, Op.PREFETCH, Op.PIN, Op.UNPIN):
         req = _experts(body)
     elif op is Op.RELEASE:

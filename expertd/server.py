@@ -203,7 +203,7 @@ class ExpertServer:
                                     f"(this expertd speaks {PROTOCOL_VERSION})", ErrorCode.VERSION)
             if req.client != identity:
                 raise ProtocolError("the client id must be the socket's routing id")
-            client = self.clients.hello(identity, req.pid, now)
+            client = self.clients.hello(identity, req.pid, now, req.pool_bytes)
             if client is None:
                 raise ProtocolError(f"{self.clients.max_clients} clients are connected "
                                     "already; try again later", ErrorCode.BUSY)
@@ -329,6 +329,7 @@ class ExpertServer:
             fill_seconds=round(busy, 6),
             fill_gbps=round(c["bytes_read"] / busy / 1e9, 3) if busy else 0.0,
             pinned=self.policy.n_pinned_rows(row_keys), clients=len(self.clients),
+            client_pools=self.clients.summary(),
             leases=len(book), leased_rows=int(book.leased.sum()),
             queued=book.queued(), lease_expiries=book.expired,
             max_demand=self.max_demand, client_cap=book.client_cap,

@@ -33,6 +33,16 @@ def cache_gb(blob_dir, rows: int) -> str:
     return repr(budget / 2**30)
 
 
+def pool_gb(blob_dir, rows: int) -> float:
+    """The ``pool_gb`` that gives each MoE layer's pool ``rows`` rows (capped at its experts)."""
+    from expertd.manifest import Manifest
+
+    layers = Manifest.load(blob_dir).layers
+    per_layer = max(layer.expert_bytes for layer in layers) * rows
+    # Half a row more, against rounding; the budget is split evenly over the layers.
+    return (per_layer + layers[0].expert_bytes // 2) * len(layers) / 2**30
+
+
 def client_flags(blob_dir, rows: int, state_file: Path, workers: int = 2,
                  client_timeout: float = 3.0, heartbeat: float = 0.5) -> list:
     """The ``expertd start`` flags of the client tests: a cache of ``rows`` rows, short

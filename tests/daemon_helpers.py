@@ -222,7 +222,7 @@ def parity_client(args) -> dict:
     runs = compare_runs(resident, streamed, tokenizer.vocab_size)
     session = streamed.expertd_session
     result = dict(implementation=native.IMPLEMENTATION, runs=runs,
-                  counters=dict(session.counters), max_group=session.max_group,
+                  counters=session.all_counters(), max_group=session.max_group,
                   prediction=session.prediction())
     session.close()
     return result
@@ -266,7 +266,7 @@ def generate_client(args) -> dict:
         if out:
             out.close()
     result = dict(tokens=tokens, implementation=native.IMPLEMENTATION, error=error,
-                  counters=dict(session.counters))
+                  counters=session.all_counters())
     if error is None:
         session.close()
     return result

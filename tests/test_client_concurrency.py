@@ -69,7 +69,7 @@ def test_concurrent_clients_under_eviction_match_solo(qwen, isolated_env, tmp_pa
     assert stats["fills"] > stats["arena_rows"]
     if prefetch == "on":
         assert stats["prefetch_fills"] > 0 and stats["prefetch_hits"] > 0
-        assert sum(r["counters"]["staged_used"] for r in results) > 0
+        assert sum(r["counters"]["ahead_used"] for r in results) > 0
     else:
         assert stats["prefetch_requested"] == 0
     assert stats["fill_errors"] == 0

@@ -6,16 +6,17 @@ resident; logits must be bit-identical to mlx-lm with the whole model resident.
 """
 
 import gc
+import os
 
 import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from client_helpers import (ROWS_ALL, ROWS_TINY, client_flags, compare_runs, prompt_ids,
-                            routed_model)
+from client_helpers import (ROWS_ALL, ROWS_TINY, client_flags, compare_runs, pool_gb,
+                            prompt_ids, routed_model)
 from conftest import FAMILY_MODES
-from harness import Daemon, finish_client, spawn_client
+from harness import Daemon, expertd_cli, finish_client, query_stats, spawn_client, wait_until
 from expertd.client import load
 from expertd.errors import DaemonNotRunning
 from expertd.manifest import Manifest
@@ -75,14 +76,14 @@ def test_streamed_logits_equal_resident(models, isolated_env, tmp_path, family_m
         guessed = [p["guessed"] for p in session.prediction()[1:]]
         assert all(guessed), guessed
         if rows == ROWS_ALL:
-            assert session.counters["staged_used"] > 0
+            assert session.all_counters()["ahead_used"] > 0
         else:
             assert stats["prefetch_fills"] > 0 and stats["prefetch_hits"] > 0
     else:
         assert session.counters["prefetch_asked"] == stats["prefetch_requested"] == 0
     if rows == ROWS_TINY:
         # The grouped path really ran, and rows were evicted and refilled.
-        assert session.max_group < min(layer.num_experts for layer in manifest.layers)
+        assert max(p.rows for p in session.pools) < min(l.num_experts for l in manifest.layers)
         assert stats["fills"] > stats["arena_rows"]
     else:
         # Everything fits: each expert is read at most once (by a demand or a prefetch).
@@ -116,7 +117,7 @@ def test_pure_python_twin_logits_equal_resident(models, isolated_env, tmp_path, 
         assert stats["fills"] > stats["arena_rows"]
         assert stats["prefetch_hits"] > 0
     else:
-        assert result["counters"]["staged_used"] > 0
+        assert result["counters"]["ahead_used"] > 0
     # And the same tokens as this process's own resident run.
     resident = resident_model(model_dir)
     for run in result["runs"]:
@@ -162,33 +163,32 @@ def test_load_after_daemon_was_killed_says_how_to_start_one(models, isolated_env
             load(blob_dir)
 
 
-def test_client_holds_no_expert_memory(models, isolated_env, tmp_path):
-    """Invariant 7, client side: two staging buffers whose size does not depend on the model,
-    shared by every layer, and no expert array kept by the model between calls."""
+def test_client_expert_memory_is_its_pools(models, isolated_env, tmp_path):
+    """Invariant 7, client side: the client's expert memory is its pools, within the budget it
+    was given and reported to the daemon; the model holds no expert array between calls, and a
+    forward allocates no expert memory beyond the pools."""
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     manifest = Manifest.load(blob_dir)
     keys = expert_keys(manifest)
+    budget = pool_gb(blob_dir, 6)
     flags = client_flags(blob_dir, ROWS_ALL, tmp_path / "state.json")
-    with Daemon(blob_dir, isolated_env, *flags):
-        model, tokenizer = load(blob_dir)
+    with Daemon(blob_dir, isolated_env, *flags) as daemon:
+        model, tokenizer = load(blob_dir, pool_gb=budget)
         session = model.expertd_session
         try:
             assert not keys & dict(tree_flatten(model.parameters())).keys()
             streamed = [m for _, m in model.named_modules() if "_expertd" in m.__dict__]
-            assert len(streamed) == len(manifest.layers)
-            stagings = {id(m.__dict__["_expertd"].staging) for m in streamed}
-            assert len(stagings) == 1, "every layer should share the one staging pair"
-            staging = streamed[0].__dict__["_expertd"].staging
-            # The bound is the client's own (64 or 4 x top-k experts), whatever the model size.
-            assert session.max_group <= max(64, 4 * manifest.top_k)
-            largest = max(layer.expert_bytes for layer in manifest.layers)
-            segments = max(len(layer.segments) for layer in manifest.layers)
-            assert staging.nbytes <= session.max_group * largest + 64 * segments
+            assert len(streamed) == len(manifest.layers) == len(session.pools)
+            assert [pool.rows for pool in session.pools] == [6] * len(manifest.layers)
+            assert session.pool_bytes == sum(pool.nbytes for pool in session.pools)
+            assert session.pool_bytes <= budget * 2**30
+            assert {"pid": os.getpid(), "pool_bytes": session.pool_bytes} in \
+                daemon.stats()["client_pools"]
+            status = expertd_cli("status", "--blobs", blob_dir)
+            assert f"pools {session.pool_bytes / 2**20:.1f} MiB" in status.stdout
 
             ids = mx.array([prompt_ids(300, tokenizer.vocab_size)])
-            mx.eval(model(ids))  # warm-up: the staging buffers and MLX's own are allocated
-            assert len(staging.buffers) == 2
-            assert all(buf.array.nbytes == staging.nbytes for buf in staging.buffers)
+            mx.eval(model(ids))  # warm-up: MLX's own buffers are allocated
             gc.collect()
             mx.clear_cache()
             before = mx.get_active_memory()
@@ -199,9 +199,23 @@ def test_client_holds_no_expert_memory(models, isolated_env, tmp_path):
             after = mx.get_active_memory()
             assert not keys & dict(tree_flatten(model.parameters())).keys()
             for module in streamed:
-                for child, attr, *_ in module.__dict__["_expertd"].segments:
+                for child, attr in module.__dict__["_expertd"].segments:
                     assert attr not in child, f"{attr} kept between calls"
-            # A second forward allocates no more expert memory than the first one did.
-            assert after - before <= staging.nbytes, (before, after)
+            # Rows moved into the pools' own memory: no expert memory grew beyond them.
+            assert after - before < min(pool.nbytes for pool in session.pools), (before, after)
         finally:
             session.close()
+
+
+def test_a_pool_budget_below_the_smallest_is_refused_naming_it(models, isolated_env, tmp_path):
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    manifest = Manifest.load(blob_dir)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        with pytest.raises(ValueError, match=f"smallest that works.*{manifest.top_k} rows"):
+            load(blob_dir, pool_gb=pool_gb(blob_dir, manifest.top_k - 1))
+        out = expertd_cli("generate", "--blobs", blob_dir, "--prompt", "hi", "--pool-gb",
+                          repr(pool_gb(blob_dir, 1)))
+        assert out.returncode != 0
+        assert "smallest that works" in out.stderr and "Traceback" not in out.stderr
+        # Nothing leaked: the refused client said goodbye.
+        wait_until(lambda: query_stats(blob_dir)["clients"] == 0, 10, "the refused clients gone")

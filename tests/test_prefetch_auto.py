@@ -37,7 +37,7 @@ def decode(blob_dir, prefetch: str = "auto"):
         prompt = mx.array(prompt_ids(8, 512))
         for _ in generate_step(prompt, model, max_tokens=TOKENS, sampler=make_sampler(1.0)):
             pass
-        return session.prediction(), dict(session.counters)
+        return session.prediction(), session.all_counters()
     finally:
         session.close()
 
@@ -82,7 +82,7 @@ def test_auto_keeps_guessing_where_it_pays(models, isolated_env, tmp_path):
         assert layer["active"] and layer["switched_off"] == 0, (n, layer)
         assert layer["calls"] >= TOKENS, (n, layer)  # every forward pass guessed
     # The right guesses were staged by the copier and used in place.
-    assert counters["staged_used"] > TOKENS
+    assert counters["ahead_used"] > TOKENS
 
 
 def test_off_never_guesses_and_on_never_stops(models, isolated_env):
@@ -90,7 +90,7 @@ def test_off_never_guesses_and_on_never_stops(models, isolated_env):
     with Daemon(blob_dir, isolated_env, "--cache-gb", CACHE_GB):
         off, off_counters = decode(blob_dir, "off")
         on, _ = decode(blob_dir, "on")
-    assert off == [None] * len(off) and off_counters["staged_used"] == 0
+    assert off == [None] * len(off) and off_counters["ahead_used"] == 0
     for layer in on[1:]:
         assert layer["active"] and layer["switched_off"] == 0
         assert layer["calls"] >= TOKENS
@@ -160,7 +160,7 @@ def test_rows_too_small_to_pay_for_a_thread_hand_off_are_not_copied_ahead(models
             prompt = mx.array(prompt_ids(8, 512))
             for _ in generate_step(prompt, model, max_tokens=16):
                 pass
-            assert session.copier.jobs == 0 and session.counters["staged_used"] == 0
+            assert session.copier.jobs == 0 and session.all_counters()["ahead_used"] == 0
             assert all(p["calls"] >= 16 for p in session.prediction()[1:])
         finally:
             session.close()

@@ -12,11 +12,11 @@ import mlx_lm
 import numpy as np
 import pytest
 
-from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, prompt_ids, routed_model
+from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, prompt_ids, routed_model
 from conftest import FAMILY_MODES
 from harness import Daemon
 from expertd.client import load
-from expertd.client.switch import StreamedSwitch
+from expertd.client import switch
 from expertd.manifest import Manifest
 
 FAMILY_IDS = [f"{family}-{mode}{bits}" for family, mode, bits in FAMILY_MODES]
@@ -79,16 +79,19 @@ def test_grouped_prefill_is_exact_and_computes_each_pair_once(models, isolated_e
     manifest = Manifest.load(blob_dir)
     resident = mlx_lm.load(str(model_dir))[0]
     calls = []
-    run = StreamedSwitch._run
+    compute = switch.compute
 
-    def counting_run(self, st, x, experts, local):
-        calls.append((st.layer, len(experts), local.size))
-        return run(self, st, x, experts, local)
+    def counting_compute(module, segments, arrays, x, rows):
+        calls.append((module.__dict__["_expertd"].index, rows.size))
+        return compute(module, segments, arrays, x, rows)
 
-    monkeypatch.setattr(StreamedSwitch, "_run", counting_run)
-    max_group = 4  # every layer of 16 experts needs several groups for a long prompt
+    # The grouped path's computation (a call that fits its pool is not counted here).
+    monkeypatch.setattr(switch, "compute", counting_compute)
+    pool_rows = 4  # every layer of 16 experts needs several groups for a long prompt
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, rows, tmp_path / "s.json")):
-        model, _ = load(blob_dir, max_group=max_group)
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, pool_rows))
+        assert [p.rows for p in model.expertd_session.pools] == [pool_rows] * len(
+            manifest.layers)
         try:
             # 5 tokens: groups of fewer than 64 pairs, unsorted, as resident's call is. 17: at
             # least 4 pairs per expert, so resident's call is sorted and small groups are padded.
@@ -107,10 +110,10 @@ def test_grouped_prefill_is_exact_and_computes_each_pair_once(models, isolated_e
                 pairs = length * manifest.top_k  # per layer
                 for layer in {c[0] for c in calls}:
                     mine = [c for c in calls if c[0] == layer]
-                    computed = sum(c[2] for c in mine)
+                    computed = sum(c[1] for c in mine)
                     # The pairs once, plus at most the padding that keeps each group on the
                     # resident call's kernel path.
-                    assert pairs <= computed <= pairs + len(mine) * max(64, 4 * max_group)
+                    assert pairs <= computed <= pairs + len(mine) * max(64, 4 * pool_rows)
                     padded += computed > pairs
                     if length == 300:
                         assert len(mine) > 1, "the grouped path did not run"

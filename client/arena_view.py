@@ -1,0 +1,92 @@
+"""A client's read-only view of the daemon's arena: remap, drain and seqlock-checked copies.
+
+Nothing here talks to the daemon: the slot table is read lock-free (acquire/release atomics in
+the native extension), rows being filled are waited for, and every copy is checked against the
+row versions read before it, so a row evicted and refilled meanwhile is never taken for the
+expert it held (invariant 2).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from expertd import native
+from expertd.shm.layout import Arena
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """Where ``experts`` of one layer are in the arena, as :func:`expertd.native.remap` says.
+
+    ``slots`` is -1 for an expert with no ready row; ``filling`` the row being filled with it,
+    or -1. ``versions`` are the seqlock versions the copy is checked against.
+    """
+
+    missing: int
+    slots: np.ndarray
+    versions: np.ndarray
+    filling: np.ndarray
+
+
+class ArenaView:
+    """The mapping of one daemon's arena (``name`` from its hello), for reading rows.
+
+    Args:
+        name: the shared-memory name the daemon's hello gave.
+        segment_tables: per layer, ``(offsets, nbytes)`` of its segments within a row.
+    """
+
+    def __init__(self, name: str, segment_tables: list):
+        self.arena = Arena.attach(name)
+        self.raw = self.arena.raw
+        g = self.arena.geometry
+        self.epoch = self.arena.epoch
+        self._slot_of, self._slots = g.slot_of_offset, g.slots_offset
+        self._rows, self._stride, self._n_experts = g.rows_offset, g.stride, g.n_experts
+        self._segments = segment_tables
+
+    @property
+    def serving(self) -> bool:
+        return bool(self.arena.header["serving"][0])
+
+    def lookup(self, layer: int, experts: np.ndarray) -> Lookup:
+        """Lock-free lookup of ``experts`` (distinct int32) of ``layer`` in the slot table."""
+        n = len(experts)
+        slots = np.empty(n, np.int32)
+        versions = np.empty(n, np.uint64)
+        filling = np.empty(n, np.int32)
+        missing = native.remap(self.raw, self._slot_of, self._slots, self._n_experts, layer,
+                               experts, slots, versions, filling)
+        return Lookup(missing, slots, versions, filling)
+
+    def drain(self, layer: int, experts: np.ndarray, found: Lookup, timeout: float) -> int:
+        """Wait up to ``timeout`` s for the rows others are filling with ``experts``; those that
+        became ready are written into ``found``. Returns how many did."""
+        idx = np.flatnonzero(found.filling >= 0)
+        slots = np.empty(len(idx), np.int32)
+        versions = np.empty(len(idx), np.uint64)
+        native.drain(self.raw, self._slots, layer, np.ascontiguousarray(experts[idx]),
+                     np.ascontiguousarray(found.filling[idx]), slots, versions, timeout)
+        ok = slots >= 0
+        found.slots[idx[ok]] = slots[ok]
+        found.versions[idx[ok]] = versions[ok]
+        return int(ok.sum())
+
+    def copy(self, layer: int, slots: np.ndarray, dest: np.ndarray, bases: np.ndarray,
+             positions: np.ndarray) -> None:
+        """Copy each segment of rows ``slots`` of ``layer`` to ``dest`` (GIL released): segment
+        ``s`` of the row for position ``p`` lands at ``bases[s] + p * nbytes[s]``."""
+        offsets, nbytes = self._segments[layer]
+        native.copy_segments(self.raw, self._rows, self._stride, slots, offsets, nbytes, bases,
+                             dest, positions)
+
+    def unchanged(self, slots: np.ndarray, versions: np.ndarray) -> bool:
+        """True if no row in ``slots`` changed since ``versions`` were read (seqlock check)."""
+        return native.validate(self.raw, self._slots, slots, versions)
+
+    def count_hits(self, slots: np.ndarray) -> None:
+        """Rows used without asking the daemon, counted through the table for its LFU."""
+        native.bump_hits(self.raw, self._slots, slots)
+
+    def close(self) -> None:
+        self.arena.close()

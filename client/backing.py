@@ -1,0 +1,133 @@
+"""Where a layer's pool rows live, and how a row is written: two backings of one interface.
+
+Each backing holds one MLX array per segment, of shape ``(rows, *segment shape)``: the arrays
+mlx-lm's ``gather_qmm`` / ``gather_mm`` run on. ``write(rows, read)`` puts experts into rows;
+``read(dest, bases, positions)`` copies their bytes from the daemon's arena (seqlock-checked)
+into a host buffer, segment ``s`` of position ``p`` at ``bases[s] + p * nbytes[s]``.
+
+- :class:`HostRows` (unified memory: the CPU, Metal): one MLX buffer per layer that the host
+  writes into directly, through a numpy view of it. A move is one memcpy from the arena; MLX
+  runs no operation for it. The caller must not write a row that a computation not yet
+  evaluated may read (:class:`~expertd.client.pool.ExpertPool` settles those first).
+- :class:`DeviceRows` (a discrete GPU: CUDA): arrays in device memory, written by MLX's own
+  scatter. The moved rows are copied into a host buffer, become one MLX array (one transfer a
+  batch), and are scattered into the pool in place: MLX reuses the pool's buffer when nothing
+  else holds it, so every computation reading the pool is evaluated before a write
+  (``whole_array_writes``), or the scatter would copy the whole pool.
+
+A third backing belongs here once clients can reclaim arena rows safely: on Apple Silicon MLX
+adopts page-aligned host memory without a copy, so a pool's rows could be the arena's own.
+"""
+
+import mlx.core as mx
+import numpy as np
+
+ALIGN = 64  # bytes; every segment of a destination starts on this boundary
+
+
+def segment_bases(rows: int, nbytes: np.ndarray) -> np.ndarray:
+    """Where each segment of ``rows`` experts starts in one buffer, ``ALIGN``-aligned."""
+    sizes = (rows * nbytes + ALIGN - 1) // ALIGN * ALIGN
+    bases = np.zeros_like(sizes)
+    np.cumsum(sizes[:-1], out=bases[1:])
+    return bases
+
+
+def buffer_bytes(rows: int, nbytes: np.ndarray) -> int:
+    return int(segment_bases(rows, nbytes)[-1] + rows * nbytes[-1])
+
+
+class HostRows:
+    """Pool rows in one MLX buffer the host writes into (unified memory).
+
+    Args:
+        rows: rows of the pool.
+        segments: per segment ``(mlx dtype, per-expert shape, nbytes)``.
+    """
+
+    whole_array_writes = False  # a write touches only its rows
+
+    def __init__(self, rows: int, segments: list):
+        self.rows = rows
+        self.nbytes = np.array([nb for _, _, nb in segments], dtype=np.intp)
+        self.bases = segment_bases(rows, self.nbytes)
+        self.buffer = mx.zeros((buffer_bytes(rows, self.nbytes),), dtype=mx.uint8)
+        mx.eval(self.buffer)
+        self.host = np.array(self.buffer, copy=False)  # a writable view, not a copy
+        if not (self.host.flags.writeable and self.host.flags.c_contiguous):
+            raise RuntimeError("this MLX build does not expose array memory to numpy")
+        # Slices, dtype views and reshapes of an evaluated contiguous buffer share its memory,
+        # so these arrays show whatever the host last wrote.
+        self.arrays = [self.buffer[b:b + rows * nb].view(dtype).reshape((rows, *shape))
+                       for (dtype, shape, nb), b in zip(segments, self.bases.tolist())]
+        mx.eval(self.arrays)
+        self.nbytes_total = self.buffer.nbytes
+        self.ahead_limit = rows
+
+    def write(self, rows: np.ndarray, read) -> None:
+        read(self.host, self.bases, rows)
+
+    def staged_write(self, rows: np.ndarray, read):
+        """The part of a write that may run on another thread (all of it, here), and what
+        finishes it on the caller's (nothing)."""
+        return (lambda: read(self.host, self.bases, rows)), None
+
+
+class DeviceRows:
+    """Pool rows in device memory, written in place by MLX's scatter (a discrete GPU).
+
+    Args:
+        rows: rows of the pool.
+        segments: per segment ``(mlx dtype, per-expert shape, nbytes)``.
+        batch: most rows moved in one transfer (the host buffer's size).
+    """
+
+    whole_array_writes = True  # a scatter needs the whole array free to update it in place
+
+    def __init__(self, rows: int, segments: list, batch: int):
+        self.rows = rows
+        self.segments = segments
+        self.nbytes = np.array([nb for _, _, nb in segments], dtype=np.intp)
+        self.batch = max(1, min(rows, batch))
+        self.arrays = [mx.zeros((rows, *shape), dtype=dtype) for dtype, shape, _ in segments]
+        mx.eval(self.arrays)
+        self.nbytes_total = sum(a.nbytes for a in self.arrays)
+        self.host = np.empty(buffer_bytes(self.batch, self.nbytes), np.uint8)
+        self.ahead_limit = self.batch
+
+    def write(self, rows: np.ndarray, read) -> None:
+        for start in range(0, len(rows), self.batch):
+            part = rows[start:start + self.batch]
+            bases = segment_bases(len(part), self.nbytes)
+            read(self.host, bases, np.arange(len(part), dtype=np.int32))
+            self._scatter(part, bases, self.host)
+
+    def staged_write(self, rows: np.ndarray, read):
+        """The host copy may run on another thread; the scatter is issued on the caller's
+        (for the rows ``keep`` indexes). At most one batch."""
+        bases = segment_bases(len(rows), self.nbytes)
+        host = np.empty(buffer_bytes(len(rows), self.nbytes), np.uint8)
+        positions = np.arange(len(rows), dtype=np.int32)
+        return (lambda: read(host, bases, positions)), (lambda keep: self._scatter(
+            rows[keep], *self._subset(host, bases, keep, len(rows))))
+
+    def _subset(self, host, bases, keep, n):
+        if len(keep) == n:
+            return bases, host
+        sub_bases = segment_bases(len(keep), self.nbytes)
+        sub = np.empty(buffer_bytes(len(keep), self.nbytes), np.uint8)
+        for s, nb in enumerate(self.nbytes.tolist()):
+            src = host[bases[s]:bases[s] + n * nb].reshape(n, nb)
+            sub[sub_bases[s]:sub_bases[s] + len(keep) * nb] = src[keep].ravel()
+        return sub_bases, sub
+
+    def _scatter(self, rows: np.ndarray, bases: np.ndarray, host: np.ndarray) -> None:
+        n = len(rows)
+        if not n:
+            return
+        used = int(bases[-1] + n * self.nbytes[-1])
+        moved = mx.array(host[:used])  # the batch's one host-to-device transfer
+        at = mx.array(rows.astype(np.int32))
+        for array, (dtype, shape, nb), base in zip(self.arrays, self.segments, bases.tolist()):
+            # In place: the Python object keeps its identity, its buffer is reused by MLX.
+            array[at] = moved[base:base + n * nb].view(dtype).reshape((n, *shape))

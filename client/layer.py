@@ -1,0 +1,130 @@
+"""One streamed MoE layer's call: the router's choice, its rows in the pool, the next layer's guess.
+
+Per call: one host sync (the router's ids, and the next layer's guess in the same evaluation);
+the rows written ahead for this layer are taken into the pool; the routed experts missing from
+the pool move in (from the arena, demanded from the daemon when absent there); mlx-lm's own
+computation runs on the pool (switch.py). Then the guess for the next layer is sent to the
+daemon (read ahead into side rows) and its resident core is written ahead into the next pool,
+on the copier's thread, while this layer computes.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from .switch import compute, grouped
+
+DECODE_IDS = 64  # a call routing at most this many (token, slot) pairs is decoding
+REPORT_EVERY = 16  # calls between reports of a layer's pooled experts to the daemon's LFU
+
+
+@dataclass
+class StreamedLayer:
+    """What one streamed switch module needs at call time."""
+
+    session: object
+    index: int  # the MoE layer's index in the manifest
+    pool: object  # pool.ExpertPool
+    segments: list  # [(child module, attribute)] in the pool's segment order
+    num_experts: int
+    guesser: object = None  # predict.Guesser for the next MoE layer, or None
+    incoming: object = None  # predict.LayerGuesses scoring the guesses made for this layer
+    next: "StreamedLayer | None" = None
+    previous: "StreamedLayer | None" = None
+    copier: object = None  # copier.Copier shared by the model's layers
+    _used: set = field(default_factory=set)
+    _calls: int = 0
+
+    def forward(self, module, x, indices):
+        session, pool = self.session, self.pool
+        started = time.perf_counter()
+        nxt = self.next
+        guess = None
+        # Guess the next layer's experts in the same evaluation as this layer's router: no
+        # extra host sync. Only while decoding (a prompt's layer routes to most experts), and
+        # not for a pool that holds every expert.
+        if (self.guesser is not None and nxt is not None and indices.size <= DECODE_IDS
+                and not nxt.pool.complete and self.guesser.guesses.wanted()):
+            guess = self.guesser.lazy(x, indices.shape[-1], session.guess_width)
+            mx.eval(indices, guess)
+        idx = np.array(indices)  # the one host sync of this layer: the router's choice
+        synced = time.perf_counter()
+        if self.previous is not None:
+            # That sync evaluated the previous layer's output (the router's input depends on
+            # it): its rows may be rewritten without waiting, and its memory can go.
+            self.previous.pool.evaluated()
+        pool.begin_call()
+        if idx.size <= DECODE_IDS:  # a handful of ids: cheaper without numpy's sort machinery
+            unique = np.array(sorted(set(idx.ravel().tolist())), dtype=np.int32)
+        else:
+            unique = np.unique(idx).astype(np.int32)
+        if pool.ahead is not None:
+            waited = time.perf_counter()
+            pool.commit_ahead(session.epoch)
+            session.timing["copier_wait_s"] += time.perf_counter() - waited
+        if pool.guess is not None:
+            ranked, n_core = pool.guess
+            pool.guess = None
+            if self.incoming is not None:
+                self.incoming.record(ranked[:n_core], unique, ranked)
+        fetched = None
+        if len(unique) <= pool.rows:
+            pool.place(unique, self._read)
+            fetched = time.perf_counter()
+            out = compute(module, self.segments, pool.arrays, x,
+                          mx.array(pool.row_of[idx].astype(idx.dtype)))
+            pool.computing(pool.row_of[unique], out)
+        else:
+            out = grouped(module, self.segments, pool.arrays, x, idx, unique,
+                          max(1, pool.rows // 2), self.num_experts,
+                          lambda group: pool.place(group, self._read), pool.computing)
+        if guess is not None:
+            ahead = time.perf_counter()
+            self._guess_ahead(np.array(guess), indices.shape[-1])
+            session.timing["prestage_s"] += time.perf_counter() - ahead
+        self._report(unique)
+        timing = session.timing
+        timing["sync_s"] += synced - started
+        if fetched is not None:
+            timing["exposed_s"] += fetched - synced
+        timing["layers"] += 1
+        if session.timeline is not None:
+            session.timeline.append((self.index, started, synced, fetched, time.perf_counter()))
+        return out
+
+    def _read(self, experts, dest, bases, positions) -> None:
+        self.session.read_rows(self.index, experts, dest, bases, positions)
+
+    def _guess_ahead(self, g: np.ndarray, k: int) -> None:
+        """Read the guess ahead in the daemon, and write its resident core into the next pool."""
+        session, nxt = self.session, self.next
+        # Best first: every token's first choice, then every token's second, and so on; the
+        # core (the top-k) comes first, and a daemon short of side rows reads the most likely
+        # experts and drops the rest.
+        ranked = np.array(list(dict.fromkeys(g.reshape(-1, g.shape[-1]).T.ravel().tolist())),
+                          dtype=np.int32)
+        n_core = len(set(g[..., :k].ravel().tolist()))
+        nxt.pool.guess = (ranked, n_core)
+        session.check_alive()
+        session.prefetch(nxt.index, ranked, n_core)
+        core = ranked[:n_core]
+        expert_bytes = session.manifest.layers[nxt.index].expert_bytes
+        if len(core) * expert_bytes >= session.copy_ahead_bytes:
+            layer = nxt.index
+            nxt.pool.write_ahead(
+                core, session.view, session.epoch,
+                lambda view, slots, dest, bases, pos: session.copy_into(view, layer, slots, dest,
+                                                                        bases, pos),
+                self.copier)
+
+    def _report(self, unique: np.ndarray) -> None:
+        """Pooled experts reach the daemon's LFU every REPORT_EVERY calls (no message)."""
+        self._used.update(unique.tolist())
+        self._calls += 1
+        if self._calls >= REPORT_EVERY:
+            self.session.check_alive()
+            self.session.report_hits(self.index, np.array(sorted(self._used), dtype=np.int32))
+            self._used.clear()
+            self._calls = 0

@@ -1,0 +1,302 @@
+"""A layer's expert pool: which expert each row holds, which row to give up, what may not move.
+
+The pool is the client's own tier of experts (L1; the daemon's arena is L2). A routed expert in
+the pool moves nothing; one missing is read from the arena into a row chosen here: a free row,
+else the least used one (LFU with decay, within the layer), never a row the running call needs,
+and never one a computation not yet evaluated may read (that computation is evaluated first).
+Rows guessed for the next call can be written ahead (:meth:`write_ahead`) and are taken into the
+table only once their copy is done and still validates (:meth:`commit_ahead`).
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .backing import DeviceRows, HostRows
+
+DECAY_EVERY = 8  # uses are halved after this many times the pool's rows of touches
+MAX_PENDING = 2  # outputs remembered per pool before the oldest is evaluated (waited for)
+
+
+@dataclass
+class Ahead:
+    """Rows being written ahead of their layer's call."""
+
+    epoch: int
+    experts: np.ndarray
+    rows: np.ndarray
+    slots: np.ndarray
+    versions: np.ndarray
+    view: object  # the ArenaView the rows were read from
+    job: object  # the copier's CopyJob
+    finish: object  # backing's callable(keep) issued on commit, or None
+
+
+class ExpertPool:
+    """The pool of one MoE layer.
+
+    Args:
+        layer: the MoE layer's index in the manifest.
+        num_experts: experts of the layer.
+        backing: a :class:`HostRows` or :class:`DeviceRows` of at most ``num_experts`` rows.
+    """
+
+    def __init__(self, layer: int, num_experts: int, backing):
+        if not 1 <= backing.rows <= num_experts:
+            raise ValueError(f"a pool has 1 to {num_experts} rows, not {backing.rows}")
+        self.layer, self.num_experts, self.backing = layer, num_experts, backing
+        self.rows = backing.rows
+        self.arrays = backing.arrays
+        self.row_of = np.full(num_experts, -1, np.int32)
+        self.expert_of = np.full(self.rows, -1, np.int32)
+        self.uses = np.zeros(self.rows, np.int64)
+        self.reserved = np.zeros(self.rows, bool)  # being written ahead
+        self.ahead_flag = np.zeros(self.rows, bool)  # written ahead, not used since
+        self.pending: list = []  # [(rows, output)] computations that may not be evaluated
+        self.ahead: Ahead | None = None
+        self.guess = None  # (ranked experts, n_core) guessed for this layer's next call
+        self.counters = dict(hits=0, moved=0, ahead=0, ahead_used=0, ahead_unused=0, settled=0)
+        self._touches = 0
+        self._call = 0
+
+    @property
+    def complete(self) -> bool:
+        """Every expert of the layer is in the pool (rows can stay where they are)."""
+        return self.rows == self.num_experts and bool((self.expert_of >= 0).all())
+
+    @property
+    def nbytes(self) -> int:
+        return self.backing.nbytes_total
+
+    # ---- the call's rows -------------------------------------------------------------------
+
+    def place(self, experts: np.ndarray, read) -> np.ndarray:
+        """Make ``experts`` (distinct, at most ``rows``) resident; their rows, in order.
+
+        ``read(experts, dest, bases, positions)`` copies the bytes of ``experts`` from the
+        arena. The missing ones move in one batch (of the backing's size) into victim rows.
+        """
+        rows = self.row_of[experts]
+        absent = rows < 0
+        if absent.any():
+            missing = experts[absent]
+            victims = self.victims(len(missing), keep=rows[~absent])
+            self._evict(victims)
+            self.backing.write(victims, lambda dest, bases, pos: read(missing, dest, bases, pos))
+            self._assign(missing, victims)
+            self.counters["moved"] += len(missing)
+            rows = rows.copy()
+            rows[absent] = victims
+        self.counters["hits"] += int((~absent).sum())
+        self.touch(rows)
+        return rows
+
+    def touch(self, rows: np.ndarray) -> None:
+        """Count one use of each row (LFU), and a written-ahead row's first use."""
+        self.uses[rows] += 1
+        flagged = self.ahead_flag[rows]
+        if flagged.any():
+            self.counters["ahead_used"] += int(flagged.sum())
+            self.ahead_flag[rows] = False
+        self._touches += len(rows)
+        if self._touches >= DECAY_EVERY * self.rows:
+            self.uses >>= 1
+            self._touches = 0
+
+    def begin_call(self) -> None:
+        """A call of the layer starts: the outputs recorded from now on are this call's."""
+        self._call += 1
+
+    def computing(self, rows: np.ndarray, output) -> None:
+        """``output`` (lazy) reads ``rows``: they may not be rewritten before it is evaluated."""
+        self.pending.append((self._call, rows, output))
+        if len(self.pending) > MAX_PENDING:
+            _, _, oldest = self.pending.pop(0)
+            mx.eval(oldest)
+
+    def evaluated(self) -> None:
+        """The latest call's outputs have been evaluated (the next layer's router sync depends
+        on them): forget them, so that their memory goes. Older calls' stay, since a caller
+        may have built several forwards before evaluating any."""
+        if self.pending:
+            self.pending = [p for p in self.pending if p[0] != self._call]
+
+    def settle(self, rows: np.ndarray | None = None) -> None:
+        """Evaluate the computations that read ``rows`` (all of them for None, or when a write
+        needs the whole array free)."""
+        if not self.pending:
+            return
+        if rows is None or self.backing.whole_array_writes:
+            outputs = [out for _, _, out in self.pending]
+            self.pending = []
+        else:
+            hit = np.zeros(self.rows, bool)
+            hit[rows] = True
+            outputs = [out for _, r, out in self.pending if hit[r].any()]
+            self.pending = [p for p in self.pending if not hit[p[1]].any()]
+        if outputs:
+            mx.eval(outputs)
+            self.counters["settled"] += len(outputs)
+
+    def victims(self, n: int, keep: np.ndarray) -> np.ndarray:
+        """``n`` rows to give up: free rows first, then the least used; never ``keep`` or a row
+        being written ahead."""
+        score = np.where(self.expert_of < 0, -1, self.uses)
+        banned = self.reserved.copy()
+        banned[keep] = True
+        score = np.where(banned, np.iinfo(np.int64).max, score)
+        if n > int((~banned).sum()):
+            raise ValueError(f"layer {self.layer}: {n} rows wanted, {int((~banned).sum())} "
+                             "can move")
+        if n == self.rows:
+            return np.arange(self.rows, dtype=np.int32)
+        return np.argpartition(score, n - 1)[:n].astype(np.int32)
+
+    # ---- rows written ahead ----------------------------------------------------------------
+
+    def write_ahead(self, experts: np.ndarray, view, epoch: int, read_into, copier) -> int:
+        """Start writing the guessed ``experts`` that are absent from the pool but ready in the
+        arena into free or cold rows, on ``copier``'s thread. Returns how many.
+
+        ``read_into(view, slots, dest, bases, positions)`` copies rows of the arena ``view``.
+        """
+        self.commit_ahead()
+        present = self.row_of[experts] >= 0
+        wanted = experts[~present]
+        if not len(wanted):
+            return 0
+        found = view.lookup(self.layer, wanted)
+        ready = found.slots >= 0
+        keep = self.row_of[experts[present]]
+        # A guess never takes more than half the pool, nor more than one batch.
+        n = min(int(ready.sum()), self.rows - int(self.reserved.sum()) - len(keep),
+                max(1, self.rows // 2), self.backing.ahead_limit)
+        if n <= 0:
+            return 0
+        wanted = wanted[ready][:n]
+        slots, versions = found.slots[ready][:n], found.versions[ready][:n]
+        victims = self.victims(n, keep)
+        self._evict(victims)
+        run, finish = self.backing.staged_write(
+            victims, lambda dest, bases, pos: read_into(view, slots, dest, bases, pos))
+        self.reserved[victims] = True
+        self.ahead = Ahead(epoch, wanted, victims, slots, versions, view, copier.submit(run),
+                           finish)
+        return n
+
+    def commit_ahead(self, epoch: int | None = None) -> None:
+        """Take the rows written ahead into the table: those copied whole from rows that did
+        not change meanwhile (seqlock), and read from the arena attached now."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return
+        self.reserved[ahead.rows] = False
+        if not ahead.job.wait() or (epoch is not None and ahead.epoch != epoch):
+            return
+        keep = [i for i in range(len(ahead.rows))
+                if ahead.view.unchanged(ahead.slots[i:i + 1], ahead.versions[i:i + 1])]
+        if not keep:
+            return
+        keep = np.array(keep, dtype=np.intp)
+        if ahead.finish is not None:
+            ahead.finish(keep)
+        self._assign(ahead.experts[keep], ahead.rows[keep])
+        self.ahead_flag[ahead.rows[keep]] = True
+        ahead.view.count_hits(ahead.slots[keep])
+        self.counters["ahead"] += len(keep)
+
+    def forget(self) -> None:
+        """Drop every row (the model's experts changed under it: never after a plain restart,
+        since the blob directory's digest is checked on every attach)."""
+        self.commit_ahead()
+        self.settle()
+        self.row_of[:] = -1
+        self.expert_of[:] = -1
+        self.uses[:] = 0
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _evict(self, victims: np.ndarray) -> None:
+        self.settle(victims)
+        old = self.expert_of[victims]
+        self.row_of[old[old >= 0]] = -1
+        self.expert_of[victims] = -1
+        unused = self.ahead_flag[victims]
+        self.counters["ahead_unused"] += int(unused.sum())
+        self.ahead_flag[victims] = False
+        self.uses[victims] = 0
+
+    def _assign(self, experts: np.ndarray, rows: np.ndarray) -> None:
+        self.row_of[experts] = rows
+        self.expert_of[rows] = experts
+
+
+# ---- the pool budget ---------------------------------------------------------------------------
+
+POOL_BACKINGS = ("host", "device")
+
+
+def default_backing() -> str:
+    """``device`` on a discrete GPU (CUDA), ``host`` where the GPU shares the host's memory."""
+    return "device" if mx.default_device() == mx.gpu and not mx.metal.is_available() else "host"
+
+
+def smallest_rows(layer, top_k: int) -> int:
+    """The fewest rows a layer's pool works with: one decode token's experts in one call."""
+    return min(layer.num_experts, max(1, top_k))
+
+
+def free_device_bytes() -> int | None:
+    """Free memory of a discrete GPU as MLX sees it, or None if it does not say."""
+    info = mx.device_info()
+    total = info.get("memory_size") or info.get("total_memory")
+    if not total:
+        return None
+    return max(0, int(total) - mx.get_active_memory() - mx.get_cache_memory())
+
+
+def plan_rows(layers, top_k: int, pool_gb: float | None, backing: str) -> list:
+    """Rows of each MoE layer's pool.
+
+    Args:
+        layers: the manifest's MoE layers served by this client.
+        top_k: experts each token routes to.
+        pool_gb: the budget in GiB, split evenly over the layers; None for the default: on a
+            discrete GPU every expert that fits in half of its free memory, elsewhere the
+            smallest pool that works, twice over (``2 x top_k`` rows a layer).
+        backing: ``host`` or ``device``.
+    Raises:
+        ValueError: a budget below the smallest pool that works (the message names it).
+    """
+    if not layers:
+        return []
+    smallest = [smallest_rows(layer, top_k) for layer in layers]
+    if pool_gb is None:
+        free = free_device_bytes() if backing == "device" else None
+        if free is None:
+            return [min(layer.num_experts, 2 * s) for layer, s in zip(layers, smallest)]
+        share = free // 2 // len(layers)
+    else:
+        if isinstance(pool_gb, bool) or not pool_gb > 0:
+            raise ValueError(f"pool_gb must be a positive number of GiB, not {pool_gb!r}")
+        share = int(pool_gb * 2**30) // len(layers)
+    rows = [min(layer.num_experts, share // layer.expert_bytes) for layer in layers]
+    if any(r < s for r, s in zip(rows, smallest)):
+        need = max(s * layer.expert_bytes for s, layer in zip(smallest, layers)) * len(layers)
+        raise ValueError(f"a pool of {pool_gb} GiB is below the smallest that works, "
+                         f"{need / 2**30:.4g} GiB ({smallest[0]} rows of each of "
+                         f"{len(layers)} MoE layers)")
+    return rows
+
+
+def make_pool(layer, rows: int, segments: list, backing: str, batch: int) -> ExpertPool:
+    """A pool of ``rows`` rows for ``layer``, ``segments`` as ``(dtype, shape, nbytes)``."""
+    if backing == "host":
+        rows_backing = HostRows(rows, segments)
+    elif backing == "device":
+        rows_backing = DeviceRows(rows, segments, batch)
+    else:
+        raise ValueError(f"pool backing must be one of {', '.join(POOL_BACKINGS)}, "
+                         f"not {backing!r}")
+    return ExpertPool(layer.index, layer.num_experts, rows_backing)

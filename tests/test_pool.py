@@ -1,0 +1,153 @@
+"""The client's expert pools on their own: the table, the choice of rows, in-place writes, the
+budget. Real MLX arrays on both backings; the rows' bytes come from a reader that writes each
+expert's own pattern (what the arena would hold), so every row can be checked."""
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from expertd.client.backing import segment_bases
+from expertd.client.pool import ExpertPool, make_pool, plan_rows, smallest_rows
+
+BACKINGS = ["host", "device"]
+# Two segments of different dtypes and shapes, as a quantized projection has.
+SEGMENTS = [(mx.uint32, (4, 8), 128), (mx.bfloat16, (4, 2), 16)]
+
+
+def pattern(expert: int, nbytes: int) -> np.ndarray:
+    return ((np.arange(nbytes) * 7 + expert * 13) % 251).astype(np.uint8)
+
+
+class PatternReader:
+    """Writes each expert's pattern where the pool asks; counts what it was asked for."""
+
+    def __init__(self):
+        self.read = []
+
+    def __call__(self, experts, dest, bases, positions):
+        self.read.extend(int(e) for e in experts)
+        for s, (_, _, nbytes) in enumerate(SEGMENTS):
+            for e, p in zip(experts.tolist(), positions.tolist()):
+                at = int(bases[s]) + p * nbytes
+                dest[at:at + nbytes] = pattern(e * 10 + s, nbytes)
+
+
+def new_pool(backing: str, rows: int, experts: int = 32) -> ExpertPool:
+    layer = SimpleNamespace(index=0, num_experts=experts)
+    return make_pool(layer, rows, SEGMENTS, backing, batch=8)
+
+
+def row_bytes(pool: ExpertPool, row: int, segment: int) -> np.ndarray:
+    array = pool.arrays[segment][row]
+    return np.array(array.view(mx.uint8)).ravel()
+
+
+def check_rows(pool: ExpertPool) -> None:
+    for row, expert in enumerate(pool.expert_of.tolist()):
+        if expert >= 0:
+            assert pool.row_of[expert] == row
+            for s, (_, _, nbytes) in enumerate(SEGMENTS):
+                assert (row_bytes(pool, row, s) == pattern(expert * 10 + s, nbytes)).all(), \
+                    (row, expert, s)
+
+
+@pytest.mark.parametrize("backing", BACKINGS)
+def test_only_missing_experts_move_and_rows_hold_them(backing):
+    pool = new_pool(backing, rows=8)
+    read = PatternReader()
+    rows = pool.place(np.array([3, 5, 9], np.int32), read)
+    assert sorted(read.read) == [3, 5, 9] and len(set(rows.tolist())) == 3
+    check_rows(pool)
+    read.read.clear()
+    again = pool.place(np.array([3, 9, 11], np.int32), read)
+    assert read.read == [11]  # 3 and 9 are in the pool: nothing of theirs moves
+    assert again[0] == rows[0] and again[1] == rows[2]
+    assert pool.counters["hits"] == 2 and pool.counters["moved"] == 4
+    check_rows(pool)
+
+
+@pytest.mark.parametrize("backing", BACKINGS)
+def test_a_full_pool_gives_up_its_least_used_row_never_one_the_call_needs(backing):
+    pool = new_pool(backing, rows=4)
+    read = PatternReader()
+    for _ in range(3):
+        pool.place(np.array([0, 1, 2], np.int32), read)
+    pool.place(np.array([3], np.int32), read)  # the free row
+    pool.place(np.array([0, 1, 2], np.int32), read)
+    read.read.clear()
+    pool.place(np.array([3, 4], np.int32), read)  # 3 is needed: the victim is not its row
+    assert read.read == [4]
+    assert pool.row_of[3] >= 0 and pool.row_of[4] >= 0
+    assert sorted(e for e in pool.expert_of.tolist() if e >= 0) in ([0, 1, 3, 4], [0, 2, 3, 4],
+                                                                     [1, 2, 3, 4])
+    check_rows(pool)
+    with pytest.raises(ValueError, match="rows wanted"):
+        pool.victims(3, keep=np.array([0, 1], np.int32))
+
+
+@pytest.mark.parametrize("backing", BACKINGS)
+def test_a_row_is_rewritten_only_after_what_reads_it_is_evaluated(backing):
+    """The lazy output of a call reads its rows when evaluated: a later write into one of them
+    must not change it (the pool evaluates it first)."""
+    pool = new_pool(backing, rows=2, experts=8)
+    read = PatternReader()
+    rows = pool.place(np.array([1, 2], np.int32), read)
+    before = pool.arrays[0][mx.array(rows)].astype(mx.float32) * 1  # lazy: reads both rows
+    pool.computing(rows, before)
+    pool.place(np.array([5, 6], np.int32), read)  # both rows move
+    check_rows(pool)
+    want = np.stack([pattern(10, 128), pattern(20, 128)]).view(np.uint32).reshape(2, 4, 8)
+    assert (np.array(before) == want.astype(np.float32)).all()
+    assert pool.counters["settled"] == 1
+
+
+@pytest.mark.parametrize("backing", BACKINGS)
+def test_a_write_moves_only_its_rows_whatever_the_pool_size(backing):
+    """In place: the memory a write allocates is the moved rows' (MLX reuses the pool's buffer
+    for its scatter, the host writes straight into it), not a copy of the pool."""
+    big = [(mx.uint8, (4096,), 4096)]
+    grown = {}
+    for rows in (16, 64, 256):
+        layer = SimpleNamespace(index=0, num_experts=256)
+        pool = make_pool(layer, rows, big, backing, batch=8)
+
+        def read(experts, dest, bases, positions):
+            for e, p in zip(experts.tolist(), positions.tolist()):
+                dest[bases[0] + p * 4096:bases[0] + (p + 1) * 4096] = e % 251
+
+        pool.place(np.arange(8, dtype=np.int32), read)
+        mx.eval(pool.arrays)
+        mx.synchronize()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        pool.place(np.arange(8, 16, dtype=np.int32) % rows + 16 * (rows > 16), read)
+        mx.eval(pool.arrays)
+        grown[rows] = mx.get_peak_memory() - base
+        assert pool.arrays[0].shape == (rows, 4096)
+        assert (np.array(pool.arrays[0][int(pool.row_of[16 * (rows > 16) + 8 % rows])])
+                == (16 * (rows > 16) + 8 % rows) % 251).all()
+    # Eight rows of 4 KiB moved each time: at most the moved bytes (and small index arrays),
+    # never a pool's worth (64 KiB to 1 MiB).
+    assert max(grown.values()) <= 2 * 8 * 4096 + 4096, grown
+
+
+def test_plan_rows_splits_the_budget_and_refuses_below_the_smallest():
+    layers = [SimpleNamespace(index=i, num_experts=16, expert_bytes=1 << 20) for i in range(4)]
+    assert plan_rows(layers, 4, 64 / 1024, "host") == [16] * 4  # 16 MiB a layer: every expert
+    assert plan_rows(layers, 4, 24 / 1024, "host") == [6] * 4
+    assert plan_rows(layers, 4, None, "host") == [8] * 4  # 2 x top-k on unified memory
+    with pytest.raises(ValueError, match=r"smallest that works, 0.01562 GiB \(4 rows"):
+        plan_rows(layers, 4, 15 / 1024, "host")
+    with pytest.raises(ValueError, match="positive"):
+        plan_rows(layers, 4, 0, "host")
+    assert smallest_rows(SimpleNamespace(num_experts=2), 4) == 2
+
+
+def test_segment_bases_are_aligned_and_disjoint():
+    nbytes = np.array([100, 3, 64], dtype=np.intp)
+    bases = segment_bases(5, nbytes)
+    assert (bases % 64 == 0).all()
+    assert all(bases[i] + 5 * nbytes[i] <= bases[i + 1] for i in range(2))
