@@ -39,6 +39,9 @@ class StreamedLayer:
 
     def forward(self, module, x, indices):
         session, pool = self.session, self.pool
+        steps = session.steps
+        if steps is not None and steps.active:
+            return self._speculative(module, x, indices, steps)
         started = time.perf_counter()
         nxt = self.next
         guess = None
@@ -51,6 +54,7 @@ class StreamedLayer:
             mx.eval(indices, guess)
         idx = np.array(indices)  # the one host sync of this layer: the router's choice
         synced = time.perf_counter()
+        session.counters["host_waits"] += 1
         if self.previous is not None:
             # That sync evaluated the previous layer's output (the router's input depends on
             # it): its rows may be rewritten without waiting, and its memory can go.
@@ -93,6 +97,25 @@ class StreamedLayer:
         if session.timeline is not None:
             session.timeline.append((self.index, started, synced, fetched, time.perf_counter()))
         return out
+
+    def _speculative(self, module, x, indices, steps):
+        """No host wait: ids remapped on the device (not at all for a pool of every expert),
+        a missing expert computed with a placeholder row; the step's end checks the ids."""
+        pool = self.pool
+        if pool.ahead is not None:
+            pool.commit_ahead(self.session.epoch)
+        rows = indices if pool.complete else pool.table()[indices]
+        steps.records.append((self, indices))
+        return compute(module, self.segments, pool.arrays, x, rows)
+
+    def after_speculation(self, ids: np.ndarray) -> None:
+        """The bookkeeping of a speculative call that hit, from its ids at the step's end."""
+        pool = self.pool
+        unique = np.unique(ids).astype(np.int32)
+        pool.counters["hits"] += len(unique)
+        pool.touch(pool.row_of[unique])
+        pool.evaluated()
+        self._report(unique)
 
     def _read(self, experts, dest, bases, positions) -> None:
         self.session.read_rows(self.index, experts, dest, bases, positions)

@@ -12,6 +12,7 @@ from .pipeline import refuse_stage, split_model, stage_layers
 from .pool import POOL_BACKINGS, default_backing, make_pool, plan_rows
 from .predict import check_mode, make_guessers
 from .session import Session
+from .step import StepGuard, Steps, check_speculate
 from .switch import expert_segments, make_streamed
 
 COPY_AHEAD_MIN_BYTES = 512 * 1024  # see load(copy_ahead_bytes=)
@@ -20,7 +21,8 @@ COPY_AHEAD_MIN_BYTES = 512 * 1024  # see load(copy_ahead_bytes=)
 def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 60.0,
          max_group: int | None = None, prefetch: str = "auto",
          copy_ahead_bytes: int | None = None, pipeline_group=None,
-         guess_width: int | None = None, pool_backing: str | None = None):
+         guess_width: int | None = None, pool_backing: str | None = None,
+         speculate: str = "auto"):
     """Build the model of ``blob_dir`` with mlx-lm's classes, experts served by expertd.
 
     Args:
@@ -50,6 +52,10 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
         pool_backing: "device" (rows in GPU memory, written by MLX's scatter; the default
             on CUDA) or "host" (rows the host writes into directly; the default on unified
             memory).
+        speculate: "auto" (default): a decode step runs without waiting for the host in each
+            MoE layer, its ids are checked at its end and a step that missed a pool is replayed
+            exactly; auto stops while replays are frequent and tries again later; "on":
+            always where a replay can be exact; "off": one host wait per MoE layer.
     Returns:
         ``(model, tokenizer)``, usable with ``mlx_lm.generate`` / ``stream_generate``.
     Raises:
@@ -62,6 +68,7 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
         ValueError: a pool budget below the smallest that works, or a bad argument.
     """
     check_mode(prefetch)
+    check_speculate(speculate)
     backing = pool_backing or default_backing()
     if backing not in POOL_BACKINGS:
         raise ValueError(f"pool_backing must be one of {', '.join(POOL_BACKINGS)}, "
@@ -75,7 +82,8 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
     if guess_width is not None:
         session.guess_width = guess_width
     try:
-        model, tokenizer = _build(session, prefetch, pipeline_group, pool_gb, backing)
+        model, tokenizer = _build(session, prefetch, pipeline_group, pool_gb, backing,
+                                  speculate)
     except BaseException:
         session.close()  # its heartbeat thread and the arena mapping go with it
         raise
@@ -83,7 +91,7 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
     return model, tokenizer
 
 
-def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str):
+def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, speculate: str):
     """The model with its switch modules streamed through ``session``, and its tokenizer."""
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
     from mlx_lm.utils import load_model, load_tokenizer
@@ -123,6 +131,10 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str):
         streamed.append(state)
         make_streamed(module, state)
     session.pools = [state.pool for state in streamed]
+    session.steps = Steps(session, streamed, speculate, pipeline=pipeline_group is not None)
+    cls = type(model)
+    model.__class__ = type(f"Streamed{cls.__name__}", (StepGuard, cls), {})
+    model.__dict__["_expertd_steps"] = session.steps
     session.pool_bytes = sum(pool.nbytes for pool in session.pools)
     session.announce_pools()
     stored = set()

@@ -56,6 +56,10 @@ class ExpertPool:
         self.pending: list = []  # [(rows, output)] computations that may not be evaluated
         self.ahead: Ahead | None = None
         self.guess = None  # (ranked experts, n_core) guessed for this layer's next call
+        # A pool with a row for every expert keeps each expert at its own index: the router's
+        # ids are then the rows, and a call needs no remap at all.
+        self.identity = self.rows == num_experts
+        self._table = None  # the expert -> row table on the device (see table())
         self.counters = dict(hits=0, moved=0, ahead=0, ahead_used=0, ahead_unused=0, settled=0)
         self._touches = 0
         self._call = 0
@@ -69,6 +73,14 @@ class ExpertPool:
     def nbytes(self) -> int:
         return self.backing.nbytes_total
 
+    def table(self):
+        """The expert -> row table as an MLX array, a missing expert mapped to row 0 (the
+        placeholder a speculative call computes with before its step is checked and
+        replayed). Rebuilt only after the pool changed."""
+        if self._table is None:
+            self._table = mx.array(np.maximum(self.row_of, 0))
+        return self._table
+
     # ---- the call's rows -------------------------------------------------------------------
 
     def place(self, experts: np.ndarray, read) -> np.ndarray:
@@ -81,7 +93,8 @@ class ExpertPool:
         absent = rows < 0
         if absent.any():
             missing = experts[absent]
-            victims = self.victims(len(missing), keep=rows[~absent])
+            victims = (missing.astype(np.int32) if self.identity
+                       else self.victims(len(missing), keep=rows[~absent]))
             self._evict(victims)
             self.backing.write(victims, lambda dest, bases, pos: read(missing, dest, bases, pos))
             self._assign(missing, victims)
@@ -176,7 +189,7 @@ class ExpertPool:
             return 0
         wanted = wanted[ready][:n]
         slots, versions = found.slots[ready][:n], found.versions[ready][:n]
-        victims = self.victims(n, keep)
+        victims = wanted.astype(np.int32) if self.identity else self.victims(n, keep)
         self._evict(victims)
         run, finish = self.backing.staged_write(
             victims, lambda dest, bases, pos: read_into(view, slots, dest, bases, pos))
@@ -214,11 +227,13 @@ class ExpertPool:
         self.row_of[:] = -1
         self.expert_of[:] = -1
         self.uses[:] = 0
+        self._table = None
 
     # ---- internals -------------------------------------------------------------------------
 
     def _evict(self, victims: np.ndarray) -> None:
         self.settle(victims)
+        self._table = None
         old = self.expert_of[victims]
         self.row_of[old[old >= 0]] = -1
         self.expert_of[victims] = -1
@@ -228,6 +243,7 @@ class ExpertPool:
         self.uses[victims] = 0
 
     def _assign(self, experts: np.ndarray, rows: np.ndarray) -> None:
+        self._table = None
         self.row_of[experts] = rows
         self.expert_of[rows] = experts
 

@@ -55,12 +55,14 @@ class Session:
         self.requested_group = max_group or max(64, 4 * self.manifest.top_k)
         self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0,
                              late_leases=0, prefetch_asked=0, misses=0, prefetch_saved=0,
-                             hits_reported=0)
+                             hits_reported=0, steps=0, host_waits=0, speculative_steps=0,
+                             replays=0)
         # Where the main thread's time goes per MoE layer call (see layer.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
                            copier_wait_s=0.0, prestage_s=0.0, layers=0)
         self.guessers: list = []  # predict.Guesser per MoE layer (set by the loader)
         self.pools: list = []  # pool.ExpertPool per streamed MoE layer (set by the loader)
+        self.steps = None  # step.Steps of the model (set by the loader)
         self.pool_bytes = 0  # the client's expert memory: its pools (told to the daemon)
         self.copier = None  # copier.Copier (set by the loader)
         self.guess_width = GUESS_WIDTH  # see client.predict

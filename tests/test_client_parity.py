@@ -13,7 +13,7 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 
-from client_helpers import (ROWS_ALL, ROWS_TINY, client_flags, compare_runs, pool_gb,
+from client_helpers import (ROWS_ALL, ROWS_MEDIUM, ROWS_TINY, client_flags, compare_runs, pool_gb,
                             prompt_ids, routed_model)
 from conftest import FAMILY_MODES
 from harness import Daemon, expertd_cli, finish_client, query_stats, spawn_client, wait_until
@@ -90,6 +90,39 @@ def test_streamed_logits_equal_resident(models, isolated_env, tmp_path, family_m
         assert stats["fills"] <= every_expert
         assert stats["fills"] == stats["misses"] + stats["prefetch_fills"]
     assert stats["fill_errors"] == 0
+
+
+# Pools from the smallest that works (top-k rows a layer) to every expert, on both backings:
+# rows the host writes into (unified memory) and rows MLX scatters into (a discrete GPU's).
+POOLS = [(4, "host"), (4, "device"), (10, "device"), (16, "host")]
+
+
+@pytest.mark.parametrize("pool_rows,backing", [
+    pytest.param(rows, backing, marks=[] if (rows, backing) == (4, "host") else
+                 pytest.mark.once) for rows, backing in POOLS],
+    ids=[f"{rows}rows-{backing}" for rows, backing in POOLS])
+@pytest.mark.parametrize("family_mode", FAMILY_MODES, ids=FAMILY_IDS)
+def test_every_pool_size_and_backing_is_exact(models, isolated_env, tmp_path, family_mode,
+                                              pool_rows, backing):
+    """Arena of 24 rows (evictions), prefetch on (rows written ahead into the pools)."""
+    model_dir, blob_dir = routed_model(models, *family_mode)
+    manifest = Manifest.load(blob_dir)
+    flags = client_flags(blob_dir, ROWS_MEDIUM, tmp_path / "state.json")
+    with Daemon(blob_dir, isolated_env, *flags):
+        model, tokenizer = load(blob_dir, prefetch="on", copy_ahead_bytes=0,
+                                pool_gb=pool_gb(blob_dir, pool_rows), pool_backing=backing)
+        session = model.expertd_session
+        try:
+            assert [p.rows for p in session.pools] == [
+                min(pool_rows, layer.num_experts) for layer in manifest.layers]
+            runs = compare_runs(resident_model(model_dir), model, tokenizer.vocab_size)
+            counters = session.all_counters()
+        finally:
+            session.close()
+    check_runs(runs)
+    assert counters["pool_moved"] > 0 and counters["pool_hits"] > 0
+    if pool_rows < manifest.layers[0].num_experts:
+        assert counters["ahead"] > 0, counters  # guesses were written into the pools
 
 
 @pytest.mark.slow

@@ -1,0 +1,167 @@
+"""One host wait per decode step: the router's choice stays on the device, a miss is replayed.
+
+A speculative step runs every MoE layer without waiting for the host: the router's ids are
+remapped to pool rows by a gather on the device (no remap at all for a pool that holds every
+expert at its own index), and an expert missing from its pool computes with a placeholder row.
+The step's one evaluation, where mlx-lm evaluates the logits anyway, also returns every layer's
+ids; the host checks them against the pool tables the step ran with. No miss: the logits are
+mlx-lm's, bit for bit. A miss: the KV caches are trimmed back by the step's tokens and the step
+runs again on the per-layer-sync path, which moves the missing rows in; the wrong logits never
+leave the model. A step is replayed at most once.
+
+A step is not speculative where a replay could not be exact or would not pay (it then waits per
+layer, as before): caches that cannot be trimmed back (linear-attention or SSM state, a rotating
+cache that would wrap), a prompt whose layers may not fit their pools, pipeline ranks (their
+activations leave the rank during the step), and sessions that replay too often
+(:class:`Speculation`, judged from the observed replay rate).
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+SPECULATE_MODES = ("auto", "on", "off")
+WINDOW = 16  # speculative steps per verdict
+MAX_REPLAYS = 4  # replays in a window above which auto stops speculating (a replay costs a
+# step, a speculative hit saves one wait per MoE layer, about a layer's compute on a GPU)
+RETRY_AFTER = 64  # steps a stopped session waits before it speculates again
+
+
+def check_speculate(mode: str) -> str:
+    if mode not in SPECULATE_MODES:
+        raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {mode!r}")
+    return mode
+
+
+@dataclass
+class Speculation:
+    """Whether steps should speculate, from how often they were replayed (pure logic)."""
+
+    mode: str = "auto"
+    active: bool = True
+    window_steps: int = 0
+    window_replays: int = 0
+    idle_steps: int = 0
+    stopped: int = 0  # times auto stopped speculating
+
+    def __post_init__(self):
+        self.active = check_speculate(self.mode) != "off"
+
+    def wanted(self) -> bool:
+        if self.mode != "auto" or self.active:
+            return self.active
+        self.idle_steps += 1
+        if self.idle_steps >= RETRY_AFTER:
+            self.active, self.idle_steps = True, 0
+        return self.active
+
+    def record(self, replayed: bool) -> None:
+        self.window_steps += 1
+        self.window_replays += replayed
+        if self.window_replays > MAX_REPLAYS and self.mode == "auto":
+            self.active = False
+            self.stopped += 1
+        if self.window_steps >= WINDOW or not self.active:
+            self.window_steps = self.window_replays = 0
+
+
+def replayable(cache, tokens: int) -> bool:
+    """Can every cache of ``cache`` be trimmed back exactly by ``tokens`` after a step?"""
+    from mlx_lm.models import cache as caches
+
+    exact = (caches.KVCache, caches.QuantizedKVCache, caches.ConcatenateKVCache,
+             caches.BatchKVCache)
+    for c in cache:
+        if isinstance(c, caches.CacheList):
+            if not replayable(c.caches, tokens):
+                return False
+        elif isinstance(c, caches.RotatingKVCache):
+            if c.offset + tokens >= c.max_size:  # would wrap: the old entries are gone
+                return False
+        elif not isinstance(c, exact):
+            return False
+    return True
+
+
+class StepGuard:
+    """Mixin placed in front of the mlx-lm model class: each call is one checked step."""
+
+    def __call__(self, inputs, *args, **kwargs):
+        return self.__dict__["_expertd_steps"].run(super(StepGuard, self).__call__, inputs,
+                                                   args, kwargs)
+
+
+class Steps:
+    """The steps of one streamed model.
+
+    Args:
+        session: the client session (its counters get ``steps``, ``host_waits``,
+            ``speculative_steps`` and ``replays``).
+        layers: the model's :class:`~expertd.client.layer.StreamedLayer` s, in order.
+        mode: "auto" (default: speculate while replays are rare), "on" or "off".
+        pipeline: True on a pipeline rank, which never speculates.
+    """
+
+    def __init__(self, session, layers: list, mode: str = "auto", pipeline: bool = False):
+        self.session, self.layers = session, layers
+        self.speculation = Speculation(mode)
+        self.pipeline = pipeline
+        self.active = False  # the running step is speculative
+        self.records: list = []  # (layer, lazy ids) of the running speculative step
+        self._top_k = session.manifest.top_k
+
+    def run(self, forward, inputs, args: tuple, kwargs: dict):
+        counters = self.session.counters
+        counters["steps"] += 1
+        cache = kwargs.get("cache", args[0] if args else None)
+        if not self._speculate(inputs, cache):
+            return forward(inputs, *args, **kwargs)
+        self.records = []
+        self.active = True
+        try:
+            logits = forward(inputs, *args, **kwargs)
+        finally:
+            self.active = False
+        records, self.records = self.records, []
+        ids = [idx for _, idx in records]
+        flat = mx.concatenate([i.reshape(-1) for i in ids]) if len(ids) > 1 else (
+            ids[0].reshape(-1) if ids else None)
+        mx.eval(logits, flat) if flat is not None else mx.eval(logits)  # the step's one wait
+        counters["host_waits"] += 1
+        counters["speculative_steps"] += 1
+        missed = self._check(records, np.array(flat) if flat is not None else None)
+        self.speculation.record(missed)
+        if not missed:
+            return logits
+        counters["replays"] += 1
+        for c in cache or []:
+            c.trim(self._tokens(inputs))
+        return forward(inputs, *args, **kwargs)
+
+    def _tokens(self, inputs) -> int:
+        return inputs.shape[1] if inputs.ndim > 1 else inputs.shape[0]
+
+    def _speculate(self, inputs, cache) -> bool:
+        if self.pipeline or not self.layers or not self.speculation.wanted():
+            return False
+        tokens = self._tokens(inputs)
+        if all(layer.pool.complete for layer in self.layers):
+            # Nothing can miss: no replay will be needed, whatever the caches.
+            return True
+        if inputs.size * self._top_k > 64:  # a prompt: its layers may not fit their pools
+            return False
+        return cache is None or replayable(cache, tokens)
+
+    def _check(self, records: list, flat: np.ndarray | None) -> bool:
+        """True if any layer's ids of the speculative step missed its pool; else the host's
+        bookkeeping of the step (pool use counts, reports to the daemon) from those ids."""
+        per_layer, at = [], 0
+        for layer, idx in records:
+            per_layer.append((layer, flat[at:at + idx.size]))
+            at += idx.size
+        if any((layer.pool.row_of[ids] < 0).any() for layer, ids in per_layer):
+            return True  # the replay does the bookkeeping, on the per-layer path
+        for layer, ids in per_layer:
+            layer.after_speculation(ids)
+        return False
