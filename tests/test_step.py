@@ -1,0 +1,197 @@
+"""One host wait per decode step (client/step.py): speculative steps, their check and replay.
+
+Real daemons and models; each step's logits are compared with resident mlx-lm's, bit for bit,
+while the counters show which path each step took: a warm step waits for the host once, a step
+that missed a pool (in the first, a middle or the last MoE layer; with the missing rows absent
+from the arena too) is replayed exactly, and caches that cannot be trimmed back never speculate.
+"""
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, prompt_ids, routed_model
+from harness import Daemon
+from expertd.client import load
+from expertd.client.step import MAX_REPLAYS, RETRY_AFTER, Speculation, replayable
+from expertd.manifest import Manifest
+
+_resident = {}
+
+
+def resident_model(model_dir):
+    if model_dir not in _resident:
+        _resident[model_dir] = mlx_lm.load(str(model_dir))[0]
+    return _resident[model_dir]
+
+
+def fill_pools(model) -> None:
+    """Every expert into its layer's pool (a pool of every expert keeps them at their index)."""
+    for _, module in model.named_modules():
+        state = module.__dict__.get("_expertd")
+        if state is not None:
+            experts = np.arange(state.num_experts, dtype=np.int32)
+            state.pool.place(experts, state._read)
+
+
+class Lockstep:
+    """Resident and streamed models decoding the same greedy tokens, logits compared each step."""
+
+    def __init__(self, resident, streamed, prompt_len: int = 5, max_kv_size=None):
+        self.models = resident, streamed
+        self.caches = [make_prompt_cache(m, max_kv_size=max_kv_size) for m in self.models]
+        self.x = mx.array([prompt_ids(prompt_len, resident.args.vocab_size)])
+        self.step()
+
+    def step(self) -> None:
+        ref, got = (m(self.x, cache=c)[:, -1, :] for m, c in zip(self.models, self.caches))
+        mx.eval(ref, got)
+        assert ref.dtype == got.dtype and mx.array_equal(ref, got).item(), \
+            "streamed logits differ from resident ones"
+        self.x = mx.argmax(ref, axis=-1)[:, None]
+
+
+def counters(session) -> dict:
+    return {k: session.counters[k] for k in ("steps", "host_waits", "speculative_steps",
+                                              "replays")}
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+@pytest.fixture
+def warm(models, isolated_env, tmp_path):
+    """A qwen3_moe client whose pools hold every expert, after a prompt."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 16), prefetch="off")
+        try:
+            fill_pools(model)
+            assert all(pool.complete for pool in model.expertd_session.pools)
+            yield resident_model(model_dir), model
+        finally:
+            model.expertd_session.close()
+
+
+def test_a_warm_decode_step_waits_for_the_host_once(warm):
+    resident, model = warm
+    session = model.expertd_session
+    run = Lockstep(resident, model)
+    before = counters(session)
+    for _ in range(12):
+        run.step()
+    d = delta(counters(session), before)
+    assert d == {"steps": 12, "host_waits": 12, "speculative_steps": 12, "replays": 0}, d
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_miss_is_replayed_exactly(warm, where):
+    """A pool emptied before a step: that layer misses, the step is trimmed back and replayed
+    on the per-layer path (one wait per MoE layer), and the logits are still resident's."""
+    resident, model = warm
+    session = model.expertd_session
+    layers = len(session.pools)
+    index = {"first": 0, "middle": layers // 2, "last": layers - 1}[where]
+    run = Lockstep(resident, model)
+    for _ in range(2):
+        run.step()
+    before = counters(session)
+    session.pools[index].forget()
+    run.step()
+    d = delta(counters(session), before)
+    assert d == {"steps": 1, "host_waits": 1 + layers, "speculative_steps": 1, "replays": 1}, d
+    assert session.pools[index].counters["moved"] > 0  # the replay moved the rows back
+    before = counters(session)
+    for _ in range(3):  # the pool is incomplete now: its layer remaps on the device
+        run.step()
+    d = delta(counters(session), before)
+    assert d["speculative_steps"] == 3 and d["host_waits"] == 3 + d["replays"] * layers
+
+
+def test_a_miss_during_a_replay_is_read_from_the_disk(models, isolated_env, tmp_path):
+    """Arena of 8 rows, pools of 4: replays move rows the daemon must read again, and other
+    steps miss in the middle of their replay's moves; every step stays exact."""
+    model_dir, blob_dir = routed_model(models, "mixtral", "affine", 8)
+    with Daemon(blob_dir, isolated_env,
+                *client_flags(blob_dir, ROWS_TINY, tmp_path / "s.json")) as daemon:
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off", speculate="on")
+        session = model.expertd_session
+        try:
+            run = Lockstep(resident_model(model_dir), model, prompt_len=9)
+            before, misses = counters(session), daemon.stats()["misses"]
+            for _ in range(16):
+                run.step()
+            d = delta(counters(session), before)
+            assert d["speculative_steps"] == 16 and d["replays"] > 0, d
+            assert daemon.stats()["misses"] > misses  # the replays' moves read the SSD
+        finally:
+            session.close()
+
+
+def test_a_rotating_cache_speculates_until_it_would_wrap(warm):
+    resident, model = warm
+    session = model.expertd_session
+    run = Lockstep(resident, model, prompt_len=5, max_kv_size=12)
+    assert isinstance(run.caches[1][0], RotatingKVCache)
+    seen = []
+    for _ in range(12):
+        before = session.counters["speculative_steps"]
+        offset = run.caches[1][0].offset
+        run.step()
+        seen.append((offset, session.counters["speculative_steps"] - before))
+    # Every expert is in the pools: nothing can miss, so even a wrapping cache speculates.
+    assert all(spec == 1 for _, spec in seen), seen
+    session.pools[0].forget()  # now a miss is possible: a full rotating cache cannot replay
+    before = counters(session)
+    run.step()
+    d = delta(counters(session), before)
+    assert d["speculative_steps"] == 0 and d["host_waits"] == len(session.pools), d
+
+
+def test_caches_that_cannot_be_trimmed_back_never_replay():
+    kv, rotating = KVCache(), RotatingKVCache(max_size=8)
+    rotating.offset = 6
+    assert replayable([kv, rotating], 1)
+    assert not replayable([kv, rotating], 2)  # would wrap
+    assert not replayable([ArraysCache(2)], 1)  # SSM / linear-attention state
+    assert replayable([], 1)
+
+
+def test_auto_stops_speculating_when_replays_are_frequent_and_tries_again():
+    auto = Speculation("auto")
+    for _ in range(MAX_REPLAYS + 1):
+        assert auto.wanted()
+        auto.record(True)
+    assert not auto.active and auto.stopped == 1
+    assert not any(auto.wanted() for _ in range(RETRY_AFTER - 1))
+    assert auto.wanted()  # tries again
+    on, off = Speculation("on"), Speculation("off")
+    for _ in range(3 * MAX_REPLAYS):
+        on.record(True)
+    assert on.wanted() and not off.wanted()
+    with pytest.raises(ValueError, match="speculate must be one of"):
+        Speculation("sometimes")
+
+
+def test_a_session_that_misses_often_stops_speculating(models, isolated_env, tmp_path):
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off")
+        session = model.expertd_session
+        try:
+            run = Lockstep(resident_model(model_dir), model)
+            steps = 0
+            while session.steps.speculation.stopped == 0 and steps < 200:
+                for pool in session.pools:
+                    pool.forget()  # every step misses
+                run.step()
+                steps += 1
+            assert session.steps.speculation.stopped == 1
+            before = counters(session)
+            run.step()
+            assert delta(counters(session), before)["speculative_steps"] == 0
+        finally:
+            session.close()
