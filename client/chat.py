@@ -61,7 +61,8 @@ def _ui(blob_dir, max_tokens: int, system_prompt: str | None):
 
 def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp: float = 0.0,
          top_p: float = 1.0, seed: int = 0, max_kv_size: int | None = None,
-         prefetch: str = "auto", pool_gb: float | None = None) -> int:
+         prefetch: str = "auto", pool_gb: float | None = None,
+         speculate: str = "auto") -> int:
     """Chat with the model of ``blob_dir`` until q or the end of the input.
 
     Args:
@@ -70,6 +71,7 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
         max_tokens, temp, top_p, seed, max_kv_size: as in mlx_lm.chat.
         prefetch: the client's prefetch mode (see ``expertd.client.load``).
         pool_gb: the client's expert pools (see ``expertd.client.load``).
+        speculate: one host wait per decode step (see ``expertd.client.load``).
     Returns:
         0 (the session is closed with a goodbye to the daemon, whatever happens).
     Raises:
@@ -82,7 +84,8 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
 
     from expertd.client import load
 
-    model, tokenizer = load(blob_dir, prefetch=prefetch, pool_gb=pool_gb)
+    model, tokenizer = load(blob_dir, prefetch=prefetch, pool_gb=pool_gb,
+                            speculate=speculate)
     session = model.expertd_session
     try:
         mx.random.seed(seed)

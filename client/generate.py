@@ -7,14 +7,15 @@ import time
 def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, seed: int = 0,
              out=sys.stdout, prefetch: str = "auto", top_p: float = 0.0, min_p: float = 0.0,
              top_k: int = 0, system_prompt: str | None = None,
-             chat_template: bool = True, pipeline_group=None, pool_gb: float | None = None) -> dict:
+             chat_template: bool = True, pipeline_group=None, pool_gb: float | None = None,
+             speculate: str = "auto") -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
 
     Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``) and the chat template (applied unless
     ``chat_template`` is False, with ``system_prompt`` first) are mlx-lm's. With
     ``pipeline_group`` (under ``mlx.launch``), this process runs its rank's pipeline stage
-    (see ``load``); every rank computes the same tokens. ``pool_gb`` sizes the expert pools
-    (see ``load``).
+    (see ``load``); every rank computes the same tokens. ``pool_gb`` sizes the expert pools and
+    ``speculate`` sets the one-wait-a-step mode (see ``load``).
 
     Returns:
         dict with prompt/generation token counts and tok/s, the tokens, this client's hits,
@@ -27,7 +28,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
     from expertd.client import load
 
     model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
-                            pool_gb=pool_gb)
+                            pool_gb=pool_gb, speculate=speculate)
     session = model.expertd_session
     if chat_template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -65,7 +66,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
         daemon_misses=after["misses"] - before["misses"],
         daemon_bytes_read=after["bytes_read"] - before["bytes_read"],
         fast_hits=session.counters["fast_hits"], demanded=session.counters["demanded"],
-        **{k: counters[k] for k in ("pool_hits", "pool_moved", "ahead_used")},
+        **{k: counters[k] for k in ("pool_hits", "pool_moved", "ahead_used", "steps",
+                                    "host_waits", "speculative_steps", "replays")},
         pool_bytes=session.pool_bytes, timing=dict(session.timing),
         prediction=session.prediction(),
     )
@@ -75,6 +77,9 @@ def summary_line(s: dict) -> str:
     line = (f"[expertd] prompt {s['prompt_tokens']} tok @ {s['prompt_tps']:.1f} tok/s | "
             f"generation {s['generation_tokens']} tok @ {s['generation_tps']:.1f} tok/s | "
             f"hit rate {s['hit_rate']:.1%} | read {s['bytes_read'] / 2**20:.1f} MiB")
+    if s.get("steps"):
+        line += (f" | {s['host_waits'] / s['steps']:.2f} host waits a step, "
+                 f"{s['replays']} replayed")
     scored = [p for p in s.get("prediction", []) if p and p["guessed"]]
     if scored:
         right = sum(p["right"] for p in scored) / sum(p["guessed"] for p in scored)

@@ -16,13 +16,14 @@ class Heartbeat:
     when the daemon is gone, the jupyter_client way: ``lost`` when ``alive()`` says the daemon
     no longer holds its directory, ``stuck`` when it still does but has answered no heartbeat
     for ``time_to_dead`` seconds. Between heartbeats it calls ``reap()``, which releases late
-    leases while the client is idle (polled every REAP_SLICE while it returns True)."""
+    leases while the client is idle (polled every REAP_SLICE while it returns True). Each
+    heartbeat carries ``report()``'s counters (for the daemon's status)."""
 
     def __init__(self, endpoint: str, client_id: bytes, token: bytes, interval: float,
-                 time_to_dead: float, alive, reap):
+                 time_to_dead: float, alive, reap, report=dict):
         self.lost = self.stuck = False
         self.time_to_dead = time_to_dead
-        self._alive, self._reap = alive, reap
+        self._alive, self._reap, self._report = alive, reap, report
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run,
@@ -59,7 +60,8 @@ class Heartbeat:
                 self.stuck = now - last_reply > self.time_to_dead
                 n += 1
                 sock.send_multipart(request(n.to_bytes(8, "little"), Op.HEARTBEAT,
-                                            {"client": client_id, "token": token}))
+                                            {"client": client_id, "token": token,
+                                             **self._report()}))
         finally:
             sock.close(linger=0)
             ctx.term()

@@ -207,6 +207,9 @@ CLIENT_METRICS = [
     ("fast_hits", "experts it moved from the arena without asking the daemon"),
     ("demanded", "experts it demanded from the daemon (absent or being filled)"),
     ("reconnects", "times it re-attached to a restarted daemon"),
+    ("steps", "forward steps its model ran (a decode step per token of each batch)"),
+    ("host_waits", "times it waited for the device inside those steps (1 a warm decode step)"),
+    ("replays", "speculative steps that missed a pool and ran again, exactly"),
 ]
 
 
@@ -268,7 +271,7 @@ def _bind(host: str, port: int, handler_factory, **state) -> ExpertdHTTPServer:
 
 
 def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "auto",
-          pool_gb: float | None = None,
+          pool_gb: float | None = None, speculate: str = "auto",
           options: dict | None = None, out=sys.stdout, pipeline_group=None) -> int:
     """Serve the model of ``blob_dir`` over HTTP until SIGINT or SIGTERM.
 
@@ -277,6 +280,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         host, port: where to listen (port 0: any free port; the line printed names it).
         prefetch: the client's prefetch mode (see ``expertd.client.load``).
         pool_gb: the client's expert pools (see ``expertd.client.load``).
+        speculate: one host wait per decode step (see ``expertd.client.load``).
         options: mlx_lm.server settings by their argparse names (``temp``, ``max_tokens``,
             ``chat_template``, ...); the rest keep mlx_lm.server's defaults.
         out: where the "listening" line goes.
@@ -303,7 +307,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     # Loaded here rather than in the generation thread, so that a daemon that is not running
     # is a one-line error before anything listens.
     model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
-                            pool_gb=pool_gb)
+                            pool_gb=pool_gb, speculate=speculate)
     cli_args.pipeline = pipeline_group is not None
     session = model.expertd_session
     try:

@@ -117,7 +117,7 @@ class Session:
         # long (and at least three heartbeats) before calling it stuck.
         self._heartbeat = Heartbeat(self.paths.endpoint, conn.client_id, hello["token"], interval,
                                     max(hello["client_timeout"], 3 * interval),
-                                    self._daemon_alive, self._reap)
+                                    self._daemon_alive, self._reap, self._heartbeat_report)
         self.requester.heartbeat = self._heartbeat
 
     def announce_pools(self) -> None:
@@ -180,6 +180,9 @@ class Session:
         another process, or a new daemon, does not count) and still serves."""
         view = self.view
         return serving_epoch(self.paths) == self.epoch and view is not None and view.serving
+
+    def _heartbeat_report(self) -> dict:
+        return {"steps": self.counters["steps"], "host_waits": self.counters["host_waits"]}
 
     def _reap(self) -> bool:
         requester = self.requester

@@ -21,6 +21,8 @@ class Client:
     pins: set = field(default_factory=set)  # keys it pinned: they die with it
     prefetch_reads: int = 0  # experts read ahead because it asked (its share of bytes read)
     pool_bytes: int = 0  # its own expert memory, as its hello said
+    steps: int = 0  # its forward steps and the host waits in them, as its heartbeat said
+    host_waits: int = 0
 
 
 class ClientRegistry:
@@ -59,8 +61,9 @@ class ClientRegistry:
         return client
 
     def summary(self) -> list:
-        """Per client: its pid and its own expert memory (for status)."""
-        return [dict(pid=c.pid, pool_bytes=c.pool_bytes) for c in self._clients.values()]
+        """Per client: its pid, its own expert memory and its host waits (for status)."""
+        return [dict(pid=c.pid, pool_bytes=c.pool_bytes, steps=c.steps, host_waits=c.host_waits)
+                for c in self._clients.values()]
 
     def seen(self, identity: bytes, now: float) -> Client | None:
         """A request from ``identity``: it is alive. None if it never said hello."""
@@ -69,12 +72,13 @@ class ClientRegistry:
             client.last_seen = now
         return client
 
-    def heartbeat(self, identity: bytes, token: bytes, now: float) -> bool:
+    def heartbeat(self, identity: bytes, token: bytes, now: float, steps: int = 0,
+                  host_waits: int = 0) -> bool:
         """A heartbeat naming ``identity``; counts only with that client's token."""
         client = self._clients.get(identity)
         if client is None or not hmac.compare_digest(client.token, token):
             return False
-        client.last_seen = now
+        client.last_seen, client.steps, client.host_waits = now, steps, host_waits
         return True
 
     def remove(self, identity: bytes) -> Client | None:

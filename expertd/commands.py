@@ -29,7 +29,8 @@ def _cmd_generate(args) -> int:
                        seed=args.seed, prefetch=args.prefetch, top_p=args.top_p,
                        min_p=args.min_p, top_k=args.top_k, system_prompt=args.system_prompt,
                        chat_template=not args.ignore_chat_template, out=out,
-                       pipeline_group=group, pool_gb=args.pool_gb)
+                       pipeline_group=group, pool_gb=args.pool_gb,
+                       speculate=args.speculate)
     if group is not None:
         from expertd.client.pipeline import gather_usage
 
@@ -72,6 +73,11 @@ def add_prefetch_flag(p, help_text: str) -> None:
                    "(default: on a CUDA GPU every expert that fits in half its free memory; on "
                    "Metal and the CPU 2 x top-k rows a layer; below top-k rows a layer is "
                    "refused)")
+    p.add_argument("--speculate", choices=("auto", "on", "off"), default="auto",
+                   help="run each decode step without waiting for the host in every MoE layer, "
+                   "check the routed experts at the step's end and replay exactly a step that "
+                   "missed its pools; auto (default) stops while replays are frequent, off "
+                   "waits in every MoE layer")
 
 
 def _positive_gb(text: str) -> float:
@@ -139,7 +145,8 @@ def _cmd_serve(args) -> int:
                    prompt_cache_size=args.prompt_cache_size,
                    allowed_origins=args.allowed_origins, log_level=args.log_level)
     status = serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,
-                   options=options, pool_gb=args.pool_gb, pipeline_group=_pipeline_group() if args.pipeline else None)
+                   options=options, pool_gb=args.pool_gb, speculate=args.speculate,
+                   pipeline_group=_pipeline_group() if args.pipeline else None)
     # Everything is closed (the daemon got its goodbye): skip the C++ static destructors. With
     # MLX 0.32 on Linux they abort ("terminate called without an active exception") once
     # mlx-lm has decoded requests in a batch; `mlx_lm.server` itself exits that way.
@@ -154,7 +161,7 @@ def _cmd_chat(args) -> int:
 
     return chat(Path(args.blobs), system_prompt=args.system_prompt, max_tokens=args.max_tokens,
                 temp=args.temp, top_p=args.top_p, seed=args.seed, max_kv_size=args.max_kv_size,
-                prefetch=args.prefetch, pool_gb=args.pool_gb)
+                prefetch=args.prefetch, pool_gb=args.pool_gb, speculate=args.speculate)
 
 
 def _json_object(text: str) -> dict:

@@ -190,7 +190,9 @@ def _status_lines(s: dict) -> list:
         f"  read         {s['bytes_read'] / 2**20:.1f} MiB in {s['fills']} fills, "
         f"{s['fill_gbps']:.2f} GB/s while filling",
         f"  clients      {s['clients']} connected, {s['leases']} leases",
-        *[f"    pid {c['pid']:<8} pools {c['pool_bytes'] / 2**20:.1f} MiB"
+        *[f"    pid {c['pid']:<8} pools {c['pool_bytes'] / 2**20:.1f} MiB, "
+          f"{c.get('steps', 0)} steps, "
+          f"{c.get('host_waits', 0) / max(1, c.get('steps', 0)):.2f} host waits a step"
           for c in s.get("client_pools", [])],
         f"  log          {s['log']}",
     ]

@@ -80,6 +80,8 @@ class Heartbeat:
 
     client: bytes
     token: bytes
+    steps: int = 0  # the client's forward steps so far, and its host waits in them (status)
+    host_waits: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,9 @@ def parse_request(frames: list):
         req = Release(_int(body, "lease"))
     elif op is Op.HEARTBEAT:
         req = Heartbeat(_bytes(body, "client", CLIENT_ID_BYTES),
-                        _bytes(body, "token", HEARTBEAT_TOKEN_BYTES))
+                        _bytes(body, "token", HEARTBEAT_TOKEN_BYTES),
+                        *(_int(body, key) if key in body else 0
+                          for key in ("steps", "host_waits")))
     else:
         req = Empty()
     return rid, op, req

@@ -194,7 +194,8 @@ class ExpertServer:
     def _handle(self, identity: bytes, rid: bytes, op: Op, req) -> None:
         now = time.monotonic()
         if op is Op.HEARTBEAT:
-            known = self.clients.heartbeat(req.client, req.token, now)
+            known = self.clients.heartbeat(req.client, req.token, now, req.steps,
+                                           req.host_waits)
             self._send(identity, reply_ok(rid, op, epoch=self.epoch, known=known))
             return
         if op is Op.HELLO:

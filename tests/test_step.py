@@ -6,6 +6,8 @@ that missed a pool (in the first, a middle or the last MoE layer; with the missi
 from the arena too) is replayed exactly, and caches that cannot be trimmed back never speculate.
 """
 
+import os
+
 import mlx.core as mx
 import mlx_lm
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, prompt_ids, routed_model
-from harness import Daemon
+from harness import Daemon, expertd_cli, wait_until
 from expertd.client import load
 from expertd.client.step import MAX_REPLAYS, RETRY_AFTER, Speculation, replayable
 from expertd.manifest import Manifest
@@ -66,8 +68,10 @@ def delta(after: dict, before: dict) -> dict:
 def warm(models, isolated_env, tmp_path):
     """A qwen3_moe client whose pools hold every expert, after a prompt."""
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
-    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+    with Daemon(blob_dir, isolated_env,
+                *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")) as daemon:
         model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 16), prefetch="off")
+        model.daemon = daemon
         try:
             fill_pools(model)
             assert all(pool.complete for pool in model.expertd_session.pools)
@@ -85,6 +89,13 @@ def test_a_warm_decode_step_waits_for_the_host_once(warm):
         run.step()
     d = delta(counters(session), before)
     assert d == {"steps": 12, "host_waits": 12, "speculative_steps": 12, "replays": 0}, d
+    # The heartbeat carries the counts to the daemon's status.
+    mine = counters(session)
+    wait_until(lambda: {"pid": os.getpid(), "pool_bytes": session.pool_bytes,
+                        "steps": mine["steps"], "host_waits": mine["host_waits"]}
+               in model.daemon.stats()["client_pools"], 10, "the heartbeat's counts")
+    status = expertd_cli("status", "--blobs", session.paths.blob_dir).stdout
+    assert f"{mine['steps']} steps, {mine['host_waits'] / mine['steps']:.2f} host waits" in status
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
