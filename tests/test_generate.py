@@ -40,11 +40,12 @@ def test_the_summary_is_this_clients_own(models, isolated_env, tmp_path):
     assert warm["misses"] == warm["bytes_read"] == warm["daemon_bytes_read"] == 0
     assert warm["hit_rate"] == 1.0 and warm["hits"] > 0
     assert "hit rate 100.0% | read 0.0 MiB" in line
-    # A forward per token at least (mlx-lm runs one step ahead and the prompt on its own);
-    # each waited for the host once per MoE layer at most.
+    # A forward per token at least (mlx-lm runs one step ahead and the prompt on its own): a
+    # speculative one waits for the host once, another (or a replay) once per MoE layer.
     assert warm["steps"] >= len(warm["tokens"])
     layers = len(Manifest.load(blob_dir).layers)
-    assert warm["steps"] <= warm["host_waits"] <= warm["steps"] * layers
+    per_layer = warm["steps"] - warm["speculative_steps"] + warm["replays"]
+    assert warm["host_waits"] == warm["speculative_steps"] + per_layer * layers
     assert " host waits a step" in line
 
 
