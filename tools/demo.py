@@ -86,8 +86,10 @@ def run_demo(workdir: Path | None = None, rebuild: bool = False) -> int:
             print(f"  client {i}: text {textwrap.shorten(repr(text.strip()), 100)}")
             print(f"  client {i}: {summary['generation_tokens']} tokens at "
                   f"{summary['generation_tps']:.1f} tok/s (prompt {summary['prompt_tps']:.1f} "
-                  f"tok/s), found {summary['fast_hits']} experts in shared memory without "
-                  f"asking, demanded {summary['demanded']}")
+                  f"tok/s), {summary['pool_hits']} experts found in its own pools, "
+                  f"{summary['pool_moved']} moved in ({summary['fast_hits']} found in shared "
+                  f"memory without asking, {summary['demanded']} demanded), "
+                  f"{summary['host_waits'] / max(1, summary['steps']):.2f} host waits a step")
         shared = _daemon_stats(blob_dir)
         stop(blob_dir)
 
