@@ -3,6 +3,10 @@
     python -P bench/gpu_pools.py [--small] [--rounds 3] [--tokens 48] [--temp 0]
                                  [--out FILE.json] [--md FILE.md] [--results]
 
+Where the package is installed apart from the source tree (the GPU machine), run it with
+PYTHONSAFEPATH=1 rather than -P: the daemon's own process, started from the project's root,
+inherits it, and the source tree's expertd/ does not shadow the installed package there.
+
 Made for an H200 with MLX's CUDA backend (every expert fits in a pool there); ``--small`` is a
 tiny model for the CPU. The Qwen3-30B-A3B-shaped model (128 experts, top-8, 4-bit, 12 layers) is
 synthesized and converted into bench/out, a daemon is started per arena, and the resident model
@@ -10,9 +14,11 @@ synthesized and converted into bench/out, a daemon is started per arena, and the
 the machine's noise hits both alike. Decoding is greedy (or seeded, ``--temp``); tokens
 differing from resident raise.
 
-- warm: an arena holding every expert, the default pool, prefetch off and auto: tok/s, ratio,
-  and per layer of the decode window µs in the router's sync (it waits for the GPU's work so
-  far), moving rows into the pool, and the rest (wall ÷ layer calls − both);
+- warm: an arena holding every expert, the default pool, for each of MODES (prefetch, and
+  speculate: off is one host wait per MoE layer, auto one per decode step): tok/s, ratio, host
+  waits per token, and per MoE layer of each decoded token µs in the per-layer router syncs
+  (each waits for the GPU's work so far), moving rows into the pool, and the rest (wall ÷ layer
+  calls − both; a speculative step's one wait at its end is in the rest);
 - capped: arena and pool 25% of all experts: also bytes moved into pools and read by the daemon
   per token, and the transfer bound (bytes each token must move ÷ the move bandwidth measured);
 - TTFT of a 500-token prompt (one forward to its last logits), and the pool bytes and RSS.
@@ -40,17 +46,19 @@ TINY = dict(family="qwen3_moe", layers=4, experts=32, top_k=4, hidden=256, moe_i
 PROMPT = "The shared cache serves every client from one copy of the experts"
 TTFT_TOKENS = 500
 CAPPED = 0.25  # of all experts, for the capped arena and pool
+MODES = (("off", "off"), ("auto", "off"), ("auto", "auto"))  # (prefetch, speculate)
 BARS = dict(warm=0.35, stretch=0.95, capped=0.8, ttft=1.5)
 SECTION = "## GPU: expert pools"
 
 
 def snapshot(session) -> dict:
-    """What ``session`` has done so far: its timing, bytes moved into its pools (when routed,
-    and written ahead then used), the daemon's bytes read, and a clock."""
+    """What ``session`` has done so far: its timing, model calls (steps), host waits and
+    replays, bytes moved into its pools (when routed, and written ahead then used), the daemon's
+    bytes read, and a clock."""
     eb = [layer.expert_bytes for layer in session.manifest.layers]
-    t = session.timing
+    t, c = session.timing, session.counters
     return dict(t=time.perf_counter(), sync_s=t["sync_s"], exposed_s=t["exposed_s"],
-                layers=t["layers"],
+                steps=c["steps"], host_waits=c["host_waits"], replays=c["replays"],
                 moved_bytes=sum(p.counters["moved"] * eb[p.layer] for p in session.pools),
                 ahead_bytes=sum(p.counters["ahead_used"] * eb[p.layer] for p in session.pools),
                 bytes_read=session.stats()["bytes_read"])
@@ -106,27 +114,31 @@ def side_by_side(resident, streamed, tokenizer, ids, args) -> dict:
 
 
 def summarize(runs: dict, moe_layers: int) -> dict:
-    """Medians, the per-layer split and the per-token bytes of the decode windows."""
+    """Medians, the per-layer split and the per-token counts of the decode windows."""
     w = {k: sum(win[k] for win in runs["windows"]) for k in runs["windows"][0]}
-    steps = w["layers"] / moe_layers  # decode steps inside the windows
+    steps = w["steps"]  # decode steps (model calls) inside the windows
+    calls = steps * moe_layers  # every MoE layer: a speculative step's layers record no timing
     res_tps, st_tps = statistics.median(runs["res_tps"]), statistics.median(runs["st_tps"])
-    sync, moves = 1e6 * w["sync_s"] / w["layers"], 1e6 * w["exposed_s"] / w["layers"]
+    sync, moves = 1e6 * w["sync_s"] / calls, 1e6 * w["exposed_s"] / calls
     must = (w["moved_bytes"] + w["ahead_bytes"]) / steps
     gbps = w["moved_bytes"] / w["exposed_s"] / 1e9 if w["moved_bytes"] and w["exposed_s"] else None
     bound = gbps * 1e9 / must if gbps and must else None
-    ttft_ratio = statistics.median(s / r for s, r in zip(runs["st_ttft"], runs["res_ttft"]))
+    per_token = {f"{k}_per_token": w[k] / steps
+                 for k in ("host_waits", "replays", "moved_bytes", "ahead_bytes", "bytes_read")}
     return dict(resident_tps=res_tps, streamed_tps=st_tps, ratio=st_tps / res_tps,
                 ratios=[s / r for s, r in zip(runs["st_tps"], runs["res_tps"])],
-                sync_us=sync, moves_us=moves, compute_us=1e6 * w["t"] / w["layers"] - sync - moves,
-                moved_per_token=w["moved_bytes"] / steps, ahead_per_token=w["ahead_bytes"] / steps,
-                read_per_token=w["bytes_read"] / steps, move_gbps=gbps, bound_tps=bound,
+                sync_us=sync, moves_us=moves, compute_us=1e6 * w["t"] / calls - sync - moves,
+                move_gbps=gbps, bound_tps=bound,
                 bound_ratio=st_tps / min(res_tps, bound or res_tps),
                 resident_ttft_s=statistics.median(runs["res_ttft"]),
-                streamed_ttft_s=statistics.median(runs["st_ttft"]), ttft_ratio=ttft_ratio)
+                streamed_ttft_s=statistics.median(runs["st_ttft"]),
+                ttft_ratio=statistics.median(s / r for s, r in zip(runs["st_ttft"],
+                                                                   runs["res_ttft"])),
+                **per_token)
 
 
 def measure(blob_dir, resident, tokenizer, arena: str, cache_gb: float, pool_gb, args) -> list:
-    """Prefetch off and auto against one daemon: a streamed model each, side by side."""
+    """Each of MODES against one daemon: a streamed model each, side by side."""
     import mlx.core as mx
 
     from expertd.client import load
@@ -135,14 +147,15 @@ def measure(blob_dir, resident, tokenizer, arena: str, cache_gb: float, pool_gb,
                      for i in range(TTFT_TOKENS)]])
     results = []
     with daemon(blob_dir, cache_gb):
-        for prefetch in ("off", "auto"):
+        for prefetch, speculate in MODES:
             rss_before = rss_breakdown(os.getpid())["VmRSS"]
-            streamed, _ = load(blob_dir, pool_gb=pool_gb, prefetch=prefetch)
+            streamed, _ = load(blob_dir, pool_gb=pool_gb, prefetch=prefetch, speculate=speculate)
             session = streamed.expertd_session
             try:
                 runs = side_by_side(resident, streamed, tokenizer, ids, args)
                 results.append(dict(
-                    kind="capped" if pool_gb else "warm", arena=arena, prefetch=prefetch, cache_gb=cache_gb, pool_gb=pool_gb,
+                    kind="capped" if pool_gb else "warm", arena=arena, prefetch=prefetch,
+                    speculate=speculate, cache_gb=cache_gb, pool_gb=pool_gb,
                     pool_rows=[p.rows for p in session.pools],
                     pools_complete=all(p.complete for p in session.pools),
                     pool_bytes=session.pool_bytes, rss=rss_breakdown(os.getpid())["VmRSS"],
@@ -170,11 +183,11 @@ def run(args) -> dict:
     # A pool row is an expert's bytes, not a stride: 25% of the experts, not of their strides.
     pool_bytes = CAPPED * sum(layer.num_experts * layer.expert_bytes for layer in manifest.layers)
     resident, tokenizer = mlx_lm.load(str(model_dir))
-    rows = round(CAPPED * len(manifest.layers) * manifest.max_experts)
+    arena_rows = round(CAPPED * len(manifest.layers) * manifest.max_experts)
     results = measure(blob_dir, resident, tokenizer, "every expert", total * 1.3 / 2**30 + 0.01,
                       None, args)
-    results += measure(blob_dir, resident, tokenizer, f"{CAPPED:.0%}", arena_gb(blob_dir, rows),
-                       pool_bytes / 2**30, args)
+    results += measure(blob_dir, resident, tokenizer, f"{CAPPED:.0%}",
+                       arena_gb(blob_dir, arena_rows), pool_bytes / 2**30, args)
     return dict(model=spec, device=str(mx.default_device()), mlx=mx.__version__,
                 total_expert_bytes=total, rounds=args.rounds, tokens=args.tokens, temp=args.temp,
                 ttft_tokens=TTFT_TOKENS, results=results)
@@ -185,14 +198,18 @@ def row(measure: str, value: str, target: str = "", ok=None) -> str:
     return f"| {measure} | {value} | {target} | {verdict} |"
 
 
+def ttft_row(r: dict, tag: str, prompt: int, *bar) -> str:
+    return row(f"TTFT {prompt} tokens ÷ resident, {tag}", f"{r['ttft_ratio']:.2f} "
+               f"({r['streamed_ttft_s']:.3f} vs {r['resident_ttft_s']:.3f} s)", *bar)
+
+
 def warm_rows(r: dict, tag: str, tps: str, prompt: int) -> list:
     return [row(f"warm decode ÷ resident, {tag}", f"{r['ratio']:.3f} {tps}",
                 f"≥ {BARS['warm']} (stretch {BARS['stretch']})", r["ratio"] >= BARS["warm"]),
-            row(f"per layer: sync / moves / compute, {tag}",
-                f"{r['sync_us']:.0f} / {r['moves_us']:.0f} / {r['compute_us']:.0f} µs"),
-            row(f"TTFT {prompt} tokens ÷ resident, {tag}", f"{r['ttft_ratio']:.2f} "
-                f"({r['streamed_ttft_s']:.3f} vs {r['resident_ttft_s']:.3f} s)",
-                f"≤ {BARS['ttft']}", r["ttft_ratio"] <= BARS["ttft"])]
+            row(f"per layer: sync / moves / rest; host waits, replays per token, {tag}",
+                f"{r['sync_us']:.0f} / {r['moves_us']:.0f} / {r['compute_us']:.0f} µs; "
+                f"{r['host_waits_per_token']:.1f}, {r['replays_per_token']:.2f}"),
+            ttft_row(r, tag, prompt, f"≤ {BARS['ttft']}", r["ttft_ratio"] <= BARS["ttft"])]
 
 
 def capped_rows(r: dict, tag: str, tps: str, prompt: int) -> list:
@@ -202,11 +219,11 @@ def capped_rows(r: dict, tag: str, tps: str, prompt: int) -> list:
     return [row(f"capped decode ÷ min(resident, transfer bound), {tag}",
                 f"{r['bound_ratio']:.3f} {tps}; bound {bound}", f"≥ {BARS['capped']}",
                 r["bound_ratio"] >= BARS["capped"]),
-            row(f"per token: moved into pools (+ written ahead) / daemon read, {tag}",
-                f"{mib('moved_per_token')} (+ {mib('ahead_per_token')}) / "
-                f"{mib('read_per_token')} MiB; moves {gbps}"),
-            row(f"TTFT {prompt} tokens ÷ resident, {tag}", f"{r['ttft_ratio']:.2f} "
-                f"({r['streamed_ttft_s']:.3f} vs {r['resident_ttft_s']:.3f} s)")]
+            row(f"per token: moved into pools (+ written ahead) / daemon read; host waits, "
+                f"replays, {tag}", f"{mib('moved_bytes_per_token')} (+ "
+                f"{mib('ahead_bytes_per_token')}) / {mib('bytes_read_per_token')} MiB, moves "
+                f"{gbps}; {r['host_waits_per_token']:.1f}, {r['replays_per_token']:.2f}"),
+            ttft_row(r, tag, prompt)]
 
 
 def table(summary: dict) -> str:
@@ -219,7 +236,8 @@ def table(summary: dict) -> str:
              "equal resident's in every round.",
              "", "| measure | value | target | pass/fail |", "| --- | --- | --- | --- |"]
     for r in summary["results"]:
-        tag = f"arena {r['arena']}, pool {r['pool_rows'][0]} rows/layer, prefetch {r['prefetch']}"
+        tag = (f"arena {r['arena']}, pool {r['pool_rows'][0]} rows/layer, prefetch "
+               f"{r['prefetch']}, speculate {r['speculate']}")
         tps = f"({r['streamed_tps']:.1f} vs {r['resident_tps']:.1f} tok/s)"
         rows = warm_rows if r["kind"] == "warm" else capped_rows
         lines += rows(r, tag, tps, summary["ttft_tokens"])
@@ -242,6 +260,8 @@ def main() -> None:
     parser.add_argument("--results", action="store_true",
                         help=f"also put the table into bench/RESULTS.md as '{SECTION}'")
     args = parser.parse_args()
+    if args.tokens < 2:
+        parser.error("--tokens: at least 2 (the decode window starts at the first token)")
     summary = run(args)
     text = json.dumps(summary, indent=1)
     print(text)

@@ -7,7 +7,7 @@ One daemon per arena size, one client at a time, prefetch off and on alternating
   (critical-path copies + the copier's background copies + the daemon's fill time), per layer;
 - capped decode tok/s and TTFT vs the arena, next to resident mlx-lm and the SSD bound;
 - LFU hit rate from STATS (prefetched rows apart) ÷ Belady on the routing the run recorded;
-- a per-layer timeline of a few decode tokens, and the client's hit path with prefetch on.
+- a per-layer timeline of a few decode tokens, and what the copier costs with prefetch on.
 The learned-routing model is the subject; the Qwen3-30B-A3B-shaped synth model (random router)
 gives absolute copy sizes and times at real expert shapes.
 """
@@ -65,7 +65,7 @@ def record_routing(model) -> list:
             continue
         cls = type(module)
 
-        def call(self, x, indices, _cls=cls, _layer=st.layer):
+        def call(self, x, indices, _cls=cls, _layer=st.index):
             out = _cls.__call__(self, x, indices)
             trace.append((_layer, np.unique(np.array(indices))))
             return out
@@ -76,7 +76,7 @@ def record_routing(model) -> list:
 
 def snapshot(session, blob_dir) -> dict:
     s = stats(blob_dir)
-    return dict(timing=dict(session.timing), counters=dict(session.counters),
+    return dict(timing=dict(session.timing), counters=session.all_counters(),
                 busy=session.copier.busy_seconds, stats={k: s[k] for k in STAT_KEYS},
                 rows=s["arena_rows"])
 
@@ -100,77 +100,30 @@ def generate(model, tokenizer, ids, tokens: int, on_first=None) -> dict:
     return dict(ttft=first - started, tps=(len(out) - 1) / (done - first), tokens=out)
 
 
-def hit_path_probe(session) -> list:
-    """Wrap the session's fetch and prestage to time the client's own work per layer call,
-    without the byte copies (critical path, copier wait) and without fill waits.
-
-    Returns the list it fills: per pure-hit call, [experts, fetch µs, prestage µs].
-    """
-    samples, fetch, prestage = [], session.fetch, session.prestage
-    t, last = session.timing, [None]
-
-    def byte_time():
-        return t["copy_s"] + t["copier_wait_s"] + t["fill_wait_s"]
-
-    def timed_fetch(*args):
-        before, demanded = byte_time(), session.counters["demanded"]
-        started = time.perf_counter()
-        out = fetch(*args)
-        spent = time.perf_counter() - started
-        last[0] = None
-        if session.counters["demanded"] == demanded:  # a pure hit: no round trip
-            last[0] = [len(args[1]), (spent - (byte_time() - before)) * 1e6, 0.0]
-            samples.append(last[0])
-        return out
-
-    def timed_prestage(*args):
-        started = time.perf_counter()
-        out = prestage(*args)
-        if last[0] is not None:  # the guess made in the same layer call as that fetch
-            last[0][2] = (time.perf_counter() - started) * 1e6
-        return out
-
-    session.fetch, session.prestage = timed_fetch, timed_prestage
-    return samples
-
-
 def copier_costs(session, n: int = 1000) -> dict:
-    """Prestage and the copier alone (no MLX work in flight), every expert resident: µs p50 of
-    ``prestage`` of top_k guessed rows, of the native remap inside it, of handing the copier an
-    empty job and getting it back, and of waiting for a job of top_k rows just handed over."""
-    from expertd import native
-
+    """The copier alone (no MLX work in flight), every expert resident: µs p50 of the lookup of
+    top_k guessed rows in the arena, of handing the copier an empty job and getting it back,
+    and of waiting for a copy of those rows just handed over (what writing a guess ahead costs
+    besides the copy)."""
     rng = np.random.default_rng(0)
     dest = np.empty(session.staging_bytes(), np.uint8)
     layers, k = len(session.manifest.layers), session.manifest.top_k
-    out = {key: [] for key in ("prestage", "prestage_default", "remap", "empty_job", "job_wait")}
-    slots, versions, filling = np.empty(k, np.int32), np.empty(k, np.uint64), np.empty(k, np.int32)
-    default = session.copy_ahead_bytes
+    positions = np.arange(k, dtype=np.int32)
+    out = {key: [] for key in ("lookup", "empty_job", "job_wait")}
     for i in range(n):
         layer = 1 + i % (layers - 1)
         guessed = np.sort(rng.choice(session.manifest.layers[layer].num_experts, k,
                                      replace=False)).astype(np.int32)
-        # With the session's own threshold (rows this small are not handed to the copier)...
-        t = time.perf_counter()
-        session.prestage(layer, guessed, k, dest, session.copier)
-        out["prestage_default"].append((time.perf_counter() - t) * 1e6)
-        # ...and with the copy handed over whatever its size.
-        session.copy_ahead_bytes = 0
-        try:
-            t0 = time.perf_counter()
-            staged = session.prestage(layer, guessed, k, dest, session.copier)
-            t1 = time.perf_counter()
-            staged.job.wait()
-            t2 = time.perf_counter()
-        finally:
-            session.copy_ahead_bytes = default
-        native.remap(session.raw, session._slot_of_offset, session._slots_offset,
-                     session._n_experts, layer, guessed, slots, versions, filling)
-        t3 = time.perf_counter()
+        view, bases = session.view, session.bases(layer)
+        t0 = time.perf_counter()
+        slots = view.lookup(layer, guessed).slots
+        t1 = time.perf_counter()
         session.copier.submit(lambda: None).wait()
-        t4 = time.perf_counter()
-        for key, span in (("prestage", t1 - t0), ("job_wait", t2 - t1), ("remap", t3 - t2),
-                          ("empty_job", t4 - t3)):
+        t2 = time.perf_counter()
+        session.copier.submit(lambda: view.copy(layer, slots, dest, bases, positions)).wait()
+        t3 = time.perf_counter()
+        for key, span in (("lookup", t1 - t0), ("empty_job", t2 - t1),
+                          ("job_wait", t3 - t2)):
             out[key].append(span * 1e6)
     return {key: float(np.median(v)) for key, v in out.items()}
 
@@ -186,26 +139,30 @@ def delta(a: dict, b: dict) -> dict:
     total = d["copy_s"] + d["busy_s"] + d["fill_seconds"]
     d["ratio"] = d["exposed_s"] / total if total else float("nan")
     for k in ("exposed_s", "copy_s", "busy_s", "fill_seconds", "fill_wait_s", "copier_wait_s",
-              "sync_s"):
+              "sync_s", "prestage_s"):
         d[k.removesuffix("_s").removesuffix("_seconds") + "_us"] = d[k] / layers * 1e6
     return d
 
 
 def one_run(blob_dir, tokenizer, prompts, rows: int, mode: str, all_resident: bool,
             tokens: int | None = None, probe: bool = False, timeline: bool = False,
-            warm_tokens: int | None = None) -> dict:
-    """A fresh daemon of ``rows`` cache rows, one client with prefetch ``mode``: a warm-up
-    generation on one held-out prompt, then the measured one on another."""
+            warm_tokens: int | None = None, pool_gb: float | None = None) -> dict:
+    """A fresh daemon of ``rows`` cache rows, one client with prefetch ``mode`` (and pools of
+    ``pool_gb``, default the client's): a warm-up generation on one held-out prompt, then the
+    measured one on another. ``probe``: also time the copier alone (prefetch on)."""
     from expertd.client import load
 
     warm_ids, ids = prompts
     tokens = tokens or DECODE_TOKENS
+    # Prefetch works on the per-layer path (a speculative step guesses nothing, and the
+    # routing trace would add a host wait to it): every step takes that path.
+    options = dict(pool_gb=pool_gb, speculate="off")
     with ExitStack() as stack:
         _start(stack, blob_dir, rows)
         if mode == NARROW:
-            model, _ = load(blob_dir, prefetch="on", guess_width=1)
+            model, _ = load(blob_dir, prefetch="on", guess_width=1, **options)
         else:
-            model, _ = load(blob_dir, prefetch=mode)
+            model, _ = load(blob_dir, prefetch=mode, **options)
         session = model.expertd_session
         try:
             trace = record_routing(model)
@@ -225,12 +182,8 @@ def one_run(blob_dir, tokenizer, prompts, rows: int, mode: str, all_resident: bo
                           whole=delta(begin, end), prediction=session.prediction())
             result["whole_stats"] = end["stats"]
             result["trace"] = [(layer, ids_.astype(np.int64)) for layer, ids_ in trace]
-            if probe:
-                p = hit_path_probe(session)
-                generate(model, tokenizer, ids, 24)
-                result["hit_path"] = p
-                if mode == "on":
-                    result["copier_costs"] = copier_costs(session)
+            if probe and mode == "on":
+                result["copier_costs"] = copier_costs(session)
             if timeline:
                 session.timeline = []
                 generate(model, tokenizer, ids, TIMELINE_TOKENS + 2)
@@ -335,7 +288,8 @@ def learned(rounds: int = 5, log=print) -> dict:
 
 
 def qwen30b(tokens: int = 6, log=print) -> dict:
-    """Prefetch off vs on at Qwen3-30B-A3B expert shapes, every expert resident."""
+    """Prefetch off vs on at Qwen3-30B-A3B expert shapes, every expert in the arena and pools of
+    top-k rows a layer (of every expert, nothing would move)."""
     from common import QWEN3_30B_LIKE
     from expertd.manifest import Manifest
     from mlx_lm.utils import load_tokenizer
@@ -343,16 +297,19 @@ def qwen30b(tokens: int = 6, log=print) -> dict:
     model_dir, blob_dir = ensure_model("qwen3-30b-like", QWEN3_30B_LIKE)
     manifest = Manifest.load(blob_dir)
     n_keys = sum(layer.num_experts for layer in manifest.layers)
+    expert_bytes = manifest.layers[0].expert_bytes
+    # Half a row over the smallest pool, so that rounding cannot take a row off.
+    pool_gb = (manifest.top_k + 0.5) * expert_bytes * len(manifest.layers) / 2**30
     tokenizer = load_tokenizer(model_dir)
     ids = tokenizer.encode("The shared cache serves")
     out = []
     for mode in MODES:
         r = one_run(blob_dir, tokenizer, (ids, ids), n_keys, mode, True, tokens=tokens,
-                    warm_tokens=2)
+                    warm_tokens=2, pool_gb=pool_gb)
         d = r["decode"]
-        expert_bytes = manifest.layers[0].expert_bytes
         d["exposed_bytes"] = (d["fast_hits"] + d["demanded"]) * expert_bytes / d["calls"]
-        d["background_bytes"] = (d["staged_used"] + d["staged_unused"]) * expert_bytes / d["calls"]
+        # Rows the copier wrote ahead and the pool took in (used or not).
+        d["background_bytes"] = d["ahead"] * expert_bytes / d["calls"]
         r.pop("trace")
         out.append(r)
         log(f"  qwen3-30b-like prefetch {mode}: {r['tps']:.2f} tok/s, exposed "
@@ -364,7 +321,7 @@ def qwen30b(tokens: int = 6, log=print) -> dict:
         r.pop("tokens")
     return dict(runs=out, stride=manifest.stride, top_k=manifest.top_k,
                 layers=len(manifest.layers), tokens=tokens, experts=manifest.layers[0].num_experts,
-                expert_bytes=manifest.layers[0].expert_bytes)
+                expert_bytes=expert_bytes, pool_rows=manifest.top_k)
 
 
 def run(log=print) -> dict:

@@ -46,8 +46,8 @@ def exposed_table(L: dict) -> list:
                 half = 0.5 * _med(off, lambda r: r["decode"]["fill_wait_us"])
                 target = f"fill wait ≤ ½ of off ({half:.0f} µs)"
                 verdict = _verdict(d("fill_wait_us") <= half)
-            # What the main thread spends besides copies and waits: remap, validation,
-            # claiming staged rows, Python (not in the ratio's denominator).
+            # What the main thread spends besides copies and waits: pool bookkeeping, lookups,
+            # validation, committing rows written ahead, Python (not in the ratio's denominator).
             client = _med(runs, lambda r: r["decode"]["exposed_us"] - r["decode"]["copy_us"]
                           - r["decode"]["fill_wait_us"] - r["decode"]["copier_wait_us"])
             vs_off = d("exposed_us") / _med(off, lambda r: r["decode"]["exposed_us"])
@@ -133,21 +133,6 @@ def belady_table(L: dict) -> list:
     return lines
 
 
-def hit_path_rows(L: dict) -> list:
-    lines = []
-    for mode in ("off", "on"):
-        r = _runs(L, 1.0, mode)[0]
-        calls = np.array([s for s in r["hit_path"] if s[0] <= L["top_k"]])
-        fetch, pre = calls[:, 1], calls[:, 2]
-        both = fetch + pre
-        lines.append(
-            f"| hit path per MoE layer, learned model, prefetch {mode} ({len(calls)} decode "
-            f"calls) | {np.percentile(both, 50):.1f} µs p50, {np.percentile(both, 99):.1f} p99 "
-            f"(fetch {np.percentile(fetch, 50):.1f}, prestage {np.percentile(pre, 50):.1f}) | "
-            f"≤ 20 µs p50 | {_verdict(np.percentile(both, 50) <= 20)} |")
-    return lines
-
-
 def plots(L: dict) -> list:
     import matplotlib
 
@@ -197,7 +182,7 @@ def plots(L: dict) -> list:
     handles = [matplotlib.patches.Patch(color=c, label=n) for n, c in (
         ("router sync (incl. lazy compute of the previous layer and attention)", colours["sync"]),
         ("exposed fetch (less is better)", colours["exposed"]),
-        ("rest of the call: graph build, guess, prestage", colours["rest"]),
+        ("rest of the call: graph build, guess, write-ahead", colours["rest"]),
         ("between MoE calls (host work outside the switch)", colours["between"]))]
     axes[-1].set_xlabel("ms from the first call shown (3 decode tokens, layer number above)")
     fig.suptitle("learned model, per MoE layer call: arena % and prefetch", fontsize=9)
@@ -263,11 +248,13 @@ def notes(L: dict, Q: dict) -> list:
         *narrow_note,
         f"- Exposed time, prefetch on ÷ off, per arena: {exp}. Where there are fills, prefetch "
         f"hides {1 - max(capped):.0%}–{1 - min(capped):.0%} of the exposed time; at 100% there "
-        "are none, and the guess (prestage, claiming) costs about what the copies it saves did.",
+        "are none, and the guess (its PREFETCH, write-ahead and commit) costs about what the "
+        "copies it saves did.",
         f"- The ≤ 0.2 bar at 100% fails on this model by construction of its rows: with 16 KiB "
         f"rows a layer's copies take about {full('copy_us') + full('busy_us'):.0f} µs in all, "
-        f"while the client path the ratio's numerator also holds (remap, validation, claiming "
-        f"the staged rows, Python) takes about {client:.0f} µs. At Qwen3-30B-A3B shapes, where "
+        f"while the client path the ratio's numerator also holds (pool bookkeeping, lookups, "
+        f"validation, committing rows written ahead, Python) takes about {client:.0f} µs. At "
+        f"Qwen3-30B-A3B shapes (pools of top-{Q['pool_rows']} rows a layer), where "
         f"the copy is what matters, exposed ÷ copy time is {q_on['ratio']:.3f} with prefetch on "
         f"against {q_off['ratio']:.3f} off ({q_on['exposed_us']:.0f} against "
         f"{q_off['exposed_us']:.0f} µs per layer, {q_on['exposed_bytes'] / 1e6:.1f} against "
@@ -279,28 +266,25 @@ def notes(L: dict, Q: dict) -> list:
         "per-layer router sync (one host sync per MoE layer breaks MLX's pipelining; blue in the "
         "timeline), not copies or fills.",
         f"- Not in the exposed time: the main thread's work after the rows are in place, where "
-        f"the guess for the next layer is prestaged and PREFETCH sent. Median per call in the "
-        f"timeline runs, router sync / exposed / rest of the call, µs: {tl}. With prefetch on "
-        "part of what leaves the exposed column reappears in the rest of the call; compare the "
-        "whole call, not the exposed column alone. The session has no counter for it "
-        "(`timing` has no prestage time).",
+        f"the guess for the next layer is sent as PREFETCH and written ahead. Median per call "
+        f"in the timeline runs, router sync / exposed / rest of the call, µs: {tl}. With "
+        "prefetch on part of what leaves the exposed column reappears in the rest of the call; "
+        "compare the whole call, not the exposed column alone. The guess itself "
+        f"(`timing['prestage_s']`) takes {md(0.25, 'on', 'prestage_us'):.0f} µs per layer at "
+        f"the 25% arena and {full('prestage_us'):.0f} at 100%.",
         "- Hit rates: prefetched rows used are counted apart (STATS prefetch_hits); LFU's own "
         "hit rate barely moves with prefetch on, the misses it saves move to prefetch hits. "
         "(hits + prefetch hits) ÷ Belady can exceed 1: the side rows are capacity "
         "Belady's cache does not have. STATS counts slightly fewer lookups than the trace "
         "holds requests (requests column) because the prompt's calls are demanded in groups.",
-        "- The hit path rows time the whole `Session.fetch` minus its copies and waits (the "
-        "Python method, not only the native remap/validate/bump that the 'hit path' rows of the "
-        "main table time), plus `Session.prestage` for the next layer. Measured alone in the "
-        f"same run (no MLX work, `copier_costs`), prestage of top-{L['top_k']} guessed rows "
-        f"takes {cc['prestage']:.0f} µs p50, of which the native remap is {cc['remap']:.0f} µs; "
-        f"handing an empty job to the copier thread and getting it back costs "
-        f"{cc['empty_job']:.0f} µs (thread wake-up and GIL hand-off), and waiting for a "
-        f"{L['top_k'] * L['stride'] // 1024} KiB job just handed over {cc['job_wait']:.0f} µs: "
-        "for rows this small the copier costs more than the copy. So the client hands a guess "
-        "to the copier only from `copy_ahead_bytes` (512 KiB) up; below it prestage is the "
-        f"remap and the PREFETCH alone: {cc.get('prestage_default', float('nan')):.0f} µs p50 "
-        "here.", ""]
+        f"- Measured alone in the same run (no MLX work, `copier_costs`): the arena lookup of "
+        f"top-{L['top_k']} guessed rows takes {cc['lookup']:.0f} µs p50; handing an empty job to "
+        f"the copier thread and getting it back costs {cc['empty_job']:.0f} µs (thread wake-up "
+        f"and GIL hand-off), and handing over a copy of those rows "
+        f"({L['top_k'] * L['stride'] // 1024} KiB) and waiting for it {cc['job_wait']:.0f} µs: "
+        "for rows this small the copier costs more than the copy. So the client writes a guess "
+        "ahead on the copier only from `copy_ahead_bytes` (512 KiB) up; below it the guess is "
+        "the lookup and the PREFETCH alone.", ""]
 
 
 def section(result: dict) -> str:
@@ -322,9 +306,11 @@ def section(result: dict) -> str:
         f"top-{L['top_k']}, {L['stride'] / 1024:.0f} KiB rows). Each run: a fresh daemon with "
         "that many cache rows (`--cache-gb` sized for them; the daemon's default side rows come on "
         "top: 2 × top-k per generation where the cache keeps 16 times as many rows, top-k "
-        "below, so top-k at 10% only), one client (`load(..., prefetch=off|on)`); at 100% every expert is fetched into "
-        f"the arena first; a warm-up generation on one held-out prompt, then the measured one on "
-        f"another: {L['prompt_tokens']}-token held-out prompt, {L['decode_tokens']} tokens "
+        "below, so top-k at 10% only), one client (`load(..., prefetch=off|on, "
+        "speculate=\"off\")`: prefetch works on the per-layer path; the default pools, 2 × "
+        "top-k rows a layer); at 100% every expert is fetched into the arena first; a warm-up "
+        "generation on one held-out prompt, then the measured one on another: "
+        f"{L['prompt_tokens']}-token held-out prompt, {L['decode_tokens']} tokens "
         f"sampled at temperature 1 with a fixed seed (greedy decoding of this small model repeats "
         "one token, and so would its routing). Per-layer numbers are over the decode calls after "
         f"the first token; medians of {L['rounds']} rounds, off and on alternating, each round "
@@ -345,7 +331,7 @@ def section(result: dict) -> str:
         f"{ttft25:.2f} ({_med(r25_on, lambda r: r['ttft']) * 1e3:.0f} vs {res_ttft * 1e3:.0f} ms, "
         f"resident: median over the {len(L['resident'])} arena points) | ≤ 1.2 (the issue's "
         f"prefill goal) | {_verdict(ttft25 <= 1.2)} |",
-        *hit_path_rows(L), "",
+        "",
         "Exposed time per MoE layer (decode):", "", *exposed_table(L), "",
         "Guess precision / recall per predicted layer (prefetch on, whole run incl. warm-up; "
         "layer L's guess is made at layer L−1's router sync):", "", *prediction_table(L), "",
@@ -359,7 +345,8 @@ def section(result: dict) -> str:
         "used prefetched row is a saved miss, counted apart (first round):", "",
         *belady_table(L), "",
         f"Qwen3-30B-A3B expert shapes (`qwen3-30b-like`: {Q['layers']} layers, top-{Q['top_k']},"
-        f" {Q['expert_bytes'] / 2**20:.2f} MiB per expert), every expert in the arena, "
+        f" {Q['expert_bytes'] / 2**20:.2f} MiB per expert), every expert in the arena, pools of "
+        f"{Q['pool_rows']} rows a layer (pools of every expert would move nothing), "
         f"{Q['tokens']} decode tokens, one round, prefetch='on'. Random router, but the synth "
         "model's routing collapses onto few experts, so its guesses beat chance "
         f"({Q['top_k'] / Q['experts']:.2f} for {Q['experts']} experts, top-{Q['top_k']}) and "

@@ -1,15 +1,19 @@
-"""Warm decode: tok/s with every expert in the arena ÷ tok/s of mlx-lm with the model resident.
+"""Warm decode: tok/s with every expert in the arena and in the client's pools ÷ tok/s of mlx-lm
+with the model resident, once per speculate mode.
 
-Both models run in this process, alternating, so that the machine's noise hits both alike. Also
-measures the client's per-layer hit path: ``Session.fetch`` of top-k resident experts, with and
-without its byte copy.
+Both models run in this process, alternating round by round, so that the machine's noise hits
+both alike; tokens differing from resident raise. Also measured over the same rounds: host waits
+and replays per model step (``session.counters``), and the client's own time per MoE layer call
+on the per-layer path (``session.timing``): the router sync, and from it until the rows are in
+place, which with every expert pooled is bookkeeping only (nothing moves).
 """
-
-import time
 
 import numpy as np
 
 from common import daemon, ensure_model
+
+SPECULATE = ("auto", "off")
+PROMPT = "The shared cache serves every client from one copy of the experts"
 
 
 def _decode_tps(model, tokenizer, prompt: str, tokens: int) -> tuple:
@@ -23,81 +27,81 @@ def _decode_tps(model, tokenizer, prompt: str, tokens: int) -> tuple:
 
 
 def run(name: str, spec: dict, rounds: int = 5, tokens: int = 64) -> dict:
+    """Every speculate mode of :data:`SPECULATE` side by side with resident mlx-lm."""
     import mlx_lm
 
-    from expertd.client import load
     from expertd.manifest import Manifest
 
     model_dir, blob_dir = ensure_model(name, spec)
     total = Manifest.load(blob_dir).total_expert_bytes
+    # Pools of every expert: a row per expert (an expert's bytes are at most its arena stride).
+    pool_gb = total * 1.1 / 2**30 + 0.01
     resident, tokenizer = mlx_lm.load(str(model_dir))
-    prompt = "The shared cache serves every client from one copy of the experts"
+    out = dict(name=name, rounds=rounds, tokens=tokens, pool_gb=pool_gb)
     with daemon(blob_dir, total * 1.3 / 2**30 + 0.01):
-        streamed, _ = load(blob_dir)
-        session = streamed.expertd_session
-        _decode_tps(streamed, tokenizer, prompt, tokens)  # fills the arena: warm from here on
-        _decode_tps(resident, tokenizer, prompt, tokens)
+        for mode in SPECULATE:
+            out[mode] = side_by_side(blob_dir, resident, tokenizer, pool_gb, mode, rounds, tokens)
+    return out
+
+
+def side_by_side(blob_dir, resident, tokenizer, pool_gb: float, speculate: str, rounds: int,
+                 tokens: int) -> dict:
+    """One streamed client with ``speculate``, its pools filled, ``rounds`` alternating rounds."""
+    from expertd.client import load
+
+    streamed, _ = load(blob_dir, pool_gb=pool_gb, speculate=speculate)
+    session = streamed.expertd_session
+    try:
+        fill_pools(session)
+        _decode_tps(streamed, tokenizer, PROMPT, tokens)  # warm-up of both: MLX's first calls
+        _decode_tps(resident, tokenizer, PROMPT, tokens)
+        before = snapshot(session)
         ratios, res_tps, str_tps = [], [], []
         for _ in range(rounds):
-            a, toks_a = _decode_tps(resident, tokenizer, prompt, tokens)
-            b, toks_b = _decode_tps(streamed, tokenizer, prompt, tokens)
+            a, toks_a = _decode_tps(resident, tokenizer, PROMPT, tokens)
+            b, toks_b = _decode_tps(streamed, tokenizer, PROMPT, tokens)
             if toks_a != toks_b:
-                raise AssertionError("streamed tokens differ from resident ones")
+                raise AssertionError(f"streamed tokens (speculate={speculate}) differ from "
+                                     "resident ones")
             res_tps.append(a)
             str_tps.append(b)
             ratios.append(b / a)
-        demanded = session.counters["demanded"]
-        hit = _hit_path(session, spec["top_k"])
+        spent = {k: v - before[k] for k, v in snapshot(session).items()}
+        return dict(speculate=speculate, resident_tps=float(np.median(res_tps)),
+                    streamed_tps=float(np.median(str_tps)), ratio=float(np.median(ratios)),
+                    ratios=ratios, moe_layers=len(session.pools), pool_bytes=session.pool_bytes,
+                    pools_complete=all(pool.complete for pool in session.pools),
+                    **per_step(spent))
+    finally:
         session.close()
-    return dict(name=name, resident_tps=float(np.median(res_tps)),
-                streamed_tps=float(np.median(str_tps)), ratio=float(np.median(ratios)),
-                ratios=ratios, demanded_after_warmup=demanded, **hit)
 
 
-def _hit_path(session, top_k: int) -> dict:
-    """The client's per-layer hit path in µs, all experts resident.
+def fill_pools(session) -> None:
+    """Every expert into its layer's pool (read from the arena, demanded into it where absent):
+    from here on nothing moves."""
+    for pool in session.pools:
+        every = np.arange(pool.num_experts, dtype=np.int32)
+        pool.place(every, lambda experts, dest, bases, positions, layer=pool.layer:
+                   session.read_rows(layer, experts, dest, bases, positions))
+    if not all(pool.complete for pool in session.pools):
+        raise AssertionError("a pool does not hold every expert after filling it")
 
-    ``hit`` is what ``Session.fetch`` does besides the byte copy when every expert is present:
-    buffers, lock-free remap, seqlock validation, hit counters. ``fetch`` is the whole call,
-    ``copy`` the byte copy alone (timed on the same rows right after).
-    """
-    from expertd import native
 
-    n = max(300, min(3000, int(4e9 / (3 * top_k * session.manifest.stride))))
-    rng = np.random.default_rng(0)
-    dest = np.empty(session.staging_bytes(), np.uint8)
-    layers = len(session.manifest.layers)
-    raw, slot_of, slots_off = session.raw, session._slot_of_offset, session._slots_offset
-    hit, full, copy = [], [], []
-    for i in range(n):
-        layer = i % layers
-        experts = np.sort(rng.choice(session.manifest.layers[layer].num_experts, top_k,
-                                     replace=False)).astype(np.int32)
-        session.fetch(layer, experts, dest)  # make sure they are resident
-        t0 = time.perf_counter_ns()
-        slots = np.empty(top_k, np.int32)
-        versions = np.empty(top_k, np.uint64)
-        filling = np.empty(top_k, np.int32)
-        missing = native.remap(raw, slot_of, slots_off, session._n_experts, layer, experts,
-                               slots, versions, filling)
-        ok = native.validate(raw, slots_off, slots, versions)
-        native.bump_hits(raw, slots_off, slots)
-        t1 = time.perf_counter_ns()
-        session.fetch(layer, experts, dest)
-        t2 = time.perf_counter_ns()
-        offsets, nbytes = session._segment_tables[layer]
-        native.copy_segments(raw, session._rows_offset, session._stride, slots, offsets, nbytes,
-                             session.bases(layer, top_k), dest)
-        t3 = time.perf_counter_ns()
-        if missing or not ok:
-            continue  # evicted in between: not a hit-path sample
-        hit.append((t1 - t0) / 1e3)
-        full.append((t2 - t1) / 1e3)
-        copy.append((t3 - t2) / 1e3)
-    hit = np.array(hit)
-    return dict(fetch_p50_us=float(np.percentile(full, 50)),
-                fetch_p99_us=float(np.percentile(full, 99)),
-                copy_p50_us=float(np.percentile(copy, 50)),
-                hit_overhead_p50_us=float(np.percentile(hit, 50)),
-                hit_overhead_p99_us=float(np.percentile(hit, 99)),
-                hit_overhead_samples=hit.tolist())
+def snapshot(session) -> dict:
+    """The counters and timings that :func:`per_step` reads, as they are now."""
+    counters, timing = session.all_counters(), session.timing
+    return dict({k: counters[k] for k in ("steps", "host_waits", "speculative_steps", "replays",
+                                          "pool_moved")},
+                **{k: timing[k] for k in ("sync_s", "exposed_s", "layers")})
+
+
+def per_step(spent: dict) -> dict:
+    """Host waits per model step (the prompt's steps included) and the per-layer path's µs per
+    MoE layer call (None where no call took it: every step was speculative)."""
+    layers = spent["layers"]
+    per_layer = lambda key: spent[key] / layers * 1e6 if layers else None  # noqa: E731
+    return dict(steps=spent["steps"], host_waits=spent["host_waits"],
+                host_waits_per_step=spent["host_waits"] / spent["steps"],
+                speculative_steps=spent["speculative_steps"], replays=spent["replays"],
+                moved=spent["pool_moved"], layer_calls=layers, sync_us=per_layer("sync_s"),
+                exposed_us=per_layer("exposed_s"))

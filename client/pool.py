@@ -266,6 +266,8 @@ def smallest_rows(layer, top_k: int) -> int:
 def free_device_bytes() -> int | None:
     """Free memory of a discrete GPU as MLX sees it, or None if it does not say."""
     info = mx.device_info()
+    if info.get("free_memory") is not None:  # CUDA says it (cudaMemGetInfo)
+        return int(info["free_memory"])
     total = info.get("memory_size") or info.get("total_memory")
     if not total:
         return None
