@@ -25,7 +25,8 @@ SPECULATE_MODES = ("auto", "on", "off")
 WINDOW = 16  # speculative steps per verdict
 MAX_REPLAYS = 4  # replays in a window above which auto stops speculating (a replay costs a
 # step, a speculative hit saves one wait per MoE layer, about a layer's compute on a GPU)
-RETRY_AFTER = 64  # steps a stopped session waits before it speculates again
+RETRY_AFTER = 32  # steps a stopped session first waits before it speculates again; the wait
+MAX_RETRY_AFTER = 1024  # doubles each time it stops again, up to this, and resets on a good window
 
 
 def check_speculate(mode: str) -> str:
@@ -43,6 +44,7 @@ class Speculation:
     window_steps: int = 0
     window_replays: int = 0
     idle_steps: int = 0
+    retry_after: int = RETRY_AFTER
     stopped: int = 0  # times auto stopped speculating
 
     def __post_init__(self):
@@ -52,7 +54,7 @@ class Speculation:
         if self.mode != "auto" or self.active:
             return self.active
         self.idle_steps += 1
-        if self.idle_steps >= RETRY_AFTER:
+        if self.idle_steps >= self.retry_after:
             self.active, self.idle_steps = True, 0
         return self.active
 
@@ -60,8 +62,12 @@ class Speculation:
         self.window_steps += 1
         self.window_replays += replayed
         if self.window_replays > MAX_REPLAYS and self.mode == "auto":
+            if self.stopped:
+                self.retry_after = min(2 * self.retry_after, MAX_RETRY_AFTER)
             self.active = False
             self.stopped += 1
+        elif self.window_steps >= WINDOW:
+            self.retry_after = RETRY_AFTER  # a window that paid: a later stop waits little
         if self.window_steps >= WINDOW or not self.active:
             self.window_steps = self.window_replays = 0
 

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, prompt_ids, routed_model
 from harness import Daemon, expertd_cli, wait_until
 from expertd.client import load
-from expertd.client.step import MAX_REPLAYS, RETRY_AFTER, Speculation, replayable
+from expertd.client.step import MAX_REPLAYS, RETRY_AFTER, WINDOW, Speculation, replayable
 from expertd.manifest import Manifest
 
 _resident = {}
@@ -179,6 +179,12 @@ def test_auto_stops_speculating_when_replays_are_frequent_and_tries_again():
     assert not auto.active and auto.stopped == 1
     assert not any(auto.wanted() for _ in range(RETRY_AFTER - 1))
     assert auto.wanted()  # tries again
+    for _ in range(MAX_REPLAYS + 1):  # and fails again: it waits twice as long
+        auto.record(True)
+    assert not any(auto.wanted() for _ in range(2 * RETRY_AFTER - 1)) and auto.wanted()
+    for _ in range(WINDOW):  # a window that pays resets the wait
+        auto.record(False)
+    assert auto.retry_after == RETRY_AFTER
     on, off = Speculation("on"), Speculation("off")
     for _ in range(3 * MAX_REPLAYS):
         on.record(True)
