@@ -1,9 +1,10 @@
 """Where a layer's pool rows live, and how a row is written: two backings of one interface.
 
 Each backing holds one MLX array per segment, of shape ``(rows, *segment shape)``: the arrays
-mlx-lm's ``gather_qmm`` / ``gather_mm`` run on. ``write(rows, read)`` puts experts into rows;
-``read(dest, bases, positions)`` copies their bytes from the daemon's arena (seqlock-checked)
-into a host buffer, segment ``s`` of position ``p`` at ``bases[s] + p * nbytes[s]``.
+mlx-lm's ``gather_qmm`` / ``gather_mm`` run on. ``write(rows, experts, read)`` puts
+``experts`` into ``rows``; ``read(experts, dest, bases, positions)`` copies their bytes from the
+daemon's arena (seqlock-checked) into a host buffer, segment ``s`` of position ``p`` at
+``bases[s] + p * nbytes[s]``.
 
 - :class:`HostRows` (unified memory: the CPU, Metal): one MLX buffer per layer that the host
   writes into directly, through a numpy view of it. A move is one memcpy from the arena; MLX
@@ -64,8 +65,8 @@ class HostRows:
         self.nbytes_total = self.buffer.nbytes
         self.ahead_limit = rows
 
-    def write(self, rows: np.ndarray, read) -> None:
-        read(self.host, self.bases, rows)
+    def write(self, rows: np.ndarray, experts: np.ndarray, read) -> None:
+        read(experts, self.host, self.bases, rows)
 
     def staged_write(self, rows: np.ndarray, read):
         """The part of a write that may run on another thread (all of it, here), and what
@@ -95,11 +96,12 @@ class DeviceRows:
         self.host = np.empty(buffer_bytes(self.batch, self.nbytes), np.uint8)
         self.ahead_limit = self.batch
 
-    def write(self, rows: np.ndarray, read) -> None:
+    def write(self, rows: np.ndarray, experts: np.ndarray, read) -> None:
         for start in range(0, len(rows), self.batch):
             part = rows[start:start + self.batch]
             bases = segment_bases(len(part), self.nbytes)
-            read(self.host, bases, np.arange(len(part), dtype=np.int32))
+            read(experts[start:start + self.batch], self.host, bases,
+                 np.arange(len(part), dtype=np.int32))
             self._scatter(part, bases, self.host)
 
     def staged_write(self, rows: np.ndarray, read):

@@ -96,7 +96,7 @@ class ExpertPool:
             victims = (missing.astype(np.int32) if self.identity
                        else self.victims(len(missing), keep=rows[~absent]))
             self._evict(victims)
-            self.backing.write(victims, lambda dest, bases, pos: read(missing, dest, bases, pos))
+            self.backing.write(victims, missing, read)
             self._assign(missing, victims)
             self.counters["moved"] += len(missing)
             rows = rows.copy()

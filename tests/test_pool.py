@@ -69,6 +69,16 @@ def test_only_missing_experts_move_and_rows_hold_them(backing):
 
 
 @pytest.mark.parametrize("backing", BACKINGS)
+def test_more_missing_experts_than_one_batch_move_batch_by_batch(backing):
+    pool = new_pool(backing, rows=24)  # the device backing moves 8 rows a transfer
+    read = PatternReader()
+    experts = np.arange(3, 23, dtype=np.int32)
+    pool.place(experts, read)
+    assert sorted(read.read) == experts.tolist()
+    check_rows(pool)
+
+
+@pytest.mark.parametrize("backing", BACKINGS)
 def test_a_full_pool_gives_up_its_least_used_row_never_one_the_call_needs(backing):
     pool = new_pool(backing, rows=4)
     read = PatternReader()
