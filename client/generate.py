@@ -67,7 +67,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
         daemon_bytes_read=after["bytes_read"] - before["bytes_read"],
         fast_hits=session.counters["fast_hits"], demanded=session.counters["demanded"],
         **{k: counters[k] for k in ("pool_hits", "pool_moved", "ahead_used", "steps",
-                                    "host_waits", "speculative_steps", "replays")},
+                                    "host_waits", "speculative_steps", "unchecked_steps",
+                                    "replays")},
         pool_bytes=session.pool_bytes, timing=dict(session.timing),
         prediction=session.prediction(),
     )

@@ -99,13 +99,15 @@ class StreamedLayer:
         return out
 
     def _speculative(self, module, x, indices, steps):
-        """No host wait: ids remapped on the device (not at all for a pool of every expert),
-        a missing expert computed with a placeholder row; the step's end checks the ids."""
+        """No host wait: ids remapped on the device (not at all in a pool with a row for every
+        expert, each at its own index), a missing expert computed with a placeholder row (its
+        own empty row, or row 0); the step's end checks the ids (unless nothing can miss)."""
         pool = self.pool
         if pool.ahead is not None:
             pool.commit_ahead(self.session.epoch)
-        rows = indices if pool.complete else pool.table()[indices]
-        steps.records.append((self, indices))
+        rows = indices if pool.identity else pool.table()[indices]
+        if steps.records is not None:
+            steps.records.append((self, indices))
         return compute(module, self.segments, pool.arrays, x, rows)
 
     def after_speculation(self, ids: np.ndarray) -> None:

@@ -1,6 +1,7 @@
 """``load(BLOB_DIR)``: an ordinary mlx-lm model whose routed experts stream through expertd."""
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from expertd.blobstore import check_trunk
@@ -22,7 +23,7 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
          max_group: int | None = None, prefetch: str = "auto",
          copy_ahead_bytes: int | None = None, pipeline_group=None,
          guess_width: int | None = None, pool_backing: str | None = None,
-         speculate: str = "auto"):
+         speculate: str = "auto", fill_pools: bool | None = None):
     """Build the model of ``blob_dir`` with mlx-lm's classes, experts served by expertd.
 
     Args:
@@ -56,6 +57,10 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
             MoE layer, its ids are checked at its end and a step that missed a pool is replayed
             exactly; auto stops while replays are frequent and tries again later; "on":
             always where a replay can be exact; "off": one host wait per MoE layer.
+        fill_pools: move every expert into the pools at load, so that nothing can miss and
+            decode steps need no check at all. Default: when every pool has a row for every
+            expert on a discrete GPU (where the pools are the GPU's own memory, as a resident
+            model is); otherwise pools fill as experts are routed.
     Returns:
         ``(model, tokenizer)``, usable with ``mlx_lm.generate`` / ``stream_generate``.
     Raises:
@@ -84,11 +89,32 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
     try:
         model, tokenizer = _build(session, prefetch, pipeline_group, pool_gb, backing,
                                   speculate)
+        states = [m.__dict__["_expertd"] for _, m in model.named_modules()
+                  if "_expertd" in m.__dict__]
+        if fill_pools is None:
+            fill_pools = backing == "device" and all(s.pool.identity for s in states)
+        if fill_pools:
+            _fill(states)
     except BaseException:
         session.close()  # its heartbeat thread and the arena mapping go with it
         raise
     model.expertd_session = session
     return model, tokenizer
+
+
+def _fill(states: list) -> None:
+    """Every expert into its layer's pool, a layer at a time (a bar on a terminal)."""
+    import sys
+
+    from tqdm import tqdm
+
+    for state in tqdm(states, desc="filling expert pools", unit="layer",
+                      disable=not sys.stderr.isatty()):
+        pool = state.pool
+        missing = np.flatnonzero(pool.row_of < 0).astype(np.int32)
+        for start in range(0, len(missing), pool.rows):
+            pool.place(missing[start:start + pool.rows], state._read)
+        mx.eval(pool.arrays)
 
 
 def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, speculate: str):

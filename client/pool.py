@@ -60,14 +60,17 @@ class ExpertPool:
         # ids are then the rows, and a call needs no remap at all.
         self.identity = self.rows == num_experts
         self._table = None  # the expert -> row table on the device (see table())
+        self._complete = None  # cached `complete`, dropped whenever a row changes
         self.counters = dict(hits=0, moved=0, ahead=0, ahead_used=0, ahead_unused=0, settled=0)
         self._touches = 0
         self._call = 0
 
     @property
     def complete(self) -> bool:
-        """Every expert of the layer is in the pool (rows can stay where they are)."""
-        return self.rows == self.num_experts and bool((self.expert_of >= 0).all())
+        """Every expert of the layer is in the pool, at its own index: nothing can miss."""
+        if self._complete is None:
+            self._complete = self.identity and bool((self.expert_of >= 0).all())
+        return self._complete
 
     @property
     def nbytes(self) -> int:
@@ -227,13 +230,13 @@ class ExpertPool:
         self.row_of[:] = -1
         self.expert_of[:] = -1
         self.uses[:] = 0
-        self._table = None
+        self._table = self._complete = None
 
     # ---- internals -------------------------------------------------------------------------
 
     def _evict(self, victims: np.ndarray) -> None:
         self.settle(victims)
-        self._table = None
+        self._table = self._complete = None
         old = self.expert_of[victims]
         self.row_of[old[old >= 0]] = -1
         self.expert_of[victims] = -1
@@ -243,7 +246,7 @@ class ExpertPool:
         self.uses[victims] = 0
 
     def _assign(self, experts: np.ndarray, rows: np.ndarray) -> None:
-        self._table = None
+        self._table = self._complete = None
         self.row_of[experts] = rows
         self.expert_of[rows] = experts
 

@@ -56,7 +56,7 @@ class Session:
         self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0,
                              late_leases=0, prefetch_asked=0, misses=0, prefetch_saved=0,
                              hits_reported=0, steps=0, host_waits=0, speculative_steps=0,
-                             replays=0)
+                             unchecked_steps=0, replays=0)
         # Where the main thread's time goes per MoE layer call (see layer.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
                            copier_wait_s=0.0, prestage_s=0.0, layers=0)

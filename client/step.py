@@ -4,7 +4,9 @@ A speculative step runs every MoE layer without waiting for the host: the router
 remapped to pool rows by a gather on the device (no remap at all for a pool that holds every
 expert at its own index), and an expert missing from its pool computes with a placeholder row.
 The step's one evaluation, where mlx-lm evaluates the logits anyway, also returns every layer's
-ids; the host checks them against the pool tables the step ran with. No miss: the logits are
+ids; the host checks them against the pool tables the step ran with. When every pool holds every
+expert, nothing can miss: the step is not checked at all and its logits stay lazy, so mlx-lm's
+own evaluation is its only wait and building the next step overlaps computing this one. No miss: the logits are
 mlx-lm's, bit for bit. A miss: the KV caches are trimmed back by the step's tokens and the step
 runs again on the per-layer-sync path, which moves the missing rows in; the wrong logits never
 leave the model. A step is replayed at most once.
@@ -120,6 +122,9 @@ class Steps:
     def run(self, forward, inputs, args: tuple, kwargs: dict):
         counters = self.session.counters
         counters["steps"] += 1
+        if (self.speculation.mode != "off" and self.layers
+                and all(layer.pool.complete for layer in self.layers)):
+            return self._unchecked(forward, inputs, args, kwargs)
         cache = kwargs.get("cache", args[0] if args else None)
         if not self._speculate(inputs, cache):
             return forward(inputs, *args, **kwargs)
@@ -145,6 +150,18 @@ class Steps:
             c.trim(self._tokens(inputs))
         return forward(inputs, *args, **kwargs)
 
+    def _unchecked(self, forward, inputs, args: tuple, kwargs: dict):
+        """Every pool holds every expert at its index, and nothing moves during the step:
+        nothing can miss, so nothing is checked. The logits stay lazy, as resident mlx-lm's:
+        its own evaluation is the step's only wait, and it overlaps building the next step."""
+        self.records, self.active = None, True
+        try:
+            logits = forward(inputs, *args, **kwargs)
+        finally:
+            self.active, self.records = False, []
+        self.session.counters["unchecked_steps"] += 1
+        return logits
+
     def _tokens(self, inputs) -> int:
         return inputs.shape[1] if inputs.ndim > 1 else inputs.shape[0]
 
@@ -152,9 +169,6 @@ class Steps:
         if self.pipeline or not self.layers or not self.speculation.wanted():
             return False
         tokens = self._tokens(inputs)
-        if all(layer.pool.complete for layer in self.layers):
-            # Nothing can miss: no replay will be needed, whatever the caches.
-            return True
         if inputs.size * self._top_k > 64:  # a prompt: its layers may not fit their pools
             return False
         return cache is None or replayable(cache, tokens)

@@ -29,15 +29,6 @@ def resident_model(model_dir):
     return _resident[model_dir]
 
 
-def fill_pools(model) -> None:
-    """Every expert into its layer's pool (a pool of every expert keeps them at their index)."""
-    for _, module in model.named_modules():
-        state = module.__dict__.get("_expertd")
-        if state is not None:
-            experts = np.arange(state.num_experts, dtype=np.int32)
-            state.pool.place(experts, state._read)
-
-
 class Lockstep:
     """Resident and streamed models decoding the same greedy tokens, logits compared each step."""
 
@@ -57,7 +48,7 @@ class Lockstep:
 
 def counters(session) -> dict:
     return {k: session.counters[k] for k in ("steps", "host_waits", "speculative_steps",
-                                              "replays")}
+                                              "unchecked_steps", "replays")}
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -70,17 +61,18 @@ def warm(models, isolated_env, tmp_path):
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     with Daemon(blob_dir, isolated_env,
                 *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")) as daemon:
-        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 16), prefetch="off")
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 16), prefetch="off",
+                        fill_pools=True)
         model.daemon = daemon
         try:
-            fill_pools(model)
             assert all(pool.complete for pool in model.expertd_session.pools)
             yield resident_model(model_dir), model
         finally:
             model.expertd_session.close()
 
 
-def test_a_warm_decode_step_waits_for_the_host_once(warm):
+def test_a_step_that_cannot_miss_is_not_checked(warm):
+    """Every pool holds every expert: the client adds no wait to mlx-lm's own evaluation."""
     resident, model = warm
     session = model.expertd_session
     run = Lockstep(resident, model)
@@ -88,7 +80,32 @@ def test_a_warm_decode_step_waits_for_the_host_once(warm):
     for _ in range(12):
         run.step()
     d = delta(counters(session), before)
-    assert d == {"steps": 12, "host_waits": 12, "speculative_steps": 12, "replays": 0}, d
+    assert d == {"steps": 12, "host_waits": 0, "speculative_steps": 0, "unchecked_steps": 12,
+                 "replays": 0}, d
+
+
+def test_a_warm_decode_step_waits_for_the_host_once(warm):
+    """A pool that lacks experts the step does not route to: one wait, at the step's end."""
+    resident, model = warm
+    session = model.expertd_session
+    run = Lockstep(resident, model)
+    for _ in range(2):
+        run.step()
+    pool = session.pools[1]
+    routed = set()
+    for _ in range(3):  # learn which experts this decode routes to in layer 1, then drop others
+        before = pool.uses.copy()
+        run.step()
+        routed |= set(np.flatnonzero(pool.uses != before).tolist())
+    unused = np.array(sorted(set(range(pool.num_experts)) - routed), dtype=np.int32)
+    pool._evict(pool.row_of[unused])
+    before = counters(session)
+    for _ in range(12):
+        run.step()
+    d = delta(counters(session), before)
+    assert d["steps"] == 12 and d["speculative_steps"] == 12 and d["unchecked_steps"] == 0, d
+    assert d["host_waits"] == 12 + d["replays"] * len(session.pools), d
+    assert d["replays"] < 12
     # The heartbeat carries the counts to the daemon's status.
     mine = counters(session)
     wait_until(lambda: {"pid": os.getpid(), "pool_bytes": session.pool_bytes,
@@ -113,7 +130,8 @@ def test_a_miss_is_replayed_exactly(warm, where):
     session.pools[index].forget()
     run.step()
     d = delta(counters(session), before)
-    assert d == {"steps": 1, "host_waits": 1 + layers, "speculative_steps": 1, "replays": 1}, d
+    assert d == {"steps": 1, "host_waits": 1 + layers, "speculative_steps": 1,
+                 "unchecked_steps": 0, "replays": 1}, d
     assert session.pools[index].counters["moved"] > 0  # the replay moved the rows back
     before = counters(session)
     for _ in range(3):  # the pool is incomplete now: its layer remaps on the device
@@ -149,10 +167,10 @@ def test_a_rotating_cache_speculates_until_it_would_wrap(warm):
     assert isinstance(run.caches[1][0], RotatingKVCache)
     seen = []
     for _ in range(12):
-        before = session.counters["speculative_steps"]
+        before = session.counters["unchecked_steps"]
         offset = run.caches[1][0].offset
         run.step()
-        seen.append((offset, session.counters["speculative_steps"] - before))
+        seen.append((offset, session.counters["unchecked_steps"] - before))
     # Every expert is in the pools: nothing can miss, so even a wrapping cache speculates.
     assert all(spec == 1 for _, spec in seen), seen
     session.pools[0].forget()  # now a miss is possible: a full rotating cache cannot replay
