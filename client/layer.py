@@ -75,11 +75,13 @@ class StreamedLayer:
                 self.incoming.record(ranked[:n_core], unique, ranked)
         fetched = None
         if len(unique) <= pool.rows:
-            pool.place(unique, self._read)
+            rows = pool.place(unique, self._read)
             fetched = time.perf_counter()
-            out = compute(module, self.segments, pool.arrays, x,
-                          mx.array(pool.row_of[idx].astype(idx.dtype)))
-            pool.computing(pool.row_of[unique], out)
+            # A pool with a row for every expert holds each at its index: the router's ids
+            # are the rows, already on the device.
+            out = compute(module, self.segments, pool.arrays, x, indices if pool.identity
+                          else mx.array(pool.row_of[idx].astype(idx.dtype)))
+            pool.computing(rows, out)
         else:
             out = grouped(module, self.segments, pool.arrays, x, idx, unique,
                           max(1, pool.rows // 2), self.num_experts,
