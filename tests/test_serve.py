@@ -206,6 +206,12 @@ def test_two_servers_share_one_daemon(models, isolated_env, tmp_path):
         assert values["expertd_server_tokens_per_second"] > 0
         assert values["expertd_client_fast_hits_total"] + \
             values["expertd_client_demanded_total"] > 0
+        # The server's own expert memory is its pools; its steps and their host waits.
+        assert values["expertd_client_pool_bytes"] in [c["pool_bytes"] for c in
+                                                       after["client_pools"]]
+        assert values["expertd_client_pool_bytes"] > 0
+        assert values["expertd_client_steps_total"] >= 4 * MAX_TOKENS
+        assert 0 < values["expertd_client_host_waits_total"]
 
         # Requests at the same time (mlx-lm batches them): each gets its resident answer.
         prompts = ["hello there my friend", "x = [1, 2, 3]", "import os", PROMPT]
