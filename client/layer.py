@@ -118,7 +118,8 @@ class StreamedLayer:
         unique = np.unique(ids).astype(np.int32)
         pool.counters["hits"] += len(unique)
         pool.touch(pool.row_of[unique])
-        pool.evaluated()
+        # Not pool.evaluated(): a speculative call leaves nothing pending, and the pool's latest
+        # per-layer call may belong to a step that was built and never evaluated.
         self._report(unique)
 
     def _read(self, experts, dest, bases, positions) -> None:

@@ -132,6 +132,9 @@ class Steps:
         self.active = True
         try:
             logits = forward(inputs, *args, **kwargs)
+        except BaseException:
+            self.records = []  # an interrupted step's lazy ids go with it
+            raise
         finally:
             self.active = False
         records, self.records = self.records, []

@@ -148,7 +148,7 @@ def _linux_segments() -> set:
 ONCE = {"test_cli", "test_service", "test_serve", "test_chat", "test_convert", "test_synth",
         "test_blobstore", "test_verify", "test_pipeline", "test_policy", "test_leases",
         "test_side_book", "test_generate", "test_attack", "test_protocol_fuzz", "test_lifecycle",
-        "test_daemon_fairness", "test_daemon_recovery", "test_fill_verify"}
+        "test_daemon_fairness", "test_daemon_recovery", "test_fill_verify", "test_attack_pools"}
 
 
 def pytest_collection_modifyitems(items):
