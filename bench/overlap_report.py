@@ -254,7 +254,7 @@ def notes(L: dict, Q: dict) -> list:
         f"rows a layer's copies take about {full('copy_us') + full('busy_us'):.0f} µs in all, "
         f"while the client path the ratio's numerator also holds (pool bookkeeping, lookups, "
         f"validation, committing rows written ahead, Python) takes about {client:.0f} µs. At "
-        f"Qwen3-30B-A3B shapes (pools of top-{Q['pool_rows']} rows a layer), where "
+        f"Qwen3-30B-A3B shapes (pools of {Q['pool_rows']} rows a layer, the top-k), where "
         f"the copy is what matters, exposed ÷ copy time is {q_on['ratio']:.3f} with prefetch on "
         f"against {q_off['ratio']:.3f} off ({q_on['exposed_us']:.0f} against "
         f"{q_off['exposed_us']:.0f} µs per layer, {q_on['exposed_bytes'] / 1e6:.1f} against "
@@ -275,8 +275,11 @@ def notes(L: dict, Q: dict) -> list:
         "- Hit rates: prefetched rows used are counted apart (STATS prefetch_hits); LFU's own "
         "hit rate barely moves with prefetch on, the misses it saves move to prefetch hits. "
         "(hits + prefetch hits) ÷ Belady can exceed 1: the side rows are capacity "
-        "Belady's cache does not have. STATS counts slightly fewer lookups than the trace "
-        "holds requests (requests column) because the prompt's calls are demanded in groups.",
+        "Belady's cache does not have. The daemon looks up only what the client's pools miss "
+        "(and the prompt's calls in groups), so STATS counts far fewer lookups than the trace "
+        "holds requests (requests column): LFU ÷ Belady compares the arena's hit rate on the "
+        "pools' misses with Belady on every request, not one policy with another on one "
+        "stream.",
         f"- Measured alone in the same run (no MLX work, `copier_costs`): the arena lookup of "
         f"top-{L['top_k']} guessed rows takes {cc['lookup']:.0f} µs p50; handing an empty job to "
         f"the copier thread and getting it back costs {cc['empty_job']:.0f} µs (thread wake-up "

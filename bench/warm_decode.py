@@ -2,10 +2,11 @@
 with the model resident, once per speculate mode.
 
 Both models run in this process, alternating round by round, so that the machine's noise hits
-both alike; tokens differing from resident raise. Also measured over the same rounds: host waits
-and replays per model step (``session.counters``), and the client's own time per MoE layer call
-on the per-layer path (``session.timing``): the router sync, and from it until the rows are in
-place, which with every expert pooled is bookkeeping only (nothing moves).
+both alike; tokens differing from resident raise. Also measured over the same rounds: the
+client's host waits and replays per model step (``session.counters``; a step it does not check
+waits only in mlx-lm's own evaluation, as resident's), and the client's own time per MoE layer
+call on the per-layer path (``session.timing``): the router sync, and from it until the rows
+are in place, which with every expert pooled is bookkeeping only (nothing moves).
 """
 
 import numpy as np
@@ -49,10 +50,11 @@ def side_by_side(blob_dir, resident, tokenizer, pool_gb: float, speculate: str, 
     """One streamed client with ``speculate``, its pools filled, ``rounds`` alternating rounds."""
     from expertd.client import load
 
-    streamed, _ = load(blob_dir, pool_gb=pool_gb, speculate=speculate)
+    streamed, _ = load(blob_dir, pool_gb=pool_gb, speculate=speculate, fill_pools=True)
     session = streamed.expertd_session
     try:
-        fill_pools(session)
+        if not all(pool.complete for pool in session.pools):
+            raise AssertionError("a pool does not hold every expert after load(fill_pools=True)")
         _decode_tps(streamed, tokenizer, PROMPT, tokens)  # warm-up of both: MLX's first calls
         _decode_tps(resident, tokenizer, PROMPT, tokens)
         before = snapshot(session)
@@ -76,32 +78,22 @@ def side_by_side(blob_dir, resident, tokenizer, pool_gb: float, speculate: str, 
         session.close()
 
 
-def fill_pools(session) -> None:
-    """Every expert into its layer's pool (read from the arena, demanded into it where absent):
-    from here on nothing moves."""
-    for pool in session.pools:
-        every = np.arange(pool.num_experts, dtype=np.int32)
-        pool.place(every, lambda experts, dest, bases, positions, layer=pool.layer:
-                   session.read_rows(layer, experts, dest, bases, positions))
-    if not all(pool.complete for pool in session.pools):
-        raise AssertionError("a pool does not hold every expert after filling it")
-
-
 def snapshot(session) -> dict:
     """The counters and timings that :func:`per_step` reads, as they are now."""
     counters, timing = session.all_counters(), session.timing
-    return dict({k: counters[k] for k in ("steps", "host_waits", "speculative_steps", "replays",
-                                          "pool_moved")},
+    return dict({k: counters[k] for k in ("steps", "host_waits", "speculative_steps",
+                                          "unchecked_steps", "replays", "pool_moved")},
                 **{k: timing[k] for k in ("sync_s", "exposed_s", "layers")})
 
 
 def per_step(spent: dict) -> dict:
     """Host waits per model step (the prompt's steps included) and the per-layer path's µs per
-    MoE layer call (None where no call took it: every step was speculative)."""
+    MoE layer call (None where no call took it: every step was speculative or unchecked)."""
     layers = spent["layers"]
     per_layer = lambda key: spent[key] / layers * 1e6 if layers else None  # noqa: E731
     return dict(steps=spent["steps"], host_waits=spent["host_waits"],
                 host_waits_per_step=spent["host_waits"] / spent["steps"],
-                speculative_steps=spent["speculative_steps"], replays=spent["replays"],
+                speculative_steps=spent["speculative_steps"],
+                unchecked_steps=spent["unchecked_steps"], replays=spent["replays"],
                 moved=spent["pool_moved"], layer_calls=layers, sync_us=per_layer("sync_s"),
                 exposed_us=per_layer("exposed_s"))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .backing import DeviceRows, HostRows
+from .backing import ALIGN, DeviceRows, HostRows
 
 DECAY_EVERY = 8  # uses are halved after this many times the pool's rows of touches
 MAX_PENDING = 2  # outputs remembered per pool before the oldest is evaluated (waited for)
@@ -306,7 +306,9 @@ def plan_rows(layers, top_k: int, pool_gb: float | None, backing: str) -> list:
         if isinstance(pool_gb, bool) or not pool_gb > 0:
             raise ValueError(f"pool_gb must be a positive number of GiB, not {pool_gb!r}")
         share = int(pool_gb * 2**30) // len(layers)
-    rows = [min(layer.num_experts, share // layer.expert_bytes) for layer in layers]
+    # Each segment of a pool starts 64-byte aligned: that padding comes out of the share too.
+    rows = [min(layer.num_experts, max(0, share - ALIGN * len(layer.segments))
+                // layer.expert_bytes) for layer in layers]
     if any(r < s for r, s in zip(rows, smallest)):
         need = max(s * layer.expert_bytes for s, layer in zip(smallest, layers)) * len(layers)
         raise ValueError(f"a pool of {pool_gb} GiB is below the smallest that works, "

@@ -275,10 +275,9 @@ class Session:
         return max(buffer_bytes(self.max_group, nbytes) for _, nbytes in self._segment_tables)
 
     def copy_into(self, view: ArenaView, layer: int, slots, dest, bases, positions) -> None:
-        """Copy rows ``slots`` of ``view`` (the copier's job: no lease, checked on commit)."""
-        started = time.perf_counter()
+        """Copy rows ``slots`` of ``view`` (the copier's job: no lease, checked on commit; its
+        time is the copier's ``busy_seconds``, off the critical path)."""
         view.copy(layer, slots, dest, bases, positions)
-        self.timing["copy_s"] += time.perf_counter() - started
 
     def prefetch(self, layer: int, guessed: np.ndarray, n_core: int) -> None:
         """Ask the daemon to read the absent experts of ``guessed`` (distinct, best first) of

@@ -39,7 +39,8 @@ def pool_gb(blob_dir, rows: int) -> float:
 
     layers = Manifest.load(blob_dir).layers
     per_layer = max(layer.expert_bytes for layer in layers) * rows
-    # Half a row more, against rounding; the budget is split evenly over the layers.
+    # Half a row more, against rounding and the segments' alignment; the budget is split
+    # evenly over the layers.
     return (per_layer + layers[0].expert_bytes // 2) * len(layers) / 2**30
 
 

@@ -145,9 +145,11 @@ def test_a_write_moves_only_its_rows_whatever_the_pool_size(backing):
 
 
 def test_plan_rows_splits_the_budget_and_refuses_below_the_smallest():
-    layers = [SimpleNamespace(index=i, num_experts=16, expert_bytes=1 << 20) for i in range(4)]
-    assert plan_rows(layers, 4, 64 / 1024, "host") == [16] * 4  # 16 MiB a layer: every expert
-    assert plan_rows(layers, 4, 24 / 1024, "host") == [6] * 4
+    layers = [SimpleNamespace(index=i, num_experts=16, expert_bytes=1 << 20, segments=[0] * 3)
+              for i in range(4)]
+    assert plan_rows(layers, 4, 68 / 1024, "host") == [16] * 4  # 17 MiB a layer: every expert
+    assert plan_rows(layers, 4, 24 / 1024, "host") == [5] * 4  # 6 rows and their padding: no
+    assert plan_rows(layers, 4, (24 + 1 / 1024) / 1024, "host") == [6] * 4
     assert plan_rows(layers, 4, None, "host") == [8] * 4  # 2 x top-k on unified memory
     with pytest.raises(ValueError, match=r"smallest that works, 0.01562 GiB \(4 rows"):
         plan_rows(layers, 4, 15 / 1024, "host")
