@@ -35,10 +35,15 @@ MIN_PRECISION = 0.5
 RETEST_AFTER = 256  # calls a switched-off layer waits before it guesses again
 
 
+def check_choice(name: str, value: str, choices) -> str:
+    """``value`` if it is one of ``choices``, else a ValueError naming ``name`` and them."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+    return value
+
+
 def check_mode(mode: str) -> str:
-    if mode not in PREFETCH_MODES:
-        raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, not {mode!r}")
-    return mode
+    return check_choice("prefetch", mode, PREFETCH_MODES)
 
 
 @dataclass

@@ -1,15 +1,15 @@
 """One host wait per decode step: the router's choice stays on the device, a miss is replayed.
 
 A speculative step runs every MoE layer without waiting for the host: the router's ids are
-remapped to pool rows by a gather on the device (no remap at all for a pool that holds every
-expert at its own index), and an expert missing from its pool computes with a placeholder row.
-The step's one evaluation, where mlx-lm evaluates the logits anyway, also returns every layer's
-ids; the host checks them against the pool tables the step ran with. When every pool holds every
-expert, nothing can miss: the step is not checked at all and its logits stay lazy, so mlx-lm's
-own evaluation is its only wait and building the next step overlaps computing this one. No miss: the logits are
-mlx-lm's, bit for bit. A miss: the KV caches are trimmed back by the step's tokens and the step
-runs again on the per-layer-sync path, which moves the missing rows in; the wrong logits never
-leave the model. A step is replayed at most once.
+remapped to pool rows by a gather on the device (no remap at all in a pool with a row for every
+expert, each at its own index), and an expert missing from its pool computes with a placeholder
+row. The step's one evaluation, where mlx-lm evaluates the logits anyway, also returns every
+layer's ids; the host checks them against the pool tables the step ran with. No miss: the logits
+are mlx-lm's, bit for bit. A miss: the KV caches are trimmed back by the step's tokens and the
+step runs again on the per-layer path, which moves the missing rows in; the wrong logits never
+leave the model. A step is replayed at most once. When every pool holds every expert, nothing
+can miss: the step is not checked at all and its logits stay lazy, so mlx-lm's own evaluation
+is its only wait, and building the next step overlaps computing this one.
 
 A step is not speculative where a replay could not be exact or would not pay (it then waits per
 layer, as before): caches that cannot be trimmed back (linear-attention or SSM state, a rotating
@@ -23,7 +23,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-SPECULATE_MODES = ("auto", "on", "off")
+from expertd.config import SPECULATE_MODES
+
+from .predict import check_choice
+
 WINDOW = 16  # speculative steps per verdict
 MAX_REPLAYS = 4  # replays in a window above which auto stops speculating (a replay costs a
 # step, a speculative hit saves one wait per MoE layer, about a layer's compute on a GPU)
@@ -32,9 +35,7 @@ MAX_RETRY_AFTER = 1024  # doubles each time it stops again, up to this, and rese
 
 
 def check_speculate(mode: str) -> str:
-    if mode not in SPECULATE_MODES:
-        raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {mode!r}")
-    return mode
+    return check_choice("speculate", mode, SPECULATE_MODES)
 
 
 @dataclass

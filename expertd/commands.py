@@ -64,7 +64,7 @@ def _pipeline_group():
 def add_prefetch_flag(p, help_text: str) -> None:
     """The client's --prefetch and --pool-gb, the same on every subcommand that loads the
     model."""
-    from .config import PREFETCH_MODES
+    from .config import PREFETCH_MODES, SPECULATE_MODES
 
     p.add_argument("--prefetch", choices=PREFETCH_MODES, default="auto", help=help_text)
     p.add_argument("--pool-gb", type=_positive_gb, default=None, metavar="G",
@@ -73,7 +73,7 @@ def add_prefetch_flag(p, help_text: str) -> None:
                    "(default: on a CUDA GPU every expert that fits in half its free memory; on "
                    "Metal and the CPU 2 x top-k rows a layer; below top-k rows a layer is "
                    "refused)")
-    p.add_argument("--speculate", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--speculate", choices=SPECULATE_MODES, default="auto",
                    help="run each decode step without waiting for the host in every MoE layer, "
                    "check the routed experts at the step's end and replay exactly a step that "
                    "missed its pools; auto (default) stops while replays are frequent, off "

@@ -7,6 +7,7 @@ from pathlib import Path
 from .io import VERIFY_MODES
 
 PREFETCH_MODES = ("auto", "on", "off")
+SPECULATE_MODES = ("auto", "on", "off")  # the client's one-wait-a-step mode (client/step.py)
 # Experts a client reads ahead per expert a token routes to (client.predict); the daemon's
 # default side rows are sized for it.
 GUESS_WIDTH = 2

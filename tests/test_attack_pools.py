@@ -52,7 +52,7 @@ def daemon(blob_dir, env, tmp_path, rows=ROWS_ALL, name="s.json"):
 
 # ---- 1. several lazy forwards before any evaluation ------------------------------------------
 
-@pytest.mark.parametrize("backing,speculate", [("host", "auto"), ("device", "off")])
+@pytest.mark.parametrize("backing,speculate", [("host", "auto")])
 def test_two_lazy_forwards_evaluated_together(qwen, isolated_env, tmp_path, backing, speculate):
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
@@ -189,7 +189,7 @@ def test_batched_decode_is_exact(qwen, isolated_env, tmp_path, backing, batch):
 
 # ---- 3. mlx-lm's generation loops ------------------------------------------------------------
 
-@pytest.mark.parametrize("backing", BACKINGS)
+@pytest.mark.parametrize("backing", ["device"])
 def test_generate_loops_match_resident(qwen, isolated_env, tmp_path, backing):
     _, blob_dir, resident, tokenizer = qwen
     prompt = "Once upon a time there was a small model that"
@@ -206,7 +206,8 @@ def test_generate_loops_match_resident(qwen, isolated_env, tmp_path, backing):
                       mlx_lm.stream_generate(resident, tokenizer, prompt, max_tokens=24)]
 
 
-@pytest.mark.parametrize("kv", [dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0), dict(max_kv_size=24)],
+@pytest.mark.parametrize("kv", [dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0),
+                                dict(max_kv_size=24)],
                          ids=["quantized-kv", "rotating-kv"])
 def test_stream_generate_with_other_caches(qwen, isolated_env, tmp_path, kv):
     """Quantized KV caches (trimmed and replayed) and a rotating cache that wraps mid-run."""
@@ -226,7 +227,7 @@ def test_stream_generate_with_other_caches(qwen, isolated_env, tmp_path, kv):
                                                            max_tokens=32, **kv)]
 
 
-@pytest.mark.parametrize("backing", BACKINGS)
+@pytest.mark.parametrize("backing", ["host"])
 def test_batch_generate_matches_resident(qwen, isolated_env, tmp_path, backing):
     _, blob_dir, resident, tokenizer = qwen
     vocab = resident.args.vocab_size
@@ -365,8 +366,7 @@ def test_an_interrupted_speculative_step_keeps_no_lazy_ids(qwen, isolated_env, t
 
 # ---- 7. edge pool sizes and prompt lengths around the speculative threshold ------------------
 
-@pytest.mark.parametrize("backing,rows", [("host", 4), ("device", 5), ("host", 15),
-                                          ("device", 16)])
+@pytest.mark.parametrize("backing,rows", [("host", 4), ("device", 16)])
 def test_edge_pool_sizes_and_prompt_lengths(qwen, isolated_env, tmp_path, backing, rows):
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
