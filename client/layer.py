@@ -5,7 +5,8 @@ the rows written ahead for this layer are taken into the pool; the routed expert
 the pool move in (from the arena, demanded from the daemon when absent there); mlx-lm's own
 computation runs on the pool (switch.py). Then the guess for the next layer is sent to the
 daemon (read ahead into side rows) and its resident core is written ahead into the next pool,
-on the copier's thread, while this layer computes.
+on the copier's thread, while this layer computes. In a speculative step (step.py) a call waits
+for nothing: its ids are remapped on the device and checked at the step's end.
 """
 
 import time

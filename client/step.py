@@ -25,6 +25,7 @@ import numpy as np
 
 from expertd.config import SPECULATE_MODES
 
+from .layer import DECODE_IDS
 from .predict import check_choice
 
 WINDOW = 16  # speculative steps per verdict
@@ -173,7 +174,7 @@ class Steps:
         if self.pipeline or not self.layers or not self.speculation.wanted():
             return False
         tokens = self._tokens(inputs)
-        if inputs.size * self._top_k > 64:  # a prompt: its layers may not fit their pools
+        if inputs.size * self._top_k > DECODE_IDS:  # a prompt: its layers may not fit their pools
             return False
         return cache is None or replayable(cache, tokens)
 
