@@ -1,4 +1,4 @@
-"""The background copier: copies predicted rows into the idle staging buffer while MLX computes.
+"""The background copier: writes predicted rows into the next layer's pool while MLX computes.
 
 One thread per process, fed one job at a time by the main thread. The copy itself runs in the
 native extension with the GIL released, and ``mx.eval`` releases the GIL too, so the copy of

@@ -8,7 +8,7 @@ stages are used only if the router really chose them and their versions still va
 wrong guess costs work, never exactness.
 
 A guess has two widths. Its core is the next router's top-k (as many experts as it will route
-to): the resident ones are copied ahead into the idle staging buffer. The read-ahead asks the
+to): the resident ones are written ahead into the next layer's pool. The read-ahead asks the
 daemon for :data:`GUESS_WIDTH` times as many, best first, and the daemon fills the absent ones
 into its side rows while there are side rows free. A wrong read-ahead costs an SSD read off the
 critical path, a right one saves one on it; a wrong copy ahead costs memory bandwidth the

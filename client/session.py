@@ -258,7 +258,8 @@ class Session:
 
     def fetch(self, layer: int, experts, dest: np.ndarray | None = None) -> np.ndarray:
         """Read ``experts`` of ``layer`` into ``dest`` (a buffer of :meth:`staging_bytes`,
-        laid out by :meth:`bases`), positions 0, 1, ... Returns ``dest``."""
+        laid out by :meth:`bases`), positions 0, 1, ... Returns ``dest``. For tools and tests:
+        the model reads rows into its pools with :meth:`read_rows`."""
         experts = np.asarray(experts, dtype=np.int32)
         if dest is None:
             dest = np.empty(self.staging_bytes(), np.uint8)

@@ -128,7 +128,7 @@ def test_client_reports_a_daemon_that_does_not_come_back(qwen, isolated_env, tmp
 @pytest.mark.parametrize("rows", [(ROWS_ALL, ROWS_TINY), (ROWS_TINY, ROWS_ALL)],
                          ids=["cache-shrinks", "cache-grows"])
 def test_restarted_daemon_with_another_cache_size(qwen, isolated_env, tmp_path, rows):
-    """The staging buffers are sized at load; a daemon that comes back with a smaller cache
+    """The read buffers are sized at load; a daemon that comes back with a smaller cache
     (leasing fewer rows at once) or a larger one must still give exactly the same logits."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache

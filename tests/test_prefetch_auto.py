@@ -24,7 +24,7 @@ from expertd.client.predict import MIN_PRECISION, RETEST_AFTER, WINDOW, Guesser,
 from expertd.tools.convert import convert
 
 RANDOM = dict(layers=4, experts=64, top_k=2)
-CACHE_GB = "0.02"  # every expert resident: the copier's staged rows are what is measured
+CACHE_GB = "0.02"  # every expert resident: the copier's rows written ahead are what is measured
 TOKENS = 80
 
 
@@ -81,7 +81,7 @@ def test_auto_keeps_guessing_where_it_pays(models, isolated_env, tmp_path):
         assert layer["precision"] >= MIN_PRECISION, (n, layer)
         assert layer["active"] and layer["switched_off"] == 0, (n, layer)
         assert layer["calls"] >= TOKENS, (n, layer)  # every forward pass guessed
-    # The right guesses were staged by the copier and used in place.
+    # The right guesses were written into the pools by the copier, and used there.
     assert counters["ahead_used"] > TOKENS
 
 
