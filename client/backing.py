@@ -94,6 +94,9 @@ class DeviceRows:
         mx.eval(self.arrays)
         self.nbytes_total = sum(a.nbytes for a in self.arrays)
         self.host = np.empty(buffer_bytes(self.batch, self.nbytes), np.uint8)
+        # Rows written ahead have a buffer of their own: one write ahead at a time per pool,
+        # committed (its bytes made an MLX array) before the next starts.
+        self.ahead_host = np.empty_like(self.host)
         self.ahead_limit = self.batch
 
     def write(self, rows: np.ndarray, experts: np.ndarray, read) -> None:
@@ -108,7 +111,7 @@ class DeviceRows:
         """The host copy may run on another thread; the scatter is issued on the caller's
         (for the rows ``keep`` indexes). At most one batch."""
         bases = segment_bases(len(rows), self.nbytes)
-        host = np.empty(buffer_bytes(len(rows), self.nbytes), np.uint8)
+        host = self.ahead_host
         positions = np.arange(len(rows), dtype=np.int32)
         return (lambda: read(host, bases, positions)), (lambda keep: self._scatter(
             rows[keep], *self._subset(host, bases, keep, len(rows))))

@@ -137,13 +137,15 @@ class StreamedLayer:
         n_core = len(set(g[..., :k].ravel().tolist()))
         nxt.pool.guess = (ranked, n_core)
         session.check_alive()
-        session.prefetch(nxt.index, ranked, n_core)
-        core = ranked[:n_core]
+        # One lookup serves the daemon's read-ahead and the copy ahead into the pool.
+        found = session.view.lookup(nxt.index, ranked)
+        session.prefetch(nxt.index, ranked, n_core, found)
         expert_bytes = session.manifest.layers[nxt.index].expert_bytes
-        if len(core) * expert_bytes >= session.copy_ahead_bytes:
+        if n_core * expert_bytes >= session.copy_ahead_bytes:
             layer = nxt.index
             nxt.pool.write_ahead(
-                core, session.view, session.epoch,
+                ranked[:n_core], found.slots[:n_core], found.versions[:n_core], session.view,
+                session.epoch,
                 lambda view, slots, dest, bases, pos: session.copy_into(view, layer, slots, dest,
                                                                         bases, pos),
                 self.copier)

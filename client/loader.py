@@ -11,7 +11,7 @@ from .copier import Copier
 from .layer import StreamedLayer
 from .pipeline import refuse_stage, split_model, stage_layers
 from .pool import POOL_BACKINGS, default_backing, make_pool, plan_rows
-from .predict import check_mode, make_guessers
+from .predict import check_choice, check_mode, make_guessers
 from .session import Session
 from .step import StepGuard, Steps, check_speculate
 from .switch import expert_segments, make_streamed
@@ -74,10 +74,7 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
     """
     check_mode(prefetch)
     check_speculate(speculate)
-    backing = pool_backing or default_backing()
-    if backing not in POOL_BACKINGS:
-        raise ValueError(f"pool_backing must be one of {', '.join(POOL_BACKINGS)}, "
-                         f"not {pool_backing!r}")
+    backing = check_choice("pool_backing", pool_backing or default_backing(), POOL_BACKINGS)
     if guess_width is not None and (isinstance(guess_width, bool) or not isinstance(guess_width, int)
                                     or guess_width < 1):
         raise ValueError(f"guess_width must be a whole number of at least 1, not {guess_width!r}")
@@ -89,8 +86,7 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
     try:
         model, tokenizer = _build(session, prefetch, pipeline_group, pool_gb, backing,
                                   speculate)
-        states = [m.__dict__["_expertd"] for _, m in model.named_modules()
-                  if "_expertd" in m.__dict__]
+        states = session.steps.layers
         if fill_pools is None:
             fill_pools = backing == "device" and all(s.pool.identity for s in states)
         if fill_pools:

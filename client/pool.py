@@ -53,7 +53,7 @@ class ExpertPool:
         self.uses = np.zeros(self.rows, np.int64)
         self.reserved = np.zeros(self.rows, bool)  # being written ahead
         self.ahead_flag = np.zeros(self.rows, bool)  # written ahead, not used since
-        self.pending: list = []  # [(rows, output)] computations that may not be evaluated
+        self.pending: list = []  # [(call, rows, output)] computations maybe not evaluated
         self.ahead: Ahead | None = None
         self.guess = None  # (ranked experts, n_core) guessed for this layer's next call
         # A pool with a row for every expert keeps each expert at its own index: the router's
@@ -93,22 +93,18 @@ class ExpertPool:
         arena. The missing ones move in one batch (of the backing's size) into victim rows.
         """
         rows = self.row_of[experts]
-        if len(rows) and rows.min() >= 0:  # every one a hit: the common case, kept short
-            self.counters["hits"] += len(experts)
-            self.touch(rows)
-            return rows
         absent = rows < 0
-        if absent.any():
+        n_missing = int(absent.sum())
+        if n_missing:
             missing = experts[absent]
             victims = (missing.astype(np.int32) if self.identity
                        else self.victims(len(missing), keep=rows[~absent]))
             self._evict(victims)
             self.backing.write(victims, missing, read)
             self._assign(missing, victims)
-            self.counters["moved"] += len(missing)
-            rows = rows.copy()
-            rows[absent] = victims
-        self.counters["hits"] += int((~absent).sum())
+            self.counters["moved"] += n_missing
+            rows[absent] = victims  # rows is a copy (fancy indexing)
+        self.counters["hits"] += len(experts) - n_missing
         self.touch(rows)
         return rows
 
@@ -175,27 +171,25 @@ class ExpertPool:
 
     # ---- rows written ahead ----------------------------------------------------------------
 
-    def write_ahead(self, experts: np.ndarray, view, epoch: int, read_into, copier) -> int:
+    def write_ahead(self, experts: np.ndarray, slots: np.ndarray, versions: np.ndarray, view,
+                    epoch: int, read_into, copier) -> int:
         """Start writing the guessed ``experts`` that are absent from the pool but ready in the
-        arena into free or cold rows, on ``copier``'s thread. Returns how many.
+        arena ``view`` (at ``slots``, with ``versions``, as its lookup found them) into free or
+        cold rows, on ``copier``'s thread. Returns how many.
 
         ``read_into(view, slots, dest, bases, positions)`` copies rows of the arena ``view``.
         """
         self.commit_ahead()
         present = self.row_of[experts] >= 0
-        wanted = experts[~present]
-        if not len(wanted):
-            return 0
-        found = view.lookup(self.layer, wanted)
-        ready = found.slots >= 0
+        wanted = ~present & (slots >= 0)
         keep = self.row_of[experts[present]]
         # A guess never takes more than half the pool, nor more than one batch.
-        n = min(int(ready.sum()), self.rows - int(self.reserved.sum()) - len(keep),
+        n = min(int(wanted.sum()), self.rows - int(self.reserved.sum()) - len(keep),
                 max(1, self.rows // 2), self.backing.ahead_limit)
         if n <= 0:
             return 0
-        wanted = wanted[ready][:n]
-        slots, versions = found.slots[ready][:n], found.versions[ready][:n]
+        slots, versions = slots[wanted][:n], versions[wanted][:n]
+        wanted = experts[wanted][:n]
         victims = wanted.astype(np.int32) if self.identity else self.victims(n, keep)
         self._evict(victims)
         run, finish = self.backing.staged_write(
@@ -214,11 +208,12 @@ class ExpertPool:
         self.reserved[ahead.rows] = False
         if not ahead.job.wait() or (epoch is not None and ahead.epoch != epoch):
             return
-        keep = [i for i in range(len(ahead.rows))
-                if ahead.view.unchanged(ahead.slots[i:i + 1], ahead.versions[i:i + 1])]
-        if not keep:
+        keep = np.arange(len(ahead.rows))
+        if not ahead.view.unchanged(ahead.slots, ahead.versions):  # some row changed: which?
+            keep = keep[[ahead.view.unchanged(ahead.slots[i:i + 1], ahead.versions[i:i + 1])
+                         for i in keep]]
+        if not len(keep):
             return
-        keep = np.array(keep, dtype=np.intp)
         if ahead.finish is not None:
             ahead.finish(keep)
         self._assign(ahead.experts[keep], ahead.rows[keep])
@@ -318,12 +313,8 @@ def plan_rows(layers, top_k: int, pool_gb: float | None, backing: str) -> list:
 
 
 def make_pool(layer, rows: int, segments: list, backing: str, batch: int) -> ExpertPool:
-    """A pool of ``rows`` rows for ``layer``, ``segments`` as ``(dtype, shape, nbytes)``."""
-    if backing == "host":
-        rows_backing = HostRows(rows, segments)
-    elif backing == "device":
-        rows_backing = DeviceRows(rows, segments, batch)
-    else:
-        raise ValueError(f"pool backing must be one of {', '.join(POOL_BACKINGS)}, "
-                         f"not {backing!r}")
+    """A pool of ``rows`` rows for ``layer``, ``segments`` as ``(dtype, shape, nbytes)``, on
+    the ``backing`` (one of POOL_BACKINGS; ``load`` checks it)."""
+    rows_backing = HostRows(rows, segments) if backing == "host" else DeviceRows(rows, segments,
+                                                                                  batch)
     return ExpertPool(layer.index, layer.num_experts, rows_backing)

@@ -81,9 +81,7 @@ class Session:
         self._check_not_dead()
         conn = Connection(self.paths.blob_dir)
         try:
-            hello = conn.request(Op.HELLO, {"version": PROTOCOL_VERSION, "client": conn.client_id,
-                                            "pid": os.getpid(), "pool_bytes": self.pool_bytes},
-                                 timeout=10.0)
+            hello = conn.request(Op.HELLO, self._hello_body(conn.client_id), timeout=10.0)
         except DaemonError:
             conn.close()
             raise
@@ -123,8 +121,11 @@ class Session:
     def announce_pools(self) -> None:
         """Tell the daemon this client's expert memory (its pools), for status: a second
         hello, which keeps the client's token, leases and pins."""
-        self.request(Op.HELLO, {"version": PROTOCOL_VERSION, "client": self.conn.client_id,
-                                "pid": os.getpid(), "pool_bytes": self.pool_bytes})
+        self.request(Op.HELLO, self._hello_body(self.conn.client_id))
+
+    def _hello_body(self, client_id: bytes) -> dict:
+        return {"version": PROTOCOL_VERSION, "client": client_id, "pid": os.getpid(),
+                "pool_bytes": self.pool_bytes}
 
     def _check_not_dead(self) -> None:
         """A daemon killed with SIGKILL leaves its socket and run files: do not wait on them."""
@@ -280,11 +281,11 @@ class Session:
         time is the copier's ``busy_seconds``, off the critical path)."""
         view.copy(layer, slots, dest, bases, positions)
 
-    def prefetch(self, layer: int, guessed: np.ndarray, n_core: int) -> None:
+    def prefetch(self, layer: int, guessed: np.ndarray, n_core: int, found) -> None:
         """Ask the daemon to read the absent experts of ``guessed`` (distinct, best first) of
-        ``layer`` into its side rows. All of it is named, not only what is absent: a resident
-        guess may sit in a side row, and naming it keeps the daemon from reusing that row."""
-        found = self.view.lookup(layer, guessed)
+        ``layer`` into its side rows; ``found`` is their arena lookup. All of it is named, not
+        only what is absent: a resident guess may sit in a side row, and naming it keeps the
+        daemon from reusing that row."""
         absent = int(((found.slots < 0) & (found.filling < 0)).sum())
         if absent:
             self.requester.prefetch(layer, guessed, n_core, absent)

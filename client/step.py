@@ -107,7 +107,7 @@ class Steps:
 
     Args:
         session: the client session (its counters get ``steps``, ``host_waits``,
-            ``speculative_steps`` and ``replays``).
+            ``speculative_steps``, ``unchecked_steps`` and ``replays``).
         layers: the model's :class:`~expertd.client.layer.StreamedLayer` s, in order.
         mode: "auto" (default: speculate while replays are rare), "on" or "off".
         pipeline: True on a pipeline rank, which never speculates.
@@ -126,27 +126,22 @@ class Steps:
         counters["steps"] += 1
         if (self.speculation.mode != "off" and self.layers
                 and all(layer.pool.complete for layer in self.layers)):
-            return self._unchecked(forward, inputs, args, kwargs)
+            # Every pool holds every expert at its index and nothing moves during the step:
+            # nothing can miss, so nothing is checked. The logits stay lazy, as resident
+            # mlx-lm's: its own evaluation is the step's only wait, and it overlaps building
+            # the next step.
+            logits, _ = self._without_waits(forward, inputs, args, kwargs, None)
+            counters["unchecked_steps"] += 1
+            return logits
         cache = kwargs.get("cache", args[0] if args else None)
         if not self._speculate(inputs, cache):
             return forward(inputs, *args, **kwargs)
-        self.records = []
-        self.active = True
-        try:
-            logits = forward(inputs, *args, **kwargs)
-        except BaseException:
-            self.records = []  # an interrupted step's lazy ids go with it
-            raise
-        finally:
-            self.active = False
-        records, self.records = self.records, []
-        ids = [idx for _, idx in records]
-        flat = mx.concatenate([i.reshape(-1) for i in ids]) if len(ids) > 1 else (
-            ids[0].reshape(-1) if ids else None)
-        mx.eval(logits, flat) if flat is not None else mx.eval(logits)  # the step's one wait
+        logits, records = self._without_waits(forward, inputs, args, kwargs, [])
+        flat = mx.concatenate([idx.reshape(-1) for _, idx in records])
+        mx.eval(logits, flat)  # the step's one wait
         counters["host_waits"] += 1
         counters["speculative_steps"] += 1
-        missed = self._check(records, np.array(flat) if flat is not None else None)
+        missed = self._check(records, np.array(flat))
         self.speculation.record(missed)
         if not missed:
             return logits
@@ -155,17 +150,14 @@ class Steps:
             c.trim(self._tokens(inputs))
         return forward(inputs, *args, **kwargs)
 
-    def _unchecked(self, forward, inputs, args: tuple, kwargs: dict):
-        """Every pool holds every expert at its index, and nothing moves during the step:
-        nothing can miss, so nothing is checked. The logits stay lazy, as resident mlx-lm's:
-        its own evaluation is the step's only wait, and it overlaps building the next step."""
-        self.records, self.active = None, True
+    def _without_waits(self, forward, inputs, args: tuple, kwargs: dict, records):
+        """The forward with every layer on its speculative path; ``records`` (a list, or None
+        to record nothing) collects each layer's lazy ids. An interrupted step's go with it."""
+        self.records, self.active = records, True
         try:
-            logits = forward(inputs, *args, **kwargs)
+            return forward(inputs, *args, **kwargs), records
         finally:
             self.active, self.records = False, []
-        self.session.counters["unchecked_steps"] += 1
-        return logits
 
     def _tokens(self, inputs) -> int:
         return inputs.shape[1] if inputs.ndim > 1 else inputs.shape[0]
@@ -178,7 +170,7 @@ class Steps:
             return False
         return cache is None or replayable(cache, tokens)
 
-    def _check(self, records: list, flat: np.ndarray | None) -> bool:
+    def _check(self, records: list, flat: np.ndarray) -> bool:
         """True if any layer's ids of the speculative step missed its pool; else the host's
         bookkeeping of the step (pool use counts, reports to the daemon) from those ids."""
         per_layer, at = [], 0

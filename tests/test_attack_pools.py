@@ -46,6 +46,14 @@ def streamed(blob_dir, rows, **kwargs):
     return load(blob_dir, pool_gb=pool_gb(blob_dir, rows), **kwargs)[0]
 
 
+def two_copies(model, resident, prompt) -> tuple:
+    """Two streamed caches and a resident one after the same prompt; resident's logits."""
+    c1, c2, ref = make_prompt_cache(model), make_prompt_cache(model), make_prompt_cache(resident)
+    logits = resident(prompt, cache=ref)
+    mx.eval(model(prompt, cache=c1), model(prompt, cache=c2), logits)
+    return c1, c2, ref, logits
+
+
 def daemon(blob_dir, env, tmp_path, rows=ROWS_ALL, name="s.json"):
     return Daemon(blob_dir, env, *client_flags(blob_dir, rows, tmp_path / name))
 
@@ -95,11 +103,7 @@ def test_a_replayed_step_left_lazy_survives_a_later_speculative_hit(qwen, isolat
         model = streamed(blob_dir, 8, pool_backing=backing, speculate="on")
         session = model.expertd_session
         try:
-            prompt = ids(5, vocab, 3)
-            c1, c2, ref = (make_prompt_cache(model), make_prompt_cache(model),
-                           make_prompt_cache(resident))
-            first = resident(prompt, cache=ref)
-            mx.eval(model(prompt, cache=c1), model(prompt, cache=c2), first)
+            c1, c2, ref, first = two_copies(model, resident, ids(5, vocab, 3))
             token = mx.argmax(first[:, -1:], -1)
             mx.eval(model(ids(40, vocab, 9), cache=make_prompt_cache(model)))  # churn the pools
             for pool in session.pools:
@@ -139,11 +143,7 @@ def test_two_sequences_decoded_without_evaluating_the_first(qwen, isolated_env, 
         model = streamed(blob_dir, 4, pool_backing=backing, speculate="on")
         session = model.expertd_session
         try:
-            prompt = ids(5, vocab, 3)
-            c1, c2, ref = (make_prompt_cache(model), make_prompt_cache(model),
-                           make_prompt_cache(resident))
-            want = resident(prompt, cache=ref)
-            mx.eval(model(prompt, cache=c1), model(prompt, cache=c2), want)
+            c1, c2, ref, want = two_copies(model, resident, ids(5, vocab, 3))
             tried = 0
             for step in range(30):
                 token = mx.argmax(want[:, -1:], -1)
