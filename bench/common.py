@@ -42,6 +42,7 @@ def ensure_model(name: str, spec: dict) -> tuple:
 
     model_dir, blob_dir = OUT / "models" / name, OUT / "blobs" / name
     if not (model_dir / "config.json").exists():
+        model_dir.parent.mkdir(parents=True, exist_ok=True)
         synthesize(SynthConfig(**spec), model_dir)
     if blob_dir.exists():
         from expertd.errors import BlobStoreError

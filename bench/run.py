@@ -21,6 +21,7 @@ import capped  # noqa: E402
 import fill  # noqa: E402
 import overlap  # noqa: E402
 import overlap_report  # noqa: E402
+import reclaim  # noqa: E402
 import warm_decode  # noqa: E402
 from common import MEDIUM, OUT, QWEN3_30B_LIKE, ROOT, SMALL, daemon, ensure_model, rss_breakdown, stats  # noqa: E402,E501
 
@@ -149,6 +150,7 @@ def report(r: dict) -> str:
         f"| client expert memory (its pools) | {m['pool_bytes'] / 2**20:.1f} MiB of a "
         f"{m['pool_budget'] / 2**20:.1f} MiB budget (`pool_gb`: 2 × top-k rows a layer) | "
         f"{verdict('≤ the budget', m['pool_bytes'] <= m['pool_budget'])} |",
+        reclaim.row(r["reclaim"]),
         "", "Details:", "",
         warm_detail(ws, wb),
         fill_detail(f),
@@ -325,6 +327,7 @@ def main() -> int:
         ("capped", lambda: capped.run("small", SMALL)),
         ("sharing", lambda: sharing("small", SMALL)),
         ("memory", lambda: memory("qwen3-30b-like", QWEN3_30B_LIKE)),
+        ("reclaim", reclaim.run),
         ("overlap", overlap.run),
     ]
     for key, step in steps:

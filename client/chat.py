@@ -3,14 +3,21 @@
 ``mlx_lm.chat.main`` loads its model itself, so its loop is repeated here, turn for turn: the
 same commands (q, r, h), the same chat template use, one KV cache kept across turns, and, in a
 terminal, mlx-lm's own ChatUI. When stdin or stdout is not a terminal (a pipe, a test), the
-replies alone go to stdout and the rest to stderr, and the end of the input quits.
+replies alone go to stdout and the rest to stderr, and the end of the input quits. Ctrl-C stops
+a reply and returns to the prompt, as Ollama and mlx_lm.chat users expect; at the prompt it
+quits.
 """
 
+import signal
 import sys
+from functools import partial
 from types import SimpleNamespace
 
+from expertd.argtypes import DEFAULT_PREFILL_STEP_SIZE
+
 QUIT, RESET, HELP = {"q", "/q", "/quit", "/exit"}, {"r", "/r"}, {"h", "/h", "/help"}
-HELP_TEXT = "commands: q quit, r reset the conversation, h help (end of input quits too)"
+HELP_TEXT = ("commands: q quit, r reset the conversation, h help (end of input quits too; "
+             "Ctrl-C stops a reply)")
 
 
 class PlainUI:
@@ -19,8 +26,13 @@ class PlainUI:
     def __init__(self, out=sys.stdout, err=sys.stderr):
         self.out, self.err = out, err
 
+    def _say(self, line: str) -> None:
+        # One write per line, so that a Ctrl-C never leaves half of one.
+        self.err.write(line + "\n")
+        self.err.flush()
+
     def __enter__(self):
-        print(HELP_TEXT, file=self.err, flush=True)
+        self._say(HELP_TEXT)
         return self
 
     def __exit__(self, *exc):
@@ -30,45 +42,65 @@ class PlainUI:
         return input()
 
     def say_bye(self):
-        print("bye", file=self.err, flush=True)
+        self._say("bye")
 
     def say_reset(self):
-        print("reset: context cleared", file=self.err, flush=True)
+        self._say("reset: context cleared")
 
     def say_help(self):
-        print(HELP_TEXT, file=self.err, flush=True)
+        self._say(HELP_TEXT)
 
     def stream_token(self, text: str):
         self.out.write(text)
         self.out.flush()
 
+    def say_interrupted(self, note: str):
+        self.out.write("\n")  # end the cut reply's line
+        self.out.flush()
+        self._say(f"interrupted: {note}")
+
     def end_turn(self, response):
         self.out.write("\n")
         self.out.flush()
         if response is not None:
-            print(f"  {response.generation_tokens} tokens · {response.generation_tps:.1f} tok/s "
-                  f"· prompt {response.prompt_tps:.1f} tok/s", file=self.err, flush=True)
+            self._say(f"  {response.generation_tokens} tokens · {response.generation_tps:.1f} "
+                      f"tok/s · prompt {response.prompt_tps:.1f} tok/s")
 
 
 def _ui(blob_dir, max_tokens: int, system_prompt: str | None):
     if sys.stdin.isatty() and sys.stdout.isatty():
-        from mlx_lm.cli_ui import ChatUI
-
-        return ChatUI(SimpleNamespace(model=str(blob_dir), adapter_path=None,
-                                      max_tokens=max_tokens, system_prompt=system_prompt))
+        return _terminal_ui(SimpleNamespace(model=str(blob_dir), adapter_path=None,
+                                            max_tokens=max_tokens, system_prompt=system_prompt))
     return PlainUI()
+
+
+def _terminal_ui(args):
+    """mlx-lm's ChatUI, which has no word for an interrupted reply: one is added."""
+    from mlx_lm.cli_ui import ChatUI, make_console
+    from rich.markup import escape
+
+    class TerminalUI(ChatUI):
+        def say_interrupted(self, note: str):
+            print(flush=True)  # end the cut reply's line
+            make_console().print(f"  [ui.warn]interrupted[/ui.warn] [ui.muted]{escape(note)}"
+                                 "[/ui.muted]")
+
+    return TerminalUI(args)
 
 
 def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp: float = 0.0,
          top_p: float = 1.0, seed: int = 0, max_kv_size: int | None = None,
-         prefetch: str = "auto", pool_gb: float | None = None,
-         speculate: str = "auto") -> int:
-    """Chat with the model of ``blob_dir`` until q or the end of the input.
+         prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE, prefetch: str = "auto",
+         pool_gb: float | None = None, speculate: str = "auto") -> int:
+    """Chat with the model of ``blob_dir`` until q, Ctrl-C at the prompt or the end of the input.
+
+    Ctrl-C during a reply stops it and forgets its turn: the KV cache is trimmed back to where
+    the turn began (or, where it cannot be, the conversation starts again, and the UI says so).
 
     Args:
         blob_dir: a blob directory served by a running daemon.
         system_prompt: put first in every turn's messages, as mlx_lm.chat does.
-        max_tokens, temp, top_p, seed, max_kv_size: as in mlx_lm.chat.
+        max_tokens, temp, top_p, seed, max_kv_size, prefill_step_size: as in mlx_lm.chat.
         prefetch: the client's prefetch mode (see ``expertd.client.load``).
         pool_gb: the client's expert pools (see ``expertd.client.load``).
         speculate: one host wait per decode step (see ``expertd.client.load``).
@@ -90,36 +122,115 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
     try:
         mx.random.seed(seed)
         sampler = make_sampler(temp, top_p)
+
+        def replies(query: str, prompt_cache):
+            return stream_generate(model, tokenizer, _prompt(tokenizer, query, system_prompt),
+                                   max_tokens=max_tokens, sampler=sampler,
+                                   prompt_cache=prompt_cache,
+                                   prefill_step_size=prefill_step_size)
+
         with _ui(blob_dir, max_tokens, system_prompt) as ui:
             prompt_cache = make_prompt_cache(model, max_kv_size)
+            ended = None  # how the last turn ended, said at the prompt
             while True:
+                # From the end of a turn on, a Ctrl-C quits, as q does.
                 try:
+                    if ended is not None:
+                        ended()
+                        ended = None
                     query = ui.prompt()
-                except EOFError:
-                    ui.say_bye()
-                    break
-                command = query.strip()
+                    command = query.strip()
+                    if command in RESET:
+                        prompt_cache = make_prompt_cache(model, max_kv_size)
+                        ui.say_reset()
+                        continue
+                    if command in HELP:
+                        ui.say_help()
+                        continue
+                except (EOFError, KeyboardInterrupt):
+                    command = "q"
                 if command in QUIT:
                     ui.say_bye()
                     break
-                if command in RESET:
-                    prompt_cache = make_prompt_cache(model, max_kv_size)
-                    ui.say_reset()
-                    continue
-                if command in HELP:
-                    ui.say_help()
-                    continue
-                last = None
-                for response in stream_generate(model, tokenizer,
-                                                _prompt(tokenizer, query, system_prompt),
-                                                max_tokens=max_tokens, sampler=sampler,
-                                                prompt_cache=prompt_cache):
-                    ui.stream_token(response.text)
-                    last = response
-                ui.end_turn(last)
+                ended, prompt_cache = _reply(ui, partial(replies, query), prompt_cache,
+                                             partial(make_prompt_cache, model, max_kv_size))
     finally:
         session.close()
     return 0
+
+
+def _reply(ui, replies, prompt_cache, new_cache) -> tuple:
+    """Stream one reply: ``replies(prompt_cache)`` gives mlx-lm's responses.
+
+    A Ctrl-C stops the reply at the next token, never inside a forward pass, where it would cut
+    the client's pool and request bookkeeping in two; a second one raises KeyboardInterrupt.
+
+    Returns:
+        How the turn ended, to say at the next prompt, and the KV cache to go on with: after a
+        Ctrl-C, the same one trimmed back to where the turn began, or ``new_cache()`` where it
+        cannot be.
+    """
+    before, last = _offsets(prompt_cache), None
+    with _StopAtNextToken() as stop:
+        responses = replies(prompt_cache)
+        try:
+            for response in responses:
+                ui.stream_token(response.text)
+                last = response
+                if stop.requested:
+                    break
+        finally:
+            responses.close()  # mlx-lm's generator cleans up (its wired limit)
+    if not stop.requested:
+        return partial(ui.end_turn, last), prompt_cache
+    if _rewind(prompt_cache, before):
+        note = "the turn is dropped from the conversation"
+    else:
+        prompt_cache = new_cache()
+        note = "context cleared (the KV cache could not be trimmed back)"
+    return partial(ui.say_interrupted, note), prompt_cache
+
+
+class _StopAtNextToken:
+    """While a reply streams, the first SIGINT only asks it to stop; the next one interrupts."""
+
+    def __enter__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._request)
+        return self
+
+    def _request(self, signum, frame) -> None:
+        self.requested = True
+        signal.signal(signal.SIGINT, self._previous)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self._previous)
+
+
+def _leaves(prompt_cache) -> list:
+    """Every layer's cache, a CacheList's parts one by one."""
+    leaves = []
+    for c in prompt_cache:
+        leaves.extend(_leaves(c.caches) if hasattr(c, "caches") else [c])
+    return leaves
+
+
+def _offsets(prompt_cache) -> list:
+    return [c.offset if isinstance(getattr(c, "offset", None), int) else None
+            for c in _leaves(prompt_cache)]
+
+
+def _rewind(prompt_cache, offsets: list) -> bool:
+    """Trim every cache back to ``offsets``, each layer's own (a model may mix cache kinds).
+    False, and nothing trimmed, if one cannot be."""
+    leaves = _leaves(prompt_cache)
+    if len(leaves) != len(offsets) or any(
+            before is None or not c.is_trimmable() or c.offset < before
+            for c, before in zip(leaves, offsets)):
+        return False
+    for c, before in zip(leaves, offsets):
+        c.trim(c.offset - before)
+    return True
 
 
 def _prompt(tokenizer, query: str, system_prompt: str | None):

@@ -59,9 +59,11 @@ class Copier:
             self.busy_seconds += job.seconds
             self.jobs += 1
             job.done.set()
+            job = None  # while idle, a finished copy must not keep a dropped model's session
 
     def close(self) -> None:
         if self._thread is not None:
             self._jobs.put(None)
-            self._thread.join(timeout=5.0)
+            if self._thread is not threading.current_thread():  # a finalizer may run on it
+                self._thread.join(timeout=5.0)
             self._thread = None

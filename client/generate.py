@@ -2,24 +2,51 @@
 
 import sys
 import time
+from dataclasses import asdict, dataclass
+
+from expertd.argtypes import (DEFAULT_KV_GROUP_SIZE, DEFAULT_PREFILL_STEP_SIZE,
+                              DEFAULT_QUANTIZED_KV_START)
+
+
+@dataclass(frozen=True)
+class KVOptions:
+    """mlx-lm's KV cache and prefill options, passed to ``stream_generate`` as they are."""
+
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START
+    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE
+
+    def __post_init__(self):
+        # mlx-lm cannot quantize the rotating cache that --max-kv-size makes: it would fail
+        # in mid-generation.
+        if self.kv_bits is not None and self.max_kv_size is not None:
+            raise ValueError("--kv-bits and --max-kv-size do not go together: mlx-lm cannot "
+                             "quantize a rotating KV cache")
 
 
 def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, seed: int = 0,
              out=sys.stdout, prefetch: str = "auto", top_p: float = 0.0, min_p: float = 0.0,
              top_k: int = 0, system_prompt: str | None = None,
              chat_template: bool = True, pipeline_group=None, pool_gb: float | None = None,
-             speculate: str = "auto") -> dict:
+             speculate: str = "auto", kv: KVOptions = KVOptions(),
+             extra_eos_tokens=()) -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
 
-    Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``) and the chat template (applied unless
-    ``chat_template`` is False, with ``system_prompt`` first) are mlx-lm's. With
-    ``pipeline_group`` (under ``mlx.launch``), this process runs its rank's pipeline stage
-    (see ``load``); every rank computes the same tokens. ``pool_gb`` sizes the expert pools and
-    ``speculate`` sets the one-wait-a-step mode (see ``load``).
+    Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``), the KV cache (``kv``), the extra
+    tokens that end the generation and the chat template (applied unless ``chat_template`` is
+    False, with ``system_prompt`` first) are mlx-lm's. With ``pipeline_group`` (under
+    ``mlx.launch``), this process runs its rank's pipeline stage (see ``load``); every rank
+    computes the same tokens. ``pool_gb`` sizes the expert pools and ``speculate`` sets the
+    one-wait-a-step mode (see ``load``).
 
     Returns:
-        dict with prompt/generation token counts and tok/s, the tokens, this client's hits,
-        misses, hit rate and bytes read for it, and the whole daemon's during the run.
+        dict with prompt/generation token counts and tok/s, the tokens, the peak memory, this
+        client's hits, misses, hit rate and bytes read for it, and the whole daemon's during
+        the run.
+    Raises:
+        ValueError: an extra EOS token that the tokenizer does not have.
     """
     import mlx.core as mx
     from mlx_lm import stream_generate
@@ -30,33 +57,37 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
     model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
                             pool_gb=pool_gb, speculate=speculate)
     session = model.expertd_session
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages.append({"role": "user", "content": prompt})
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                               tokenize=False)
-    mx.random.seed(seed)
-    before = session.stats()
-    tokens, last = [], None
-    started = time.perf_counter()
-    sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k)
-    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                    sampler=sampler):
-        out.write(response.text)
-        out.flush()
-        tokens.append(response.token)
-        last = response
-    elapsed = time.perf_counter() - started
-    mine = session.usage()
-    counters = session.all_counters()
-    after = session.stats()
-    session.close()
+    try:  # the session says goodbye whatever happens, a bad EOS token or Ctrl-C included
+        for token in extra_eos_tokens:
+            tokenizer.add_eos_token(token)
+        if chat_template and getattr(tokenizer, "chat_template", None):
+            messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+            messages.append({"role": "user", "content": prompt})
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                   tokenize=False)
+        mx.random.seed(seed)
+        before = session.stats()
+        tokens, last = [], None
+        started = time.perf_counter()
+        sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k)
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                        sampler=sampler, **asdict(kv)):
+            out.write(response.text)
+            out.flush()
+            tokens.append(response.token)
+            last = response
+        elapsed = time.perf_counter() - started
+        mine = session.usage()
+        counters = session.all_counters()
+        after = session.stats()
+    finally:
+        session.close()
     return dict(
         prompt_tokens=last.prompt_tokens if last else 0,
         prompt_tps=last.prompt_tps if last else 0.0,
         generation_tokens=last.generation_tokens if last else 0,
         generation_tps=last.generation_tps if last else 0.0,
-        seconds=elapsed, tokens=tokens,
+        seconds=elapsed, tokens=tokens, peak_memory_gb=mx.get_peak_memory() / 1e9,
         # This client's own: experts it used, the ones read from the disk for it, and the bytes
         # read for it (its misses and the prefetches it asked for).
         hits=mine["hits"], misses=mine["misses"], hit_rate=mine["hit_rate"],

@@ -9,6 +9,7 @@ import zmq
 from expertd.protocol import Op, request
 
 REAP_SLICE = 0.01  # how often the idle client looks for late replies to interrupted demands
+STOP_TIMEOUT = 2.0  # the thread wakes at once when stopped; this only bounds a stuck one
 
 
 class Heartbeat:
@@ -17,7 +18,10 @@ class Heartbeat:
     no longer holds its directory, ``stuck`` when it still does but has answered no heartbeat
     for ``time_to_dead`` seconds. Between heartbeats it calls ``reap()``, which releases late
     leases while the client is idle (polled every REAP_SLICE while it returns True). Each
-    heartbeat carries ``report()``'s counters (for the daemon's status)."""
+    heartbeat carries ``report()``'s counters (for the daemon's status).
+
+    The thread's socket and context are its own, created and closed in the thread (a ZeroMQ
+    socket belongs to one thread): :meth:`stop` asks, the thread closes them."""
 
     def __init__(self, endpoint: str, client_id: bytes, token: bytes, interval: float,
                  time_to_dead: float, alive, reap, report=dict):
@@ -33,44 +37,52 @@ class Heartbeat:
 
     def _run(self, endpoint: str, client_id: bytes, token: bytes, interval: float) -> None:
         ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)  # a heartbeat is worthless once the next is due
+                sock.connect(endpoint)
+                self._beat(sock, client_id, token, interval)
+            finally:
+                sock.close(linger=0)
+        finally:
+            ctx.term()  # its only socket is closed: term() waits for nothing
+
+    def _beat(self, sock, client_id: bytes, token: bytes, interval: float) -> None:
         n = 0
         now = last_reply = time.monotonic()
         next_beat = now + interval
         reaping = False
-        try:
-            while True:
-                self._wake.wait(min(REAP_SLICE, interval) if reaping else interval)
-                self._wake.clear()
-                if self._stop.is_set():
-                    return
-                reaping = self._reap()
-                now = time.monotonic()
-                while sock.poll(0):
-                    sock.recv_multipart()
-                    last_reply = now
-                if now < next_beat:
-                    continue
-                next_beat = now + interval
-                if not self._alive():
-                    self.lost = True
-                    return
-                self.stuck = now - last_reply > self.time_to_dead
-                n += 1
-                sock.send_multipart(request(n.to_bytes(8, "little"), Op.HEARTBEAT,
-                                            {"client": client_id, "token": token,
-                                             **self._report()}))
-        finally:
-            sock.close(linger=0)
-            ctx.term()
+        while True:
+            self._wake.wait(min(REAP_SLICE, interval) if reaping else interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            reaping = self._reap()
+            now = time.monotonic()
+            while sock.poll(0):
+                sock.recv_multipart()
+                last_reply = now
+            if now < next_beat:
+                continue
+            next_beat = now + interval
+            if not self._alive():
+                self.lost = True
+                return
+            self.stuck = now - last_reply > self.time_to_dead
+            n += 1
+            sock.send_multipart(request(n.to_bytes(8, "little"), Op.HEARTBEAT,
+                                        {"client": client_id, "token": token,
+                                         **self._report()}))
 
     def wake(self) -> None:
         """Look for late replies now rather than at the next heartbeat."""
         self._wake.set()
 
     def stop(self) -> None:
+        """Stop the thread and wait for it to close its socket (unless called from it: a
+        dropped session's finalizer may run on any thread the garbage collector runs on)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=2.0)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=STOP_TIMEOUT)

@@ -4,9 +4,10 @@ Per call: one host sync (the router's ids, and the next layer's guess in the sam
 the rows written ahead for this layer are taken into the pool; the routed experts missing from
 the pool move in (from the arena, demanded from the daemon when absent there); mlx-lm's own
 computation runs on the pool (switch.py). Then the guess for the next layer is sent to the
-daemon (read ahead into side rows) and its resident core is written ahead into the next pool,
-on the copier's thread, while this layer computes. In a speculative step (step.py) a call waits
-for nothing: its ids are remapped on the device and checked at the step's end.
+daemon (read ahead into side rows, as far as predict.py allows) and its resident core is
+written ahead into the next pool, on the copier's thread, while this layer computes. In a
+speculative step (step.py) a call waits for nothing: its ids are remapped on the device and
+checked at the step's end.
 """
 
 import time
@@ -44,6 +45,7 @@ class StreamedLayer:
         if steps is not None and steps.active:
             return self._speculative(module, x, indices, steps)
         started = time.perf_counter()
+        misses = session.counters["misses"]  # the demand misses of this call earn read-ahead
         nxt = self.next
         guess = None
         # Guess the next layer's experts in the same evaluation as this layer's router: no
@@ -92,6 +94,8 @@ class StreamedLayer:
             self._guess_ahead(np.array(guess), indices.shape[-1])
             session.timing["prestage_s"] += time.perf_counter() - ahead
         self._report(unique)
+        if self.incoming is not None:
+            self.incoming.settle(session.counters["misses"] - misses)
         timing = session.timing
         timing["sync_s"] += synced - started
         if fetched is not None:
@@ -127,7 +131,8 @@ class StreamedLayer:
         self.session.read_rows(self.index, experts, dest, bases, positions)
 
     def _guess_ahead(self, g: np.ndarray, k: int) -> None:
-        """Read the guess ahead in the daemon, and write its resident core into the next pool."""
+        """Have the daemon read ahead what the guess's verdicts and budget allow (predict.py),
+        and write the guess's resident core into the next pool."""
         session, nxt = self.session, self.next
         # Best first: every token's first choice, then every token's second, and so on; the
         # core (the top-k) comes first, and a daemon short of side rows reads the most likely
@@ -139,7 +144,15 @@ class StreamedLayer:
         session.check_alive()
         # One lookup serves the daemon's read-ahead and the copy ahead into the pool.
         found = session.view.lookup(nxt.index, ranked)
-        session.prefetch(nxt.index, ranked, n_core, found)
+        resident = (found.slots >= 0) | (found.filling >= 0)
+        # An expert the next pool holds needs no read, even where the arena lacks it.
+        read = self.guesser.guesses.plan(~resident & (nxt.pool.row_of[ranked] < 0), n_core)
+        if read.any():
+            # The resident guesses are named too (their side rows stay claimed); the absent ones
+            # not to be read are not: the daemon reads every absent expert it is sent.
+            named = read | resident
+            session.prefetch(nxt.index, ranked[named], int(named[:n_core].sum()),
+                             int(read.sum()))
         expert_bytes = session.manifest.layers[nxt.index].expert_bytes
         if n_core * expert_bytes >= session.copy_ahead_bytes:
             layer = nxt.index

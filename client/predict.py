@@ -20,6 +20,14 @@ Each predicted layer keeps its own precision (of the core) over a window of gues
 ``auto`` mode a layer whose precision falls below :data:`MIN_PRECISION` stops guessing and tries
 again after :data:`RETEST_AFTER` calls. 0.5 is the break-even point when a right guess saves about what a
 wrong one costs (one row copy, and one SSD read if the row was not resident).
+
+What is read ahead is judged apart, on its own hits (:class:`ReadAhead`): the core's absent
+experts and the rest of the width's each have a verdict, scored on every guess on what it would
+read, read or not, so learning costs no SSD bytes. In ``auto`` a part is read only after a window
+of such experts was mostly routed, and stops as soon as a window wastes more than a passing one
+may. A budget per layer then bounds what is read by what was demanded: each call earns
+max(its demand misses, its read-ahead hits) experts, each expert read ahead spends one, so the
+read-ahead bytes not used never exceed the demand reads (see :meth:`LayerGuesses.settle`).
 """
 
 from dataclasses import dataclass, field
@@ -33,6 +41,8 @@ from expertd.config import PREFETCH_MODES
 WINDOW = 32  # guesses per precision verdict
 MIN_PRECISION = 0.5
 RETEST_AFTER = 256  # calls a switched-off layer waits before it guesses again
+READ_WINDOW = 16  # experts a read-ahead verdict is judged on
+MIN_READ_PRECISION = 0.5  # a right read-ahead saves a demand read, a wrong one costs a read
 
 
 def check_choice(name: str, value: str, choices) -> str:
@@ -44,6 +54,50 @@ def check_choice(name: str, value: str, choices) -> str:
 
 def check_mode(mode: str) -> str:
     return check_choice("prefetch", mode, PREFETCH_MODES)
+
+
+@dataclass
+class ReadAhead:
+    """Whether one part of a layer's read-ahead (its core, or the rest of its width) is read.
+
+    Scored on the experts it would read (guessed, absent from the arena and the pool), whether
+    they were read or not. ``auto`` starts off; a window of :data:`READ_WINDOW` experts with at
+    most half of them wrong turns it on; more wrong ones than that in a window turn it off at once.
+    """
+
+    mode: str = "auto"
+    active: bool = False
+    window_scored: int = 0
+    window_right: int = 0
+    scored: int = 0  # experts it would have read, all time
+    right: int = 0  # of which the router chose
+    started: int = 0  # times auto began reading
+    stopped: int = 0  # times auto stopped reading
+
+    def __post_init__(self):
+        self.active = check_mode(self.mode) == "on"
+
+    def record(self, scored: int, right: int) -> None:
+        self.scored += scored
+        self.right += right
+        if self.mode != "auto":
+            return
+        self.window_scored += scored
+        self.window_right += right
+        if self.window_scored - self.window_right > (1 - MIN_READ_PRECISION) * READ_WINDOW:
+            self.stopped += self.active
+            self.active = False
+        elif self.window_scored >= READ_WINDOW:
+            self.started += not self.active
+            self.active = True
+        else:
+            return
+        self.window_scored = self.window_right = 0
+
+    def summary(self) -> dict:
+        return dict(active=self.active, scored=self.scored,
+                    precision=round(self.right / self.scored, 4) if self.scored else None,
+                    started=self.started, stopped=self.stopped)
 
 
 @dataclass
@@ -67,9 +121,19 @@ class LayerGuesses:
     wide_guessed: int = 0  # experts read ahead (the whole width), all time
     wide_right: int = 0  # of which the router chose
     switched_off: int = 0
+    near: ReadAhead = field(init=False)  # the read-ahead of the core's absent experts
+    wide: ReadAhead = field(init=False)  # of the rest of the width's
+    credit: int = 0  # experts auto may read ahead now (the budget, see settle)
+    cap: int = 0  # most credit kept: one guess's width
+    read: int = 0  # experts asked to be read ahead, all time
+    read_right: int = 0  # of which the router chose
+    held_back: int = 0  # experts the verdicts passed and the budget kept from being read
+    _plan: tuple | None = None  # (absent, read) of the guess not scored yet
+    _hits: int = 0  # experts read ahead for this layer's coming call that it routed
 
     def __post_init__(self):
         self.active = check_mode(self.mode) != "off"
+        self.near, self.wide = ReadAhead(self.mode), ReadAhead(self.mode)
 
     def wanted(self) -> bool:
         """Should the previous layer guess for this one now?"""
@@ -79,6 +143,41 @@ class LayerGuesses:
         if self.idle_calls >= RETEST_AFTER:
             self.active, self.idle_calls = True, 0
         return self.active
+
+    def plan(self, absent: np.ndarray, n_core: int) -> np.ndarray:
+        """Which of a guess's experts to read ahead, and spend the budget on them.
+
+        Args:
+            absent: bool per guessed expert (best first), True where neither the arena nor the
+                pool holds it.
+            n_core: how many of them are the guess's core.
+        Returns:
+            Bool per guessed expert: read it ahead.
+        """
+        read = absent.copy()
+        read[:n_core] &= self.near.active
+        read[n_core:] &= self.wide.active
+        if self.mode == "auto":
+            self.cap = len(absent)
+            picked = np.flatnonzero(read)
+            held = picked[self.credit:]  # best first: the budget drops the least likely
+            read[held] = False
+            self.held_back += len(held)
+            self.credit -= len(picked) - len(held)
+        self.read += int(read.sum())
+        self._plan = (absent, read)
+        return read
+
+    def settle(self, misses: int) -> None:
+        """A call of this layer ended, having demanded ``misses`` experts the arena lacked: the
+        budget earns max(misses, the call's read-ahead hits), at most :attr:`cap` kept.
+
+        The reads spent never exceed what was earned, so read-ahead unused stays within the
+        demand misses: a read-ahead hit pays for itself, and one the daemon did not read in
+        time (or lost) was demanded in this same call, hence the max and not the sum."""
+        if self.mode == "auto":
+            self.credit = min(self.cap, self.credit + max(misses, self._hits))
+        self._hits = 0
 
     def record(self, guessed: np.ndarray, routed: np.ndarray,
                wide: np.ndarray | None = None) -> None:
@@ -99,6 +198,16 @@ class LayerGuesses:
         self.routed += len(routed)
         self.wide_guessed += len(wide)
         self.wide_right += len(chosen.intersection(wide.tolist()))
+        if self._plan is not None:
+            absent, read = self._plan
+            self._plan = None
+            if len(absent) == len(wide):
+                hit = np.isin(wide, routed)
+                n = len(guessed)
+                self.near.record(int(absent[:n].sum()), int((absent & hit)[:n].sum()))
+                self.wide.record(int(absent[n:].sum()), int((absent & hit)[n:].sum()))
+                self._hits = int((read & hit).sum())
+                self.read_right += self._hits
         self.window_calls += 1
         self.window_guessed += len(guessed)
         self.window_right += right
@@ -117,7 +226,9 @@ class LayerGuesses:
                     wide_precision=(round(self.wide_right / self.wide_guessed, 4)
                                     if self.wide_guessed else None),
                     wide_recall=round(self.wide_right / self.routed, 4) if self.routed else None,
-                    switched_off=self.switched_off)
+                    switched_off=self.switched_off, read=self.read, read_right=self.read_right,
+                    held_back=self.held_back, read_near=self.near.summary(),
+                    read_wide=self.wide.summary())
 
 
 @dataclass

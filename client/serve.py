@@ -1,12 +1,14 @@
 """``expertd serve``: mlx-lm's OpenAI-compatible server, with its model streamed through expertd.
 
 mlx_lm.server's request handling, chat templates, sampling, batching, prompt cache and streaming
-are used as they are. Only three things differ: the model comes from ``expertd.client.load`` (a
-ModelProvider that serves it and refuses any other name), ``/metrics`` is added, and the HTTP
-server is bound here, so that ``--port 0`` reports the real port and SIGTERM closes the session
-(a goodbye to the daemon). This module is the only one that relies on mlx_lm.server's private
-surface (``ModelProvider._load`` and its attributes, ``ResponseGenerator``, ``APIHandler``);
-pyproject.toml pins mlx-lm to the range it was written against.
+are used as they are. What differs: the model comes from ``expertd.client.load`` (a
+ModelProvider that serves it and refuses any other name), ``/metrics`` is added, errors have
+OpenAI's shape, requests are answered 503 at once while the daemon is gone (the model waits for
+it to come back), and the HTTP server is bound here, so that ``--port 0`` reports the real port
+and SIGTERM closes the session (a goodbye to the daemon). This module is the only one that
+relies on mlx_lm.server's private surface (``ModelProvider._load`` and its attributes,
+``ResponseGenerator``, ``APIHandler``); pyproject.toml pins mlx-lm to the range it was written
+against.
 """
 
 import argparse
@@ -20,8 +22,10 @@ import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
+from expertd.client.serve_errors import DaemonWatch, ModelNotServed, ShapedErrors, error_object
+from expertd.client.serve_metrics import ServerCounters, render_metrics
 from expertd.connection import Connection
-from expertd.errors import DaemonError
+from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.protocol import Op
 
 # mlx_lm.server's own defaults for the flags `expertd serve` does not expose (mlx-lm 0.32).
@@ -34,8 +38,10 @@ MLX_SERVER_DEFAULTS = dict(
     log_level="INFO")
 METRICS_STATS_TIMEOUT = 2.0  # seconds a scrape waits for the daemon's STATS
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
+# The model waits this long for a restarted daemon; requests meanwhile get 503 at once.
+RECONNECT_TIMEOUT = 24 * 3600.0
+AWAIT_SLICE = 0.1  # how often a request waiting for its tokens checks that the daemon serves
+GENERATION_STOP_TIMEOUT = 3.0  # shutdown waits this long for the generation thread
 def model_names(blob_dir: Path) -> tuple[str, set]:
     """The id this server lists for ``blob_dir`` (the directory's name), and every name a
     request may use for it: that id, the path as given or resolved, and "default_model"."""
@@ -43,25 +49,11 @@ def model_names(blob_dir: Path) -> tuple[str, set]:
     return name, {name, str(blob_dir), str(blob_dir.resolve()), "default_model"}
 
 
-class ServerCounters:
-    """What the HTTP side did, for /metrics; updated from the handler threads."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.requests = self.errors = self.prompt_tokens = self.generated_tokens = 0
-        # Between each request's first and last generated token: decode speed, prompt excluded.
-        self.decode_tokens = 0
-        self.decode_seconds = 0.0
-
-    def add(self, **amounts) -> None:
-        with self._lock:
-            for key, amount in amounts.items():
-                setattr(self, key, getattr(self, key) + amount)
-
-
 def _server_classes():
     """mlx_lm.server's classes, extended; built on first use so that importing this module
     does not import mlx."""
+    from queue import Empty as QueueEmpty
+
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator
 
@@ -74,8 +66,9 @@ def _server_classes():
 
         def load(self, model_path, adapter_path=None, draft_model_path=None):
             if model_path not in self.names:
-                raise ValueError(f"model {model_path!r} is not served here; this server serves "
-                                 f"{self.cli_args.model_id!r} (GET /v1/models lists it)")
+                raise ModelNotServed(f"model {model_path!r} is not served here; this server "
+                                     f"serves {self.cli_args.model_id!r} (GET /v1/models "
+                                     "lists it)")
             if adapter_path is not None:
                 raise ValueError("expertd serve does not load adapters")
             if draft_model_path not in (None, "default_model"):
@@ -92,37 +85,121 @@ def _server_classes():
             self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
 
     class CountingResponseGenerator(ResponseGenerator):
-        """mlx-lm's generator, counting requests and tokens on their way to the handler."""
+        """mlx-lm's generator, counting requests and tokens on their way to the handler, and
+        giving up on a request whose daemon is gone rather than waiting with the model."""
 
-        def __init__(self, provider, prompt_cache, counters: ServerCounters):
-            self.counters = counters
+        def __init__(self, provider, prompt_cache, counters: ServerCounters,
+                     watch: DaemonWatch):
+            self.counters, self.watch = counters, watch
+            self._local = threading.local()  # the handler thread's request: Flight, failure
             super().__init__(provider, prompt_cache)
 
         def generate(self, request, generation_args, progress_callback=None):
-            self.counters.add(requests=1)
+            flight = self._local.flight = self.counters.arrived()
+            self._local.failure = None
             try:
                 ctx, responses = super().generate(request, generation_args, progress_callback)
-            except Exception:
-                self.counters.add(errors=1)
+            except Exception as exc:
+                self._local.failure = exc
+                self.counters.refused(flight)
                 raise
-            return ctx, self._counted(ctx, responses)
+            self.counters.admitted(flight, len(ctx.prompt))
+            return ctx, self._counted(ctx, flight, responses)
 
-        def _counted(self, ctx, responses):
-            first = last = None
-            count = 0
-            try:
-                for response in responses:
-                    last = time.perf_counter()
-                    first = first or last
-                    count += 1
-                    yield response
-            finally:
-                self.counters.add(prompt_tokens=len(ctx.prompt), generated_tokens=count,
-                                  decode_tokens=max(0, count - 1),
-                                  decode_seconds=(last - first) if count else 0.0)
+        def _counted(self, ctx, flight, responses):
+            for response in responses:
+                flight.last = time.perf_counter()
+                if flight.first is None:
+                    flight.first = flight.last
+                    flight.prompt_computed = len(ctx.prompt) - max(0, ctx.prompt_cache_count)
+                flight.tokens += 1
+                yield response
+
+        def failure(self) -> Exception | None:
+            """What this thread's last generate() raised."""
+            return getattr(self._local, "failure", None)
+
+        def settle(self) -> None:
+            """Count this thread's request as ended (the handler's last word on it)."""
+            flight, self._local.flight = getattr(self._local, "flight", None), None
+            if flight is not None:
+                self.counters.settle(flight)
+
+        def _await_response(self, response_queue):
+            # mlx-lm's wait, which also gives up once the daemon is gone: the model, waiting
+            # for the daemon to come back, would not answer until then.
+            while True:
+                try:
+                    return response_queue.get(timeout=AWAIT_SLICE)
+                except QueueEmpty:
+                    if not self.generation_available():
+                        raise RuntimeError("generation thread died") from None
+                    if not self.watch.serving():
+                        raise DaemonNotRunning(self.watch.refusal()) from None
+
+        def stop_and_join(self):
+            # Bounded: the generation thread may be waiting for a daemon that is gone.
+            self._stop = True
+            self._generation_thread.join(GENERATION_STOP_TIMEOUT)
 
     class ExpertdHandler(APIHandler):
-        """mlx-lm's handler; /v1/models lists the streamed model, /metrics is added."""
+        """mlx-lm's handler; /v1/models lists the streamed model, /metrics is added, errors
+        are OpenAI-shaped, and nothing waits for a daemon that is gone."""
+
+        def setup(self):
+            super().setup()
+            self.wfile = ShapedErrors(self.wfile)
+
+        def _set_completion_headers(self, status_code: int = 200):
+            code = None
+            if status_code == 404:  # mlx-lm's answer to whatever generate() raised
+                failure = self.response_generator.failure()
+                if isinstance(failure, DaemonNotRunning):
+                    status_code = 503
+                    self.server.counters.add(daemon_refusals=1)
+                elif isinstance(failure, ModelNotServed):
+                    code = "model_not_found"
+            self._error = (status_code, code) if status_code >= 400 else None
+            super()._set_completion_headers(status_code)
+
+        def end_headers(self):
+            super().end_headers()
+            # mlx-lm writes an error's body right after its headers.
+            self.wfile.pending, self._error = getattr(self, "_error", None), None
+
+        def handle_completion(self, request, stop_words):
+            if not self.server.watch.serving():
+                self.server.counters.add(daemon_refusals=1)
+                self._send_error(503, self.server.watch.refusal())
+                return
+            try:
+                super().handle_completion(request, stop_words)
+            except DaemonNotRunning as exc:  # gone while this request waited for tokens
+                self.server.counters.add(daemon_refusals=1)
+                self._fail_midway(503, str(exc))
+            except ConnectionError:
+                raise  # the client hung up: ExpertdHTTPServer.handle_error counts it
+            except Exception as exc:  # generation failed once the request was taken
+                logging.error("expertd serve: generation failed: %s", exc)
+                self._fail_midway(500, f"generation failed: {exc}")
+            finally:
+                self.response_generator.settle()
+
+        def _fail_midway(self, status: int, message: str) -> None:
+            if self.stream:  # the 200 is sent: end the stream with an error event
+                body = json.dumps(error_object(status, message))
+                self.wfile.write(f"data: {body}\n\n".encode())
+                self.wfile.flush()
+            else:
+                self._headers_buffer = []  # the 200 that mlx-lm queued is not sent yet
+                self._send_error(status, message)
+
+        def handle_health_check(self):
+            if self.server.watch.serving():
+                super().handle_health_check()
+            else:
+                body = {"status": "unavailable", **error_object(503, self.server.watch.refusal())}
+                self._send(503, "application/json", json.dumps(body).encode())
 
         def do_GET(self):
             if self.path == "/metrics":
@@ -142,12 +219,14 @@ def _server_classes():
             elif wanted in self.server.names:
                 body = entry
             else:
-                error = {"message": f"model {wanted!r} is not served here; this server serves "
-                                    f"{name!r}", "type": "invalid_request_error",
-                         "code": "model_not_found"}
-                self._send(404, "application/json", json.dumps({"error": error}).encode())
+                self._send_error(404, f"model {wanted!r} is not served here; this server "
+                                 f"serves {name!r}", "model_not_found")
                 return
             self._send(200, "application/json", json.dumps(body).encode())
+
+        def _send_error(self, status: int, message: str, code: str | None = None) -> None:
+            body = json.dumps(error_object(status, message, code)).encode()
+            self._send(status, "application/json", body)
 
         def _send(self, status: int, content_type: str, body: bytes) -> None:
             self.send_response(status)
@@ -166,10 +245,18 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a client holding a stream open must not keep the process alive
 
     def __init__(self, address, handler, *, blob_dir: Path, session, counters: ServerCounters,
-                 names: set):
+                 names: set, watch: DaemonWatch):
         super().__init__(address, handler)
         self.blob_dir, self.session, self.counters, self.names = (blob_dir, session, counters,
                                                                   names)
+        self.watch = watch
+
+    def handle_error(self, request, client_address):
+        # A client that hangs up before its reply is written is no error of the server's.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            self.counters.add(disconnects=1)
+        else:
+            super().handle_error(request, client_address)
 
     def metrics(self) -> str:
         """The Prometheus text exposition of the daemon's counters and this server's."""
@@ -178,74 +265,13 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
 
     def _daemon_stats(self) -> dict | None:
         # Its own socket: the session's belongs to the generation thread.
+        if not self.watch.serving():
+            return None
         try:
             with Connection(self.blob_dir) as conn:
                 return conn.request(Op.STATS, timeout=METRICS_STATS_TIMEOUT)
         except DaemonError:
             return None
-
-
-# (metric, type, help, where the value comes from)
-DAEMON_METRICS = [
-    ("hits", "counter", "expert lookups served from the arena", "hits"),
-    ("misses", "counter", "expert lookups that had to be read from the blob files", "misses"),
-    ("prefetch_hits", "counter", "misses saved by a prefetched side row", "prefetch_hits"),
-    ("hit_rate", "gauge", "hits / (hits + misses + prefetch hits) since the daemon started",
-     "hit_rate"),
-    ("bytes_read", "counter", "bytes the daemon read from the blob files", "bytes_read"),
-    ("fill_gbps", "gauge", "GB/s read while the daemon was filling rows", "fill_gbps"),
-    ("clients", "gauge", "client processes attached to the daemon", "clients"),
-    ("arena_bytes", "gauge", "size of the shared-memory arena", "arena_bytes"),
-    ("rows_used", "gauge", "arena rows holding an expert", "rows_used"),
-]
-
-
-CLIENT_METRICS = [
-    ("pool_hits", "routed experts found in this server's expert pools"),
-    ("pool_moved", "routed experts moved into its pools from the daemon's arena"),
-    ("ahead_used", "experts written ahead into its pools and then routed to"),
-    ("fast_hits", "experts it moved from the arena without asking the daemon"),
-    ("demanded", "experts it demanded from the daemon (absent or being filled)"),
-    ("reconnects", "times it re-attached to a restarted daemon"),
-    ("steps", "forward steps its model ran (a decode step per token of each batch)"),
-    ("host_waits", "times it waited for the device inside those steps (1 a warm decode step)"),
-    ("replays", "speculative steps that missed a pool and ran again, exactly"),
-]
-
-
-def render_metrics(stats: dict | None, server: ServerCounters, client: dict,
-                   pool_bytes: int = 0) -> str:
-    """Prometheus text format: ``expertd_daemon_*`` from STATS (``expertd_daemon_up 0`` and
-    nothing else of the daemon's when it does not answer), ``expertd_server_*`` of this server,
-    ``expertd_client_*`` of this process's session."""
-    lines = []
-
-    def metric(name, kind, text, value):
-        lines.extend([f"# HELP {name} {text}", f"# TYPE {name} {kind}", f"{name} {value}"])
-
-    metric("expertd_daemon_up", "gauge", "1 if the daemon answered this scrape",
-           int(stats is not None))
-    for name, kind, text, key in DAEMON_METRICS if stats is not None else []:
-        suffix = "_total" if kind == "counter" else ""
-        metric(f"expertd_daemon_{name}{suffix}", kind, text, stats[key])
-    tps = server.decode_tokens / server.decode_seconds if server.decode_seconds else 0.0
-    for name, kind, text, value in [
-        ("requests", "counter", "completion requests received", server.requests),
-        ("request_errors", "counter", "requests refused before generating", server.errors),
-        ("prompt_tokens", "counter", "prompt tokens of the requests", server.prompt_tokens),
-        ("generated_tokens", "counter", "tokens generated", server.generated_tokens),
-        ("decode_seconds", "counter", "seconds between each request's first and last token",
-         round(server.decode_seconds, 6)),
-        ("tokens_per_second", "gauge", "decode tok/s over all requests, prompts excluded",
-         round(tps, 3)),
-    ]:
-        suffix = "_total" if kind == "counter" else ""
-        metric(f"expertd_server_{name}{suffix}", kind, text, value)
-    for key, text in CLIENT_METRICS:
-        metric(f"expertd_client_{key}_total", "counter", text, client.get(key, 0))
-    metric("expertd_client_pool_bytes", "gauge",
-           "this server's own expert memory: its pools' bytes", pool_bytes)
-    return "\n".join(lines) + "\n"
 
 
 def mlx_server_args(blob_dir: Path, options: dict) -> argparse.Namespace:
@@ -306,8 +332,11 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     logging.getLogger().setLevel(cli_args.log_level.upper())
     # Loaded here rather than in the generation thread, so that a daemon that is not running
     # is a one-line error before anything listens.
+    # A daemon that dies later is waited for by the model, not by the requests (see
+    # DaemonWatch): a server outlives daemon restarts.
     model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
-                            pool_gb=pool_gb, speculate=speculate)
+                            pool_gb=pool_gb, speculate=speculate,
+                            reconnect_timeout=RECONNECT_TIMEOUT)
     cli_args.pipeline = pipeline_group is not None
     session = model.expertd_session
     try:
@@ -319,11 +348,11 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         provider_class, generator_class, handler_class = _server_classes()
         name, names = model_names(blob_dir)
         provider = provider_class(cli_args, model, tokenizer, names)
-        counters = ServerCounters()
+        counters, watch = ServerCounters(), DaemonWatch(session.paths)
         fingerprint = get_system_fingerprint()
         httpd = None
         generator = generator_class(provider, LRUPromptCache(cli_args.prompt_cache_size),
-                                    counters)
+                                    counters, watch)
         if pipeline_group is not None and pipeline_group.rank() != 0:
             # This rank's generation thread follows rank 0's requests (mlx-lm shares them).
             # Its thread is left to the process's exit: it waits on rank 0, which may be gone.
@@ -333,7 +362,8 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         try:
             httpd = _bind(host, port, lambda *a, **k: handler_class(
                 generator, *a, system_fingerprint=fingerprint, **k),
-                blob_dir=blob_dir, session=session, counters=counters, names=names)
+                blob_dir=blob_dir, session=session, counters=counters, names=names,
+                watch=watch)
             bound_host, bound_port = httpd.server_address[:2]
             bound_host = f"[{bound_host}]" if ":" in bound_host else bound_host  # IPv6
             print(f"expertd serve: {name} on http://{bound_host}:{bound_port}/v1 (blob dir "

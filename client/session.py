@@ -11,8 +11,10 @@ The layers' expert pools (pool.py) live in the client's memory and survive a rec
 import os
 import sys
 import time
+import weakref
 
 import numpy as np
+import zmq
 
 from expertd.client.arena_view import ArenaView
 from expertd.client.backing import buffer_bytes, segment_bases
@@ -27,7 +29,7 @@ from expertd.paths import daemon_paths
 from expertd.protocol import PROTOCOL_VERSION, Op
 from expertd.runfile import serving_epoch
 
-GOODBYE_LINGER_MS = 200  # how long close() lets the goodbye reach the daemon
+GOODBYE_LINGER_MS = 200  # how long a closing session lets its goodbye reach the daemon
 # How long a read waits for rows someone else is filling before it demands them itself. The
 # demand merges onto the same fill, and moves a prefetch's low-priority read to the front.
 DRAIN_TIMEOUT = 0.05
@@ -49,6 +51,10 @@ class Session:
     """
 
     def __init__(self, blob_dir, reconnect_timeout: float = 60.0, max_group: int | None = None):
+        # The socket and the threads, held apart from the session: a model dropped without
+        # close() (or left at exit) still has them shut, in order, by the finalizer.
+        self._links = _Links()
+        weakref.finalize(self, self._links.close)
         self.paths = daemon_paths(blob_dir)
         self.manifest = Manifest.load(self.paths.blob_dir)
         self.reconnect_timeout = reconnect_timeout
@@ -112,11 +118,15 @@ class Session:
         self.demand_limit = hello["max_demand"]
         interval = hello["heartbeat_interval"]
         # The daemon forgets a client silent for client_timeout; the client gives the daemon as
-        # long (and at least three heartbeats) before calling it stuck.
+        # long (and at least three heartbeats) before calling it stuck. The thread holds the
+        # session weakly, so that dropping the model drops the session.
         self._heartbeat = Heartbeat(self.paths.endpoint, conn.client_id, hello["token"], interval,
                                     max(hello["client_timeout"], 3 * interval),
-                                    self._daemon_alive, self._reap, self._heartbeat_report)
+                                    _weak(self, "_daemon_alive", False),
+                                    _weak(self, "_reap", False),
+                                    _weak(self, "_heartbeat_report", {}))
         self.requester.heartbeat = self._heartbeat
+        self._links.conn, self._links.heartbeat = conn, self._heartbeat
 
     def announce_pools(self) -> None:
         """Tell the daemon this client's expert memory (its pools), for status: a second
@@ -135,25 +145,25 @@ class Session:
                                    f"with: expertd start --blobs {blob}")
 
     def _detach(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-        if self.conn is not None:
-            self.conn.close()
+        self._links.detach(goodbye=False)
         if self.requester is not None:
             self.requester.forget()
         # The old mapping stays valid until nothing references it: a copy ahead in flight may
         # still read it.
         self.conn = self.view = self._heartbeat = None
 
+    @property
+    def copier(self):
+        """The model's copier.Copier (set by the loader), closed with the session."""
+        return self._links.copier
+
+    @copier.setter
+    def copier(self, copier) -> None:
+        self._links.copier = copier
+
     def close(self) -> None:
         """Say goodbye (the daemon drops this client's leases and pins at once) and detach."""
-        if self.copier is not None:
-            self.copier.close()
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-        if self.conn is not None:
-            self.requester.send_quietly(Op.GOODBYE, {})
-            self.conn.sock.close(linger=GOODBYE_LINGER_MS)  # bounded: the daemon may be gone
+        self._links.close()
         self._detach()
 
     def _reconnect(self, why: str) -> None:
@@ -281,14 +291,12 @@ class Session:
         time is the copier's ``busy_seconds``, off the critical path)."""
         view.copy(layer, slots, dest, bases, positions)
 
-    def prefetch(self, layer: int, guessed: np.ndarray, n_core: int, found) -> None:
-        """Ask the daemon to read the absent experts of ``guessed`` (distinct, best first) of
-        ``layer`` into its side rows; ``found`` is their arena lookup. All of it is named, not
-        only what is absent: a resident guess may sit in a side row, and naming it keeps the
+    def prefetch(self, layer: int, named: np.ndarray, n_core: int, reads: int) -> None:
+        """Ask the daemon to read the absent experts of ``named`` (distinct, best first; the
+        first ``n_core`` from the guess's core) of ``layer`` into its side rows; ``reads`` of them
+        were absent when looked up. A resident guess may sit in a side row: naming it keeps the
         daemon from reusing that row."""
-        absent = int(((found.slots < 0) & (found.filling < 0)).sum())
-        if absent:
-            self.requester.prefetch(layer, guessed, n_core, absent)
+        self.requester.prefetch(layer, named, n_core, reads)
 
     def report_hits(self, layer: int, experts: np.ndarray) -> None:
         """Tell the daemon's LFU that ``experts`` were used from a pool (through the slot
@@ -357,3 +365,46 @@ class Session:
 
     def stats(self) -> dict:
         return self.request(Op.STATS, {})
+
+
+class _Links:
+    """A session's copier, connection and heartbeat thread, shut in order: the copier, the
+    heartbeat thread (it closes its own socket, and stops using the connection's to release
+    late leases), then the connection's socket, then its context. Holds nothing of the
+    session."""
+
+    def __init__(self):
+        self.copier = self.conn = self.heartbeat = None
+
+    def detach(self, goodbye: bool) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.conn is not None:
+            linger = 0
+            if goodbye:
+                try:
+                    self.conn.send(Op.GOODBYE, {}, block=False)
+                    linger = GOODBYE_LINGER_MS  # bounded: the daemon may be gone
+                except zmq.ZMQError:
+                    pass  # flooded or closed: the daemon times this client out instead
+            self.conn.close(linger)
+        self.conn = self.heartbeat = None
+
+    def close(self) -> None:
+        """Say goodbye and shut everything (close(), the finalizer, exit)."""
+        copier, self.copier = self.copier, None
+        if copier is not None:
+            copier.close()
+        self.detach(goodbye=True)
+
+
+def _weak(session: Session, method: str, gone):
+    """``session.method`` as a callable that holds the session weakly (``gone`` once the
+    session has been collected)."""
+    ref = weakref.ref(session)
+
+    def call():
+        target = ref()
+        return gone if target is None else getattr(target, method)()
+
+    return call

@@ -17,7 +17,7 @@ from .leases import Demand, LeaseBook
 from .policy import LfuPolicy
 from .protocol import Op, reply_error, reply_ok
 from .shm.layout import SlotState
-from .side import SideBook
+from .side import SIDE_HOLD, SideBook
 from .slots import SlotTable
 
 log = logging.getLogger("expertd")
@@ -35,16 +35,17 @@ class ExpertCache:
         prefetch: "on", "auto" (the daemon fills what clients ask for; clients decide per
             layer whether to ask) or "off" (PREFETCH is counted and ignored).
         top_k: experts each token routes to per layer: no layer's quota of rows goes below it.
+        side_hold: seconds a prefetch claim protects its side row at most (see SideBook).
     """
 
     def __init__(self, arena, pool, book: LeaseBook, workers: int, send, prefetch: str = "auto",
-                 top_k: int = 1):
+                 top_k: int = 1, side_hold: float = SIDE_HOLD):
         g = arena.geometry
         # The slot table, the policy and the lease book span every row: a side row becomes a
         # cache row by a role swap, never by a copy.
         self.table = SlotTable(arena)
         self.policy = LfuPolicy(g.total_rows, g.n_layers, g.n_experts, min_quota=top_k)
-        self.side = SideBook(g.cache_rows, g.side_rows)
+        self.side = SideBook(g.cache_rows, g.side_rows, hold=side_hold)
         self.prefetch_mode = prefetch
         self.prefetch_rows: set = set()  # rows being filled for a prefetch
         self._saved_unread: set = set()  # of those, rows a demand counted as saved misses

@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -52,7 +53,8 @@ def _cmd_verify(args) -> int:
     check = DirectoryCheck(Path(args.blobs))
     bad = 0
     with tqdm(total=check.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-              disable=args.quiet, desc="verify", dynamic_ncols=True) as bar:
+              disable=True if args.quiet else None,  # None: on a terminal only
+              desc="verify", dynamic_ncols=True) as bar:
         for fault in check.faults(bar.update):
             bad += 1
             bar.write(str(fault), file=sys.stdout)  # above the bar, not through it
@@ -163,6 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
+    except BrokenPipeError:
+        # The reader (`| head`) has gone: exit quietly. stdout goes to devnull so that the
+        # interpreter's last flush of what is still buffered cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _run(argv) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -171,6 +186,8 @@ def main(argv=None) -> int:
                         format="%(asctime)s expertd %(levelname)s %(message)s")
     try:
         return args.func(args)
+    except BrokenPipeError:
+        raise  # not an error of the command: main() exits quietly
     except (ExpertdError, OSError, ValueError) as exc:
         print(f"expertd {args.command}: error: {exc}", file=sys.stderr)
         return 1

@@ -7,6 +7,10 @@ import os
 import sys
 from pathlib import Path
 
+from . import argtypes
+from .argtypes import (DEFAULT_KV_GROUP_SIZE, DEFAULT_PREFILL_STEP_SIZE,
+                       DEFAULT_QUANTIZED_KV_START, KV_BITS, KV_GROUP_SIZES)
+
 
 def add_subcommands(sub) -> None:
     from .control import add_subcommands as add_control_subcommands
@@ -17,11 +21,15 @@ def add_subcommands(sub) -> None:
 
 
 def _cmd_generate(args) -> int:
-    import sys
-
-    from expertd.client.generate import generate, summary_line
+    from expertd.client.generate import KVOptions, generate, summary_line
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        raise ValueError("the prompt read from stdin is empty")
+    kv = KVOptions(max_kv_size=args.max_kv_size, kv_bits=args.kv_bits,
+                   kv_group_size=args.kv_group_size,
+                   quantized_kv_start=args.quantized_kv_start,
+                   prefill_step_size=args.prefill_step_size)
     group, out = (_pipeline_group() if args.pipeline else None), sys.stdout
     if group is not None and group.rank() != 0:
         out = open(os.devnull, "w")  # rank 0 prints; every rank computes the same tokens
@@ -30,7 +38,7 @@ def _cmd_generate(args) -> int:
                        min_p=args.min_p, top_k=args.top_k, system_prompt=args.system_prompt,
                        chat_template=not args.ignore_chat_template, out=out,
                        pipeline_group=group, pool_gb=args.pool_gb,
-                       speculate=args.speculate)
+                       speculate=args.speculate, kv=kv, extra_eos_tokens=args.extra_eos_token)
     if group is not None:
         from expertd.client.pipeline import gather_usage
 
@@ -38,11 +46,14 @@ def _cmd_generate(args) -> int:
         if group.rank() != 0:
             out.close()
             return 0
-    print()
-    print(summary_line(summary))
-    for rank in summary.get("ranks", []):
-        print(f"[expertd] rank {rank['rank']}: {rank['hits']} hits, {rank['misses']} misses, "
-              f"read {rank['bytes_read'] / 2**20:.1f} MiB from its own daemon")
+    print(flush=True)  # stdout carries the text alone; the summary goes to stderr
+    if args.summary:  # --verbose True, as mlx_lm.generate's
+        print(summary_line(summary), file=sys.stderr)
+        for rank in summary.get("ranks", []):
+            print(f"[expertd] rank {rank['rank']}: {rank['hits']} hits, {rank['misses']} "
+                  f"misses, read {rank['bytes_read'] / 2**20:.1f} MiB from its own daemon",
+                  file=sys.stderr)
+        print(f"Peak memory: {summary['peak_memory_gb']:.3f} GB", file=sys.stderr, flush=True)
     if args.json_summary:
         Path(args.json_summary).write_text(json.dumps(summary))
     return 0
@@ -59,6 +70,31 @@ def _pipeline_group():
         raise ExpertdError("--pipeline runs one pipeline stage per process: start one process "
                            "per stage with mlx.launch (README: Several machines)")
     return group
+
+
+def add_model_flag(p) -> None:
+    """--blobs, also spelled --model as in mlx-lm's commands (where -m is --max-tokens)."""
+    p.add_argument("--blobs", "--model", dest="blobs", required=True, metavar="BLOB_DIR",
+                   help="the blob directory (expertd convert's output) of a running daemon")
+
+
+def add_sampling_flags(p, top_p: float) -> None:
+    """--temp, --top-p and --seed, checked as generate and chat take them."""
+    p.add_argument("--temp", type=argtypes.non_negative_float, default=0.0,
+                   help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=argtypes.probability, default=top_p,
+                   help="sampling top-p (0 or 1: off)")
+    p.add_argument("--seed", type=argtypes.seed, default=0, help="random seed for sampling")
+
+
+def add_kv_flags(p) -> None:
+    """mlx-lm's --max-kv-size and --prefill-step-size."""
+    p.add_argument("--max-kv-size", type=argtypes.positive_int, default=None, metavar="N",
+                   help="most tokens kept in the KV cache, the oldest dropped first "
+                   "(default: unbounded)")
+    p.add_argument("--prefill-step-size", type=argtypes.positive_int,
+                   default=DEFAULT_PREFILL_STEP_SIZE, metavar="N",
+                   help="prompt tokens per prefill step (fewer: less peak memory)")
 
 
 def add_prefetch_flag(p, help_text: str) -> None:
@@ -96,21 +132,38 @@ def _cmd_demo(args) -> int:
 def add_client_subcommands(sub) -> None:
     p = sub.add_parser("generate", help="generate text through the daemon (a client process)",
                        description="Load the model of BLOB_DIR with its experts served by the "
-                       "running expertd, stream a completion of --prompt to stdout, and end "
-                       "with a one-line summary: tok/s for prompt and generation, this client's "
-                       "hit rate and the bytes the daemon read for it. The flags that mlx_lm."
-                       "generate also has mean what they mean there.")
-    p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
-    p.add_argument("--prompt", required=True, help="the prompt text ('-' reads it from stdin)")
+                       "running expertd, and stream a completion of --prompt to stdout. Unless "
+                       "--verbose False, end with a summary on stderr: tok/s for prompt and "
+                       "generation, this client's hit rate, the bytes the daemon read for it, "
+                       "and the peak memory. The flags that mlx_lm.generate also has mean what "
+                       "they mean there.")
+    add_model_flag(p)
+    p.add_argument("--prompt", "-p", required=True, type=argtypes.prompt_text,
+                   help="the prompt text ('-' reads it from stdin)")
     p.add_argument("--system-prompt", help="system prompt for the chat template")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="use the raw prompt, without the tokenizer's chat template")
-    p.add_argument("--max-tokens", type=int, default=100, help="tokens to generate")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=0.0, help="sampling top-p (0: off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="sampling min-p (0: off)")
-    p.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: off)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--max-tokens", "-m", type=argtypes.positive_int, default=100,
+                   help="tokens to generate")
+    add_sampling_flags(p, top_p=0.0)
+    p.add_argument("--min-p", type=argtypes.probability, default=0.0,
+                   help="sampling min-p (0: off)")
+    p.add_argument("--top-k", type=argtypes.non_negative_int, default=0,
+                   help="sampling top-k (0: off)")
+    p.add_argument("--extra-eos-token", nargs="+", default=(), metavar="TOKEN",
+                   help="more tokens that end the generation, each a token's text or id "
+                   "(default: none)")
+    p.add_argument("--verbose", dest="summary", type=argtypes.true_or_false, default=True,
+                   metavar="BOOL", help="True: the summary and the peak memory after the text, "
+                   "on stderr; False: only the text (as mlx_lm.generate)")
+    add_kv_flags(p)
+    p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None,
+                   help="bits of the quantized KV cache (default: not quantized)")
+    p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
+                   default=DEFAULT_KV_GROUP_SIZE, help="group size of the quantized KV cache")
+    p.add_argument("--quantized-kv-start", type=argtypes.non_negative_int,
+                   default=DEFAULT_QUANTIZED_KV_START, metavar="N",
+                   help="with --kv-bits, quantize the KV cache from this many tokens on")
     add_prefetch_flag(p, "guess each next MoE layer's experts at the router sync, copy the "
                       "resident ones in the background and have the daemon read the others "
                       "ahead; auto stops guessing in a layer whose guesses are mostly wrong")
@@ -135,17 +188,8 @@ def add_client_subcommands(sub) -> None:
 def _cmd_serve(args) -> int:
     from expertd.client.serve import serve
 
-    options = dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                   max_tokens=args.max_tokens, chat_template=args.chat_template or "",
-                   use_default_chat_template=args.use_default_chat_template,
-                   chat_template_args=args.chat_template_args,
-                   decode_concurrency=args.decode_concurrency,
-                   prompt_concurrency=args.prompt_concurrency,
-                   prefill_step_size=args.prefill_step_size,
-                   prompt_cache_size=args.prompt_cache_size,
-                   allowed_origins=args.allowed_origins, log_level=args.log_level)
     status = serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,
-                   options=options, pool_gb=args.pool_gb, speculate=args.speculate,
+                   options=serve_options(args), pool_gb=args.pool_gb, speculate=args.speculate,
                    pipeline_group=_pipeline_group() if args.pipeline else None)
     # Everything is closed (the daemon got its goodbye): skip the C++ static destructors. With
     # MLX 0.32 on Linux they abort ("terminate called without an active exception") once
@@ -156,12 +200,29 @@ def _cmd_serve(args) -> int:
     os._exit(status)
 
 
+def serve_options(args) -> dict:
+    """The mlx_lm.server settings of ``expertd serve``'s flags, by their mlx-lm names."""
+    return dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                max_tokens=args.max_tokens, chat_template=args.chat_template or "",
+                use_default_chat_template=args.use_default_chat_template,
+                chat_template_args=args.chat_template_args,
+                decode_concurrency=args.decode_concurrency,
+                prompt_concurrency=args.prompt_concurrency,
+                prefill_step_size=args.prefill_step_size,
+                prompt_cache_size=args.prompt_cache_size,
+                prompt_cache_bytes=args.prompt_cache_bytes, kv_bits=args.kv_bits,
+                kv_group_size=args.kv_group_size,
+                quantized_kv_start=args.quantized_kv_start,
+                allowed_origins=args.allowed_origins, log_level=args.log_level)
+
+
 def _cmd_chat(args) -> int:
     from expertd.client.chat import chat
 
     return chat(Path(args.blobs), system_prompt=args.system_prompt, max_tokens=args.max_tokens,
                 temp=args.temp, top_p=args.top_p, seed=args.seed, max_kv_size=args.max_kv_size,
-                prefetch=args.prefetch, pool_gb=args.pool_gb, speculate=args.speculate)
+                prefill_step_size=args.prefill_step_size, prefetch=args.prefetch,
+                pool_gb=args.pool_gb, speculate=args.speculate)
 
 
 def _json_object(text: str) -> dict:
@@ -169,6 +230,36 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError("expected a JSON object")
     return value
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, not {text!r}")
+    return value
+
+
+# Units of --prompt-cache-bytes, decimal as in mlx_lm.server's.
+BYTE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
+              "GB": 10**9}
+
+
+def _byte_size(text: str) -> int:
+    """A positive number of bytes, with an optional unit: 500MB, 2GB, 1.5G."""
+    number = text.strip().upper().rstrip("KMGB")
+    unit = text.strip().upper()[len(number):]
+    try:
+        value = float(number) * BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        value = 0.0
+    if not 1 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of bytes such as 500MB or 2GB, "
+                                         f"not {text!r}")
+    return int(value)
 
 
 def add_serving_subcommands(sub) -> None:
@@ -183,8 +274,8 @@ def add_serving_subcommands(sub) -> None:
                        "only implements basic security checks: keep it on a trusted network.")
     p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free "
-                   "port, printed at start)")
+    p.add_argument("--port", type=_port, default=8080, help="port to listen on, 0 to 65535 "
+                   "(0: any free port, printed at start)")
     add_prefetch_flag(p, prefetch_help)
     p.add_argument("--pipeline", action="store_true",
                    help="run under mlx.launch, one pipeline stage per rank, each rank's BLOB_DIR "
@@ -197,22 +288,36 @@ def add_serving_subcommands(sub) -> None:
     p.add_argument("--chat-template-args", type=_json_object, default={},
                    help="JSON arguments for apply_chat_template, e.g. "
                    "'{\"enable_thinking\":false}'")
-    p.add_argument("--temp", type=float, default=0.0,
+    p.add_argument("--temp", type=argtypes.non_negative_float, default=0.0,
                    help="sampling temperature of requests that set none")
-    p.add_argument("--top-p", type=float, default=1.0, help="top-p of requests that set none")
-    p.add_argument("--top-k", type=int, default=0, help="top-k of requests that set none (0: off)")
-    p.add_argument("--min-p", type=float, default=0.0,
+    p.add_argument("--top-p", type=argtypes.probability, default=1.0,
+                   help="top-p of requests that set none")
+    p.add_argument("--top-k", type=argtypes.non_negative_int, default=0,
+                   help="top-k of requests that set none (0: off)")
+    p.add_argument("--min-p", type=argtypes.probability, default=0.0,
                    help="min-p of requests that set none (0: off)")
-    p.add_argument("--max-tokens", type=int, default=512,
+    p.add_argument("--max-tokens", type=argtypes.positive_int, default=512,
                    help="most tokens generated for a request that sets no max_tokens")
-    p.add_argument("--decode-concurrency", type=int, default=32,
+    p.add_argument("--decode-concurrency", type=argtypes.positive_int, default=32,
                    help="requests decoded together in one batch")
-    p.add_argument("--prompt-concurrency", type=int, default=8,
+    p.add_argument("--prompt-concurrency", type=argtypes.positive_int, default=8,
                    help="prompts processed together in one batch")
-    p.add_argument("--prefill-step-size", type=int, default=2048,
-                   help="prompt tokens per prefill step")
-    p.add_argument("--prompt-cache-size", type=int, default=10,
+    p.add_argument("--prefill-step-size", type=argtypes.positive_int,
+                   default=DEFAULT_PREFILL_STEP_SIZE, help="prompt tokens per prefill step")
+    p.add_argument("--prompt-cache-size", type=argtypes.non_negative_int, default=10,
                    help="most KV caches kept for reuse across requests")
+    p.add_argument("--prompt-cache-bytes", type=_byte_size, default=None, metavar="SIZE",
+                   help="most bytes of the KV caches kept for reuse, e.g. 2GB or 500MB "
+                   "(default: no bound but --prompt-cache-size)")
+    p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None,
+                   help="bits of the quantized KV cache (default: not quantized); as in "
+                   "mlx_lm.server, requests are then served one at a time, not batched")
+    p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
+                   default=DEFAULT_KV_GROUP_SIZE,
+                   help="group size of the quantized KV cache")
+    p.add_argument("--quantized-kv-start", type=argtypes.non_negative_int,
+                   default=DEFAULT_QUANTIZED_KV_START,
+                   help="with --kv-bits, quantize a request's KV cache from this many tokens on")
     p.add_argument("--allowed-origins", type=lambda text: text.split(","), default=["*"],
                    help="CORS origins, comma-separated (default: *)")
     p.add_argument("--log-level", default="INFO",
@@ -224,15 +329,13 @@ def add_serving_subcommands(sub) -> None:
                        description="Chat with the model of BLOB_DIR in the terminal, its "
                        "experts streamed through the running expertd. Type q (or /q, or end "
                        "the input) to quit, r to reset the conversation, h for help; the "
-                       "conversation's KV cache is kept across turns, as in mlx_lm.chat.")
-    p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
+                       "conversation's KV cache is kept across turns, as in mlx_lm.chat. "
+                       "Ctrl-C stops a reply and forgets its turn; at the prompt it quits.")
+    add_model_flag(p)
     p.add_argument("--system-prompt", help="system prompt for the chat template")
-    p.add_argument("--max-tokens", "-m", type=int, default=256,
+    p.add_argument("--max-tokens", "-m", type=argtypes.positive_int, default=256,
                    help="most tokens generated per reply")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--max-kv-size", type=int, help="most tokens kept in the KV cache "
-                   "(default: unbounded)")
+    add_sampling_flags(p, top_p=1.0)
+    add_kv_flags(p)
     add_prefetch_flag(p, prefetch_help)
     p.set_defaults(func=_cmd_chat)

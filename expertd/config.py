@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .io import VERIFY_MODES
+from .side import SIDE_HOLD
 
 PREFETCH_MODES = ("auto", "on", "off")
 SPECULATE_MODES = ("auto", "on", "off")  # the client's one-wait-a-step mode (client/step.py)
@@ -30,6 +31,7 @@ class ServerConfig:
     save_interval: float = 60.0
     prefetch: str = "auto"
     side_rows: int | None = None  # prefetch rows per generation; None: Geometry.default_side_rows
+    side_hold: float = SIDE_HOLD  # seconds a prefetch claim protects its side row at most
 
     def __post_init__(self):
         if self.cache_bytes <= 0:
@@ -40,7 +42,7 @@ class ServerConfig:
             raise ValueError("io must be 'direct' or 'buffered'")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}")
-        for name in ("client_timeout", "heartbeat_interval", "lease_timeout"):
+        for name in ("client_timeout", "heartbeat_interval", "lease_timeout", "side_hold"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name.replace('_', ' ')} must be a positive number of seconds")

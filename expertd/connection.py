@@ -2,6 +2,7 @@
 
 import os
 import time
+import weakref
 
 import zmq
 
@@ -29,9 +30,13 @@ class Connection:
             raise DaemonNotRunning(f"no expertd serves {what} (start one with: "
                                    f"expertd start --blobs {what})")
         self.client_id = client_id or os.urandom(CLIENT_ID_BYTES)
+        # The context and its one socket are shut here, by close() or by the finalizer when the
+        # connection is dropped or the process exits: never by the garbage collector, whose
+        # Context.__del__ can wait for ever on a socket of the same garbage not yet closed.
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self._finalizer = weakref.finalize(self, _shut, self.sock, self.ctx, 0)
+        self.sock.setsockopt(zmq.LINGER, 0)  # a request nobody waits for any more is worthless
         self.sock.setsockopt(zmq.ROUTING_ID, self.client_id)
         self.sock.connect(self.endpoint)
         self._counter = 0
@@ -41,10 +46,14 @@ class Connection:
         self._counter += 1
         return self._counter.to_bytes(8, "little")
 
-    def send(self, op: Op, body: dict) -> bytes:
-        """Fire and forget; returns the request id."""
+    def send(self, op: Op, body: dict, block: bool = True) -> bytes:
+        """Fire and forget; returns the request id.
+
+        Raises:
+            zmq.Again: with ``block`` False, when the message cannot be queued at once.
+        """
         rid = self._rid()
-        self.sock.send_multipart(request(rid, op, body))
+        self.sock.send_multipart(request(rid, op, body), 0 if block else zmq.NOBLOCK)
         return rid
 
     def request(self, op: Op, body: dict | None = None, timeout: float = 10.0) -> dict:
@@ -74,12 +83,20 @@ class Connection:
                 raise DaemonError(str(body.get("error", "unknown error")), body.get("code"))
             return body
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket, letting what is queued out for up to ``linger_ms``, then the
+        context (which waits for nothing else: it has no other socket). Idempotent."""
+        if self._finalizer.detach() is not None:
+            _shut(self.sock, self.ctx, linger_ms)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _shut(sock, ctx, linger_ms: int) -> None:
+    """The socket first: term() waits for every socket of its context to be closed."""
+    sock.close(linger=linger_ms)
+    ctx.term()

@@ -50,10 +50,28 @@ def parse_size(text: str, total_bytes: int) -> float:
     return sign * number * _UNITS[unit] / 2**30
 
 
+def _share_bytes(m, expert_bytes: float, side_rows: int | None) -> int:
+    """The arena whose cache rows hold ``expert_bytes`` of experts (100%: every one), its
+    side rows (the daemon's default for that arena, if not given) and slot tables on top."""
+    from .config import GUESS_WIDTH
+    from .shm.layout import Geometry
+
+    shape = len(m.layers), m.max_experts, m.stride
+    rows = max(1, math.ceil(round(expert_bytes / m.stride, 6)))
+    if side_rows is not None:
+        return Geometry.smallest_budget(*shape, side_rows=side_rows, cache_rows=rows)
+    wide = Geometry.smallest_budget(*shape, side_rows=GUESS_WIDTH * m.top_k, cache_rows=rows)
+    if Geometry.default_side_rows(*shape, wide, m.top_k, GUESS_WIDTH) > m.top_k:
+        return wide
+    return Geometry.smallest_budget(*shape, side_rows=m.top_k, cache_rows=rows)
+
+
 def cache_bytes(text: str, manifest, blobs, side_rows: int | None = None) -> int:
     """``--cache-gb`` in bytes, refused unless the daemon can serve the model with it.
 
-    The budget is the whole arena (slot tables and prefetch side rows included). The floor is
+    A size is the whole arena (slot tables and prefetch side rows included); a percentage is a
+    share of the experts, held in cache rows with the side rows and tables on top, so that 100%
+    holds every expert. The floor is
     2 x top_k cache rows (capped at the model's expert count) beside the 2 x ``side_rows``
     side rows (``side_rows`` defaults to top_k):
     one demand may hold at most half of the rows pins leave (``config.cache_limits``); below
@@ -84,6 +102,8 @@ def cache_bytes(text: str, manifest, blobs, side_rows: int | None = None) -> int
         raise ValueError(f"--cache-gb {text} is more memory than any machine has "
                          f"(at most {MAX_CACHE_GB} GiB)")
     size = int(gib * 2**30)
+    if str(text).strip().endswith("%"):
+        size = _share_bytes(m, gib * 2**30, side_rows)
     if size < least:
         raise ValueError(f"--cache-gb {text} is too small for {blobs}: the smallest cache "
                          f"that serves it is {least_gb:g} GiB ({rows} rows of {m.stride} bytes, "
@@ -107,6 +127,19 @@ def _config(args):
             raise ValueError(f"--side-rows must be between 0 and {MAX_SIDE_ROWS * top_k} "
                              f"({MAX_SIDE_ROWS} x top_k = {top_k}), not {args.side_rows}")
         budget = cache_bytes(args.cache_gb, store.manifest, args.blobs, args.side_rows)
+        # Auto-pins are pins: at most a quarter of the cache rows (config.cache_limits), as
+        # the daemon lays the arena out (server.Server).
+        from .config import GUESS_WIDTH, cache_limits
+        from .shm.layout import Geometry
+
+        m = store.manifest
+        side = args.side_rows if args.side_rows is not None else Geometry.default_side_rows(
+            len(m.layers), m.max_experts, m.stride, budget, m.top_k, GUESS_WIDTH)
+        rows = Geometry.for_budget(len(m.layers), m.max_experts, m.stride, budget,
+                                   side_rows=side).cache_rows
+        if not 0 <= args.auto_pin <= cache_limits(rows)[0]:
+            raise ValueError(f"--auto-pin must be between 0 and {cache_limits(rows)[0]} (a "
+                             f"quarter of this cache's {rows} rows), not {args.auto_pin}")
     finally:
         store.close()
     if not 1 <= args.workers <= MAX_WORKERS:
@@ -119,7 +152,7 @@ def _config(args):
         verify=args.verify, client_timeout=args.client_timeout,
         heartbeat_interval=args.heartbeat, lease_timeout=args.lease_timeout,
         pin_file=pin_file, auto_pin=args.auto_pin, prefetch=args.prefetch,
-        side_rows=args.side_rows)
+        side_rows=args.side_rows, side_hold=args.side_hold)
 
 
 def _log_file(args, config) -> Path:
@@ -141,8 +174,13 @@ def _cmd_start(args) -> int:
     log_file = _log_file(args, config)
     argv = ["start", "--blobs", str(config.blob_dir), *start_flags(args)]
     stats = start_detached(config.blob_dir, argv, log_file)
+    from .server import size_text
+
     print(f"expertd serving {stats['blob_dir']} on {stats['endpoint']} (pid {stats['pid']}, "
-          f"{stats['arena_rows']} rows, {stats['arena_bytes'] / 2**30:.2f} GiB arena)")
+          f"{stats['arena_rows']} rows, {size_text(stats['arena_bytes'])} arena)")
+    if stats.get("cache_capped"):
+        print(f"  --cache-gb {args.cache_gb} is more than every expert needs: the arena holds "
+              f"all {stats['arena_rows']} in {size_text(stats['arena_bytes'])}")
     print(f"  log: {log_file}")
     return 0
 
@@ -212,12 +250,26 @@ def _snapshot(args) -> tuple:
     """``(exit code, text or JSON-able value)`` of one status look."""
     from .connection import Connection
     from .daemon import list_sockets
+    from .paths import daemon_paths
     from .protocol import Op
+    from .runfile import lock_held
 
     targets = [dict(blob_dir=args.blobs)] if args.blobs else [
         dict(socket=str(s)) for s in list_sockets()]
     results, notes = [], []
     for target in targets:
+        # A free lock means no daemon (a killed one leaves its socket behind): say so at once
+        # rather than wait for an answer that cannot come.
+        lock = (daemon_paths(args.blobs).lock if args.blobs else
+                Path(target["socket"]).with_suffix(".lock"))
+        if not lock_held(lock):
+            if args.blobs:
+                blob_dir = Path(args.blobs).expanduser().resolve()
+                return _not_running(args, f"no expertd serves {blob_dir}: not running (its lock "
+                                          f"is free); start one with: expertd start --blobs "
+                                          f"{blob_dir}")
+            notes.append(f"{target['socket']}: not running (its lock is free)")
+            continue
         try:
             with Connection(**target) as conn:
                 stats = conn.request(Op.STATS, timeout=args.timeout)
@@ -226,15 +278,20 @@ def _snapshot(args) -> tuple:
             if args.blobs:
                 if not isinstance(exc, DaemonNotRunning):
                     raise
-                blob_dir = str(Path(args.blobs).expanduser().resolve())
-                down = {"running": False, "blob_dir": blob_dir, "log": log_location(blob_dir)}
-                return NOT_RUNNING, down if args.json else f"{exc}\n  log: {down['log']}"
+                return _not_running(args, str(exc))
             notes.append(f"{target['socket']}: not answering ({exc})")
     if args.json:
         return 0, results[0] if args.blobs else results
     if not results:
         return NOT_RUNNING, "\n".join(notes + ["no expertd is running"])
     return 0, "\n".join(["\n".join(_status_lines(s)) for s in results] + notes)
+
+
+def _not_running(args, message: str) -> tuple:
+    """Status's answer for ``--blobs`` when no daemon serves it."""
+    blob_dir = str(Path(args.blobs).expanduser().resolve())
+    down = {"running": False, "blob_dir": blob_dir, "log": log_location(blob_dir)}
+    return NOT_RUNNING, down if args.json else f"{message}\n  log: {down['log']}"
 
 
 def _cmd_status(args) -> int:
@@ -267,11 +324,14 @@ def _cmd_status(args) -> int:
 def add_start_flags(p: argparse.ArgumentParser) -> None:
     """The flags ``start``, ``restart`` and ``service install`` share."""
     from .config import PREFETCH_MODES
+    from .side import SIDE_HOLD
 
     p.add_argument("--blobs", required=True, metavar="BLOB_DIR", help="blob directory to serve")
     p.add_argument("--cache-gb", default="4", metavar="SIZE",
-                   help="size of the shared expert cache, the whole arena: GiB (8), or 8G, "
-                   "512M, or a share of the experts' total size (30%%) (default: 4)")
+                   help="size of the shared expert cache: the whole arena, in GiB (8), or 8G, "
+                   "512M; or a share of the experts, the side rows and slot tables on top "
+                   "(100%% holds every one; e.g. 30%%). A size above what every expert needs "
+                   "is cut to it (start says so) (default: 4)")
     p.add_argument("--workers", type=int, default=8, help="parallel pread workers (default: 8)")
     p.add_argument("--io", choices=("direct", "buffered"), default="direct",
                    help="direct: bypass the page cache (O_DIRECT / F_NOCACHE), so the arena is "
@@ -302,6 +362,9 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
                    "(a client copies its rows in milliseconds; default: 30)")
     p.add_argument("--heartbeat", type=float, default=1.0, metavar="S",
                    help="heartbeat interval clients are told to use (default: 1)")
+    # Hidden, for tests: a long hold leaves a client's death as the only thing that frees its
+    # side rows, a short one lets a test see the hold lapse without waiting a second.
+    p.add_argument("--side-hold", type=float, default=SIDE_HOLD, help=argparse.SUPPRESS)
     p.add_argument("--state-file", help="where the hot set is saved "
                    "(default: per-user state dir)")
     p.add_argument("--log-file", metavar="PATH",
@@ -316,6 +379,7 @@ START_FLAGS = (("cache_gb", "--cache-gb", False), ("workers", "--workers", False
                ("prefetch", "--prefetch", False), ("side_rows", "--side-rows", False),
                ("client_timeout", "--client-timeout", False),
                ("lease_timeout", "--lease-timeout", False), ("heartbeat", "--heartbeat", False),
+               ("side_hold", "--side-hold", False),
                ("state_file", "--state-file", True))
 
 

@@ -39,8 +39,10 @@ def load_hot_set(path: Path, policy) -> list:
         state = json.loads(text)
         policy.load_state(state["policy"])
         return [tuple(k) for k in state.get("hot", []) if isinstance(k, list) and len(k) == 2]
-    except (ValueError, KeyError, TypeError) as exc:
-        log.warning("ignoring unreadable state file %s: %s", path, exc)
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        # RecursionError: JSON nested deeper than Python's stack ('[' * 5000).
+        log.warning("ignoring unreadable state file %s: %s", path,
+                    "nested too deeply" if isinstance(exc, RecursionError) else exc)
         return []
 
 

@@ -32,6 +32,16 @@ TICK = 0.1
 SHUTDOWN_GRACE = 5.0
 MAX_QUEUED_PER_CLIENT = 32
 RECV_BATCH = 256
+# Messages ZeroMQ queues per peer before it stops reading that peer (the kernel holds the rest
+# and the sender waits): a client has a few requests in flight, a flood is held to this.
+RECV_HWM = 4
+
+
+def size_text(n_bytes: int) -> str:
+    """``1.50 GiB``, or ``768.00 MiB`` below a GiB (a small arena never reads 0.00 GiB)."""
+    if n_bytes >= 2**30:
+        return f"{n_bytes / 2**30:.2f} GiB"
+    return f"{n_bytes / 2**20:.2f} MiB"
 
 
 class ExpertServer:
@@ -60,6 +70,9 @@ class ExpertServer:
                                               config.cache_bytes, m.top_k, GUESS_WIDTH)
         g = self.geometry = Geometry.for_budget(len(m.layers), m.max_experts, m.stride,
                                                 config.cache_bytes, side_rows=side)
+        # A budget with room for a row more than every expert: the arena is cut to what is useful.
+        self.capped = config.cache_bytes >= Geometry.smallest_budget(
+            g.n_layers, g.n_experts, g.stride, side_rows=side, cache_rows=g.cache_rows + 1)
         self.max_pins, self.max_demand, client_cap = cache_limits(g.cache_rows)
         # Checked before anything is created: more pins than PIN allows would leave demands
         # too few rows, and they would wait forever.
@@ -74,7 +87,8 @@ class ExpertServer:
             book = LeaseBook(g.total_rows, client_cap, MAX_QUEUED_PER_CLIENT,
                              config.lease_timeout)
             self.cache = ExpertCache(self.arena, self.pool, book, config.workers, self._send,
-                                     prefetch=config.prefetch, top_k=m.top_k)
+                                     prefetch=config.prefetch, top_k=m.top_k,
+                                     side_hold=config.side_hold)
             self.policy = self.cache.policy
             self.clients = ClientRegistry(config.client_timeout)
             self._ticks = 0
@@ -88,6 +102,7 @@ class ExpertServer:
             # ZeroMQ drops (and disconnects) a peer whose frame is larger than any valid one,
             # before Python ever allocates it.
             self.router.setsockopt(zmq.MAXMSGSIZE, MAX_BODY)
+            self.router.setsockopt(zmq.RCVHWM, RECV_HWM)
             old = os.umask(0o177)  # the socket file is created 0600
             try:
                 self.router.bind(paths.endpoint)
@@ -104,9 +119,14 @@ class ExpertServer:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.pool.wake_fd, zmq.POLLIN)
-        log.info("serving %s on %s (%d rows of %d bytes, %.2f GiB, arena %s)", self.store.dir,
-                 self.paths.endpoint, self.geometry.cache_rows, self.geometry.stride,
-                 self.geometry.total_size / 2**30, self.arena.name)
+        g = self.geometry
+        log.info("serving %s on %s (%d rows of %d bytes, %s, arena %s)", self.store.dir,
+                 self.paths.endpoint, g.cache_rows, g.stride, size_text(g.total_size),
+                 self.arena.name)
+        if self.capped:
+            log.info("the cache budget of %s is more than every expert needs: the arena holds "
+                     "all %d in %s", size_text(self.config.cache_bytes), g.cache_rows,
+                     size_text(g.total_size))
         try:
             self._serve_loop(poller)
         finally:
@@ -121,10 +141,10 @@ class ExpertServer:
             if self.router in events:
                 for _ in range(RECV_BATCH):
                     try:
-                        frames = self.router.recv_multipart(zmq.NOBLOCK)
+                        frames, count = self._recv()
                     except zmq.Again:
                         break
-                    self._dispatch(frames)
+                    self._dispatch(frames, count)
             if self.cache.room_changed:
                 self.cache.retry_queued(self.clients.__contains__)
             now = time.monotonic()
@@ -173,11 +193,26 @@ class ExpertServer:
         except zmq.ZMQError:
             pass  # the peer is gone or its queue is full; it will time out and retry
 
-    def _dispatch(self, frames: list) -> None:
+    def _recv(self) -> tuple:
+        """One message: its first four frames (the identity, then a request's three) and how
+        many it had. Frames past those are dropped uncopied, however many a peer sends."""
+        frames = [self.router.recv(zmq.NOBLOCK)]
+        count = 1
+        while self.router.get(zmq.RCVMORE):
+            count += 1
+            if count <= 4:
+                frames.append(self.router.recv())
+            else:
+                self.router.recv(copy=False)
+        return frames, count
+
+    def _dispatch(self, frames: list, count: int) -> None:
         identity, body = frames[0], frames[1:]
         rid = body[0] if body and len(body[0]) <= 16 else b""
         op_byte = body[1][:1] if len(body) > 1 else b""
         try:
+            if count > len(frames):
+                raise ProtocolError(f"expected 3 frames, got {count - 1}")
             rid, op, req = parse_request(body)
             self._handle(identity, rid, op, req)
         except ProtocolError as exc:
@@ -318,6 +353,7 @@ class ExpertServer:
             blob_dir=str(self.store.dir), epoch=self.epoch, log=str(self.paths.log),
             uptime_s=round(time.monotonic() - self.started, 3),
             arena_bytes=g.total_size, arena_rows=g.cache_rows, stride=g.stride,
+            cache_capped=self.capped,
             rows_used=cache.table.rows_used(~cache.side.side),
             hits=hits, demand_hits=c["demand_hits"], client_hits=c["client_hits"],
             misses=c["misses"], hit_rate=round(hits / max(1, looked_up), 4),

@@ -36,6 +36,7 @@ class ModelCache:
         name = "-".join(f"{k}{v}" for k, v in sorted(cfg.__dict__.items()))
         out = self.root / "models" / name
         if not (out / "config.json").exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
             synthesize(cfg, out)
         return out
 
@@ -148,7 +149,8 @@ def _linux_segments() -> set:
 ONCE = {"test_cli", "test_service", "test_serve", "test_chat", "test_convert", "test_synth",
         "test_blobstore", "test_verify", "test_pipeline", "test_policy", "test_leases",
         "test_side_book", "test_generate", "test_attack", "test_protocol_fuzz", "test_lifecycle",
-        "test_daemon_fairness", "test_daemon_recovery", "test_fill_verify", "test_attack_pools"}
+        "test_daemon_fairness", "test_daemon_recovery", "test_fill_verify", "test_attack_pools",
+        "test_flood", "test_client_flags", "test_client_lifecycle"}
 
 
 def pytest_collection_modifyitems(items):

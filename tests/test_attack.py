@@ -21,7 +21,8 @@ from expertd.errors import DaemonError
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
 from expertd.protocol import PROTOCOL_VERSION, ErrorCode, Op, parse_reply, request
-from harness import TINY_CACHE_GB, Daemon, RawClient, shm_exists, wait_until
+from harness import (TINY_CACHE_GB, Daemon, RawClient, expertd_cli, kill_serving_daemon,
+                     shm_exists, wait_until)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -184,6 +185,24 @@ def test_an_unreadable_state_file_never_stops_a_start(blobs, isolated_env, tmp_p
                 "--state-file", state) as d, RawClient(blobs) as c:
         assert len(c.fetch(0, [0, 1, 2])) == 3
         assert d.stats()["pinned"] == 0
+
+
+def test_a_default_state_file_nested_too_deeply_is_ignored_with_one_log_line(blobs, isolated_env):
+    """'[' * 5000 + ']' * 5000 as the default state file (RecursionError in json): expertd start
+    serves, and its log says so in one line."""
+    paths = daemon_paths(blobs)
+    paths.state_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    paths.state_file.write_bytes(b"[" * 5000 + b"]" * 5000)
+    try:
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", TINY_CACHE_GB)
+        assert started.returncode == 0 and "Traceback" not in started.stderr, started
+        with RawClient(blobs) as c:
+            assert len(c.fetch(0, [0, 1])) == 2
+        lines = [line for line in paths.log.read_text().splitlines() if "state file" in line]
+        assert len(lines) == 1 and lines[0].endswith(
+            f"ignoring unreadable state file {paths.state_file}: nested too deeply"), lines
+    finally:
+        kill_serving_daemon(blobs)
 
 
 def test_sigkill_in_the_middle_of_a_shutdown_is_cleaned_by_the_next_start(blobs, isolated_env):

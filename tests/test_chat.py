@@ -5,14 +5,17 @@ new one) with the whole model loaded, in this process.
 """
 
 import os
+import selectors
+import signal
 import subprocess
 import sys
+import time
 
 import mlx_lm
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from harness import SMALL_CACHE_GB, Daemon
+from harness import SMALL_CACHE_GB, Daemon, sigint_as_usual
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -75,3 +78,113 @@ def test_chat_without_a_daemon(models, isolated_env):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("expertd chat: error: ")
     assert f"start one with: expertd start --blobs {blobs}" in lines[0]
+
+
+# ---- Ctrl-C: a reply stops and its turn is dropped; at the prompt, the chat quits ---------------
+
+READ_TIMEOUT = 120.0  # a model load and a reply on a busy machine, far above either
+ENDLESS = 100_000  # --max-tokens: the first reply runs until it is interrupted
+
+
+class ChatProcess:
+    """A real ``expertd chat`` child, its stdout and stderr read as raw bytes as they come."""
+
+    def __init__(self, blob_dir, *flags):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "expertd", "chat", "--blobs", str(blob_dir), *flags],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=os.environ, preexec_fn=sigint_as_usual)
+        self.out = self.err = b""
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self.proc.stdout, selectors.EVENT_READ, "out")
+        self._sel.register(self.proc.stderr, selectors.EVENT_READ, "err")
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def _pump(self, timeout: float) -> None:
+        for key, _ in self._sel.select(timeout):
+            data = os.read(key.fileobj.fileno(), 65536)
+            if not data:
+                self._sel.unregister(key.fileobj)
+            setattr(self, key.data, getattr(self, key.data) + data)
+
+    def read_until(self, done, what: str) -> None:
+        deadline = time.monotonic() + READ_TIMEOUT
+        while not done():
+            if not self._sel.get_map():
+                raise AssertionError(f"chat exited ({self.proc.wait()}) before {what}:\n"
+                                     f"{self.err.decode(errors='replace')}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} within {READ_TIMEOUT:g} s")
+            self._pump(max(0.0, deadline - time.monotonic()))
+
+    def drain(self) -> None:
+        """Read what the child has written already (it flushes stdout before stderr)."""
+        before = None
+        while before != (self.out, self.err) and self._sel.get_map():
+            before = self.out, self.err
+            self._pump(0)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._sel.close()
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            pipe.close()
+
+
+def _stats_lines(chat) -> int:
+    """The turns' statistics lines the chat has written whole."""
+    return sum(" tok/s · prompt ".encode() in line for line in chat.err.split(b"\n")[:-1])
+
+
+def test_ctrl_c_stops_a_reply_and_the_next_turn_starts_before_it(models, isolated_env):
+    """The interrupted turn is dropped: the next reply is the one a new conversation gets. With
+    a rotating KV cache that has wrapped, the conversation starts again, and the chat says so."""
+    blobs, model_dir = models.blobs(), models.model()
+    long_query, short_query = "def main():", "hello"
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    cases = [((), {}, 4, "interrupted: the turn is dropped from the conversation"),
+             (("--max-kv-size", "16"), dict(max_kv_size=16), 200,
+              "interrupted: context cleared (the KV cache could not be trimmed back)")]
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB) as daemon:
+        for flags, options, cut_after, note in cases:
+            first = "".join(r.text for r in mlx_lm.stream_generate(
+                model, tokenizer, long_query, max_tokens=32, **options)).encode()
+            # The second turn ends on its own, well before ENDLESS tokens.
+            short = list(mlx_lm.stream_generate(model, tokenizer, short_query,
+                                                max_tokens=ENDLESS, **options))
+            assert short[-1].finish_reason == "stop"
+            chat = ChatProcess(blobs, "--max-tokens", str(ENDLESS), *flags)
+            try:
+                chat.send(long_query)
+                # Past the KV cache's 16 tokens in the second case (a token is a few bytes).
+                chat.read_until(lambda: len(chat.out) >= cut_after, "first reply")
+                chat.proc.send_signal(signal.SIGINT)
+                chat.read_until(lambda: chat.err.endswith(note.encode() + b"\n"),
+                                f"note {note!r}")
+                chat.drain()
+                cut = chat.out
+                assert cut.endswith(b"\n") and len(cut) > cut_after
+                shown = min(len(cut) - 1, len(first))
+                assert cut[:shown] == first[:shown]  # it was the real reply
+                assert _stats_lines(chat) == 0
+
+                chat.send(short_query)
+                chat.read_until(lambda: _stats_lines(chat) == 1, "the second reply's end")
+                chat.drain()
+                assert chat.out[len(cut):] == "".join(r.text for r in short).encode() + b"\n"
+                if not flags:
+                    chat.proc.send_signal(signal.SIGINT)  # at the prompt: quit
+                else:
+                    chat.proc.stdin.close()  # the end of the input quits as before
+                chat.read_until(lambda: not chat._sel.get_map(), "the chat's exit")
+                assert chat.proc.wait(READ_TIMEOUT) == 0
+                assert chat.err.decode().splitlines()[-1] == "bye"
+                assert b"Traceback" not in chat.err
+            finally:
+                chat.close()
+            assert daemon.stats()["clients"] == 0, "the chat said goodbye"

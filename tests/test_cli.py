@@ -4,10 +4,12 @@ their errors, every flag's default in --help. Real daemons, started detached by 
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -132,18 +134,52 @@ def test_cache_sizes_parse():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("size, fraction", [("60%", 0.6), ("640K", 640 / 768)])
-def test_the_arena_is_the_budget_never_more(blobs, isolated_env, size, fraction):
+def test_a_size_is_the_arena_never_more_and_small_ones_print_in_mib(blobs, isolated_env):
     m = Manifest.load(blobs)
-    budget = int(m.total_expert_bytes * fraction)
+    budget = 640 * 2**10
     want = Geometry.for_budget(len(m.layers), m.max_experts, m.stride, budget, side_rows=m.top_k)
     try:
-        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", size)
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", "640K")
         assert started.returncode == 0, started.stderr
         stats = query_stats(blobs)
         assert stats["arena_bytes"] <= budget  # side rows and slot tables included
         assert stats["arena_rows"] == want.cache_rows
         assert stats["arena_bytes"] == want.total_size
+        assert f"{want.cache_rows} rows, {want.total_size / 2**20:.2f} MiB arena)" in started.stdout
+        assert "more than every expert needs" not in started.stdout
+    finally:
+        kill_serving_daemon(blobs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("share, rows", [("60%", 29), ("100%", 48)])
+def test_a_share_counts_experts_with_side_rows_on_top(blobs, isolated_env, share, rows):
+    """N% caches N% of the 48 experts (rounded up): 100% holds every one, beside the side rows."""
+    try:
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", share)
+        assert started.returncode == 0, started.stderr
+        stats = query_stats(blobs)
+        assert stats["arena_rows"] == rows and stats["side_rows"] > 0
+        assert not stats["cache_capped"] and "more than every expert" not in started.stdout
+    finally:
+        kill_serving_daemon(blobs)
+
+
+@pytest.mark.timeout(120)
+def test_a_size_above_every_expert_is_cut_and_start_says_so(blobs, isolated_env):
+    log = daemon_paths(blobs).log
+    try:
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", "99999")
+        assert started.returncode == 0, started.stderr
+        stats = query_stats(blobs)
+        assert stats["arena_rows"] == 48 and stats["cache_capped"]
+        arena = f"{stats['arena_bytes'] / 2**20:.2f} MiB"
+        assert (f"  --cache-gb 99999 is more than every expert needs: the arena holds all 48 in "
+                f"{arena}\n") in started.stdout
+        lines = [line for line in log.read_text().splitlines() if "every expert needs" in line]
+        assert len(lines) == 1 and lines[0].endswith(
+            f"the cache budget of 99999.00 GiB is more than every expert needs: the arena holds "
+            f"all 48 in {arena}"), lines
     finally:
         kill_serving_daemon(blobs)
 
@@ -168,18 +204,24 @@ def test_a_cache_too_small_says_how_small_it_may_be(blobs, isolated_env):
 
 @pytest.mark.timeout(120)
 def test_side_rows_come_out_of_the_budget(blobs, isolated_env):
-    """--side-rows N: 2 x N prefetch rows, taken from the same --cache-gb budget."""
+    """--side-rows N: 2 x N prefetch rows, taken from a --cache-gb size (a share of the experts
+    gets them on top)."""
     m = Manifest.load(blobs)
     budget = m.total_expert_bytes
     want = Geometry.for_budget(len(m.layers), m.max_experts, m.stride, budget, side_rows=10)
     assert want.cache_rows < Geometry.for_budget(len(m.layers), m.max_experts, m.stride, budget,
                                                  side_rows=m.top_k).cache_rows
     try:
-        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", "100%", "--side-rows", "10")
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", "768K", "--side-rows", "10")
         assert started.returncode == 0, started.stderr
         stats = query_stats(blobs)
         assert stats["side_rows"] == 20 and stats["arena_rows"] == want.cache_rows
         assert stats["arena_bytes"] == want.total_size <= budget
+        restarted = expertd_cli("restart", "--blobs", blobs, "--cache-gb", "100%",
+                                "--side-rows", "10")
+        assert restarted.returncode == 0, restarted.stderr
+        stats = query_stats(blobs)
+        assert stats["side_rows"] == 20 and stats["arena_rows"] == 48
     finally:
         kill_serving_daemon(blobs)
 
@@ -233,3 +275,58 @@ def test_every_flag_shows_its_default_in_help():
                  "30%)"):
         assert text in shown, text
     assert "no progress bar (default: off)" in expertd_cli("verify", "--help").stdout
+
+
+# ---- issue 16: a reader that goes away (`expertd status | head`) ------------------------------
+
+def closed_pipe_run(*args) -> subprocess.CompletedProcess:
+    """``expertd ARGS`` with stdout a pipe whose reader is gone before it writes a byte."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([sys.executable, "-m", "expertd", *map(str, args)],
+                              stdin=subprocess.DEVNULL, stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("args", [("status", "--json"), ("verify", "-q", "--blobs", "BLOBS")])
+def test_a_closed_pipe_ends_the_command_quietly(blobs, isolated_env, args):
+    run = closed_pipe_run(*(blobs if a == "BLOBS" else a for a in args))
+    assert (run.returncode, run.stderr) == (1, "")
+
+
+def test_a_reader_leaving_mid_watch_ends_it_quietly(blobs, isolated_env):
+    """`status --watch | head -1`: the pipe closes between two refreshes."""
+    watch = subprocess.Popen([sys.executable, "-m", "expertd", "status", "--blobs", str(blobs),
+                              "--json", "--watch", "0.05"], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(watch.stdout.readline())["running"] is False
+        watch.stdout.close()  # as head does once it has its line
+        _, err = watch.communicate(timeout=30)
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.communicate()
+    assert (watch.returncode, err) == (1, "")
+
+
+# ---- issue 16: after `make demo`, expertd is in .venv, not on PATH ------------------------------
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="the suite runs outside a venv")
+def test_the_demo_says_how_to_put_expertd_on_path(monkeypatch, tmp_path):
+    from expertd.tools.demo import _activate
+
+    here = Path(sys.executable).parent
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a fresh shell: the venv is not on it
+    monkeypatch.chdir(Path(sys.prefix).parent)
+    said = _activate()
+    activate = os.path.relpath(Path(sys.prefix) / "bin" / "activate")
+    assert said == f". {activate} (puts expertd on your PATH), then "
+    shell = subprocess.run(["sh", "-c", f". {activate} && command -v expertd"],
+                           capture_output=True, text=True, timeout=30)
+    assert Path(shell.stdout.strip()) == here / "expertd", shell
+    monkeypatch.setenv("PATH", f"{here}:/usr/bin:/bin")  # already on it: nothing to say
+    assert _activate() == ""

@@ -6,9 +6,11 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 from contextlib import closing
 from pathlib import Path
 
@@ -187,6 +189,7 @@ def test_cli_synth_then_convert(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "wrote 2 MoE layers" in run.stdout and str(blob_dir) in run.stdout
+    assert "%|" not in synth.stderr + run.stderr  # no bar frames into a pipe (issue 16)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["blobs", "model"]  # no partial left
 
     with closing(BlobStore(blob_dir)) as store:
@@ -655,6 +658,7 @@ def test_an_unknown_repo_id_offline_is_one_clear_line(tmp_path):
 def test_tilde_is_expanded_in_both_paths(models, tmp_path):
     home = tmp_path / "home"
     shutil.copytree(models.model(**TINY), home / "models" / "tiny")
+    (home / "blobs").mkdir()  # convert creates no missing parent
     env = {**os.environ, "HOME": str(home)}
     proc = subprocess.run([EXPERTD, "convert", "~/models/tiny", "~/blobs/tiny", "-q"], env=env,
                           capture_output=True, text=True, timeout=120)
@@ -730,3 +734,53 @@ def test_a_stage_manifest_with_a_bad_range_is_refused(models, tmp_path):
     with pytest.raises(BlobStoreError, match=r"stage: layers 2:9 are not a range within 4 "
                        r"layers; re-run expertd convert"):
         Manifest.load(out)
+
+
+# ---- issue 16: a missing parent is refused; bars only on a terminal ----------------------------
+
+def test_a_missing_parent_is_refused_in_one_line_and_never_created(models, tmp_path):
+    blob_dir = tmp_path / "no-such-parent" / "blobs"
+    run = subprocess.run([EXPERTD, "convert", str(models.model()), str(blob_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr == (f"expertd convert: error: {blob_dir.parent}: no such directory (the "
+                          f"parent of {blob_dir}); create it first or choose another path\n")
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def on_a_terminal(*args) -> tuple:
+    """Run ``expertd ARGS`` with its stderr on a pseudo-terminal: (returncode, what it drew)."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 x 100
+    try:
+        proc = subprocess.Popen([EXPERTD, *map(str, args)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=slave)
+        os.close(slave)
+        slave = None
+        drawn = b""
+        while True:  # until the child's end closes the terminal (EIO on Linux)
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            drawn += chunk
+        return proc.wait(timeout=120), drawn.decode(errors="replace")
+    finally:
+        os.close(master)
+        if slave is not None:
+            os.close(slave)
+
+
+def test_convert_and_verify_draw_bars_on_a_terminal_only(models, tmp_path):
+    model_dir, blob_dir = models.model(), tmp_path / "blobs"
+    code, drawn = on_a_terminal("convert", model_dir, blob_dir)
+    assert code == 0 and "convert: 100%" in drawn and "\r" in drawn, drawn
+    code, drawn = on_a_terminal("verify", "--blobs", blob_dir)
+    assert code == 0 and "verify: 100%" in drawn, drawn
+    # Into a pipe (a log, `make demo > log`): the results, and not one bar frame.
+    run = subprocess.run([EXPERTD, "verify", "--blobs", str(blob_dir)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and "match their checksums" in run.stdout, run
+    assert run.stderr == ""

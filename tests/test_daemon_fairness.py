@@ -78,31 +78,36 @@ def test_leases_are_revoked_past_their_bound_even_while_the_holder_heartbeats(bl
 
 
 def test_reclaiming_500_leases_keeps_the_daemon_answering(models, isolated_env):
-    """A client holding 500 leases dies; its clean-up must not stall STATS past 100 ms."""
+    """A client holding 500 leases dies; while they are reclaimed, a live client's heartbeats
+    are answered within the heartbeat interval the daemon asks for (a loop stalled longer
+    makes live clients late), and it is never timed out. The reclaim's work is its own leases'
+    (test_leases); how fast it is, bench/reclaim.py measures."""
     blob_dir = models.blobs(layers=6, experts=256, top_k=4, seed=3)
-    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.03", "--client-timeout", "1",
-                "--heartbeat", "0.25") as d:
+    interval = 0.5
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.03", "--client-timeout", "1.5",
+                "--heartbeat", str(interval)) as d:
         assert d.ready["client_cap"] >= 500, d.ready
         holder = spawn_holder(blob_dir, 500)
         try:
             assert read_json_line(holder, 60)["leases"] == 500
-            assert d.stats()["leases"] == 500
-            holder.kill()
-            holder.wait(10)
-            worst, deadline = 0.0, time.monotonic() + 20
-            with Connection(blob_dir) as conn:
-                while True:
-                    t0 = time.perf_counter()
-                    stats = conn.request(Op.STATS, timeout=5.0)
-                    worst = max(worst, time.perf_counter() - t0)
-                    if stats["leases"] == 0:
-                        break
-                    assert time.monotonic() < deadline, "the dead client's leases stayed"
+            with RawClient(blob_dir) as live:
+                assert d.stats()["leases"] == 500
+                holder.kill()
+                holder.wait(10)
+                worst = 0.0
+
+                def reclaimed():
+                    nonlocal worst
+                    start = time.monotonic()
+                    assert live.heartbeat()["known"]
+                    worst = max(worst, time.monotonic() - start)
+                    return (s := live.request(Op.STATS))["leases"] == 0 and s
+
+                stats = wait_until(reclaimed, 20, "the dead client's leases to be reclaimed")
         finally:
             stop_process(holder)
         assert stats["clients_timed_out"] == 1 and stats["leased_rows"] == 0
-        print(f"worst STATS round trip while 500 leases were reclaimed: {worst * 1e3:.1f} ms")
-        assert worst < 0.1, f"STATS took {worst * 1e3:.1f} ms while 500 leases were reclaimed"
+        assert worst < interval, f"a heartbeat took {worst * 1e3:.0f} ms during the reclaim"
 
 
 def test_pins_die_with_their_client(blobs, isolated_env, tmp_path):

@@ -12,13 +12,15 @@ PROMPT = "Once upon a time"
 
 
 def run_generate(blob_dir, env, out, *flags, stdin=None):
-    """One ``expertd generate`` process; its JSON summary and its last line of output."""
+    """One ``expertd generate`` process; its JSON summary and its summary line (on stderr)."""
     proc = subprocess.run([sys.executable, "-m", "expertd", "generate", "--blobs", str(blob_dir),
                            "--max-tokens", "8", "--json-summary", str(out), *flags],
                           env={**os.environ, **env}, input=stdin or "", capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(out.read_text()), proc.stdout.strip().splitlines()[-1]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("[expertd] prompt")]
+    assert len(lines) == 1, proc.stderr
+    return json.loads(out.read_text()), lines[0]
 
 
 def test_the_summary_is_this_clients_own(models, isolated_env, tmp_path):
@@ -103,3 +105,62 @@ def test_tilde_in_blobs_is_expanded_by_start_generate_and_status(models, isolate
                                 capture_output=True, text=True, timeout=60)
     assert len(summary["tokens"]) == 8
     assert status.returncode == 0 and json.loads(status.stdout)["pid"] == daemon.pid
+
+
+
+# ---- mlx_lm.generate's habits: stdout is the text, its flags reach stream_generate ------------
+
+def resident_runs(model_dir, max_tokens: int, **runs) -> dict:
+    """mlx-lm's own (tokens, text) for PROMPT under each run's options, the whole model loaded
+    in this process."""
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    out = {}
+    for name, options in runs.items():
+        replies = list(mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=max_tokens,
+                                              **options))
+        out[name] = [r.token for r in replies], "".join(r.text for r in replies)
+    return out
+
+
+def test_stdout_is_the_text_and_mlx_lm_flags_reach_stream_generate(models, isolated_env,
+                                                                   tmp_path):
+    """The summary goes to stderr with mlx-lm's peak memory line, --verbose False drops it,
+    and --max-kv-size, --kv-*, --prefill-step-size and --extra-eos-token act as in mlx-lm."""
+    blob_dir, n = models.blobs(), 24
+    quantize = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+    want = resident_runs(models.model(), n, plain={}, rotating=dict(max_kv_size=6),
+                         quantized=quantize)
+    plain, rotating, quantized = (want[k][0] for k in ("plain", "rotating", "quantized"))
+    assert plain != rotating and plain != quantized  # an option left behind would show
+    stop = next(i for i, t in enumerate(quantized) if i > 1 and t not in quantized[:i])
+    runs = {"plain": ("--verbose", "True"),
+            "rotating": ("--max-kv-size", "6", "--prefill-step-size", "1", "--verbose", "F"),
+            "quantized": ("--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0",
+                          "--extra-eos-token", str(quantized[stop]))}
+    done, got = {}, {}
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+        for name, flags in runs.items():
+            summary = tmp_path / f"{name}.json"
+            done[name] = subprocess.run(
+                [sys.executable, "-m", "expertd", "generate", "--model", str(blob_dir), "-p",
+                 PROMPT, "-m", str(n), "--json-summary", str(summary), *flags],
+                env={**os.environ, **isolated_env}, stdin=subprocess.DEVNULL,
+                capture_output=True, text=True, timeout=120)
+            assert done[name].returncode == 0, done[name].stderr
+            got[name] = json.loads(summary.read_text())
+    # stdout is the text alone, as mlx_lm.generate --verbose False prints it.
+    assert done["plain"].stdout == want["plain"][1] + "\n"
+    assert done["rotating"].stdout == want["rotating"][1] + "\n"
+    lines = done["plain"].stderr.splitlines()
+    assert lines[-2].startswith("[expertd] prompt ") and " | hit rate " in lines[-2]
+    assert lines[-1] == f"Peak memory: {got['plain']['peak_memory_gb']:.3f} GB"  # mlx-lm's
+    assert got["plain"]["peak_memory_gb"] > 0
+    assert done["rotating"].stderr == ""  # --verbose F
+    assert got["plain"]["tokens"] == plain and got["rotating"]["tokens"] == rotating
+    # One prefill step per prompt token but the last, instead of one for the whole prompt.
+    assert got["rotating"]["steps"] - got["plain"]["steps"] == got["plain"]["prompt_tokens"] - 2
+    assert got["plain"]["prompt_tokens"] > 2
+    # mlx-lm ends on the extra EOS token, and yields it last, as on its own.
+    assert got["quantized"]["tokens"] == quantized[:stop + 1]

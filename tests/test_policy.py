@@ -1,6 +1,7 @@
 """The cache policy on its own: LFU with decay, pins, eligibility and the warm-restart state."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from expertd.hotset import load_hot_set
 from expertd.policy import FREQUENCY_FLOOR, LfuPolicy
 
 def all_rows(policy: LfuPolicy) -> np.ndarray:
@@ -267,6 +269,21 @@ def test_state_round_trip_through_json():
     for key in [(0, 0), (0, 1), (0, 2), (0, 3), (1, 6), (1, 0)]:
         assert restored.frequency(key) == policy.frequency(key)
     assert restored.state() == snapshot
+
+
+@pytest.mark.parametrize("text", [b"[" * 5000 + b"]" * 5000, b'{"policy": ' + b"[" * 5000],
+                         ids=["nested", "nested-unclosed"])
+def test_a_state_file_nested_too_deeply_is_ignored_with_one_line(tmp_path, caplog, text):
+    """json.loads raises RecursionError (no ValueError) past Python's stack: still one line."""
+    path = tmp_path / "state.json"
+    path.write_bytes(text)
+    policy, _ = filled(4)
+    before = policy.state()
+    with caplog.at_level(logging.WARNING, logger="expertd"):
+        assert load_hot_set(path, policy) == []
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ignoring unreadable state file {path}: nested too deeply"]
+    assert policy.state() == before
 
 
 def test_load_state_ignores_out_of_range_entries():

@@ -20,10 +20,13 @@ from mlx_lm.sample_utils import make_sampler
 from client_helpers import prompt_ids
 from harness import Daemon
 from expertd.client import load
-from expertd.client.predict import MIN_PRECISION, RETEST_AFTER, WINDOW, Guesser, LayerGuesses
+from expertd.manifest import Manifest
+from expertd.client.predict import (MIN_PRECISION, READ_WINDOW, RETEST_AFTER, WINDOW, Guesser,
+                                    LayerGuesses)
 from expertd.tools.convert import convert
 
 RANDOM = dict(layers=4, experts=64, top_k=2)
+DEMO_SHAPE = dict(layers=8, experts=32, top_k=4)  # make demo's model, smaller experts
 CACHE_GB = "0.02"  # every expert resident: the copier's rows written ahead are what is measured
 TOKENS = 80
 
@@ -71,10 +74,17 @@ def test_auto_stops_guessing_on_the_random_router_model(models, isolated_env):
         assert layer["calls"] == WINDOW, (n, layer)
 
 
-def test_auto_keeps_guessing_where_it_pays(models, isolated_env, tmp_path):
-    model_dir = predictable_copy(models.model(**RANDOM), tmp_path / "model")
-    blob_dir = tmp_path / "blobs"
-    convert(model_dir, blob_dir, progress=False)
+@pytest.fixture(scope="module")
+def predictable(models, tmp_path_factory):
+    """The blob directory of the predictable copy of the RANDOM model."""
+    root = tmp_path_factory.mktemp("predictable")
+    model_dir = predictable_copy(models.model(**RANDOM), root / "model")
+    convert(model_dir, root / "blobs", progress=False)
+    return root / "blobs"
+
+
+def test_auto_keeps_guessing_where_it_pays(predictable, isolated_env):
+    blob_dir = predictable
     with Daemon(blob_dir, isolated_env, "--cache-gb", CACHE_GB):
         layers, counters = decode(blob_dir)
     for n, layer in enumerate(layers[1:], 1):
@@ -164,3 +174,112 @@ def test_rows_too_small_to_pay_for_a_thread_hand_off_are_not_copied_ahead(models
             assert all(p["calls"] >= 16 for p in session.prediction()[1:])
         finally:
             session.close()
+
+
+def arena_gb(blob_dir, fraction: float) -> str:
+    """--cache-gb for an arena of ``fraction`` of the model's expert bytes."""
+    return f"{Manifest.load(blob_dir).total_expert_bytes * fraction / 2**30:.6f}"
+
+
+def assert_read_ahead_paid(stats: dict) -> None:
+    """What auto promises of the daemon's reads: read-ahead not (yet) used, wasted or still
+    waiting in a side row, never exceeds what was read on demand."""
+    unpaid = stats["prefetch_fills"] - stats["prefetch_hits"]
+    assert stats["misses"] > 0, stats
+    assert stats["prefetch_wasted"] <= unpaid <= stats["misses"], {
+        k: stats[k] for k in ("misses", "prefetch_fills", "prefetch_hits", "prefetch_wasted")}
+
+
+def test_auto_reads_ahead_no_more_than_it_demands_on_the_random_router_model(models,
+                                                                             isolated_env):
+    """make demo's shape and arena: guesses that are mostly wrong must not be read ahead (before
+    the read-ahead had verdicts and a budget of its own, it wasted 10 times the misses here)."""
+    blob_dir = models.blobs(**DEMO_SHAPE)
+    with Daemon(blob_dir, isolated_env, "--cache-gb", arena_gb(blob_dir, 0.35)) as daemon:
+        decode(blob_dir)
+        assert_read_ahead_paid(daemon.stats())
+
+
+def test_auto_reads_ahead_where_it_pays_within_the_bound(predictable, isolated_env):
+    """Right guesses of experts the arena lacks are read ahead, and used, and what is read
+    ahead in vain stays within the bound."""
+    with Daemon(predictable, isolated_env, "--cache-gb", arena_gb(predictable, 0.35)) as daemon:
+        layers, counters = decode(predictable)
+        stats = daemon.stats()
+    assert_read_ahead_paid(stats)
+    assert counters["prefetch_asked"] > 0 and stats["prefetch_hits"] > 0
+    assert all(layer["read_near"]["active"] for layer in layers[1:]), layers
+
+
+def guess(g: LayerGuesses, ranked, n_core: int, absent, routed, misses: int = 0) -> list:
+    """One guess through the verdicts and the budget, scored at the next call: what it read."""
+    ranked = np.array(ranked, np.int32)
+    read = g.plan(np.array(absent, bool), n_core)
+    g.record(ranked[:n_core], np.array(sorted(routed), np.int32), ranked)
+    g.settle(misses)
+    return ranked[read].tolist()
+
+
+def test_read_ahead_waits_for_its_own_hits_and_stops_on_its_misses():
+    """Pure logic: auto reads a part ahead only once a window of what it would have read was
+    mostly routed (scored unread), within the budget the demand misses earned; a window more
+    than half wrong stops it at once, however right the copies ahead are."""
+    g = LayerGuesses("auto")
+    absent = [True, True, False, False]  # the core's absent experts only: the wide part is held
+    for _ in range(READ_WINDOW // 2 - 1):
+        assert guess(g, [0, 1, 2, 3], 2, absent, {0, 1}) == []
+    assert not g.near.active
+    assert guess(g, [0, 1, 2, 3], 2, absent, {0, 1}, misses=2) == []
+    assert g.near.active and not g.wide.active and g.credit == 2
+    assert guess(g, [0, 1, 2, 3], 2, absent, {0, 1}) == [0, 1]  # two earned, two read
+    assert guess(g, [0, 1, 2, 3], 2, absent, {0, 1}, misses=1) == [0, 1]  # its hits paid
+    assert guess(g, [4, 5, 6, 7], 2, [True] * 4, {8, 9}, misses=2) == [4, 5]
+    assert g.held_back == 0 and g.read == 6 and g.read_right == 4
+    # Wrong ones: past half a window of them the core's read-ahead stops, the guess goes on.
+    for _ in range(3):
+        assert guess(g, [4, 5, 6, 7], 2, [True] * 4, {8, 9}, misses=2) == [4, 5]
+    assert g.near.active
+    assert guess(g, [4, 5, 6, 7], 2, [True] * 4, {8, 9}, misses=2) == [4, 5]
+    assert not g.near.active and g.near.stopped == 1 and g.active and g.wanted()
+    assert guess(g, [4, 5, 6, 7], 2, [True] * 4, {8, 9}, misses=2) == []
+
+
+def test_the_wide_read_ahead_is_judged_by_its_own_hits():
+    g = LayerGuesses("auto")
+    for _ in range(READ_WINDOW):  # the core's absent experts routed, the rest never
+        guess(g, [0, 1, 2, 3], 2, [True] * 4, {0, 1}, misses=2)
+    assert g.near.active and not g.wide.active
+    assert guess(g, [0, 1, 2, 3], 2, [True] * 4, {0, 1}) == [0, 1]
+    s = g.summary()
+    assert s["read_near"]["precision"] == 1.0 and s["read_wide"]["precision"] == 0.0
+
+
+def test_on_reads_every_absent_guess_and_off_none():
+    on = LayerGuesses("on")
+    assert guess(on, [0, 1, 2, 3], 2, [True, False, True, True], set()) == [0, 2, 3]
+    off = LayerGuesses("off")
+    assert guess(off, [0, 1, 2, 3], 2, [True] * 4, set()) == []
+
+
+def test_the_budget_bounds_what_read_ahead_wastes_by_the_demand_misses():
+    """Whatever the guesses, the routes and the misses: read-ahead not routed never exceeds the
+    demand misses since the start, and over any window exceeds them by one guess's width at
+    most (the credit kept)."""
+    rng = np.random.default_rng(5)
+    g = LayerGuesses("auto")
+    wasted, misses = [0], [0]
+    for _ in range(400):
+        g.near.active = g.wide.active = True  # the verdicts passed: the budget alone decides
+        ranked = rng.permutation(32)[:8]
+        routed = set(rng.choice(32, 4, replace=False).tolist()) | set(ranked[:rng.integers(0, 5)]
+                                                                   .tolist())
+        m = int(rng.integers(0, 4))
+        read = guess(g, ranked, 4, rng.random(8) < 0.7, routed, misses=m)
+        wasted.append(wasted[-1] + len(set(read) - routed))
+        misses.append(misses[-1] + m)
+        assert g.credit <= g.cap == 8
+    wasted, misses = np.array(wasted), np.array(misses)
+    assert g.read > 200 and wasted[-1] > 0  # it read ahead, and some of it in vain
+    assert (wasted <= misses).all()
+    windows = (wasted[None, :] - wasted[:, None]) - (misses[None, :] - misses[:, None])
+    assert windows[np.triu_indices(len(wasted))].max() <= 8

@@ -9,15 +9,19 @@ the arena everything the first one had the daemon read.
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
+from pathlib import Path
 
 import mlx_lm
 import pytest
-from openai import NotFoundError, OpenAI
+from openai import APIError, APIStatusError, NotFoundError, OpenAI
 
 from harness import SMALL_CACHE_GB, Daemon, expertd_cli, wait_until
 
@@ -86,7 +90,7 @@ class Server:
 
 def parse_metrics(text: str) -> tuple[dict, dict]:
     """Prometheus text format: ``({name: value}, {name: type})``; malformed lines fail."""
-    values, types = {}, {}
+    values, types, families = {}, {}, set()
     for line in text.splitlines():
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split()
@@ -94,7 +98,12 @@ def parse_metrics(text: str) -> tuple[dict, dict]:
         elif line and not line.startswith("#"):
             name, value = line.split()
             values[name] = float(value)
-    assert set(values) == set(types), "every sample has its # TYPE line"
+            family = name.split("{")[0]
+            if family not in types:  # a histogram's _bucket{le=...}, _sum and _count
+                family = family.rsplit("_", 1)[0]
+                assert types.get(family) == "histogram", f"{name} has no # TYPE line"
+            families.add(family)
+    assert families == set(types), "every sample has its # TYPE line, every type a sample"
     return values, types
 
 
@@ -174,10 +183,17 @@ def test_two_servers_share_one_daemon(models, isolated_env, tmp_path):
         assert a.client.models.retrieve(blobs.name).id == blobs.name
         with pytest.raises(NotFoundError) as refused:
             a.client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
-        # mlx_lm.server's error body, {"error": text}, for this as for its other errors.
-        assert refused.value.response.json() == {"error": (
-            f"model 'gpt-4o' is not served here; this server serves '{blobs.name}' "
-            "(GET /v1/models lists it)")}
+        # OpenAI's error body, for this as for mlx_lm.server's other errors.
+        assert refused.value.response.json() == {"error": {
+            "message": f"model 'gpt-4o' is not served here; this server serves "
+                       f"'{blobs.name}' (GET /v1/models lists it)",
+            "type": "invalid_request_error", "code": "model_not_found"}}
+        bad = urllib.request.Request(a.url + "/completions", data=b"[1]", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as not_a_dict:
+            urllib.request.urlopen(bad, timeout=30)
+        assert json.loads(not_a_dict.value.read()) == {"error": {
+            "message": "Request should be a JSON dictionary", "type": "invalid_request_error",
+            "code": "invalid_request"}}
         with pytest.raises(NotFoundError, match="not served here"):
             a.client.models.retrieve("gpt-4o")
         default = a.client.completions.create(model="default_model", prompt=PROMPT,
@@ -203,7 +219,7 @@ def test_two_servers_share_one_daemon(models, isolated_env, tmp_path):
         assert values["expertd_server_requests_total"] == 5
         assert values["expertd_server_request_errors_total"] == 1
         assert values["expertd_server_generated_tokens_total"] == 4 * MAX_TOKENS
-        assert values["expertd_server_tokens_per_second"] > 0
+        assert values["expertd_server_decode_tokens_per_second"] > 0
         assert values["expertd_client_fast_hits_total"] + \
             values["expertd_client_demanded_total"] > 0
         # The server's own expert memory is its pools; its steps and their host waits.
@@ -249,3 +265,126 @@ def test_serve_help_shows_defaults():
     for default in ("(default: 127.0.0.1)", "(default: 8080)", "(default: auto)",
                     "(default: 512)", "(default: 0.0)"):
         assert default in " ".join(done.stdout.split())  # argparse wraps lines anywhere
+
+
+# The gate answers a request at once while the daemon is gone; the hang of issue 16 passed 15 s.
+REFUSAL_TIMEOUT = 5.0
+
+
+def assert_unavailable(server, blobs) -> None:
+    """/health and a completion answer 503, with OpenAI's error body, within REFUSAL_TIMEOUT."""
+    message = (f"no expertd serves {blobs.resolve()} now; start it with: expertd start --blobs "
+               f"{blobs.resolve()} (this server serves again once it is back)")
+    error = {"message": message, "type": "server_error", "code": "daemon_unavailable"}
+    with pytest.raises(urllib.error.HTTPError) as health:
+        urllib.request.urlopen(server.base + "/health", timeout=REFUSAL_TIMEOUT)
+    assert health.value.code == 503
+    assert json.loads(health.value.read()) == {"status": "unavailable", "error": error}
+    client = server.client.with_options(timeout=REFUSAL_TIMEOUT)
+    with pytest.raises(APIStatusError) as refused:
+        client.completions.create(model=blobs.name, prompt=PROMPT, max_tokens=MAX_TOKENS)
+    assert refused.value.status_code == 503
+    assert refused.value.response.json() == {"error": error}
+
+
+def hang_up_mid_stream(server, blobs) -> None:
+    """Ask for a long stream, read its first chunk and hang up (a reset, as a killed client)."""
+    host, port = server.base.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": blobs.name, "prompt": PROMPT, "max_tokens": 400,
+                       "temperature": 0, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        received = b""
+        while b"data: " not in received:
+            chunk = sock.recv(4096)
+            assert chunk, f"the stream ended before its first chunk: {received!r}"
+            received += chunk
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def test_serve_without_its_daemon(models, isolated_env, tmp_path):
+    """Killed or stopped, the daemon is missed at once: 503 with OpenAI's error body, /health
+    503, a stream in flight ended by an error event; restarted, it serves again. A client
+    hanging up leaves no traceback. /metrics counts it all."""
+    blobs = models.blobs()
+    daemon = Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB)
+    try:
+        with Server(blobs, tmp_path) as server:
+            def complete():
+                return server.client.completions.create(
+                    model=blobs.name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+
+            before = complete().choices[0].text
+            hang_up_mid_stream(server, blobs)
+            wait_until(lambda: parse_metrics(server.get("/metrics")[2])[0][
+                "expertd_server_client_disconnects_total"] == 1, 60.0,
+                "the hang-up counted")
+
+            daemon.kill()
+            assert_unavailable(server, blobs)
+            daemon.close()
+            daemon = Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB)
+            assert server.get("/health")[::2] == (200, '{"status": "ok"}')
+            assert complete().choices[0].text == before  # through the restarted daemon
+
+            # Stopped (SIGTERM, as `expertd stop`) under a stream: the stream ends in an error.
+            stream = server.client.with_options(timeout=REFUSAL_TIMEOUT).completions.create(
+                model=blobs.name, prompt=PROMPT, max_tokens=3000, temperature=0, stream=True)
+            with pytest.raises(APIError, match="no expertd serves"):
+                for _ in stream:
+                    if daemon.proc.poll() is None:
+                        daemon.close()
+            assert_unavailable(server, blobs)
+
+            values, types = parse_metrics(server.get("/metrics")[2])
+            # SIGTERM stops it while its model waits for the daemon.
+            assert server.close() == 0
+        assert "Traceback" not in server.err.read_text(), server.err.read_text()
+    finally:
+        daemon.close()
+    # Four requests got a first token: two completions, the stream hung up on, the cut one.
+    ttft = "expertd_server_time_to_first_token_seconds"
+    assert types[ttft] == "histogram"
+    assert values[f"{ttft}_count"] == values[f'{ttft}_bucket{{le="+Inf"}}'] == 4
+    buckets = [v for k, v in values.items() if k.startswith(f"{ttft}_bucket")]
+    assert buckets == sorted(buckets) and buckets[0] >= 0
+    assert values[f"{ttft}_sum"] > 0
+    assert values["expertd_server_requests_total"] == 4  # the refused ones never reached it
+    assert values["expertd_server_daemon_refusals_total"] == 3
+    assert values["expertd_server_requests_running"] == 0
+    assert values["expertd_server_requests_queued"] == 0
+    assert types["expertd_server_requests_running"] == "gauge"
+    assert values["expertd_server_prompt_tokens_per_second"] > 0
+    assert values["expertd_server_decode_tokens_per_second"] > 0
+    assert values["expertd_server_generated_tokens_total"] >= 2 * MAX_TOKENS + 2
+    assert values["expertd_client_reconnects_total"] == 1
+    assert values["expertd_daemon_up"] == 0  # scraped with the daemon stopped
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "-1", "http"])
+def test_serve_refuses_a_port_out_of_range(port):
+    done = expertd_cli("serve", "--blobs", "anywhere", "--port", port)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (
+        f"expertd serve: error: argument --port: must be a port from 0 to 65535, not '{port}'")
+
+
+def test_serve_kv_cache_flags_reach_mlx_server():
+    from expertd.cli import build_parser
+    from expertd.client.serve import mlx_server_args
+    from expertd.commands import serve_options
+
+    args = build_parser().parse_args(["serve", "--blobs", "b", "--kv-bits", "4",
+                                      "--kv-group-size", "32", "--quantized-kv-start", "0",
+                                      "--prompt-cache-bytes", "1.5GB"])
+    settings = mlx_server_args(Path("b"), serve_options(args))
+    assert (settings.kv_bits, settings.kv_group_size, settings.quantized_kv_start,
+            settings.prompt_cache_bytes) == (4, 32, 0, 1_500_000_000)
+    defaults = mlx_server_args(Path("b"), serve_options(build_parser().parse_args(
+        ["serve", "--blobs", "b"])))
+    assert (defaults.kv_bits, defaults.prompt_cache_bytes) == (None, None)
+    for flags in (["--kv-bits", "7"], ["--prompt-cache-bytes", "lots"],
+                  ["--quantized-kv-start", "-1"]):
+        done = expertd_cli("serve", "--blobs", "b", *flags)
+        assert done.returncode == 2 and f"argument {flags[0]}: " in done.stderr.splitlines()[-1]

@@ -4,8 +4,6 @@ prefetches in the pread pool, and three client processes racing it all under evi
 
 import os
 import signal
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +13,11 @@ from harness import (TINY_CACHE_GB, RawClient, expected_bytes, finish_client, ru
 from expertd import native
 from expertd.protocol import Op
 from expertd.shm.layout import SlotState
-from expertd.side import SIDE_HOLD
 
 SIDE = 4  # the tiny model's top_k: one PREFETCH takes at most 4 of the 8 side rows
+# A claim's hold no test outlasts: what frees a claimed side row is then what the test does
+# (a newer generation, the client going away), never the clock of a busy machine.
+LONG_HOLD = ("--side-hold", "600")
 
 
 def prefetch(c: RawClient, layer: int, experts) -> dict:
@@ -156,9 +156,10 @@ def test_a_guess_past_its_core_is_read_only_with_workers_to_spare(models, isolat
 
 def test_a_generation_is_kept_while_the_next_fills(models, isolated_env):
     """Invariant 3: client A's generation g stays put while g + 1 fills; g + 2 may reuse g's
-    rows; another client cannot take A's two latest generations within SIDE_HOLD."""
+    rows; another client cannot take A's two latest generations within the hold (how a claim
+    lapses past it: test_a_client_that_never_reads_cannot_keep_the_side_rows)."""
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, *LONG_HOLD):
         with RawClient(blobs) as a, RawClient(blobs) as b:
             a.fill_cache(2)
             s1, s2, s3 = [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]
@@ -170,7 +171,6 @@ def test_a_generation_is_kept_while_the_next_fills(models, isolated_env):
             assert slots(a, 0, s1) == first
             second = slots(a, 0, s2)
             # Generation 3 of A needs rows: only generation 1's may go.
-            started = time.monotonic()
             prefetch(a, 0, s3)
             stats = wait_fills(a, 12)
             assert {a.slot(0, e)[0] for e in s3} == {row for row, _, _ in first.values()}
@@ -179,12 +179,8 @@ def test_a_generation_is_kept_while_the_next_fills(models, isolated_env):
             assert stats["prefetch_wasted"] == 4  # generation 1 was never used
             third = slots(a, 0, s3)
             stats = prefetch(b, 1, [0, 1, 2, 3])  # A's generations 2 and 3 are all there is
-            assert time.monotonic() - started < SIDE_HOLD, "too slow to test within the hold"
             assert stats["prefetch_dropped"] == 4
             assert slots(a, 0, s2) == second and slots(a, 0, s3) == third
-            # Past the hold, A's rows protect nothing: B gets them.
-            wait_until(lambda: prefetch(b, 1, [0, 1, 2, 3])["prefetch_fills"] == 16 or
-                       time.sleep(0.1), 10.0, "B's prefetch to take A's stale rows")
 
 
 @pytest.mark.parametrize("workers", ["8", "1"])

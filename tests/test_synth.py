@@ -1,6 +1,13 @@
 """Synthetic checkpoints: real mlx-lm models, deterministic by seed, validated sizes."""
 
+import fcntl
 import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import termios
 from pathlib import Path
 
 import mlx.core as mx
@@ -10,6 +17,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import FAMILY_MODES, TINY
+from harness import sigint_as_usual, wait_until
 from expertd.tools.synth import SynthConfig, synthesize
 
 TEXTS = [
@@ -147,3 +155,81 @@ def test_tokenizer_round_trips_text(models):
         assert tokenizer.decode(ids) == text
     # BPE merges learned from the built-in text: a familiar phrase takes few tokens.
     assert len(tokenizer.encode(TEXTS[0])) < len(TEXTS[0]) / 3
+
+
+# ---- issue 16: atomic output, a missing parent refused, a bar on a terminal --------------------
+
+EXPERTD = str(Path(sys.executable).with_name("expertd"))
+SMALL = ("synth", "--layers", "2", "--experts", "4", "--top-k", "2", "--out")
+
+
+def test_a_missing_parent_is_refused_and_never_created(tmp_path):
+    out = tmp_path / "no-such-parent" / "model"
+    run = subprocess.run([EXPERTD, *SMALL, str(out)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 1 and run.stderr == (
+        f"expertd synth: error: {out.parent}: no such directory (the parent of {out}); "
+        "create it first or choose another path\n"), run.stderr
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def terminal() -> tuple:
+    """A pseudo-terminal of 24 x 100 characters: (master, slave)."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    return master, slave
+
+
+def drawn(master: int) -> str:
+    """Everything written to the terminal, once every writer has closed it (EIO on Linux)."""
+    data = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace")
+
+
+def test_ctrl_c_mid_write_leaves_nothing_and_a_rerun_succeeds(tmp_path):
+    """A real SIGINT while synth writes. Its stderr is a terminal whose output is stopped
+    (Ctrl-S), so its bar cannot draw and the run cannot get past it: once anything appears
+    next to the output, the signal lands while the checkpoint is half-written."""
+    out = tmp_path / "model"
+    master, slave = terminal()
+    try:
+        termios.tcflow(slave, termios.TCOOFF)
+        proc = subprocess.Popen([EXPERTD, *SMALL, str(out)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=slave,
+                                preexec_fn=sigint_as_usual)
+        try:
+            written = wait_until(lambda: list(tmp_path.iterdir()), 60, "synth to write")
+            proc.send_signal(signal.SIGINT)
+        finally:
+            termios.tcflow(slave, termios.TCOON)  # let it say what happened, and exit
+            proc.wait(timeout=60)
+    finally:
+        os.close(slave)
+    said = drawn(master)
+    os.close(master)
+    assert [p.name.startswith(".model.partial-") for p in written] == [True], written
+    assert proc.returncode == 130 and "expertd synth: interrupted" in said, said
+    assert sorted(tmp_path.iterdir()) == []  # neither the partial directory nor the output
+
+    # The same command again: the output is free, and on a terminal it draws its bars.
+    master, slave = terminal()
+    try:
+        proc = subprocess.Popen([EXPERTD, *SMALL, str(out)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=slave, text=True)
+    finally:
+        os.close(slave)
+    said = drawn(master)
+    os.close(master)
+    assert proc.wait(timeout=120) == 0, said
+    assert "wrote a synthetic qwen3_moe checkpoint" in proc.stdout.read()
+    assert "synth: random weights: 100%" in said and "synth: quantize: 100%" in said, said
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    mlx_lm.load(str(out))

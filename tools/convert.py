@@ -229,7 +229,7 @@ def convert(model_dir: Path, blob_dir: Path, progress: bool = True,
 
     ``model_dir`` may also be a Hugging Face repo id (see :func:`resolve_model`). With
     ``layers`` ("A:B", transformer layers as a Python slice), only that pipeline stage is
-    written (see :func:`select_stage`).
+    written (see :func:`select_stage`). ``progress`` draws a bar, on a terminal only.
 
     A lock file next to the destination (``.NAME.lock``) is held for the whole run. A leftover
     temporary directory from an interrupted run is removed and the work restarts.
@@ -239,20 +239,23 @@ def convert(model_dir: Path, blob_dir: Path, progress: bool = True,
     Raises:
         ModelDirError: see :func:`plan`.
         FileExistsError: if ``blob_dir`` exists.
-        ConvertError: another run is writing ``blob_dir``, the disk is full, or the
-            destination cannot be written; nothing is left behind. Or ``layers`` is not a
-            stage of this model (see :func:`select_stage`).
+        ConvertError: the parent of ``blob_dir`` is not a directory, another run is writing
+            ``blob_dir``, the disk is full, or the destination cannot be written; nothing is
+            left behind. Or ``layers`` is not a stage of this model (see
+            :func:`select_stage`).
     """
     model_dir, blob_dir = resolve_model(model_dir), Path(os.path.expanduser(str(blob_dir)))
     if blob_dir.exists():
         raise FileExistsError(f"{blob_dir} already exists; remove it or choose another path")
+    if not blob_dir.parent.is_dir():  # a typo in the path must not create directories
+        raise ConvertError(f"{blob_dir.parent}: no such directory (the parent of {blob_dir}); "
+                           "create it first or choose another path")
     spec = layers
     config, tensors, layers, stride, trunk = plan(model_dir)
     stage = None
     if spec is not None:
         stage, layers, trunk = select_stage(config, layers, trunk, spec)
     try:
-        blob_dir.parent.mkdir(parents=True, exist_ok=True)
         with _destination_lock(blob_dir):
             # Checked again under the lock: a run that held it may just have finished.
             if blob_dir.exists():
@@ -282,8 +285,9 @@ def _convert_locked(model_dir, blob_dir, config, tensors, layers, stride, trunk,
 
     total = sum(layer.num_experts * layer.expert_bytes for layer in layers)
     total += sum(t.nbytes for t in trunk)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
-               desc="convert", dynamic_ncols=True)
+    # disable=None: drawn on a terminal only, never as \r frames into a log.
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+               disable=None if progress else True, desc="convert", dynamic_ncols=True)
     try:
         done_layers = []
         source_fds = {}

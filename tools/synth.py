@@ -4,7 +4,11 @@ Nothing is downloaded: the weights are random (deterministic by seed), the token
 offline on a built-in text. The result loads with ``mlx_lm.load(DIR)``.
 """
 
+import errno
 import json
+import os
+import secrets
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,26 +116,56 @@ class SynthConfig:
         }
 
 
-def synthesize(cfg: SynthConfig, out_dir: Path) -> Path:
+def synthesize(cfg: SynthConfig, out_dir: Path, progress: bool = True) -> Path:
     """Write a random-weight MoE checkpoint for ``cfg`` into ``out_dir`` (which must not exist).
+
+    The checkpoint appears atomically: it is written into a hidden temporary directory next to
+    ``out_dir`` and renamed at the end; any failure, Ctrl-C included, removes it. ``progress``
+    draws a bar over the weights, on a terminal only.
 
     Returns:
         The output directory.
     Raises:
         ValueError: on an invalid configuration.
         FileExistsError: if ``out_dir`` already exists and is not empty.
+        FileNotFoundError: if the parent of ``out_dir`` is not a directory.
     """
-    import mlx.core as mx
-    from mlx.utils import tree_map
-    from mlx_lm.utils import quantize_model, save_config, save_model
-
-    from .mlxlm import model_classes
-
     cfg.validate()
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir} already exists and is not empty")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if not out_dir.parent.is_dir():  # a typo in the path must not create directories
+        raise FileNotFoundError(f"{out_dir.parent}: no such directory (the parent of "
+                                f"{out_dir}); create it first or choose another path")
+    # Imported before anything is written: a Ctrl-C landing while MLX's extension module
+    # initialises is swallowed there, and once the directory exists a Ctrl-C must stop the run.
+    import mlx.core  # noqa: F401
+    import mlx_lm.utils  # noqa: F401
+
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{secrets.token_hex(8)}"
+    try:
+        os.mkdir(tmp)  # inside the try: a Ctrl-C just after it still removes it
+        _write_checkpoint(cfg, tmp, progress)
+        try:
+            os.rename(tmp, out_dir)  # replaces an empty directory, never a filled one
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                raise
+            raise FileExistsError(f"{out_dir} already exists and is not empty (another "
+                                  "run wrote it meanwhile)") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _write_checkpoint(cfg: SynthConfig, out_dir: Path, progress: bool) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.utils import quantize_model, save_config, save_model
+    from tqdm import tqdm
+
+    from .mlxlm import model_classes
 
     vocab_size = build_tokenizer_into(out_dir, cfg.vocab)
     config = cfg.model_config(vocab_size)
@@ -141,18 +175,28 @@ def synthesize(cfg: SynthConfig, out_dir: Path) -> Path:
     dtype = getattr(mx, cfg.dtype)
     model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
                           model.parameters()))
-    # Random values where mlx-lm starts at zero (expert biases, deepseek's router), so that a
-    # lost bias changes the output and routing spreads over the experts.
-    _randomize_zeros(model)
+    # The weights are lazy: the bars count the bytes as they are computed, first the random
+    # weights (each checked for zeros), then the quantized ones that are written.
+    bar = dict(unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True,
+               disable=None if progress else True)  # None: on a terminal only
+    drawn = sum(p.nbytes for _, p in tree_flatten(model.parameters()) if _checked(p))
+    with tqdm(total=drawn, desc="synth: random weights", **bar) as done:
+        # Random values where mlx-lm starts at zero (expert biases, deepseek's router), so
+        # that a lost bias changes the output and routing spreads over the experts.
+        _randomize_zeros(model, done.update)
     if cfg.mode != "none":
         model, config = quantize_model(
             model, config, _MODE_GROUP[cfg.mode], cfg.bits, mode=cfg.mode
         )
+        weights = [p for _, p in tree_flatten(model.parameters())]
+        with tqdm(total=sum(p.nbytes for p in weights), desc="synth: quantize", **bar) as done:
+            for p in weights:
+                mx.eval(p)
+                done.update(p.nbytes)
     mx.eval(model.parameters())
     save_model(out_dir, model)
     save_config(config, out_dir / "config.json")
     (out_dir / "expertd-synth.json").write_text(json.dumps(cfg.__dict__, indent=2))
-    return out_dir
 
 
 def build_tokenizer_into(out_dir: Path, vocab: int) -> int:
@@ -161,16 +205,26 @@ def build_tokenizer_into(out_dir: Path, vocab: int) -> int:
     return build_tokenizer(out_dir, vocab)
 
 
-def _randomize_zeros(model) -> None:
+def _checked(p) -> bool:
+    """Whether :func:`_randomize_zeros` looks at ``p`` (and so computes it)."""
+    import mlx.core as mx
+
+    return p.ndim >= 2 and mx.issubdtype(p.dtype, mx.floating)
+
+
+def _randomize_zeros(model, advance=lambda nbytes: None) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
     from mlx_lm.models.switch_layers import SwitchLinear
 
     updates = []
     for name, p in tree_flatten(model.parameters()):
-        if p.ndim >= 2 and mx.issubdtype(p.dtype, mx.floating) and not mx.any(p).item():
+        if not _checked(p):
+            continue
+        if not mx.any(p).item():
             scale = p.shape[-1] ** -0.5
             updates.append((name, mx.random.uniform(-scale, scale, p.shape).astype(p.dtype)))
+        advance(p.nbytes)
     model.update(tree_unflatten(updates))
     for _, module in model.named_modules():
         if isinstance(module, SwitchLinear) and "bias" in module:

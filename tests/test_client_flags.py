@@ -1,0 +1,104 @@
+"""The client subcommands' flags are checked at the edge: a bad value is refused in one line
+with argparse's exit code 2 before anything loads; mlx-lm's spellings (--model, -p, -m) are
+accepted. --auto-pin is refused beyond what the cache can pin, before the daemon starts."""
+
+import subprocess
+import sys
+
+import pytest
+
+from harness import SMALL_CACHE_GB, Daemon, expertd_cli
+from expertd.cli import build_parser
+
+
+def refusal(capsys, *argv) -> str:
+    """The one error line argparse gives for ``argv``; fails unless it exits with 2."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(list(argv))
+    assert exit_.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
+GENERATE = ("generate", "--blobs", "B", "--prompt", "hi")
+CHAT = ("chat", "--blobs", "B")
+BAD = [
+    (("--max-tokens", "-5"),
+     "argument --max-tokens/-m: must be an integer of at least 1, not '-5'"),
+    (("--max-tokens", "0"), "argument --max-tokens/-m: must be an integer of at least 1, not '0'"),
+    (("-m", "1.5"), "argument --max-tokens/-m: must be an integer of at least 1, not '1.5'"),
+    (("--temp", "-1"), "argument --temp: must be a finite number of at least 0, not '-1'"),
+    (("--temp", "nan"), "argument --temp: must be a finite number of at least 0, not 'nan'"),
+    (("--top-p", "2"), "argument --top-p: must be a number between 0 and 1, not '2'"),
+    (("--top-p", "-0.5"), "argument --top-p: must be a number between 0 and 1, not '-0.5'"),
+    (("--seed", "-1"), "argument --seed: must be an integer between 0 and 18446744073709551615, "
+     "not '-1'"),
+    (("--max-kv-size", "0"), "argument --max-kv-size: must be an integer of at least 1, not '0'"),
+    (("--prefill-step-size", "-2"), "argument --prefill-step-size: must be an integer of at "
+     "least 1, not '-2'"),
+]
+GENERATE_ONLY = [
+    (("--min-p", "1.5"), "argument --min-p: must be a number between 0 and 1, not '1.5'"),
+    (("--min-p", "-0.1"), "argument --min-p: must be a number between 0 and 1, not '-0.1'"),
+    (("--top-k", "-1"), "argument --top-k: must be an integer of at least 0, not '-1'"),
+    (("--verbose", "maybe"), "argument --verbose: must be True or False, not 'maybe'"),
+    (("--kv-bits", "7"), "argument --kv-bits: invalid choice: 7 (choose from 1, 2, 3, 4, 5, 6, "
+     "8)"),
+    (("--quantized-kv-start", "-1"), "argument --quantized-kv-start: must be an integer of at "
+     "least 0, not '-1'"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD + GENERATE_ONLY)
+def test_generate_refuses_bad_values(capsys, flags, message):
+    assert refusal(capsys, *GENERATE, *flags) == f"expertd generate: error: {message}"
+
+
+@pytest.mark.parametrize("flags, message", BAD)
+def test_chat_refuses_bad_values(capsys, flags, message):
+    assert refusal(capsys, *CHAT, *flags) == f"expertd chat: error: {message}"
+
+
+def test_an_empty_prompt_is_refused(capsys):
+    assert refusal(capsys, "generate", "--blobs", "B", "-p", "") == (
+        "expertd generate: error: argument --prompt/-p: must not be empty (give some text, or "
+        "'-' to read it from stdin)")
+    # An empty stdin is refused as well, before the model loads (B does not exist).
+    done = subprocess.run([sys.executable, "-m", "expertd", "generate", "--blobs", "B", "-p", "-"],
+                          input="", capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == "expertd generate: error: the prompt read from stdin is empty\n"
+
+
+def test_mlx_lm_spellings_are_accepted(capsys):
+    args = build_parser().parse_args(["generate", "--model", "B", "-p", "hi", "-m", "5"])
+    assert (args.blobs, args.prompt, args.max_tokens) == ("B", "hi", 5)
+    assert args.summary is True and args.verbose is False  # expertd -v is not generate's
+    args = build_parser().parse_args(["-v", "generate", "--model", "B", "-p", "hi",
+                                      "--verbose", "f"])
+    assert args.summary is False and args.verbose is True
+    args = build_parser().parse_args(["chat", "--model", "B", "-m", "7", "--top-p", "1"])
+    assert (args.blobs, args.max_tokens, args.top_p) == ("B", 7, 1.0)
+    assert refusal(capsys, "generate", "-p", "hi") == (
+        "expertd generate: error: the following arguments are required: --blobs/--model")
+
+
+def test_a_rotating_kv_cache_is_not_quantized():
+    """mlx-lm would fail in mid-generation; the pair is refused before the model loads."""
+    done = expertd_cli("generate", "--blobs", "B", "-p", "hi", "--kv-bits", "4",
+                       "--max-kv-size", "64")
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr == ("expertd generate: error: --kv-bits and --max-kv-size do not go "
+                           "together: mlx-lm cannot quantize a rotating KV cache\n")
+
+
+def test_auto_pin_is_refused_beyond_a_quarter_of_the_cache(models, isolated_env):
+    blobs = models.blobs()
+    for n in ("100000", "13", "-1"):
+        done = expertd_cli("start", "--blobs", blobs, "--cache-gb", SMALL_CACHE_GB,
+                           "--auto-pin", n, timeout=60)
+        assert done.returncode == 1 and done.stdout == "", done
+        assert done.stderr == (f"expertd start: error: --auto-pin must be between 0 and 12 (a "
+                               f"quarter of this cache's 48 rows), not {n}\n")
+    # The bound is the daemon's own: it starts with it.
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB, "--auto-pin", "12") as daemon:
+        assert daemon.ready["arena_rows"] == 48
