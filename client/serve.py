@@ -42,6 +42,8 @@ PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RECONNECT_TIMEOUT = 24 * 3600.0
 AWAIT_SLICE = 0.1  # how often a request waiting for its tokens checks that the daemon serves
 GENERATION_STOP_TIMEOUT = 3.0  # shutdown waits this long for the generation thread
+
+
 def model_names(blob_dir: Path) -> tuple[str, set]:
     """The id this server lists for ``blob_dir`` (the directory's name), and every name a
     request may use for it: that id, the path as given or resolved, and "default_model"."""
