@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from expertd.argtypes import check_gib, check_seconds
 from expertd.blobstore import check_trunk
 from expertd.errors import BlobStoreError
 
@@ -72,6 +73,9 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
         PipelineError: the family cannot be split, or ``blob_dir`` lacks this rank's layers.
         ValueError: a pool budget below the smallest that works, or a bad argument.
     """
+    check_seconds("reconnect_timeout", reconnect_timeout)
+    if pool_gb is not None:
+        check_gib("pool_gb", pool_gb)
     check_mode(prefetch)
     check_speculate(speculate)
     backing = check_choice("pool_backing", pool_backing or default_backing(), POOL_BACKINGS)

@@ -179,7 +179,7 @@ class ExpertPool:
 
         ``read_into(view, slots, dest, bases, positions)`` copies rows of the arena ``view``.
         """
-        self.commit_ahead()
+        self.commit_ahead(epoch)  # rows read ahead from an arena before a reconnect are dropped
         present = self.row_of[experts] >= 0
         wanted = ~present & (slots >= 0)
         keep = self.row_of[experts[present]]

@@ -75,6 +75,7 @@ class Session:
         self.timeline = None  # a list to record (layer, t0, t_sync, t_fetched, t_done) per call
         self.conn = self.view = self.requester = self._heartbeat = None
         self.max_group = None
+        self.closed = False
         self._segment_tables = [
             (np.array([seg.offset for seg in layer.segments], dtype=np.intp),
              np.array([seg.nbytes for seg in layer.segments], dtype=np.intp))
@@ -84,53 +85,64 @@ class Session:
     # ---- attachment ------------------------------------------------------------------------
 
     def _attach(self) -> None:
+        """Say hello and map the arena. Nothing of a failed or interrupted attach stays
+        open, and the session changes only once every part is ready."""
         self._check_not_dead()
         conn = Connection(self.paths.blob_dir)
+        view = heartbeat = None
+        attached = False
         try:
             hello = conn.request(Op.HELLO, self._hello_body(conn.client_id), timeout=10.0)
-        except DaemonError:
-            conn.close()
+            if hello["blob_dir"] != str(self.paths.blob_dir):
+                raise DaemonError(f"the daemon serves {hello['blob_dir']}, not "
+                                  f"{self.paths.blob_dir}")
+            if hello["manifest"] != self.manifest.digest:
+                raise DaemonError(f"the daemon serves another version of {self.paths.blob_dir} "
+                                  "(converted again since it started?); restart it with: expertd "
+                                  f"stop --blobs {self.paths.blob_dir} && expertd start --blobs "
+                                  f"{self.paths.blob_dir}")
+            view = ArenaView(hello["arena"], self._segment_tables)
+            if view.epoch != hello["epoch"]:
+                raise DaemonError("the daemon's arena changed during attach; try again")
+            requester = Requester(conn, hello["pid"], self.paths.blob_dir, self._daemon_alive,
+                                  self.counters)
+            interval = hello["heartbeat_interval"]
+            # The daemon forgets a client silent for client_timeout; the client gives the daemon
+            # as long (and at least three heartbeats) before calling it stuck. The thread holds
+            # the session weakly, so that dropping the model drops the session. Its first look
+            # at the daemon's liveness comes an interval later, once the session below is set.
+            heartbeat = Heartbeat(self.paths.endpoint, conn.client_id, hello["token"], interval,
+                                  max(hello["client_timeout"], 3 * interval),
+                                  _weak(self, "_daemon_alive", False),
+                                  _weak(self, "_reap", False),
+                                  _weak(self, "_heartbeat_report", {}))
+            requester.heartbeat = heartbeat
+            with HeldInterrupts():  # attached all at once: a SIGINT comes after
+                self._links.conn, self._links.heartbeat = conn, heartbeat
+                self.conn, self.view, self.hello = conn, view, hello
+                self.daemon_pid, self.epoch = hello["pid"], hello["epoch"]
+                self.requester, self._heartbeat = requester, heartbeat
+                # Fixed at the first attach: the read buffers are sized for it. A daemon
+                # restarted with a smaller cache is read from in chunks of what it leases at
+                # once. No layer needs more rows at once than it has experts.
+                if self.max_group is None:
+                    self.max_group = min(hello["max_demand"], self.requested_group,
+                                         self.manifest.max_experts)
+                self.demand_limit = hello["max_demand"]
+                attached = True
+        except BaseException:
+            if not attached:
+                if heartbeat is not None:
+                    heartbeat.stop()
+                if view is not None:
+                    view.close()
+                conn.close()
             raise
-        if hello["blob_dir"] != str(self.paths.blob_dir):
-            conn.close()
-            raise DaemonError(f"the daemon serves {hello['blob_dir']}, not {self.paths.blob_dir}")
-        if hello["manifest"] != self.manifest.digest:
-            conn.close()
-            raise DaemonError(f"the daemon serves another version of {self.paths.blob_dir} "
-                              "(converted again since it started?); restart it with: expertd stop "
-                              f"--blobs {self.paths.blob_dir} && expertd start --blobs "
-                              f"{self.paths.blob_dir}")
-        view = ArenaView(hello["arena"], self._segment_tables)
-        if view.epoch != hello["epoch"]:
-            view.close()
-            conn.close()
-            raise DaemonError("the daemon's arena changed during attach; try again")
-        self.conn, self.view, self.hello = conn, view, hello
-        self.daemon_pid, self.epoch = hello["pid"], hello["epoch"]
-        self.requester = Requester(conn, self.daemon_pid, self.paths.blob_dir, self._daemon_alive,
-                                   self.counters)
-        # Fixed at the first attach: the read buffers are sized for it. A daemon restarted
-        # with a smaller cache is read from in chunks of what it leases at once.
-        if self.max_group is None:
-            # No layer needs more rows at once than it has experts.
-            self.max_group = min(hello["max_demand"], self.requested_group,
-                                 self.manifest.max_experts)
-        self.demand_limit = hello["max_demand"]
-        interval = hello["heartbeat_interval"]
-        # The daemon forgets a client silent for client_timeout; the client gives the daemon as
-        # long (and at least three heartbeats) before calling it stuck. The thread holds the
-        # session weakly, so that dropping the model drops the session.
-        self._heartbeat = Heartbeat(self.paths.endpoint, conn.client_id, hello["token"], interval,
-                                    max(hello["client_timeout"], 3 * interval),
-                                    _weak(self, "_daemon_alive", False),
-                                    _weak(self, "_reap", False),
-                                    _weak(self, "_heartbeat_report", {}))
-        self.requester.heartbeat = self._heartbeat
-        self._links.conn, self._links.heartbeat = conn, self._heartbeat
 
     def announce_pools(self) -> None:
         """Tell the daemon this client's expert memory (its pools), for status: a second
         hello, which keeps the client's token, leases and pins."""
+        self.check_alive()
         self.request(Op.HELLO, self._hello_body(self.conn.client_id))
 
     def _hello_body(self, client_id: bytes) -> dict:
@@ -145,12 +157,13 @@ class Session:
                                    f"with: expertd start --blobs {blob}")
 
     def _detach(self) -> None:
+        # Detached first: should an interrupt cut what follows short, the next call still
+        # attaches again (closing twice is harmless). The old mapping stays valid until nothing
+        # references it: a copy ahead in flight may still read it.
+        self.conn = self.view = self._heartbeat = None
         self._links.detach(goodbye=False)
         if self.requester is not None:
             self.requester.forget()
-        # The old mapping stays valid until nothing references it: a copy ahead in flight may
-        # still read it.
-        self.conn = self.view = self._heartbeat = None
 
     @property
     def copier(self):
@@ -163,15 +176,18 @@ class Session:
 
     def close(self) -> None:
         """Say goodbye (the daemon drops this client's leases and pins at once) and detach."""
+        self.closed = True
         self._links.close()
         self._detach()
 
     def _reconnect(self, why: str) -> None:
+        """Detach, then wait up to reconnect_timeout for a daemon to attach to (saying ``why``
+        once it has to wait). A wait that fails or is interrupted leaves the session detached:
+        the next call waits again."""
         blob = self.paths.blob_dir
-        print(f"expertd: {why}; waiting up to {self.reconnect_timeout:g} s for it to come back "
-              f"(expertd start --blobs {blob})", file=sys.stderr, flush=True)
         self._detach()
         deadline = time.monotonic() + self.reconnect_timeout
+        waiting = False
         while True:
             try:
                 self._attach()
@@ -181,9 +197,16 @@ class Session:
                 return
             except (DaemonNotRunning, DaemonError, OSError, ValueError) as exc:
                 if time.monotonic() > deadline:
-                    raise DaemonNotRunning(f"expertd serving {blob} is gone and did not come back "
-                                           f"within {self.reconnect_timeout:g} s ({exc}); start "
-                                           f"it with: expertd start --blobs {blob}") from None
+                    gone = (f"expertd serving {blob} is gone and did not come back within "
+                            f"{self.reconnect_timeout:g} s")
+                    if isinstance(exc, DaemonNotRunning):
+                        raise DaemonNotRunning(f"{gone}; start it with: expertd start --blobs "
+                                               f"{blob}") from None
+                    raise DaemonNotRunning(f"{gone}: {exc}") from None
+                if not waiting:
+                    print(f"expertd: {why}; waiting up to {self.reconnect_timeout:g} s for it to "
+                          f"come back (expertd start --blobs {blob})", file=sys.stderr, flush=True)
+                    waiting = True
                 time.sleep(0.1)
 
     def _daemon_alive(self) -> bool:
@@ -200,9 +223,20 @@ class Session:
         return requester.reap() if requester is not None else False
 
     def check_alive(self) -> None:
-        """Re-attach now if the heartbeat saw the daemon die (while every expert was in the
-        pools, nothing else would notice, and this process would keep its arena mapped)."""
-        if self._heartbeat is not None and self._heartbeat.lost:
+        """Attach again now if detached (an earlier wait for the daemon failed or was
+        interrupted) or if the heartbeat saw the daemon die (while every expert was in the
+        pools, nothing else would notice, and this process would keep its arena mapped).
+        Every use of the view, connection or requester comes after this.
+
+        Raises:
+            DaemonNotRunning: no daemon came back within reconnect_timeout.
+            DaemonError: the session was closed.
+        """
+        if self.view is None:
+            if self.closed:
+                raise DaemonError("this model's expertd session is closed; load the model again")
+            self._reconnect(f"expertd serving {self.paths.blob_dir} is gone")
+        elif self._heartbeat is not None and self._heartbeat.lost:
             self._reconnect(f"expertd (pid {self.daemon_pid}) serving {self.paths.blob_dir} died")
 
     # ---- reading rows ----------------------------------------------------------------------
@@ -311,6 +345,7 @@ class Session:
 
     def request(self, op: Op, body: dict) -> dict:
         """A request that survives a daemon restart: re-attaches and retries once it is back."""
+        self.check_alive()
         while True:
             try:
                 return self.requester.ask(op, body)

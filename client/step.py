@@ -122,6 +122,9 @@ class Steps:
         self._top_k = session.manifest.top_k
 
     def run(self, forward, inputs, args: tuple, kwargs: dict):
+        # A step starts attached: after a daemon's death or a failed or interrupted wait for
+        # it, the session attaches again here (or raises DaemonNotRunning), before any layer.
+        self.session.check_alive()
         counters = self.session.counters
         counters["steps"] += 1
         if (self.speculation.mode != "off" and self.layers

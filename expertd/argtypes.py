@@ -1,11 +1,17 @@
-"""Argument types for the client subcommands' flags (generate, chat, serve), and mlx-lm's
-defaults for them. Each type refuses a bad value at the edge, with argparse's one error line and
-exit code 2."""
+"""Argument types for the command line's flags, and mlx-lm's defaults for the client ones. Each
+type refuses a bad value at the edge, with argparse's one error line and exit code 2; the
+``check_*`` twins raise ValueError for the same values given to the Python API."""
 
 import argparse
+import json
 import math
+from pathlib import Path
 
 MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
+# A day: any timeout beyond it is a typo, and its milliseconds fit zmq's int32 poll.
+MAX_SECONDS = 86400.0
+MAX_GIB = 1 << 20  # a PiB: no machine has it, and int(gb * 2**30) never overflows below it
+MAX_BYTES = MAX_GIB * 2**30
 # mlx-lm's defaults, and the KV quantizations MLX supports (mx.quantize, affine).
 DEFAULT_PREFILL_STEP_SIZE = 2048
 DEFAULT_QUANTIZED_KV_START = 5000
@@ -88,3 +94,144 @@ def true_or_false(text: str) -> bool:
     if word in ("false", "f"):
         return False
     raise argparse.ArgumentTypeError(f"must be True or False, not {text!r}")
+
+
+def _bounded(value, what: str, low: float, high: float, low_open: bool = True) -> float:
+    """``value`` as a float when a real number in (low, high] (or [low, high]), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"must be {what}, not {value!r}")
+    above = value > low if low_open else value >= low
+    if not (math.isfinite(value) and above and value <= high):
+        raise ValueError(f"must be {what}, not {value!r}")
+    return float(value)
+
+
+SECONDS = f"a number of seconds above 0, at most {MAX_SECONDS:g} (a day)"
+GIB = f"a number of GiB above 0, at most {MAX_GIB} (more memory than any machine has)"
+
+
+def check_seconds(name: str, value) -> float:
+    """A timeout given to the Python API: a number of seconds in (0, a day].
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    try:
+        return _bounded(value, SECONDS, 0, MAX_SECONDS)
+    except ValueError as exc:
+        raise ValueError(f"{name} {exc}") from None
+
+
+def check_gib(name: str, value) -> float:
+    """A memory budget given to the Python API: a number of GiB in (0, MAX_GIB].
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    try:
+        return _bounded(value, GIB, 0, MAX_GIB)
+    except ValueError as exc:
+        raise ValueError(f"{name} {exc}") from None
+
+
+def _flag_number(text: str, what: str, high: float) -> float:
+    try:
+        return _bounded(float(text), what, 0, high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}") from None
+
+
+def seconds(text: str) -> float:
+    """A timeout or interval: seconds above 0, at most a day (status/stop --timeout,
+    --client-timeout, --lease-timeout, --heartbeat, --watch)."""
+    return _flag_number(text, SECONDS, MAX_SECONDS)
+
+
+def gib(text: str) -> float:
+    """A memory budget in GiB above 0, bounded as --cache-gb is (--pool-gb)."""
+    return _flag_number(text, GIB, MAX_GIB)
+
+
+# Units of --prompt-cache-bytes, decimal as in mlx_lm.server's.
+BYTE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
+              "GB": 10**9}
+
+
+def byte_size(text: str) -> int:
+    """A whole number of bytes, at least 1, with an optional decimal unit: 500MB, 2GB, 1.5G."""
+    number = text.strip().upper().rstrip("KMGB")
+    unit = text.strip().upper()[len(number):]
+    try:
+        value = float(number) * BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        value = 0.0
+    if not (1 <= value <= MAX_BYTES and value == int(value)):
+        raise argparse.ArgumentTypeError(f"must be a whole number of bytes, at least 1 and "
+                                         f"at most a PiB (e.g. 500MB or 2GB), not {text!r}")
+    return int(value)
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, not {text!r}")
+    return value
+
+
+def host(text: str) -> str:
+    """An address to listen on, not empty (0.0.0.0 is every interface)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be an address such as 127.0.0.1 (this machine "
+                                         "only) or 0.0.0.0 (every interface), not ''")
+    return text
+
+
+def json_object(text: str) -> dict:
+    """A JSON object, such as '{"enable_thinking": false}'."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, not {text!r} ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, not {text!r}")
+    return value
+
+
+def eos_token(text: str) -> str:
+    """An end-of-sequence token: its text, or its id (a whole number of at least 0)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be a token's text or id, not ''")
+    try:
+        number = int(text)
+    except ValueError:
+        return text
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be a token's text or id (an integer of at "
+                                         f"least 0), not {text!r}")
+    return text
+
+
+def file_path(text: str) -> str:
+    """A path to an existing file's name, not empty (--pin-file)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be a file's path, not ''")
+    return text
+
+
+def new_file_path(text: str) -> str:
+    """A file to write, whose directory exists (--log-file): a typo must not create
+    directories, and a directory is no log file."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be a file's path, not ''")
+    path = Path(text).expanduser().absolute()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a directory: give a file's path in it")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{path.parent}: no such directory (the parent of "
+                                         f"{path}); create it first or choose another path")
+    return text
+

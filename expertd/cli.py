@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+from . import argtypes
 from .errors import ExpertdError
 
 DESCRIPTION = """\
@@ -21,11 +22,11 @@ Typical use:
 
 
 def _cmd_synth(args) -> int:
-    from .tools.synth import SynthConfig, synthesize
+    from .tools.synth import SynthConfig, mode_bits, synthesize
 
     cfg = SynthConfig(family=args.family, layers=args.layers, experts=args.experts,
                       top_k=args.top_k, hidden=args.hidden, moe_inter=args.moe_inter,
-                      bits=args.bits, mode=args.mode, dtype=args.dtype, seed=args.seed)
+                      bits=mode_bits(args.mode) if args.bits is None else args.bits, mode=args.mode, dtype=args.dtype, seed=args.seed)
     out = synthesize(cfg, Path(args.out))
     print(f"wrote a synthetic {cfg.family} checkpoint to {out}")
     return 0
@@ -36,10 +37,11 @@ def _cmd_convert(args) -> int:
 
     manifest = convert(Path(args.model_dir), Path(args.blob_dir), progress=not args.quiet,
                        layers=args.layers)
-    gib = manifest.total_expert_bytes / 2**30
+    from .units import size_text
+
     stage = "" if manifest.stage is None else (f" of transformer layers {manifest.stage} "
                                                f"(of {manifest.stage.num_layers})")
-    print(f"wrote {len(manifest.layers)} MoE layers{stage} ({gib:.2f} GiB of experts, stride "
+    print(f"wrote {len(manifest.layers)} MoE layers{stage} ({size_text(manifest.total_expert_bytes)} of experts, stride "
           f"{manifest.stride} bytes) and trunk/ to {args.blob_dir}")
     return 0
 
@@ -62,11 +64,9 @@ def _cmd_verify(args) -> int:
     what = (f"{check.experts} experts in {len(manifest.layers)} layers and "
             f"{len(manifest.trunk)} trunk files")
     if bad:
-        print(f"{check.dir}: {bad} problem{'s' if bad > 1 else ''} found checking {what}; "
-              f"{reconvert(check.dir)}")
-        return 1
-    print(f"{check.dir}: all {what} match their checksums")
-    return 0
+        return answer(f"{check.dir}: {bad} problem{'s' if bad > 1 else ''} found checking "
+                      f"{what}; {reconvert(check.dir)}", 1)
+    return answer(f"{check.dir}: all {what} match their checksums", 0)
 
 
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -117,19 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"),
                    help="mlx-lm model family (default: qwen3_moe)")
     p.add_argument("--out", required=True, help="output directory (must not exist)")
-    p.add_argument("--layers", type=int, default=4, help="transformer layers (default: 4)")
-    p.add_argument("--experts", type=int, default=16, help="routed experts per layer (default: 16)")
-    p.add_argument("--top-k", type=int, default=4, help="experts per token (default: 4)")
-    p.add_argument("--hidden", type=int, default=128, help="hidden size (default: 128)")
-    p.add_argument("--moe-inter", type=int, default=64,
+    p.add_argument("--layers", type=argtypes.positive_int, default=4, help="transformer layers (default: 4)")
+    p.add_argument("--experts", type=argtypes.positive_int, default=16, help="routed experts per layer (default: 16)")
+    p.add_argument("--top-k", type=argtypes.positive_int, default=4, help="experts per token (default: 4)")
+    p.add_argument("--hidden", type=argtypes.positive_int, default=128, help="hidden size (default: 128)")
+    p.add_argument("--moe-inter", type=argtypes.positive_int, default=64,
                    help="expert intermediate size (default: 64)")
-    p.add_argument("--bits", type=int, default=4, help="quantization bits (default: 4)")
+    p.add_argument("--bits", type=argtypes.positive_int, default=None,
+                   help="quantization bits: 2, 3, 4, 5, 6 or 8 for affine, 4 for mxfp4 and "
+                   "nvfp4, 8 for mxfp8 (default: the mode's own, 4 for affine)")
     p.add_argument("--mode", default="affine",
                    choices=("affine", "mxfp4", "mxfp8", "nvfp4", "none"),
                    help="quantization mode; 'none' keeps --dtype weights (default: affine)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="dtype of the unquantized weights (default: bfloat16)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--seed", type=argtypes.seed, default=0, help="random seed (default: 0)")
     p.set_defaults(func=_cmd_synth)
 
     p = sub.add_parser("convert", help="split an mlx-lm MoE checkpoint into expert blobs + trunk",
@@ -165,16 +167,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    # A reader that has gone (`| head`, `| true`) ends the command quietly, as it does git's:
+    # a command that finished (or knew its answer: see answer()) keeps its exit code, one cut
+    # short while writing exits 1.
+    code = 1
     try:
-        try:
-            return _run(argv)
-        finally:
-            sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
+        code = _run(argv)
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
     except BrokenPipeError:
-        # The reader (`| head`) has gone: exit quietly. stdout goes to devnull so that the
-        # interpreter's last flush of what is still buffered cannot fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        mute_stdout()
+    return code
+
+
+def mute_stdout() -> None:
+    """After a reader has gone: stdout goes to devnull, so that the interpreter's last flush
+    of what is still buffered cannot fail again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def answer(text: str, code: int, file=None) -> int:
+    """Print a command's last words and return its exit code, which a reader that has gone
+    does not change (status's 3 stays 3 under `| true`)."""
+    try:
+        print(text, file=file or sys.stdout, flush=True)
+    except BrokenPipeError:
+        mute_stdout()
+    return code
 
 
 def _run(argv) -> int:

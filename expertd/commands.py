@@ -103,7 +103,7 @@ def add_prefetch_flag(p, help_text: str) -> None:
     from .config import PREFETCH_MODES, SPECULATE_MODES
 
     p.add_argument("--prefetch", choices=PREFETCH_MODES, default="auto", help=help_text)
-    p.add_argument("--pool-gb", type=_positive_gb, default=None, metavar="G",
+    p.add_argument("--pool-gb", type=argtypes.gib, default=None, metavar="G",
                    help="GiB of this process's own expert pools, split over the MoE layers: "
                    "the experts it computes with, moved from the daemon's cache when missing "
                    "(default: on a CUDA GPU every expert that fits in half its free memory; on "
@@ -114,13 +114,6 @@ def add_prefetch_flag(p, help_text: str) -> None:
                    "check the routed experts at the step's end and replay exactly a step that "
                    "missed its pools; auto (default) stops while replays are frequent, off "
                    "waits in every MoE layer")
-
-
-def _positive_gb(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, not {text!r}")
-    return value
 
 
 def _cmd_demo(args) -> int:
@@ -150,7 +143,7 @@ def add_client_subcommands(sub) -> None:
                    help="sampling min-p (0: off)")
     p.add_argument("--top-k", type=argtypes.non_negative_int, default=0,
                    help="sampling top-k (0: off)")
-    p.add_argument("--extra-eos-token", nargs="+", default=(), metavar="TOKEN",
+    p.add_argument("--extra-eos-token", type=argtypes.eos_token, nargs="+", default=(), metavar="TOKEN",
                    help="more tokens that end the generation, each a token's text or id "
                    "(default: none)")
     p.add_argument("--verbose", dest="summary", type=argtypes.true_or_false, default=True,
@@ -225,43 +218,6 @@ def _cmd_chat(args) -> int:
                 pool_gb=args.pool_gb, speculate=args.speculate)
 
 
-def _json_object(text: str) -> dict:
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise ValueError("expected a JSON object")
-    return value
-
-
-def _port(text: str) -> int:
-    """A TCP port, 0 to 65535 (0: any free one)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, not {text!r}")
-    return value
-
-
-# Units of --prompt-cache-bytes, decimal as in mlx_lm.server's.
-BYTE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
-              "GB": 10**9}
-
-
-def _byte_size(text: str) -> int:
-    """A positive number of bytes, with an optional unit: 500MB, 2GB, 1.5G."""
-    number = text.strip().upper().rstrip("KMGB")
-    unit = text.strip().upper()[len(number):]
-    try:
-        value = float(number) * BYTE_UNITS[unit]
-    except (ValueError, KeyError):
-        value = 0.0
-    if not 1 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of bytes such as 500MB or 2GB, "
-                                         f"not {text!r}")
-    return int(value)
-
-
 def add_serving_subcommands(sub) -> None:
     prefetch_help = "guess each next MoE layer's experts (see expertd generate --help)"
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (mlx_lm.server) on the "
@@ -273,8 +229,8 @@ def add_serving_subcommands(sub) -> None:
                        "runs and Python clients share one daemon. Like mlx_lm.server, it "
                        "only implements basic security checks: keep it on a trusted network.")
     p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=_port, default=8080, help="port to listen on, 0 to 65535 "
+    p.add_argument("--host", type=argtypes.host, default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=argtypes.port, default=8080, help="port to listen on, 0 to 65535 "
                    "(0: any free port, printed at start)")
     add_prefetch_flag(p, prefetch_help)
     p.add_argument("--pipeline", action="store_true",
@@ -285,7 +241,7 @@ def add_serving_subcommands(sub) -> None:
                    "tokenizer's")
     p.add_argument("--use-default-chat-template", action="store_true",
                    help="use the tokenizer's built-in chat template if none is set")
-    p.add_argument("--chat-template-args", type=_json_object, default={},
+    p.add_argument("--chat-template-args", type=argtypes.json_object, default={},
                    help="JSON arguments for apply_chat_template, e.g. "
                    "'{\"enable_thinking\":false}'")
     p.add_argument("--temp", type=argtypes.non_negative_float, default=0.0,
@@ -306,7 +262,7 @@ def add_serving_subcommands(sub) -> None:
                    default=DEFAULT_PREFILL_STEP_SIZE, help="prompt tokens per prefill step")
     p.add_argument("--prompt-cache-size", type=argtypes.non_negative_int, default=10,
                    help="most KV caches kept for reuse across requests")
-    p.add_argument("--prompt-cache-bytes", type=_byte_size, default=None, metavar="SIZE",
+    p.add_argument("--prompt-cache-bytes", type=argtypes.byte_size, default=None, metavar="SIZE",
                    help="most bytes of the KV caches kept for reuse, e.g. 2GB or 500MB "
                    "(default: no bound but --prompt-cache-size)")
     p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None,

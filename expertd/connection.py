@@ -10,6 +10,8 @@ from .errors import DaemonError, DaemonNotRunning
 from .paths import daemon_paths
 from .protocol import CLIENT_ID_BYTES, Op, parse_reply, request
 
+MAX_POLL_S = 86400.0  # one poll's longest wait: a day of milliseconds fits an int32
+
 
 class Connection:
     """A DEALER socket to the expertd of ``blob_dir`` (or at ``socket``, a socket path).
@@ -66,10 +68,13 @@ class Connection:
         return self.wait(rid, timeout)
 
     def wait(self, rid: bytes, timeout: float) -> dict:
+        if not timeout > 0:  # nan included
+            raise ValueError(f"timeout must be a number of seconds above 0, not {timeout!r}")
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
+            # zmq polls for an int32 of milliseconds: a longer wait (inf included) is sliced.
+            if left <= 0 or not self.sock.poll(int(min(left, MAX_POLL_S) * 1000) + 1):
                 if time.monotonic() >= deadline:
                     raise DaemonError(f"expertd ({self.endpoint}) did not answer within "
                                       f"{timeout:g} s")

@@ -13,12 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+from . import argtypes
 from .errors import DaemonError, DaemonNotRunning
 from .hotset import read_pin_file
+from .units import size_text
 
 MAX_WORKERS = 256
 MAX_SIDE_ROWS = 64  # x top_k: prefetch rows per generation, at most
-MAX_CACHE_GB = 1 << 20  # a PiB: no machine has it, and int(gb * 2**30) never overflows below it
+MAX_CACHE_GB = argtypes.MAX_GIB
 NOT_RUNNING = 3  # status's exit code when no daemon runs, as pg_ctl and LSB init scripts use
 _UNITS = {"": 2**30, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _SIZE = re.compile(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(%|[kmgt]?)(?:i?b)?", re.IGNORECASE)
@@ -88,16 +90,16 @@ def cache_bytes(text: str, manifest, blobs, side_rows: int | None = None) -> int
     rows = min(2 * m.top_k, len(m.layers) * m.max_experts)
     least = Geometry.smallest_budget(len(m.layers), m.max_experts, m.stride, side_rows=side,
                                      cache_rows=rows)
-    least_gb = math.ceil(least / 2**30 * 1e6) / 1e6  # rounded up: the number shown works
-    total_gb = m.total_expert_bytes / 2**30
+    least_text = size_text(least, round_up=True)  # rounded up: the size shown works
     try:
         gib = parse_size(text, m.total_expert_bytes)
     except ValueError:
         gib = math.nan
     if not math.isfinite(gib) or gib <= 0:
         raise ValueError(f"--cache-gb {text} is not a cache size: give a finite number of GiB "
-                         f"above 0 (e.g. 8), or 8G, 512M, 30% (of the experts' {total_gb:.3g} "
-                         f"GiB); the smallest cache that serves {blobs} is {least_gb:g} GiB")
+                         f"above 0 (e.g. 8), or 8G, 512M, 30% (of the experts' "
+                         f"{size_text(m.total_expert_bytes)}); the smallest cache that serves "
+                         f"{blobs} is {least_text}")
     if gib > MAX_CACHE_GB:
         raise ValueError(f"--cache-gb {text} is more memory than any machine has "
                          f"(at most {MAX_CACHE_GB} GiB)")
@@ -106,7 +108,7 @@ def cache_bytes(text: str, manifest, blobs, side_rows: int | None = None) -> int
         size = _share_bytes(m, gib * 2**30, side_rows)
     if size < least:
         raise ValueError(f"--cache-gb {text} is too small for {blobs}: the smallest cache "
-                         f"that serves it is {least_gb:g} GiB ({rows} rows of {m.stride} bytes, "
+                         f"that serves it is {least_text} ({rows} rows of {m.stride} bytes, "
                          f"twice a token's top_k = {m.top_k} experts, beside 2 x {side} "
                          "prefetch rows)")
     return size
@@ -174,8 +176,6 @@ def _cmd_start(args) -> int:
     log_file = _log_file(args, config)
     argv = ["start", "--blobs", str(config.blob_dir), *start_flags(args)]
     stats = start_detached(config.blob_dir, argv, log_file)
-    from .server import size_text
-
     print(f"expertd serving {stats['blob_dir']} on {stats['endpoint']} (pid {stats['pid']}, "
           f"{stats['arena_rows']} rows, {size_text(stats['arena_bytes'])} arena)")
     if stats.get("cache_capped"):
@@ -218,7 +218,7 @@ def _status_lines(s: dict) -> list:
         f"expertd pid {s['pid']} serving {s['blob_dir']}",
         f"  endpoint     {s['endpoint']}",
         f"  uptime       {s['uptime_s']:.1f} s",
-        f"  arena        {s['arena_bytes'] / 2**30:.3f} GiB, {s['rows_used']}/{s['arena_rows']} "
+        f"  arena        {size_text(s['arena_bytes'])}, {s['rows_used']}/{s['arena_rows']} "
         f"rows used, {s['pinned']} pinned",
         f"  hits/misses  {s['hits']}/{s['misses']} (hit rate {s['hit_rate']:.1%})",
         f"  prefetch     {s['prefetch']}: {s['prefetch_fills']} read ahead into "
@@ -296,14 +296,12 @@ def _not_running(args, message: str) -> tuple:
 
 def _cmd_status(args) -> int:
     if args.watch is None:
+        from .cli import answer
+
         code, out = _snapshot(args)
         if args.json:
-            print(json.dumps(out, indent=2))
-        else:
-            print(out, file=sys.stdout if code == 0 else sys.stderr)
-        return code
-    if not (math.isfinite(args.watch) and args.watch > 0):
-        raise ValueError(f"--watch takes a number of seconds above 0, not {args.watch}")
+            return answer(json.dumps(out, indent=2), code)
+        return answer(out, code, file=sys.stdout if code == 0 else sys.stderr)
     clear = sys.stdout.isatty() and not args.json
     try:
         while True:
@@ -340,7 +338,7 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
                    help="check each expert's checksum every time it is read from the disk "
                    "(a corrupt blob is refused by name, never served), only the first time, "
                    "or never (default: always)")
-    p.add_argument("--pin-file", metavar="JSON",
+    p.add_argument("--pin-file", type=argtypes.file_path, metavar="JSON",
                    help="JSON list of [layer, expert] to pin (default: none)")
     p.add_argument("--auto-pin", type=int, default=0, metavar="N",
                    help="keep the N hottest resident experts pinned (default: 0, off)")
@@ -354,20 +352,20 @@ def add_start_flags(p: argparse.ArgumentParser) -> None:
                    "token's top_k experts per layer: raise N when several clients decode at "
                    "once (STATS prefetch_dropped counts what found no row) (default: 2 x top_k "
                    "when that leaves 16 times as many cache rows, else top_k)")
-    p.add_argument("--client-timeout", type=float, default=10.0, metavar="S",
+    p.add_argument("--client-timeout", type=argtypes.seconds, default=10.0, metavar="S",
                    help="reclaim a client's leases after S seconds without a heartbeat "
                    "(default: 10)")
-    p.add_argument("--lease-timeout", type=float, default=30.0, metavar="S",
+    p.add_argument("--lease-timeout", type=argtypes.seconds, default=30.0, metavar="S",
                    help="revoke a lease held longer than S seconds, even from a live client "
                    "(a client copies its rows in milliseconds; default: 30)")
-    p.add_argument("--heartbeat", type=float, default=1.0, metavar="S",
+    p.add_argument("--heartbeat", type=argtypes.seconds, default=1.0, metavar="S",
                    help="heartbeat interval clients are told to use (default: 1)")
     # Hidden, for tests: a long hold leaves a client's death as the only thing that frees its
     # side rows, a short one lets a test see the hold lapse without waiting a second.
-    p.add_argument("--side-hold", type=float, default=SIDE_HOLD, help=argparse.SUPPRESS)
+    p.add_argument("--side-hold", type=argtypes.seconds, default=SIDE_HOLD, help=argparse.SUPPRESS)
     p.add_argument("--state-file", help="where the hot set is saved "
                    "(default: per-user state dir)")
-    p.add_argument("--log-file", metavar="PATH",
+    p.add_argument("--log-file", type=argtypes.new_file_path, metavar="PATH",
                    help="rotating log file (default: <runtime dir>/<id>.log when detached, "
                    "stderr with --foreground)")
 
@@ -414,7 +412,7 @@ def add_subcommands(sub) -> None:
                        "hot set, unlinks the arena and exits; SIGKILL after --timeout. "
                        "Stopping a daemon that does not run says so and succeeds.")
     p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
-    p.add_argument("--timeout", type=float, default=10.0,
+    p.add_argument("--timeout", type=argtypes.seconds, default=10.0,
                    help="seconds before SIGKILL (default: 10)")
     p.set_defaults(func=_cmd_stop)
 
@@ -423,7 +421,7 @@ def add_subcommands(sub) -> None:
                        "start one detached with the given flags (as `start`). Bad flags are "
                        "refused before the running daemon is stopped.")
     add_start_flags(p)
-    p.add_argument("--timeout", type=float, default=10.0,
+    p.add_argument("--timeout", type=argtypes.seconds, default=10.0,
                    help="seconds before SIGKILL of the old daemon (default: 10)")
     p.set_defaults(func=_cmd_restart, foreground=False)
 
@@ -437,8 +435,8 @@ def add_subcommands(sub) -> None:
     p.add_argument("--json", action="store_true",
                    help="machine-readable output; with --watch, one JSON document per line "
                    "(default: off)")
-    p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+    p.add_argument("--watch", type=argtypes.seconds, nargs="?", const=2.0, metavar="SECONDS",
                    help="refresh every SECONDS (2 if not given) until Ctrl-C (default: once)")
-    p.add_argument("--timeout", type=float, default=5.0,
+    p.add_argument("--timeout", type=argtypes.seconds, default=5.0,
                    help="seconds to wait for the daemon's answer (default: 5)")
     p.set_defaults(func=_cmd_status)

@@ -25,6 +25,7 @@ from .leases import Demand, LeaseBook
 from .protocol import (MAX_BODY, PROTOCOL_VERSION, ErrorCode, Op, parse_request, reply_error,
                        reply_ok)
 from .shm.layout import Arena, Geometry
+from .units import size_text
 
 log = logging.getLogger("expertd")
 
@@ -35,13 +36,6 @@ RECV_BATCH = 256
 # Messages ZeroMQ queues per peer before it stops reading that peer (the kernel holds the rest
 # and the sender waits): a client has a few requests in flight, a flood is held to this.
 RECV_HWM = 4
-
-
-def size_text(n_bytes: int) -> str:
-    """``1.50 GiB``, or ``768.00 MiB`` below a GiB (a small arena never reads 0.00 GiB)."""
-    if n_bytes >= 2**30:
-        return f"{n_bytes / 2**30:.2f} GiB"
-    return f"{n_bytes / 2**20:.2f} MiB"
 
 
 class ExpertServer:

@@ -274,6 +274,8 @@ def _cmd_install(args) -> int:
 
     _config(args)  # refuse a bad blob directory or budget now, not in a restart loop
     plan = _plan(args)
+    if plan.log is not None:  # launchd and the daemon's --log-file both need it to exist
+        plan.log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     replaced = write_file(plan.path, render(plan))
     print(f"{'replaced' if replaced else 'wrote'} {plan.path}")
     print(f"  runs: {shell_line(plan.argv)}")

@@ -58,7 +58,13 @@ def test_start_status_restart_stop(blobs, isolated_env):
         status = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)
         assert status["running"] is True and status["pid"] == first["pid"]
         assert status["log"] == str(log)
-        assert f"log          {log}" in expertd_cli("status", "--blobs", blobs).stdout
+        shown = expertd_cli("status", "--blobs", blobs).stdout
+        assert f"log          {log}" in shown
+        assert f"  arena        {first['arena_bytes'] / 2**20:.2f} MiB, " in shown  # not 0.001 GiB
+        # The longest timeout there is, and a reader that has gone: neither changes the answer.
+        assert expertd_cli("status", "--blobs", blobs, "--timeout", "86400").returncode == 0
+        piped = closed_pipe_run("status", "--blobs", blobs, "--json")
+        assert (piped.returncode, piped.stderr) == (0, "")
 
         # Bad flags are refused before the working daemon is stopped.
         refused = expertd_cli("restart", "--blobs", blobs, "--cache-gb", "0")
@@ -115,7 +121,7 @@ def test_status_watch_refreshes_until_ctrl_c(blobs, isolated_env):
     finally:
         interrupt_cleanly(watch)
     bad = expertd_cli("status", "--blobs", blobs, "--watch", "0")
-    assert bad.returncode == 1 and "--watch takes a number of seconds above 0" in bad.stderr
+    assert bad.returncode == 2 and "--watch: must be a number of seconds above 0" in bad.stderr
 
 
 # ---- --cache-gb ---------------------------------------------------------------------------------
@@ -191,15 +197,15 @@ def test_bad_cache_sizes_name_the_smallest_that_works(blobs, isolated_env, size)
     assert got.returncode == 1, got
     assert got.stderr.count("\n") == 1 and "Traceback" not in got.stderr
     assert (f"expertd start: error: --cache-gb {size} is not a cache size: give a finite "
-            "number of GiB above 0 (e.g. 8), or 8G, 512M, 30% (of the experts' 0.000732 GiB); "
-            f"the smallest cache that serves {blobs} is 0.000262 GiB\n") == got.stderr
+            "number of GiB above 0 (e.g. 8), or 8G, 512M, 30% (of the experts' 0.75 MiB); "
+            f"the smallest cache that serves {blobs} is 0.27 MiB\n") == got.stderr
 
 
 def test_a_cache_too_small_says_how_small_it_may_be(blobs, isolated_env):
     got = expertd_cli("start", "--blobs", blobs, "--cache-gb", "10%", timeout=30)
     assert got.returncode == 1 and got.stderr.count("\n") == 1, got
     assert (f"--cache-gb 10% is too small for {blobs}: the smallest cache that serves it is "
-            "0.000262 GiB (8 rows of 16384 bytes") in got.stderr
+            "0.27 MiB (8 rows of 16384 bytes") in got.stderr
 
 
 @pytest.mark.timeout(120)
@@ -291,10 +297,16 @@ def closed_pipe_run(*args) -> subprocess.CompletedProcess:
         os.close(write_end)
 
 
-@pytest.mark.parametrize("args", [("status", "--json"), ("verify", "-q", "--blobs", "BLOBS")])
-def test_a_closed_pipe_ends_the_command_quietly(blobs, isolated_env, args):
+@pytest.mark.parametrize("args, code", [
+    (("status", "--json"), 0),  # no daemon at all: an empty list
+    (("status", "--blobs", "BLOBS", "--json"), 3),  # this one does not run
+    (("verify", "-q", "--blobs", "BLOBS"), 0),
+])
+def test_a_closed_pipe_ends_the_command_quietly_with_its_code(blobs, isolated_env, args, code):
+    """A command that finished before the pipe failed keeps its exit code (git's way: the
+    pipeline's status is the reader's); a closed pipe adds nothing to stderr."""
     run = closed_pipe_run(*(blobs if a == "BLOBS" else a for a in args))
-    assert (run.returncode, run.stderr) == (1, "")
+    assert (run.returncode, run.stderr) == (code, "")
 
 
 def test_a_reader_leaving_mid_watch_ends_it_quietly(blobs, isolated_env):
@@ -330,3 +342,105 @@ def test_the_demo_says_how_to_put_expertd_on_path(monkeypatch, tmp_path):
     assert Path(shell.stdout.strip()) == here / "expertd", shell
     monkeypatch.setenv("PATH", f"{here}:/usr/bin:/bin")  # already on it: nothing to say
     assert _activate() == ""
+
+
+# ---- issue 16: every input checked in the parent, in one line ----------------------------------
+
+def refusal(capsys, *argv) -> str:
+    """The one error line argparse gives for ``argv``; fails unless it exits with 2."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(list(argv))
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.splitlines()[-1]
+
+
+SECONDS = "must be a number of seconds above 0, at most 86400 (a day)"
+TIMED = [("status", "--timeout"), ("status", "--blobs", "B", "--watch"),
+         ("stop", "--blobs", "B", "--timeout"), ("restart", "--blobs", "B", "--timeout"),
+         ("start", "--blobs", "B", "--client-timeout"), ("start", "--blobs", "B",
+                                                         "--lease-timeout"),
+         ("start", "--blobs", "B", "--heartbeat"), ("restart", "--blobs", "B", "--heartbeat")]
+
+
+@pytest.mark.parametrize("flag", TIMED, ids=" ".join)
+@pytest.mark.parametrize("value", ["inf", "1e30", "nan", "0", "-1", "86401", "soon", ""])
+def test_every_timeout_is_a_bounded_number_of_seconds(capsys, flag, value):
+    said = refusal(capsys, *flag, value)
+    assert said == (f"expertd {flag[0]}: error: argument {flag[-1]}: {SECONDS}, not {value!r}")
+    assert getattr(build_parser().parse_args([*flag, "86400"]),
+                   flag[-1].lstrip("-").replace("-", "_")) == 86400
+
+
+def test_a_log_file_and_a_pin_file_are_checked_before_the_daemon_starts(capsys, tmp_path):
+    """A typo must not create directories (as convert refuses); a bad path is named by the
+    command, not by the detached child three lines later."""
+    start = ("start", "--blobs", "B")
+    missing = tmp_path / "nonexistent" / "x.log"
+    assert refusal(capsys, *start, "--log-file", str(missing)) == (
+        f"expertd start: error: argument --log-file: {missing.parent}: no such directory (the "
+        f"parent of {missing}); create it first or choose another path")
+    assert not missing.parent.exists()
+    assert refusal(capsys, *start, "--log-file", str(tmp_path)) == (
+        f"expertd start: error: argument --log-file: {tmp_path} is a directory: give a file's "
+        "path in it")
+    for flag in ("--log-file", "--pin-file"):
+        assert refusal(capsys, *start, flag, "") == (
+            f"expertd start: error: argument {flag}: must be a file's path, not ''")
+    log = tmp_path / "x.log"
+    assert build_parser().parse_args([*start, "--log-file", str(log)]).log_file == str(log)
+
+
+SYNTH = ("synth", "--out", "M")
+
+
+@pytest.mark.parametrize("flag", ["--layers", "--experts", "--top-k", "--hidden", "--moe-inter",
+                                  "--bits"])
+def test_synth_sizes_are_positive_integers(capsys, flag):
+    for value in ("0", "-1", "2.5"):
+        assert refusal(capsys, *SYNTH, flag, value) == (
+            f"expertd synth: error: argument {flag}: must be an integer of at least 1, "
+            f"not {value!r}")
+
+
+def test_synth_seed_is_what_mlx_takes(capsys):
+    assert refusal(capsys, *SYNTH, "--seed", "-1") == (
+        "expertd synth: error: argument --seed: must be an integer between 0 and "
+        "18446744073709551615, not '-1'")
+
+
+def test_synth_checks_flags_together_in_one_line(tmp_path):
+    """What argparse cannot check alone (top-k against experts, bits against the mode, sizes
+    against the quantization group) is one line and exit 1, and nothing is written."""
+    out = tmp_path / "m"
+    for flags, message in (
+            (("--experts", "16", "--top-k", "20"),
+             "top-k must be between 1 and the number of experts (16), not 20"),
+            (("--mode", "mxfp4", "--bits", "8"), "mxfp4 uses 4 bits, not 8"),
+            (("--hidden", "16"), "hidden must be a positive multiple of 64, not 16")):
+        got = expertd_cli("synth", "--out", out, *flags, timeout=60)
+        assert (got.returncode, got.stdout) == (1, ""), got
+        assert got.stderr == f"expertd synth: error: {message}\n"
+        assert not out.exists()
+
+
+def test_sizes_print_in_mib_below_a_gib():
+    from expertd.control import _status_lines
+    from expertd.units import size_text
+
+    assert size_text(274_000) == "0.26 MiB" and size_text(274_000, round_up=True) == "0.27 MiB"
+    assert size_text(3 * 2**29) == "1.50 GiB" and size_text(2**30 - 1) == "1024.00 MiB"
+    assert size_text(2**30 + 1, round_up=True) == "1.01 GiB"
+    stats = dict(pid=1, blob_dir="B", endpoint="ipc://x", uptime_s=1.0, arena_bytes=786432,
+                 rows_used=0, arena_rows=48, pinned=0, hits=0, misses=0, hit_rate=0.0,
+                 prefetch="auto", prefetch_fills=0, side_rows=8, prefetch_hits=0,
+                 prefetch_wasted=0, prefetch_dropped=0, prefetch_shed=0, bytes_read=0,
+                 fills=0, fill_gbps=0.0, clients=0, leases=0, log="L")
+    assert "  arena        0.75 MiB, 0/48 rows used, 0 pinned" in _status_lines(stats)
+
+
+def test_convert_prints_a_small_model_in_mib(models, tmp_path):
+    got = expertd_cli("convert", "-q", models.model(), tmp_path / "blobs", timeout=120)
+    assert got.returncode == 0, got
+    assert "(0.75 MiB of experts, stride 16384 bytes)" in got.stdout, got.stdout

@@ -102,3 +102,70 @@ def test_auto_pin_is_refused_beyond_a_quarter_of_the_cache(models, isolated_env)
     # The bound is the daemon's own: it starts with it.
     with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB, "--auto-pin", "12") as daemon:
         assert daemon.ready["arena_rows"] == 48
+
+
+# ---- issue 16, what outside tries still found ---------------------------------------------------
+
+GIB = ("must be a number of GiB above 0, at most 1048576 (more memory than any machine has), "
+       "not {!r}")
+
+
+@pytest.mark.parametrize("command", [GENERATE, CHAT, ("serve", "--blobs", "B")])
+@pytest.mark.parametrize("value", ["1e30", "", "nan", "0", "-1"])
+def test_pool_gb_is_bounded_like_cache_gb(capsys, command, value):
+    said = refusal(capsys, *command, "--pool-gb", value)
+    assert said == f"expertd {command[0]}: error: argument --pool-gb: {GIB.format(value)}"
+    assert build_parser().parse_args([*command, "--pool-gb", "0.5"]).pool_gb == 0.5
+
+
+def test_an_extra_eos_token_id_is_not_negative(capsys):
+    assert refusal(capsys, *GENERATE, "--extra-eos-token", "-1") == (
+        "expertd generate: error: argument --extra-eos-token: must be a token's text or id (an "
+        "integer of at least 0), not '-1'")
+    args = build_parser().parse_args([*GENERATE, "--extra-eos-token", "7", "</s>"])
+    assert args.extra_eos_token == ["7", "</s>"]
+
+
+SERVE = ("serve", "--blobs", "B")
+
+
+@pytest.mark.parametrize("value", ["1.5", "1e30", "0", "0.0005KB", "lots"])
+def test_prompt_cache_bytes_is_a_whole_number_of_bytes(capsys, value):
+    assert refusal(capsys, *SERVE, "--prompt-cache-bytes", value) == (
+        "expertd serve: error: argument --prompt-cache-bytes: must be a whole number of bytes, "
+        f"at least 1 and at most a PiB (e.g. 500MB or 2GB), not {value!r}")
+    for given, want in (("1.5G", 1_500_000_000), ("500MB", 500_000_000), ("7", 7)):
+        assert build_parser().parse_args([*SERVE, "--prompt-cache-bytes", given]) \
+            .prompt_cache_bytes == want
+
+
+def test_serve_messages_name_what_is_wrong(capsys):
+    """No internal function names in argparse's errors, no advice about the port for a bad
+    host."""
+    assert refusal(capsys, *SERVE, "--host", "") == (
+        "expertd serve: error: argument --host: must be an address such as 127.0.0.1 (this "
+        "machine only) or 0.0.0.0 (every interface), not ''")
+    assert refusal(capsys, *SERVE, "--chat-template-args", "[1]") == (
+        "expertd serve: error: argument --chat-template-args: must be a JSON object, not '[1]'")
+    said = refusal(capsys, *SERVE, "--chat-template-args", "{x")
+    assert said.startswith("expertd serve: error: argument --chat-template-args: must be a JSON "
+                           "object, not '{x' (")
+    assert build_parser().parse_args([*SERVE, "--chat-template-args", '{"a": 1}']) \
+        .chat_template_args == {"a": 1}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(reconnect_timeout="abc"), "reconnect_timeout must be a number of seconds above 0"),
+    (dict(reconnect_timeout=float("nan")), "reconnect_timeout must be a number of seconds"),
+    (dict(reconnect_timeout=-1), "reconnect_timeout must be a number of seconds above 0"),
+    (dict(reconnect_timeout=True), "reconnect_timeout must be a number of seconds above 0"),
+    (dict(pool_gb=float("inf")), "pool_gb must be a number of GiB above 0, at most 1048576"),
+    (dict(pool_gb="1"), "pool_gb must be a number of GiB above 0"),
+    (dict(pool_gb=0), "pool_gb must be a number of GiB above 0"),
+])
+def test_load_refuses_bad_arguments_before_it_connects(kwargs, message):
+    """ValueError, as load()'s docstring says, before anything looks for a daemon."""
+    from expertd.client import load
+
+    with pytest.raises(ValueError, match=message):
+        load("no-such-blob-dir", **kwargs)

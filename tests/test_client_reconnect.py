@@ -3,6 +3,7 @@ mid-generation with exactly the tokens of an undisturbed run, and reports clearl
 daemon does not come back."""
 
 import signal
+import threading
 import time
 
 import mlx_lm
@@ -159,4 +160,98 @@ def test_restarted_daemon_with_another_cache_size(qwen, isolated_env, tmp_path, 
         assert streamed.expertd_session.counters["reconnects"] == 1
         streamed.expertd_session.close()
     finally:
+        daemon.close()
+
+
+def same_as_resident(resident, streamed, prompt, steps: int = 4) -> None:
+    """The prompt's logits and ``steps`` greedy decode steps equal resident mlx-lm's, bit for
+    bit (fresh caches: a failed call leaves its caches part-updated)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(resident), make_prompt_cache(streamed)
+    a, b = resident(prompt, cache=caches[0]), streamed(prompt, cache=caches[1])
+    assert mx.array_equal(a, b).item(), "the prompt's logits"
+    for step in range(steps):
+        token = mx.argmax(a[:, -1:], axis=-1)
+        a, b = resident(token, cache=caches[0]), streamed(token, cache=caches[1])
+        assert mx.array_equal(a, b).item(), f"decode step {step}"
+
+
+def killed_and_noticed(daemon, session) -> None:
+    daemon.kill()
+    # Every expert may be a hit in the dead daemon's arena: wait until the client knows.
+    wait_until(lambda: session._heartbeat.lost, 10.0, "the death noticed")
+
+
+def test_calls_after_a_reconnect_gave_up_attach_again_once_the_daemon_is_back(
+        qwen, isolated_env, tmp_path):
+    """A reconnect that gave up leaves the session detached: each later call raises a clean
+    DaemonNotRunning while the daemon is gone, and the first one after it is back attaches
+    again and gives resident mlx-lm's logits."""
+    import mlx.core as mx
+
+    from expertd.client import load
+    from expertd.errors import DaemonNotRunning
+
+    _, blob_dir, resident = qwen
+    prompt = mx.array([prompt_ids(PROMPT_LEN, resident.args.vocab_size)])
+    daemon = start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+    try:
+        streamed, _ = load(blob_dir, reconnect_timeout=0.05)
+        session = streamed.expertd_session
+        same_as_resident(resident, streamed, prompt, steps=1)
+        killed_and_noticed(daemon, session)
+        for _ in range(3):  # each call starts from the state the previous failure left
+            with pytest.raises(DaemonNotRunning) as failed:
+                same_as_resident(resident, streamed, prompt, steps=1)
+            message = str(failed.value)
+            assert f"start it with: expertd start --blobs {blob_dir.resolve()}" in message
+            assert message.count("expertd start") == 1, message  # one sentence, one hint
+        dead, daemon = daemon, start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+        dead.close()
+        same_as_resident(resident, streamed, prompt)
+        assert session.counters["reconnects"] == 1
+        assert daemon.stats()["demands"] > 0  # the new daemon served it
+        session.close()
+    finally:
+        daemon.close()
+
+
+def test_a_call_after_an_interrupted_reconnect_attaches_again(qwen, isolated_env, tmp_path):
+    """Ctrl-C while a call waits for its daemon to come back; once it is back, the next call
+    attaches again and gives resident mlx-lm's logits."""
+    import mlx.core as mx
+
+    from expertd.client import load
+
+    _, blob_dir, resident = qwen
+    prompt = mx.array([prompt_ids(PROMPT_LEN, resident.args.vocab_size)])
+    daemon = start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        streamed, _ = load(blob_dir, reconnect_timeout=120.0)
+        session = streamed.expertd_session
+        same_as_resident(resident, streamed, prompt, steps=1)
+        killed_and_noticed(daemon, session)
+
+        def interrupt_the_wait():
+            # The session detaches as its wait for the daemon begins.
+            wait_until(lambda: session.view is None, 60.0, "the wait for the daemon")
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+        interrupter = threading.Thread(target=interrupt_the_wait)
+        interrupter.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                same_as_resident(resident, streamed, prompt, steps=1)
+        finally:
+            interrupter.join()
+        dead, daemon = daemon, start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+        dead.close()
+        same_as_resident(resident, streamed, prompt)
+        assert session.counters["reconnects"] == 1
+        session.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
         daemon.close()

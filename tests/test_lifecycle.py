@@ -190,7 +190,7 @@ def test_cache_gb_is_validated_and_the_smallest_budget_named(models, isolated_en
         assert "finite number of GiB above 0" in refused.stderr
     small = expertd_cli("start", "--blobs", blobs, "--cache-gb", "0.0001", timeout=30)
     assert small.returncode == 1 and small.stderr.count("\n") == 1, small
-    least = re.search(r"smallest cache that serves it is ([0-9.e-]+) GiB", small.stderr)
+    least = re.search(r"smallest cache that serves it is ([0-9.]+ [MG])iB", small.stderr)
     assert least, small.stderr
     assert "8 rows" in small.stderr  # 2 x top_k for the tiny model (top_k = 4)
     try:

@@ -169,6 +169,7 @@ def test_macos_agent_content_and_commands(awkward_blobs, home, tmp_path, monkeyp
     assert _files(home) == [path]
     agent = plistlib.loads(path.read_bytes())
     logs = home / "Library" / "Logs" / "expertd"
+    assert logs.is_dir()  # launchd's StandardErrorPath and --log-file need it
     assert agent["ProgramArguments"] == [
         *expertd_command(), "start", "--blobs", str(awkward_blobs), "--cache-gb", "512K",
         "--pin-file", str(pins), "--log-file", str(logs / f"{label}.log"), "--foreground"]
@@ -206,6 +207,7 @@ def test_the_agents_command_line_runs_a_daemon_that_logs_where_it_says(awkward_b
     plan = make_plan(awkward_blobs, ["--cache-gb", CACHE], platform="macos")
     agent = plist_dict(plan)
     env = {**os.environ, **agent["EnvironmentVariables"]}
+    plan.log.parent.mkdir(parents=True)  # as `expertd service install` does
     with open(os.devnull, "wb") as quiet:
         proc = subprocess.Popen(agent["ProgramArguments"], env=env, stdin=subprocess.DEVNULL,
                                 stdout=quiet, stderr=quiet)

@@ -123,9 +123,13 @@ def test_other_seed_other_weights(tmp_path):
     (dict(dtype="int8"), "dtype must be"),
     (dict(bits=7), "affine bits must be one of"),
     (dict(mode="mxfp8", bits=6), "mxfp8 uses 8 bits"),
-    (dict(hidden=100), "hidden must be a multiple of 64"),
-    (dict(moe_inter=48), "moe-inter must be a multiple of 64"),
-    (dict(mode="mxfp4", hidden=80), "hidden must be a multiple of 32"),
+    (dict(mode="mxfp8", bits=4), "mxfp8 uses 8 bits, not 4"),
+    (dict(hidden=100), "hidden must be a positive multiple of 64, not 100"),
+    (dict(moe_inter=48), "moe-inter must be a positive multiple of 64"),
+    (dict(mode="mxfp4", hidden=80), "hidden must be a positive multiple of 32"),
+    (dict(hidden=0), "hidden must be a positive multiple of 64, not 0"),
+    (dict(moe_inter=0), "moe-inter must be a positive multiple of 64, not 0"),
+    (dict(seed=-1), "seed must be between 0 and 18446744073709551615, not -1"),
 ])
 def test_invalid_config_is_refused(tmp_path, change, message):
     out = tmp_path / "model"

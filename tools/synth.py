@@ -16,7 +16,12 @@ FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 MODES = ("affine", "mxfp4", "mxfp8", "nvfp4", "none")
 # Group sizes that each quantization mode allows (mlx.core.quantize).
 _MODE_GROUP = {"affine": 64, "mxfp4": 32, "mxfp8": 32, "nvfp4": 16}
-_MODE_BITS = {"mxfp4": 4, "mxfp8": 8, "nvfp4": 4}
+_MODE_BITS = {"mxfp4": 4, "mxfp8": 8, "nvfp4": 4}  # the one width each allows
+
+
+def mode_bits(mode: str) -> int:
+    """The bits ``mode`` quantizes to when none are given: its own width, 4 for affine."""
+    return _MODE_BITS.get(mode, 4)
 
 
 @dataclass(frozen=True)
@@ -45,17 +50,21 @@ class SynthConfig:
         if self.experts < 2:
             raise ValueError("experts must be at least 2")
         if not 1 <= self.top_k <= self.experts:
-            raise ValueError("top-k must be between 1 and the number of experts")
+            raise ValueError(f"top-k must be between 1 and the number of experts "
+                             f"({self.experts}), not {self.top_k}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError("dtype must be bfloat16, float16 or float32")
         if self.mode == "affine" and self.bits not in (2, 3, 4, 5, 6, 8):
             raise ValueError("affine bits must be one of 2, 3, 4, 5, 6, 8")
-        if self.mode in _MODE_BITS and self.bits not in (_MODE_BITS[self.mode], 4):
-            raise ValueError(f"{self.mode} uses {_MODE_BITS[self.mode]} bits")
+        if self.mode in _MODE_BITS and self.bits != _MODE_BITS[self.mode]:
+            raise ValueError(f"{self.mode} uses {_MODE_BITS[self.mode]} bits, not {self.bits}")
         group = _MODE_GROUP.get(self.mode, 1)
         for name, dim in (("hidden", self.hidden), ("moe-inter", self.moe_inter)):
-            if dim % max(group, 32) != 0:
-                raise ValueError(f"{name} must be a multiple of {max(group, 32)}")
+            if dim < 1 or dim % max(group, 32) != 0:
+                raise ValueError(f"{name} must be a positive multiple of {max(group, 32)}, "
+                                 f"not {dim}")
+        if not 0 <= self.seed < 2**64:  # what mx.random.seed takes
+            raise ValueError(f"seed must be between 0 and {2**64 - 1}, not {self.seed}")
 
     def model_config(self, vocab_size: int) -> dict:
         heads = max(2, self.hidden // 32)

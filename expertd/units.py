@@ -1,0 +1,12 @@
+"""How sizes are printed: GiB, or MiB below a GiB, so that a small size never reads 0.00 GiB."""
+
+import math
+
+
+def size_text(n_bytes: float, round_up: bool = False) -> str:
+    """``1.50 GiB``, or ``768.00 MiB`` below a GiB. ``round_up``: the last digit rounded up,
+    for a least size that must work when given back as shown."""
+    unit, name = (2**30, "GiB") if n_bytes >= 2**30 else (2**20, "MiB")
+    if round_up:  # in whole hundredths, counted exactly
+        return f"{-(-math.ceil(n_bytes) * 100 // unit) / 100:.2f} {name}"
+    return f"{n_bytes / unit:.2f} {name}"
