@@ -37,36 +37,38 @@ def _number(text: str, what: str) -> float:
     return value
 
 
+def _within(value, ok: bool, what: str, text: str):
+    if not ok:
+        raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An integer of at least 1 (--max-tokens, --max-kv-size, --prefill-step-size)."""
-    value = _integer(text, "an integer of at least 1")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer of at least 1, not {text!r}")
-    return value
+    what = "an integer of at least 1"
+    value = _integer(text, what)
+    return _within(value, value >= 1, what, text)
 
 
 def non_negative_int(text: str) -> int:
     """An integer of at least 0 (--top-k, where 0 is off; --quantized-kv-start)."""
-    value = _integer(text, "an integer of at least 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer of at least 0, not {text!r}")
-    return value
+    what = "an integer of at least 0"
+    value = _integer(text, what)
+    return _within(value, value >= 0, what, text)
 
 
 def non_negative_float(text: str) -> float:
     """A finite number of at least 0 (--temp, where 0 is greedy)."""
-    value = _number(text, "a finite number of at least 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, not {text!r}")
-    return value
+    what = "a finite number of at least 0"
+    value = _number(text, what)
+    return _within(value, value >= 0, what, text)
 
 
 def probability(text: str) -> float:
     """A number between 0 and 1 (--top-p, --min-p)."""
-    value = _number(text, "a number between 0 and 1")
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number between 0 and 1, not {text!r}")
-    return value
+    what = "a number between 0 and 1"
+    value = _number(text, what)
+    return _within(value, 0 <= value <= 1, what, text)
 
 
 def seed(text: str) -> int:

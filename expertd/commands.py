@@ -159,7 +159,8 @@ def add_client_subcommands(sub) -> None:
                    help="with --kv-bits, quantize the KV cache from this many tokens on")
     add_prefetch_flag(p, "guess each next MoE layer's experts at the router sync, copy the "
                       "resident ones in the background and have the daemon read the others "
-                      "ahead; auto stops guessing in a layer whose guesses are mostly wrong")
+                      "ahead; auto stops copying where guesses are mostly wrong and reads "
+                      "ahead only what its own hits and the layer's misses pay for")
     p.add_argument("--pipeline", action="store_true",
                    help="run under mlx.launch: split the model into pipeline stages with "
                    "mlx-lm's own split, one per process, each streaming its layers from the "

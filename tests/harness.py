@@ -9,13 +9,16 @@ not exist (macOS). Every arena name a daemon reports is recorded in ``SEEN_ARENA
 checks at the end of the session that none of them is left.
 """
 
+import fcntl
 import json
 import os
 import selectors
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import time
 from pathlib import Path
 
@@ -434,3 +437,24 @@ def finish_client(proc: subprocess.Popen, out: Path, timeout: float) -> dict:
     result = json.loads(Path(out).read_text())
     result["stderr"] = stderr
     return result
+
+
+def terminal() -> tuple:
+    """A pseudo-terminal of 24 x 100 characters: (master, slave)."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    return master, slave
+
+
+def drawn(master: int) -> str:
+    """Everything written to the terminal, once every writer has closed it (EIO on Linux)."""
+    data = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace")

@@ -6,11 +6,9 @@ import json
 import os
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
-import termios
 from contextlib import closing
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
 from conftest import PYTHON, TINY, mounted
-from harness import wait_until
+from harness import drawn, terminal, wait_until
 from expertd.blobstore import BlobStore
 from expertd.tools.convert import convert, expert_slice
 from expertd.errors import ModelDirError
@@ -750,23 +748,13 @@ def test_a_missing_parent_is_refused_in_one_line_and_never_created(models, tmp_p
 
 def on_a_terminal(*args) -> tuple:
     """Run ``expertd ARGS`` with its stderr on a pseudo-terminal: (returncode, what it drew)."""
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 x 100
+    master, slave = terminal()
     try:
         proc = subprocess.Popen([EXPERTD, *map(str, args)], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=slave)
         os.close(slave)
         slave = None
-        drawn = b""
-        while True:  # until the child's end closes the terminal (EIO on Linux)
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            drawn += chunk
-        return proc.wait(timeout=120), drawn.decode(errors="replace")
+        return proc.wait(timeout=120), drawn(master)
     finally:
         os.close(master)
         if slave is not None:

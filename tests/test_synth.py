@@ -1,10 +1,8 @@
 """Synthetic checkpoints: real mlx-lm models, deterministic by seed, validated sizes."""
 
-import fcntl
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import termios
@@ -17,7 +15,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from conftest import FAMILY_MODES, TINY
-from harness import sigint_as_usual, wait_until
+from harness import drawn, sigint_as_usual, terminal, wait_until
 from expertd.tools.synth import SynthConfig, synthesize
 
 TEXTS = [
@@ -175,27 +173,6 @@ def test_a_missing_parent_is_refused_and_never_created(tmp_path):
         f"expertd synth: error: {out.parent}: no such directory (the parent of {out}); "
         "create it first or choose another path\n"), run.stderr
     assert sorted(tmp_path.iterdir()) == []
-
-
-def terminal() -> tuple:
-    """A pseudo-terminal of 24 x 100 characters: (master, slave)."""
-    master, slave = os.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    return master, slave
-
-
-def drawn(master: int) -> str:
-    """Everything written to the terminal, once every writer has closed it (EIO on Linux)."""
-    data = b""
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        data += chunk
-    return data.decode(errors="replace")
 
 
 def test_ctrl_c_mid_write_leaves_nothing_and_a_rerun_succeeds(tmp_path):
