@@ -24,7 +24,7 @@ class Heartbeat:
     socket belongs to one thread): :meth:`stop` asks, the thread closes them."""
 
     def __init__(self, endpoint: str, client_id: bytes, token: bytes, interval: float,
-                 time_to_dead: float, alive, reap, report=dict):
+                 time_to_dead: float, alive, reap, report):
         self.lost = self.stuck = False
         self.time_to_dead = time_to_dead
         self._alive, self._reap, self._report = alive, reap, report
@@ -36,17 +36,12 @@ class Heartbeat:
         self._thread.start()
 
     def _run(self, endpoint: str, client_id: bytes, token: bytes, interval: float) -> None:
-        ctx = zmq.Context()
-        try:
-            sock = ctx.socket(zmq.DEALER)
-            try:
-                sock.setsockopt(zmq.LINGER, 0)  # a heartbeat is worthless once the next is due
-                sock.connect(endpoint)
-                self._beat(sock, client_id, token, interval)
-            finally:
-                sock.close(linger=0)
-        finally:
-            ctx.term()  # its only socket is closed: term() waits for nothing
+        # Both made, used and shut in this thread: the socket closes (linger 0) before the
+        # context terms, so term() waits for nothing.
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+            sock.setsockopt(zmq.LINGER, 0)  # a heartbeat is worthless once the next is due
+            sock.connect(endpoint)
+            self._beat(sock, client_id, token, interval)
 
     def _beat(self, sock, client_id: bytes, token: bytes, interval: float) -> None:
         n = 0

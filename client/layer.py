@@ -22,6 +22,13 @@ DECODE_IDS = 64  # a call routing at most this many (token, slot) pairs is decod
 REPORT_EVERY = 16  # calls between reports of a layer's pooled experts to the daemon's LFU
 
 
+def distinct(idx: np.ndarray) -> np.ndarray:
+    """The distinct ids of ``idx``, sorted, int32."""
+    if idx.size <= DECODE_IDS:  # a handful of ids: cheaper without numpy's sort machinery
+        return np.array(sorted(set(idx.ravel().tolist())), dtype=np.int32)
+    return np.unique(idx).astype(np.int32)
+
+
 @dataclass
 class StreamedLayer:
     """What one streamed switch module needs at call time."""
@@ -63,10 +70,7 @@ class StreamedLayer:
             # it): its rows may be rewritten without waiting, and its memory can go.
             self.previous.pool.evaluated()
         pool.begin_call()
-        if idx.size <= DECODE_IDS:  # a handful of ids: cheaper without numpy's sort machinery
-            unique = np.array(sorted(set(idx.ravel().tolist())), dtype=np.int32)
-        else:
-            unique = np.unique(idx).astype(np.int32)
+        unique = distinct(idx)
         if pool.ahead is not None:
             waited = time.perf_counter()
             pool.commit_ahead(session.epoch)
@@ -120,7 +124,7 @@ class StreamedLayer:
     def after_speculation(self, ids: np.ndarray) -> None:
         """The bookkeeping of a speculative call that hit, from its ids at the step's end."""
         pool = self.pool
-        unique = np.unique(ids).astype(np.int32)
+        unique = distinct(ids)
         pool.counters["hits"] += len(unique)
         pool.touch(pool.row_of[unique])
         # Not pool.evaluated(): a speculative call leaves nothing pending, and the pool's latest
@@ -155,13 +159,8 @@ class StreamedLayer:
                              int(read.sum()))
         expert_bytes = session.manifest.layers[nxt.index].expert_bytes
         if n_core * expert_bytes >= session.copy_ahead_bytes:
-            layer = nxt.index
-            nxt.pool.write_ahead(
-                ranked[:n_core], found.slots[:n_core], found.versions[:n_core], session.view,
-                session.epoch,
-                lambda view, slots, dest, bases, pos: session.copy_into(view, layer, slots, dest,
-                                                                        bases, pos),
-                self.copier)
+            nxt.pool.write_ahead(ranked[:n_core], found.slots[:n_core], found.versions[:n_core],
+                                 session.view, session.epoch, self.copier)
 
     def _report(self, unique: np.ndarray) -> None:
         """Pooled experts reach the daemon's LFU every REPORT_EVERY calls (no message)."""

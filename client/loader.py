@@ -104,12 +104,10 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
 
 def _fill(states: list) -> None:
     """Every expert into its layer's pool, a layer at a time (a bar on a terminal)."""
-    import sys
-
     from tqdm import tqdm
 
     for state in tqdm(states, desc="filling expert pools", unit="layer",
-                      disable=not sys.stderr.isatty()):
+                      disable=None):
         pool = state.pool
         missing = np.flatnonzero(pool.row_of < 0).astype(np.int32)
         for start in range(0, len(missing), pool.rows):

@@ -33,6 +33,10 @@ class Ahead:
     finish: object  # backing's callable(keep) issued on commit, or None
 
 
+# What each pool counts (session.all_counters says what each means).
+POOL_COUNTERS = ("hits", "moved", "ahead", "ahead_used", "ahead_unused", "settled")
+
+
 class ExpertPool:
     """The pool of one MoE layer.
 
@@ -51,7 +55,6 @@ class ExpertPool:
         self.row_of = np.full(num_experts, -1, np.int32)
         self.expert_of = np.full(self.rows, -1, np.int32)
         self.uses = np.zeros(self.rows, np.int64)
-        self.reserved = np.zeros(self.rows, bool)  # being written ahead
         self.ahead_flag = np.zeros(self.rows, bool)  # written ahead, not used since
         self.pending: list = []  # [(call, rows, output)] computations maybe not evaluated
         self.ahead: Ahead | None = None
@@ -61,7 +64,7 @@ class ExpertPool:
         self.identity = self.rows == num_experts
         self._table = None  # the expert -> row table on the device (see table())
         self._complete = None  # cached `complete`, dropped whenever a row changes
-        self.counters = dict(hits=0, moved=0, ahead=0, ahead_used=0, ahead_unused=0, settled=0)
+        self.counters = dict.fromkeys(POOL_COUNTERS, 0)
         self._touches = 0
         self._call = 0
 
@@ -156,10 +159,10 @@ class ExpertPool:
             self.counters["settled"] += len(outputs)
 
     def victims(self, n: int, keep: np.ndarray) -> np.ndarray:
-        """``n`` rows to give up: free rows first, then the least used; never ``keep`` or a row
-        being written ahead."""
+        """``n`` rows to give up: free rows first, then the least used; never ``keep``. No write
+        ahead is pending when rows are chosen: callers commit it first."""
         score = np.where(self.expert_of < 0, -1, self.uses)
-        banned = self.reserved.copy()
+        banned = np.zeros(self.rows, bool)
         banned[keep] = True
         score = np.where(banned, np.iinfo(np.int64).max, score)
         if n > int((~banned).sum()):
@@ -172,19 +175,16 @@ class ExpertPool:
     # ---- rows written ahead ----------------------------------------------------------------
 
     def write_ahead(self, experts: np.ndarray, slots: np.ndarray, versions: np.ndarray, view,
-                    epoch: int, read_into, copier) -> int:
+                    epoch: int, copier) -> int:
         """Start writing the guessed ``experts`` that are absent from the pool but ready in the
         arena ``view`` (at ``slots``, with ``versions``, as its lookup found them) into free or
-        cold rows, on ``copier``'s thread. Returns how many.
-
-        ``read_into(view, slots, dest, bases, positions)`` copies rows of the arena ``view``.
-        """
+        cold rows, on ``copier``'s thread. Returns how many."""
         self.commit_ahead(epoch)  # rows read ahead from an arena before a reconnect are dropped
         present = self.row_of[experts] >= 0
         wanted = ~present & (slots >= 0)
         keep = self.row_of[experts[present]]
         # A guess never takes more than half the pool, nor more than one batch.
-        n = min(int(wanted.sum()), self.rows - int(self.reserved.sum()) - len(keep),
+        n = min(int(wanted.sum()), self.rows - len(keep),
                 max(1, self.rows // 2), self.backing.ahead_limit)
         if n <= 0:
             return 0
@@ -193,8 +193,7 @@ class ExpertPool:
         victims = wanted.astype(np.int32) if self.identity else self.victims(n, keep)
         self._evict(victims)
         run, finish = self.backing.staged_write(
-            victims, lambda dest, bases, pos: read_into(view, slots, dest, bases, pos))
-        self.reserved[victims] = True
+            victims, lambda dest, bases, pos: view.copy(self.layer, slots, dest, bases, pos))
         self.ahead = Ahead(epoch, wanted, victims, slots, versions, view, copier.submit(run),
                            finish)
         return n
@@ -205,7 +204,6 @@ class ExpertPool:
         ahead, self.ahead = self.ahead, None
         if ahead is None:
             return
-        self.reserved[ahead.rows] = False
         if not ahead.job.wait() or (epoch is not None and ahead.epoch != epoch):
             return
         keep = np.arange(len(ahead.rows))

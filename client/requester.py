@@ -101,11 +101,9 @@ class Requester:
             self.lock.release()
 
     def send_quietly(self, op: Op, body: dict) -> None:
-        """Fire and forget (release, goodbye); never blocks on a daemon that is gone."""
-        try:
-            self.conn.sock.send_multipart(request(self._new_rid(), op, body), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the daemon is gone or flooded; its leases die with it or with our heartbeat
+        """Fire and forget (release, prefetch); never blocks on a daemon that is gone or
+        flooded: its leases die with it or with our heartbeat."""
+        self.conn.send_quietly(op, body, self._new_rid())
 
     def release_leases(self) -> None:
         with self.lock:

@@ -25,6 +25,8 @@ from pathlib import Path
 from expertd.client.serve_errors import DaemonWatch, ModelNotServed, ShapedErrors, error_object
 from expertd.client.serve_metrics import ServerCounters, render_metrics
 from expertd.connection import Connection
+from expertd.argtypes import (DEFAULT_KV_GROUP_SIZE, DEFAULT_PREFILL_STEP_SIZE,
+                              DEFAULT_QUANTIZED_KV_START)
 from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.protocol import Op
 
@@ -33,8 +35,9 @@ MLX_SERVER_DEFAULTS = dict(
     adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,
     chat_template="", use_default_chat_template=False, temp=0.0, top_p=1.0, top_k=0, min_p=0.0,
     max_tokens=512, chat_template_args={}, decode_concurrency=32, prompt_concurrency=8,
-    prefill_step_size=2048, prompt_cache_size=10, prompt_cache_bytes=None, kv_bits=None,
-    kv_group_size=64, quantized_kv_start=5000, pipeline=False, allowed_origins=["*"],
+    prefill_step_size=DEFAULT_PREFILL_STEP_SIZE, prompt_cache_size=10, prompt_cache_bytes=None,
+    kv_bits=None, kv_group_size=DEFAULT_KV_GROUP_SIZE,
+    quantized_kv_start=DEFAULT_QUANTIZED_KV_START, pipeline=False, allowed_origins=["*"],
     log_level="INFO")
 METRICS_STATS_TIMEOUT = 2.0  # seconds a scrape waits for the daemon's STATS
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"

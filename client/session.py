@@ -14,12 +14,12 @@ import time
 import weakref
 
 import numpy as np
-import zmq
 
 from expertd.client.arena_view import ArenaView
 from expertd.client.backing import buffer_bytes, segment_bases
 from expertd.client.heartbeat import Heartbeat
 from expertd.client.interrupts import HeldInterrupts
+from expertd.client.pool import POOL_COUNTERS
 from expertd.client.requester import DaemonDied, Requester
 from expertd.config import GUESS_WIDTH
 from expertd.connection import Connection
@@ -88,7 +88,7 @@ class Session:
         """Say hello and map the arena. Nothing of a failed or interrupted attach stays
         open, and the session changes only once every part is ready."""
         self._check_not_dead()
-        conn = Connection(self.paths.blob_dir)
+        conn = Connection(self.paths.blob_dir, at_exit=False)  # the session's finalizer shuts it
         view = heartbeat = None
         attached = False
         try:
@@ -143,7 +143,10 @@ class Session:
         """Tell the daemon this client's expert memory (its pools), for status: a second
         hello, which keeps the client's token, leases and pins."""
         self.check_alive()
-        self.request(Op.HELLO, self._hello_body(self.conn.client_id))
+        try:
+            self.requester.ask(Op.HELLO, self._hello_body(self.conn.client_id))
+        except DaemonDied as exc:
+            self._reconnect(str(exc))  # its hello carries pool_bytes
 
     def _hello_body(self, client_id: bytes) -> dict:
         return {"version": PROTOCOL_VERSION, "client": client_id, "pid": os.getpid(),
@@ -320,11 +323,6 @@ class Session:
         """Bytes a :meth:`fetch` buffer needs for ``max_group`` experts of any layer."""
         return max(buffer_bytes(self.max_group, nbytes) for _, nbytes in self._segment_tables)
 
-    def copy_into(self, view: ArenaView, layer: int, slots, dest, bases, positions) -> None:
-        """Copy rows ``slots`` of ``view`` (the copier's job: no lease, checked on commit; its
-        time is the copier's ``busy_seconds``, off the critical path)."""
-        view.copy(layer, slots, dest, bases, positions)
-
     def prefetch(self, layer: int, named: np.ndarray, n_core: int, reads: int) -> None:
         """Ask the daemon to read the absent experts of ``named`` (distinct, best first; the
         first ``n_core`` from the guess's core) of ``layer`` into its side rows; ``reads`` of them
@@ -364,11 +362,7 @@ class Session:
 
     def pool_counters(self) -> dict:
         """The pools' counters summed over the layers."""
-        total = dict(hits=0, moved=0, ahead=0, ahead_used=0, ahead_unused=0, settled=0)
-        for pool in self.pools:
-            for key, value in pool.counters.items():
-                total[key] += value
-        return total
+        return {key: sum(pool.counters[key] for pool in self.pools) for key in POOL_COUNTERS}
 
     def all_counters(self) -> dict:
         """The session's counters and its pools' (``pool_hits``: routed experts found in a
@@ -415,14 +409,9 @@ class _Links:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         if self.conn is not None:
-            linger = 0
-            if goodbye:
-                try:
-                    self.conn.send(Op.GOODBYE, {}, block=False)
-                    linger = GOODBYE_LINGER_MS  # bounded: the daemon may be gone
-                except zmq.ZMQError:
-                    pass  # flooded or closed: the daemon times this client out instead
-            self.conn.close(linger)
+            # Bounded: the daemon may be gone (else it times this client out instead).
+            queued = goodbye and self.conn.send_quietly(Op.GOODBYE, {})
+            self.conn.close(GOODBYE_LINGER_MS if queued else 0)
         self.conn = self.heartbeat = None
 
     def close(self) -> None:

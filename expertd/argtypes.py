@@ -3,9 +3,11 @@ type refuses a bad value at the edge, with argparse's one error line and exit co
 ``check_*`` twins raise ValueError for the same values given to the Python API."""
 
 import argparse
-import json
 import math
 from pathlib import Path
+
+from .hotset import parse_json
+from .paths import missing_parent
 
 MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 # A day: any timeout beyond it is a typo, and its milliseconds fit zmq's int32 poll.
@@ -20,64 +22,33 @@ KV_BITS = (1, 2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
 
 
-def _integer(text: str, what: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}") from None
+def _ranged(parse, what: str, ok, doc: str):
+    """An argument type: ``parse(text)`` where ``ok`` of it, else argparse's one-line error."""
+    def check(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):  # the comparisons refuse nan (and inf where bounded)
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")
+        return value
+
+    check.__doc__ = doc
+    return check
 
 
-def _number(text: str, what: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")
-    return value
-
-
-def _within(value, ok: bool, what: str, text: str):
-    if not ok:
-        raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An integer of at least 1 (--max-tokens, --max-kv-size, --prefill-step-size)."""
-    what = "an integer of at least 1"
-    value = _integer(text, what)
-    return _within(value, value >= 1, what, text)
-
-
-def non_negative_int(text: str) -> int:
-    """An integer of at least 0 (--top-k, where 0 is off; --quantized-kv-start)."""
-    what = "an integer of at least 0"
-    value = _integer(text, what)
-    return _within(value, value >= 0, what, text)
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number of at least 0 (--temp, where 0 is greedy)."""
-    what = "a finite number of at least 0"
-    value = _number(text, what)
-    return _within(value, value >= 0, what, text)
-
-
-def probability(text: str) -> float:
-    """A number between 0 and 1 (--top-p, --min-p)."""
-    what = "a number between 0 and 1"
-    value = _number(text, what)
-    return _within(value, 0 <= value <= 1, what, text)
-
-
-def seed(text: str) -> int:
-    """A random seed, as mx.random.seed takes it: 0 to 2**64 - 1."""
-    value = _integer(text, f"an integer between 0 and {MAX_SEED}")
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"must be an integer between 0 and {MAX_SEED}, "
-                                         f"not {text!r}")
-    return value
+positive_int = _ranged(int, "an integer of at least 1", lambda v: v >= 1,
+                       "An integer of at least 1 (--max-tokens, --max-kv-size, "
+                       "--prefill-step-size).")
+non_negative_int = _ranged(int, "an integer of at least 0", lambda v: v >= 0,
+                           "An integer of at least 0 (--top-k, where 0 is off; "
+                           "--quantized-kv-start).")
+non_negative_float = _ranged(float, "a finite number of at least 0", lambda v: 0 <= v < math.inf,
+                             "A finite number of at least 0 (--temp, where 0 is greedy).")
+probability = _ranged(float, "a number between 0 and 1", lambda v: 0 <= v <= 1,
+                      "A number between 0 and 1 (--top-p, --min-p).")
+seed = _ranged(int, f"an integer between 0 and {MAX_SEED}", lambda v: 0 <= v <= MAX_SEED,
+               "A random seed, as mx.random.seed takes it: 0 to 2**64 - 1.")
 
 
 def prompt_text(text: str) -> str:
@@ -98,12 +69,11 @@ def true_or_false(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"must be True or False, not {text!r}")
 
 
-def _bounded(value, what: str, low: float, high: float, low_open: bool = True) -> float:
-    """``value`` as a float when a real number in (low, high] (or [low, high]), else ValueError."""
+def _bounded(value, what: str, low: float, high: float) -> float:
+    """``value`` as a float when a real number in (low, high], else ValueError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"must be {what}, not {value!r}")
-    above = value > low if low_open else value >= low
-    if not (math.isfinite(value) and above and value <= high):
+    if not (math.isfinite(value) and low < value <= high):
         raise ValueError(f"must be {what}, not {value!r}")
     return float(value)
 
@@ -136,22 +106,11 @@ def check_gib(name: str, value) -> float:
         raise ValueError(f"{name} {exc}") from None
 
 
-def _flag_number(text: str, what: str, high: float) -> float:
-    try:
-        return _bounded(float(text), what, 0, high)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, not {text!r}") from None
-
-
-def seconds(text: str) -> float:
-    """A timeout or interval: seconds above 0, at most a day (status/stop --timeout,
-    --client-timeout, --lease-timeout, --heartbeat, --watch)."""
-    return _flag_number(text, SECONDS, MAX_SECONDS)
-
-
-def gib(text: str) -> float:
-    """A memory budget in GiB above 0, bounded as --cache-gb is (--pool-gb)."""
-    return _flag_number(text, GIB, MAX_GIB)
+seconds = _ranged(float, SECONDS, lambda v: 0 < v <= MAX_SECONDS,
+                  "A timeout or interval: seconds above 0, at most a day (status/stop --timeout, "
+                  "--client-timeout, --lease-timeout, --heartbeat, --watch).")
+gib = _ranged(float, GIB, lambda v: 0 < v <= MAX_GIB,
+              "A memory budget in GiB above 0, bounded as --cache-gb is (--pool-gb).")
 
 
 # Units of --prompt-cache-bytes, decimal as in mlx_lm.server's.
@@ -173,15 +132,8 @@ def byte_size(text: str) -> int:
     return int(value)
 
 
-def port(text: str) -> int:
-    """A TCP port, 0 to 65535 (0: any free one)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, not {text!r}")
-    return value
+port = _ranged(int, "a port from 0 to 65535", lambda v: 0 <= v <= 65535,
+               "A TCP port, 0 to 65535 (0: any free one).")
 
 
 def host(text: str) -> str:
@@ -195,7 +147,7 @@ def host(text: str) -> str:
 def json_object(text: str) -> dict:
     """A JSON object, such as '{"enable_thinking": false}'."""
     try:
-        value = json.loads(text)
+        value = parse_json(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"must be a JSON object, not {text!r} ({exc})") from None
     if not isinstance(value, dict):
@@ -232,8 +184,7 @@ def new_file_path(text: str) -> str:
     path = Path(text).expanduser().absolute()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a directory: give a file's path in it")
-    if not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{path.parent}: no such directory (the parent of "
-                                         f"{path}); create it first or choose another path")
+    if missing_parent(path):
+        raise argparse.ArgumentTypeError(missing_parent(path))
     return text
 

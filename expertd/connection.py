@@ -10,8 +10,6 @@ from .errors import DaemonError, DaemonNotRunning
 from .paths import daemon_paths
 from .protocol import CLIENT_ID_BYTES, Op, parse_reply, request
 
-MAX_POLL_S = 86400.0  # one poll's longest wait: a day of milliseconds fits an int32
-
 
 class Connection:
     """A DEALER socket to the expertd of ``blob_dir`` (or at ``socket``, a socket path).
@@ -20,7 +18,8 @@ class Connection:
         DaemonNotRunning: if no daemon socket exists for the directory.
     """
 
-    def __init__(self, blob_dir=None, client_id: bytes | None = None, socket=None):
+    def __init__(self, blob_dir=None, client_id: bytes | None = None, socket=None,
+                 at_exit: bool = True):
         if socket is not None:
             self.endpoint = f"ipc://{socket}"
             exists = os.path.exists(socket)
@@ -38,6 +37,9 @@ class Connection:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self._finalizer = weakref.finalize(self, _shut, self.sock, self.ctx, 0)
+        # An owner that shuts the connection itself at exit (a session: after its heartbeat,
+        # with a goodbye) asks for at_exit=False; finalizers run newest first at exit.
+        self._finalizer.atexit = at_exit
         self.sock.setsockopt(zmq.LINGER, 0)  # a request nobody waits for any more is worthless
         self.sock.setsockopt(zmq.ROUTING_ID, self.client_id)
         self.sock.connect(self.endpoint)
@@ -48,15 +50,20 @@ class Connection:
         self._counter += 1
         return self._counter.to_bytes(8, "little")
 
-    def send(self, op: Op, body: dict, block: bool = True) -> bytes:
-        """Fire and forget; returns the request id.
-
-        Raises:
-            zmq.Again: with ``block`` False, when the message cannot be queued at once.
-        """
+    def send(self, op: Op, body: dict) -> bytes:
+        """Fire and forget; returns the request id."""
         rid = self._rid()
-        self.sock.send_multipart(request(rid, op, body), 0 if block else zmq.NOBLOCK)
+        self.sock.send_multipart(request(rid, op, body))
         return rid
+
+    def send_quietly(self, op: Op, body: dict, rid: bytes | None = None) -> bool:
+        """Fire and forget without ever blocking on a daemon that is gone or flooded: whether
+        the message was queued."""
+        try:
+            self.sock.send_multipart(request(rid or self._rid(), op, body), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
 
     def request(self, op: Op, body: dict | None = None, timeout: float = 10.0) -> dict:
         """Send one request and wait for its reply.
@@ -68,13 +75,10 @@ class Connection:
         return self.wait(rid, timeout)
 
     def wait(self, rid: bytes, timeout: float) -> dict:
-        if not timeout > 0:  # nan included
-            raise ValueError(f"timeout must be a number of seconds above 0, not {timeout!r}")
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            # zmq polls for an int32 of milliseconds: a longer wait (inf included) is sliced.
-            if left <= 0 or not self.sock.poll(int(min(left, MAX_POLL_S) * 1000) + 1):
+            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
                 if time.monotonic() >= deadline:
                     raise DaemonError(f"expertd ({self.endpoint}) did not answer within "
                                       f"{timeout:g} s")

@@ -36,14 +36,21 @@ def load_hot_set(path: Path, policy) -> list:
         log.warning("ignoring unreadable state file %s: %s", path, exc)
         return []
     try:
-        state = json.loads(text)
+        state = parse_json(text)
         policy.load_state(state["policy"])
         return [tuple(k) for k in state.get("hot", []) if isinstance(k, list) and len(k) == 2]
-    except (ValueError, KeyError, TypeError, RecursionError) as exc:
-        # RecursionError: JSON nested deeper than Python's stack ('[' * 5000).
-        log.warning("ignoring unreadable state file %s: %s", path,
-                    "nested too deeply" if isinstance(exc, RecursionError) else exc)
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring unreadable state file %s: %s", path, exc)
         return []
+
+
+def parse_json(text: str):
+    """``json.loads``, where JSON nested deeper than Python's stack ('[' * 5000) is a
+    ValueError like any other malformed JSON, not a RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def read_pin_file(path: Path) -> list:
@@ -53,7 +60,7 @@ def read_pin_file(path: Path) -> list:
         ValueError: naming the file, if it holds anything else.
     """
     try:
-        data = json.loads(Path(path).read_text())
+        data = parse_json(Path(path).read_text())
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the pin file ({exc.strerror or exc})") from None
     except ValueError as exc:

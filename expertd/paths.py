@@ -137,3 +137,12 @@ def daemon_paths(blob_dir) -> DaemonPaths:
     return DaemonPaths(real, ident, socket, run / f"{ident}.lock", run / f"{ident}.pid",
                        run / f"{ident}.run", run / f"{ident}.log", run / f"{ident}.err",
                        state_dir() / f"{ident}.json")
+
+
+def missing_parent(path: Path) -> str | None:
+    """Why ``path`` cannot be created, when its directory does not exist; else None. Writers
+    refuse it rather than create directories: a typo in a path must not make a tree."""
+    if path.parent.is_dir():
+        return None
+    return (f"{path.parent}: no such directory (the parent of {path}); create it first or "
+            "choose another path")

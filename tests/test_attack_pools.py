@@ -4,10 +4,10 @@ forward, edge pool sizes and prompt lengths, memory. Real daemons, real tiny mod
 streamed logit must equal resident mlx-lm's bit for bit."""
 
 import gc
+from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx_lm
-import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -41,9 +41,15 @@ def qwen(models):
     return model_dir, blob_dir, resident, tokenizer
 
 
+@contextmanager
 def streamed(blob_dir, rows, **kwargs):
+    """A streamed model with ``rows`` pool rows a layer; its session is closed on leaving."""
     kwargs.setdefault("prefetch", "off")
-    return load(blob_dir, pool_gb=pool_gb(blob_dir, rows), **kwargs)[0]
+    model = load(blob_dir, pool_gb=pool_gb(blob_dir, rows), **kwargs)[0]
+    try:
+        yield model
+    finally:
+        model.expertd_session.close()
 
 
 def two_copies(model, resident, prompt) -> tuple:
@@ -65,8 +71,7 @@ def test_two_lazy_forwards_evaluated_together(qwen, isolated_env, tmp_path, back
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
     with daemon(blob_dir, isolated_env, tmp_path):
-        model = streamed(blob_dir, 4, pool_backing=backing, speculate=speculate)
-        try:
+        with streamed(blob_dir, 4, pool_backing=backing, speculate=speculate) as model:
             for la, lb in [(20, 30), (1, 33), (5, 7), (40, 2)]:
                 xa, xb = ids(la, vocab, 1), ids(lb, vocab, 2)
                 c1, c2 = make_prompt_cache(model), make_prompt_cache(model)
@@ -83,8 +88,6 @@ def test_two_lazy_forwards_evaluated_together(qwen, isolated_env, tmp_path, back
                 mx.eval(a2, b2)
                 assert same(a2, resident(ta, cache=r1)), (la, lb)
                 assert same(b2, resident(tb, cache=r2)), (la, lb)
-        finally:
-            model.expertd_session.close()
 
 
 # The device backing's writes are MLX scatters (an old graph keeps the old buffer): the host
@@ -100,9 +103,8 @@ def test_a_replayed_step_left_lazy_survives_a_later_speculative_hit(qwen, isolat
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
     with daemon(blob_dir, isolated_env, tmp_path):
-        model = streamed(blob_dir, 8, pool_backing=backing, speculate="on")
-        session = model.expertd_session
-        try:
+        with streamed(blob_dir, 8, pool_backing=backing, speculate="on") as model:
+            session = model.expertd_session
             c1, c2, ref, first = two_copies(model, resident, ids(5, vocab, 3))
             token = mx.argmax(first[:, -1:], -1)
             mx.eval(model(ids(40, vocab, 9), cache=make_prompt_cache(model)))  # churn the pools
@@ -127,8 +129,6 @@ def test_a_replayed_step_left_lazy_survives_a_later_speculative_hit(qwen, isolat
                     break
             mx.eval(a)
             assert same(a, want), "a lazy replayed step's logits changed under a later write"
-        finally:
-            session.close()
 
 
 @pytest.mark.parametrize("backing", ["host"])
@@ -140,9 +140,8 @@ def test_two_sequences_decoded_without_evaluating_the_first(qwen, isolated_env, 
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
     with daemon(blob_dir, isolated_env, tmp_path):
-        model = streamed(blob_dir, 4, pool_backing=backing, speculate="on")
-        session = model.expertd_session
-        try:
+        with streamed(blob_dir, 4, pool_backing=backing, speculate="on") as model:
+            session = model.expertd_session
             c1, c2, ref, want = two_copies(model, resident, ids(5, vocab, 3))
             tried = 0
             for step in range(30):
@@ -161,8 +160,6 @@ def test_two_sequences_decoded_without_evaluating_the_first(qwen, isolated_env, 
                 mx.eval(a)
                 assert same(a, want), f"step {step}: a lazy step's logits changed"
             assert tried, "the scenario never happened"
-        finally:
-            session.close()
 
 
 # ---- 2. batches through speculative steps ---------------------------------------------------
@@ -172,9 +169,8 @@ def test_batched_decode_is_exact(qwen, isolated_env, tmp_path, backing, batch):
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
     with daemon(blob_dir, isolated_env, tmp_path):
-        model = streamed(blob_dir, 6, pool_backing=backing, speculate="on")
-        session = model.expertd_session
-        try:
+        with streamed(blob_dir, 6, pool_backing=backing, speculate="on") as model:
+            session = model.expertd_session
             x = mx.array([prompt_ids(3, vocab, s) for s in range(batch)])
             cs, cr = make_prompt_cache(model), make_prompt_cache(resident)
             for step in range(12):
@@ -183,8 +179,6 @@ def test_batched_decode_is_exact(qwen, isolated_env, tmp_path, backing, batch):
                 assert same(got, want), f"batch {batch}, step {step}"
                 x = mx.argmax(want[:, -1:], -1)
             assert session.counters["speculative_steps"] > 0
-        finally:
-            session.close()
 
 
 # ---- 3. mlx-lm's generation loops ------------------------------------------------------------
@@ -249,24 +243,20 @@ def test_two_models_interleaved(qwen, isolated_env, tmp_path):
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
     with daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
-        m1 = streamed(blob_dir, 4, pool_backing="host", speculate="on", prefetch="on",
-                      copy_ahead_bytes=0)
-        m2 = streamed(blob_dir, 5, pool_backing="device", speculate="auto", prefetch="on",
-                      copy_ahead_bytes=0)
-        try:
-            runs = []
-            for m, seed in [(m1, 0), (m2, 1), (m1, 2), (m2, 3)]:
-                runs.append([m, make_prompt_cache(m), make_prompt_cache(resident),
-                             ids(7 + seed, vocab, seed)])
-            for step in range(10):
-                outs = [(m(x, cache=c), resident(x, cache=r)) for m, c, r, x in runs]
-                mx.eval(outs)
-                for i, (got, want) in enumerate(outs):
-                    assert same(got, want), f"run {i} step {step}"
-                    runs[i][3] = mx.argmax(want[:, -1:], -1)
-        finally:
-            m1.expertd_session.close()
-            m2.expertd_session.close()
+        with streamed(blob_dir, 4, pool_backing="host", speculate="on", prefetch="on",
+                      copy_ahead_bytes=0) as m1:
+            with streamed(blob_dir, 5, pool_backing="device", speculate="auto", prefetch="on",
+                          copy_ahead_bytes=0) as m2:
+                runs = []
+                for m, seed in [(m1, 0), (m2, 1), (m1, 2), (m2, 3)]:
+                    runs.append([m, make_prompt_cache(m), make_prompt_cache(resident),
+                                 ids(7 + seed, vocab, seed)])
+                for step in range(10):
+                    outs = [(m(x, cache=c), resident(x, cache=r)) for m, c, r, x in runs]
+                    mx.eval(outs)
+                    for i, (got, want) in enumerate(outs):
+                        assert same(got, want), f"run {i} step {step}"
+                        runs[i][3] = mx.argmax(want[:, -1:], -1)
 
 
 # ---- 5. the daemon SIGKILLed and restarted in the middle of a decode -------------------------
@@ -276,32 +266,30 @@ def test_daemon_killed_mid_decode_small_pool(qwen, isolated_env, tmp_path, backi
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
     first = daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY, "a.json")
-    model = None
     try:
-        model = streamed(blob_dir, 4, pool_backing=backing, speculate="on", prefetch="on",
-                         copy_ahead_bytes=0, reconnect_timeout=30.0)
-        session = model.expertd_session
-        cs, cr = make_prompt_cache(model), make_prompt_cache(resident)
-        x = ids(6, vocab, 4)
-        pending = None
-        for step in range(16):
-            if step == 5:
-                # A lazy step built before the kill, evaluated after the restart.
-                pending = (model(x, cache=cs), resident(x, cache=cr))
-                first.kill()
-                wait_until(lambda: session._heartbeat.lost, 10.0, "the death noticed")
-                dead, first = first, daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY, "b.json")
-                dead.close()
-                got, want = pending
-            else:
-                got, want = model(x, cache=cs), resident(x, cache=cr)
-            mx.eval(got, want)
-            assert same(got, want), f"step {step}"
-            x = mx.argmax(want[:, -1:], -1)
-        assert session.counters["reconnects"] == 1
+        with streamed(blob_dir, 4, pool_backing=backing, speculate="on", prefetch="on",
+                      copy_ahead_bytes=0, reconnect_timeout=30.0) as model:
+            session = model.expertd_session
+            cs, cr = make_prompt_cache(model), make_prompt_cache(resident)
+            x = ids(6, vocab, 4)
+            pending = None
+            for step in range(16):
+                if step == 5:
+                    # A lazy step built before the kill, evaluated after the restart.
+                    pending = (model(x, cache=cs), resident(x, cache=cr))
+                    first.kill()
+                    wait_until(lambda: session._heartbeat.lost, 10.0, "the death noticed")
+                    dead = first
+                    first = daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY, "b.json")
+                    dead.close()
+                    got, want = pending
+                else:
+                    got, want = model(x, cache=cs), resident(x, cache=cr)
+                mx.eval(got, want)
+                assert same(got, want), f"step {step}"
+                x = mx.argmax(want[:, -1:], -1)
+            assert session.counters["reconnects"] == 1
     finally:
-        if model is not None:
-            model.expertd_session.close()
         first.close()
 
 
@@ -330,10 +318,9 @@ def test_a_forward_interrupted_mid_way_leaves_the_model_exact(qwen, isolated_env
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
     with daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
-        model = streamed(blob_dir, 4, pool_backing=backing, speculate=speculate, prefetch="on",
-                         copy_ahead_bytes=0)
-        session = model.expertd_session
-        try:
+        with streamed(blob_dir, 4, pool_backing=backing, speculate=speculate, prefetch="on",
+                      copy_ahead_bytes=0) as model:
+            session = model.expertd_session
             interrupt_every_layer(model, vocab)
             assert not session.steps.active
             cs, cr = make_prompt_cache(model), make_prompt_cache(resident)
@@ -343,8 +330,6 @@ def test_a_forward_interrupted_mid_way_leaves_the_model_exact(qwen, isolated_env
                 mx.eval(got, want)
                 assert same(got, want), f"step {step}"
                 x = mx.argmax(want[:, -1:], -1)
-        finally:
-            session.close()
 
 
 def test_an_interrupted_speculative_step_keeps_no_lazy_ids(qwen, isolated_env, tmp_path):
@@ -353,15 +338,12 @@ def test_an_interrupted_speculative_step_keeps_no_lazy_ids(qwen, isolated_env, t
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
     with daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
-        model = streamed(blob_dir, 4, speculate="on")
-        session = model.expertd_session
-        try:
+        with streamed(blob_dir, 4, speculate="on") as model:
+            session = model.expertd_session
             interrupt_every_layer(model, vocab)
             # then only prompts (never speculative): nothing resets the records
             mx.eval(model(ids(30, vocab, 1), cache=make_prompt_cache(model)))
             assert session.steps.records == [], session.steps.records
-        finally:
-            session.close()
 
 
 # ---- 7. edge pool sizes and prompt lengths around the speculative threshold ------------------
@@ -371,9 +353,8 @@ def test_edge_pool_sizes_and_prompt_lengths(qwen, isolated_env, tmp_path, backin
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
     with daemon(blob_dir, isolated_env, tmp_path):
-        model = streamed(blob_dir, rows, pool_backing=backing, speculate="on")
-        session = model.expertd_session
-        try:
+        with streamed(blob_dir, rows, pool_backing=backing, speculate="on") as model:
+            session = model.expertd_session
             assert all(p.rows == rows for p in session.pools)
             for length in (1, 15, 16, 17):  # x top-k 4: 4, 60, 64, 68 ids
                 cs, cr = make_prompt_cache(model), make_prompt_cache(resident)
@@ -383,8 +364,6 @@ def test_edge_pool_sizes_and_prompt_lengths(qwen, isolated_env, tmp_path, backin
                     mx.eval(got, want)
                     assert same(got, want), f"prompt {length}, step {step}"
                     x = mx.argmax(want[:, -1:], -1)
-        finally:
-            session.close()
 
 
 # ---- 8. memory ------------------------------------------------------------------------------
@@ -394,8 +373,7 @@ def test_repeated_long_prompts_do_not_grow_memory(qwen, isolated_env, tmp_path, 
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
     with daemon(blob_dir, isolated_env, tmp_path):
-        model = streamed(blob_dir, 4, pool_backing=backing)
-        try:
+        with streamed(blob_dir, 4, pool_backing=backing) as model:
             seen = []
             for i in range(8):
                 out = model(ids(100, vocab, i), cache=make_prompt_cache(model))
@@ -404,5 +382,3 @@ def test_repeated_long_prompts_do_not_grow_memory(qwen, isolated_env, tmp_path, 
                 gc.collect()
                 seen.append(mx.get_active_memory())
             assert seen[-1] <= seen[3] + (1 << 20), seen
-        finally:
-            model.expertd_session.close()

@@ -246,10 +246,8 @@ def test_drain_returns_rows_as_their_fills_land(impl):
     timer = threading.Timer(0.1, land)
     timer.start()
     try:
-        start = time.monotonic()
         assert arena.drain(impl, 2, [5, 6], [1, 3], NEVER) == (0, [1, 3], [2, 2])
-        assert landing.is_set()
-        assert time.monotonic() - start < NEVER  # at the landing, not at its deadline
+        assert landing.is_set()  # the landing had begun when drain returned
     finally:
         timer.cancel()
         timer.join()

@@ -754,7 +754,8 @@ def on_a_terminal(*args) -> tuple:
                                 stdout=subprocess.DEVNULL, stderr=slave)
         os.close(slave)
         slave = None
-        return proc.wait(timeout=120), drawn(master)
+        said = drawn(master)  # read first: a child drawing more than the pty holds would block
+        return proc.wait(timeout=120), said
     finally:
         os.close(master)
         if slave is not None:

@@ -7,7 +7,6 @@ the arena's.
 """
 
 import sys
-import time
 
 import pytest
 import zmq
@@ -67,9 +66,7 @@ def test_a_flood_of_rejected_frames_from_many_sockets_does_not_grow_the_daemon(b
                         sent += 1
                     except zmq.Again:
                         pass  # our own queue is full: the daemon reads slower than we send
-            started = time.monotonic()
-            during = query_stats(blobs)  # the client's usual timeout
-            latency_ms = (time.monotonic() - started) * 1000
+            during = query_stats(blobs)  # answers within the client's usual timeout
             assert during["bad_requests"] < sent, "the flood was over before STATS was asked"
             wait_until(lambda: query_stats(blobs)["bad_requests"] >= sent, 40,
                        f"the daemon to reject all {sent} frames")
@@ -78,8 +75,6 @@ def test_a_flood_of_rejected_frames_from_many_sockets_does_not_grow_the_daemon(b
             for sock in socks:
                 sock.close()
             ctx.term()
-        print(f"STATS answered in {latency_ms:.1f} ms during the flood; peak growth "
-              f"{after['VmHWM'] - before['VmHWM']:.1f} MB")
         assert after["VmHWM"] - before["VmHWM"] < BOUND_MB, (before, after)
         assert after["RssAnon"] - before["RssAnon"] < BOUND_MB, (before, after)
         assert query_stats(blobs)["internal_errors"] == 0

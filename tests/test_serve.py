@@ -348,7 +348,7 @@ def test_serve_without_its_daemon(models, isolated_env, tmp_path):
     assert types[ttft] == "histogram"
     assert values[f"{ttft}_count"] == values[f'{ttft}_bucket{{le="+Inf"}}'] == 4
     buckets = [v for k, v in values.items() if k.startswith(f"{ttft}_bucket")]
-    assert buckets == sorted(buckets) and buckets[0] >= 0
+    assert buckets == sorted(buckets)
     assert values[f"{ttft}_sum"] > 0
     assert values["expertd_server_requests_total"] == 4  # the refused ones never reached it
     assert values["expertd_server_daemon_refusals_total"] == 3

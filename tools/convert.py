@@ -27,6 +27,7 @@ import xxhash
 from expertd.blobstore import file_checksum
 from expertd.errors import ConvertError, ModelDirError
 from expertd.manifest import STRIDE_ALIGN, Manifest, MoeLayer, Segment, Stage, TrunkFile
+from expertd.paths import missing_parent
 from expertd.runfile import read_private, take_lock
 from .safetensors import SafetensorsWriter, read_header
 
@@ -247,9 +248,8 @@ def convert(model_dir: Path, blob_dir: Path, progress: bool = True,
     model_dir, blob_dir = resolve_model(model_dir), Path(os.path.expanduser(str(blob_dir)))
     if blob_dir.exists():
         raise FileExistsError(f"{blob_dir} already exists; remove it or choose another path")
-    if not blob_dir.parent.is_dir():  # a typo in the path must not create directories
-        raise ConvertError(f"{blob_dir.parent}: no such directory (the parent of {blob_dir}); "
-                           "create it first or choose another path")
+    if missing_parent(blob_dir):
+        raise ConvertError(missing_parent(blob_dir))
     spec = layers
     config, tensors, layers, stride, trunk = plan(model_dir)
     stage = None

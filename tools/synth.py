@@ -12,6 +12,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from expertd.paths import missing_parent
+
 FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 MODES = ("affine", "mxfp4", "mxfp8", "nvfp4", "none")
 # Group sizes that each quantization mode allows (mlx.core.quantize).
@@ -143,9 +145,8 @@ def synthesize(cfg: SynthConfig, out_dir: Path, progress: bool = True) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
         raise FileExistsError(f"{out_dir} already exists and is not empty")
-    if not out_dir.parent.is_dir():  # a typo in the path must not create directories
-        raise FileNotFoundError(f"{out_dir.parent}: no such directory (the parent of "
-                                f"{out_dir}); create it first or choose another path")
+    if missing_parent(out_dir):
+        raise FileNotFoundError(missing_parent(out_dir))
     # Imported before anything is written: a Ctrl-C landing while MLX's extension module
     # initialises is swallowed there, and once the directory exists a Ctrl-C must stop the run.
     import mlx.core  # noqa: F401
