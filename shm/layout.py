@@ -299,8 +299,18 @@ class Arena:
 
     @classmethod
     def attach(cls, name: str) -> "Arena":
-        """Map an existing arena read-write (clients bump hit counters) and check its header."""
-        shm = posix_ipc.SharedMemory(name)
+        """Map an existing arena read-write (clients bump hit counters) and check its header.
+
+        Raises:
+            FileNotFoundError: no arena has that name (its daemon has exited).
+            ValueError: the memory is not a whole expertd arena of this layout version.
+        """
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            # Its daemon exited between its hello and this: an OSError, which callers that
+            # wait for a daemon to come back already wait through.
+            raise FileNotFoundError(f"no arena {name}: the daemon that made it has exited") from None
         size = os.fstat(shm.fd).st_size
         if size < HEADER_SIZE:
             shm.close_fd()

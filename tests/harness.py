@@ -76,7 +76,7 @@ def arena_owner(name: str) -> int | None:
     """The pid an existing arena's header names as its daemon; None if there is no arena."""
     try:
         arena = Arena.attach(name)
-    except (posix_ipc.Error, ValueError):
+    except (posix_ipc.Error, OSError, ValueError):
         return None
     try:
         return arena.pid

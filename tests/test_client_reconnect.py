@@ -255,3 +255,45 @@ def test_a_call_after_an_interrupted_reconnect_attaches_again(qwen, isolated_env
     finally:
         signal.signal(signal.SIGINT, previous)
         daemon.close()
+
+
+def test_a_daemon_gone_between_its_hello_and_the_arena_map_is_waited_through(
+        qwen, isolated_env, tmp_path, monkeypatch):
+    """The daemon answers a reconnecting client's hello, then dies and its arena is unlinked
+    before the client maps it (the race a client stopped across restarts runs into): the
+    client waits for the next daemon instead of failing on the missing shared memory."""
+    import mlx.core as mx
+
+    from expertd.client import load
+    from expertd.connection import Connection
+    from expertd.protocol import Op
+
+    _, blob_dir, resident = qwen
+    prompt = mx.array([prompt_ids(PROMPT_LEN, resident.args.vocab_size)])
+    daemons = [start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)]
+    try:
+        streamed, _ = load(blob_dir, reconnect_timeout=120.0)
+        session = streamed.expertd_session
+        same_as_resident(resident, streamed, prompt, steps=1)
+        killed_and_noticed(daemons[0], session)
+        daemons[0].close()
+        daemons.append(start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY))
+        request, raced = Connection.request, []
+
+        def hello_then_gone(conn, op, *args, **kwargs):
+            reply = request(conn, op, *args, **kwargs)
+            if op == Op.HELLO and not raced:  # the daemon that answered dies with its arena
+                raced.append(reply["arena"])
+                daemons[-1].kill()
+                daemons[-1].close()
+                daemons.append(start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY))
+            return reply
+
+        monkeypatch.setattr(Connection, "request", hello_then_gone)
+        same_as_resident(resident, streamed, prompt)
+        assert raced and session.hello["arena"] != raced[0]
+        assert session.hello["pid"] == daemons[-1].pid
+        session.close()
+    finally:
+        for daemon in daemons:
+            daemon.close()
