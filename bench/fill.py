@@ -75,7 +75,7 @@ def fio_direct_read(blob_dir, threads: int, seconds: int = 3) -> float | None:
 
 
 def pool_fill(blob_dir, threads: int, seed: int, verify: str) -> tuple:
-    """The daemon's pread pool alone (no daemon, no ZeroMQ) filling every expert once into rows
+    """The daemon's pread pool alone (no daemon, no socket) filling every expert once into rows
     of anonymous memory, all fills queued at once: ``(GB/s, CPU seconds per GB)``.
 
     CPU time per GB (all threads of this process) is the cost of checksums that a loaded,
@@ -156,7 +156,7 @@ def daemon_fill(blob_dir, threads: int, seed: int, verify: bool) -> dict:
     """
     from expertd.connection import Connection
     from expertd.manifest import Manifest
-    from expertd.protocol import PROTOCOL_VERSION, Op, parse_reply
+    from expertd.protocol import PROTOCOL_VERSION, Op
 
     manifest = Manifest.load(blob_dir)
     jobs = shuffled_experts(manifest.layers, seed)
@@ -176,9 +176,9 @@ def daemon_fill(blob_dir, threads: int, seed: int, verify: bool) -> dict:
                     li, e = jobs[sent]
                     waiting.add(conn.send(Op.DEMAND, {"layer": int(li), "experts": [int(e)]}))
                     sent += 1
-                if not conn.sock.poll(120_000):
+                if not conn.poll(120.0):
                     raise RuntimeError("the daemon stopped answering")
-                rid, _, body = parse_reply(conn.sock.recv_multipart())
+                rid, _, body = conn.recv()
                 if rid not in waiting:
                     continue  # a reply to a RELEASE
                 if not body.get("ok"):

@@ -1,29 +1,29 @@
 """The client's heartbeat: a thread that tells the daemon the client lives, and notices when
 the daemon does not, the jupyter_client way (a time-to-dead computed from replies)."""
 
+import os
 import threading
 import time
 
-import zmq
-
-from expertd.protocol import Op, request
+from expertd.protocol import CLIENT_ID_BYTES, Op, request
+from expertd.wire import Channel, ConnectionLost
 
 REAP_SLICE = 0.01  # how often the idle client looks for late replies to interrupted demands
 STOP_TIMEOUT = 2.0  # the thread wakes at once when stopped; this only bounds a stuck one
 
 
 class Heartbeat:
-    """A thread with its own socket that tells the daemon this client is alive, and notices
-    when the daemon is gone, the jupyter_client way: ``lost`` when ``alive()`` says the daemon
-    no longer holds its directory, ``stuck`` when it still does but has answered no heartbeat
-    for ``time_to_dead`` seconds. Between heartbeats it calls ``reap()``, which releases late
-    leases while the client is idle (polled every REAP_SLICE while it returns True). Each
-    heartbeat carries ``report()``'s counters (for the daemon's status).
+    """A thread with its own connection that tells the daemon this client is alive, and
+    notices when the daemon is gone, the jupyter_client way: ``lost`` when ``alive()`` says the
+    daemon no longer holds its directory, ``stuck`` when it still does but has answered no
+    heartbeat for ``time_to_dead`` seconds. Between heartbeats it calls ``reap()``, which
+    releases late leases while the client is idle (polled every REAP_SLICE while it returns
+    True). Each heartbeat carries ``report()``'s counters (for the daemon's status).
 
-    The thread's socket and context are its own, created and closed in the thread (a ZeroMQ
-    socket belongs to one thread): :meth:`stop` asks, the thread closes them."""
+    The thread's connection is its own, opened and closed in the thread, and opened again
+    should the daemon drop it: :meth:`stop` asks, the thread closes it."""
 
-    def __init__(self, endpoint: str, client_id: bytes, token: bytes, interval: float,
+    def __init__(self, socket_path: str, client_id: bytes, token: bytes, interval: float,
                  time_to_dead: float, alive, reap, report):
         self.lost = self.stuck = False
         self.time_to_dead = time_to_dead
@@ -31,44 +31,53 @@ class Heartbeat:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run,
-                                        args=(endpoint, client_id, token, interval),
+                                        args=(socket_path, client_id, token, interval),
                                         name="expertd-heartbeat", daemon=True)
         self._thread.start()
 
-    def _run(self, endpoint: str, client_id: bytes, token: bytes, interval: float) -> None:
-        # Both made, used and shut in this thread: the socket closes (linger 0) before the
-        # context terms, so term() waits for nothing.
-        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
-            sock.setsockopt(zmq.LINGER, 0)  # a heartbeat is worthless once the next is due
-            sock.connect(endpoint)
-            self._beat(sock, client_id, token, interval)
-
-    def _beat(self, sock, client_id: bytes, token: bytes, interval: float) -> None:
+    def _run(self, socket_path: str, client_id: bytes, token: bytes, interval: float) -> None:
+        channel = None
         n = 0
         now = last_reply = time.monotonic()
         next_beat = now + interval
         reaping = False
-        while True:
-            self._wake.wait(min(REAP_SLICE, interval) if reaping else interval)
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            reaping = self._reap()
-            now = time.monotonic()
-            while sock.poll(0):
-                sock.recv_multipart()
-                last_reply = now
-            if now < next_beat:
-                continue
-            next_beat = now + interval
-            if not self._alive():
-                self.lost = True
-                return
-            self.stuck = now - last_reply > self.time_to_dead
-            n += 1
-            sock.send_multipart(request(n.to_bytes(8, "little"), Op.HEARTBEAT,
-                                        {"client": client_id, "token": token,
-                                         **self._report()}))
+        try:
+            while True:
+                self._wake.wait(min(REAP_SLICE, interval) if reaping else interval)
+                self._wake.clear()
+                if self._stop.is_set():
+                    return
+                reaping = self._reap()
+                now = time.monotonic()
+                try:
+                    while channel is not None and channel.poll(0):
+                        channel.recv()
+                        last_reply = now
+                except ConnectionLost:
+                    channel.close()
+                    channel = None  # dropped by the daemon: the next beat connects again
+                if now < next_beat:
+                    continue
+                next_beat = now + interval
+                if not self._alive():
+                    self.lost = True
+                    return
+                self.stuck = now - last_reply > self.time_to_dead
+                n += 1
+                beat = request(n.to_bytes(8, "little"), Op.HEARTBEAT,
+                               {"client": client_id, "token": token, **self._report()})
+                try:
+                    if channel is None:
+                        channel = Channel(socket_path, os.urandom(CLIENT_ID_BYTES))
+                    channel.send(beat, quiet=True)
+                except ConnectionLost:
+                    channel.close()
+                    channel = None
+                except OSError:
+                    pass  # no daemon listens now: alive() tells the rest
+        finally:
+            if channel is not None:
+                channel.close()
 
     def wake(self) -> None:
         """Look for late replies now rather than at the next heartbeat."""

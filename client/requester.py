@@ -10,11 +10,11 @@ import threading
 import time
 
 import numpy as np
-import zmq
 
 from expertd.client.interrupts import HeldInterrupts
 from expertd.errors import DaemonError, ProtocolError
-from expertd.protocol import ErrorCode, Op, parse_reply, request
+from expertd.protocol import ErrorCode, Op, request
+from expertd.wire import ConnectionLost
 
 POLL_SLICE = 0.05  # how often a wait looks at the daemon's liveness and a held-back SIGINT
 REQUEST_TIMEOUT = 300.0  # a daemon that heartbeats but never answers one request
@@ -64,9 +64,11 @@ class Requester:
             rid = self._new_rid()
             if op is Op.DEMAND:
                 self.demands.add(rid)  # before the send: its reply is never unaccounted for
-            self.conn.sock.send_multipart(request(rid, op, body))
             try:
+                self.conn.send_frames(request(rid, op, body))
                 return self._wait(rid, held)
+            except ConnectionLost as exc:
+                raise self._died(exc) from None
             except BaseException:
                 if self.demands and self.heartbeat is not None:
                     self.heartbeat.wake()  # to release the late lease as soon as it comes
@@ -135,11 +137,11 @@ class Requester:
         if not (self.demands or self.leases) or not self.lock.acquire(blocking=False):
             return bool(self.demands or self.leases)
         try:
-            while self.conn.sock.poll(0):
+            while self.conn.poll(0):
                 self._read_reply(None)
             self.release_leases()
             return bool(self.demands)
-        except (zmq.ZMQError, ProtocolError):
+        except (DaemonError, ProtocolError):  # the connection is lost: so are its leases
             return False
         finally:
             self.lock.release()
@@ -161,7 +163,7 @@ class Requester:
         Replies to interrupted demands have their lease released here. Call with the lock held
         and, in the main thread, SIGINT held back.
         """
-        got, _, body = parse_reply(self.conn.sock.recv_multipart(zmq.NOBLOCK))
+        got, _, body = self.conn.recv()
         if got in self.demands:
             self.demands.discard(got)
             if body.get("ok") and "lease" in body:
@@ -174,12 +176,12 @@ class Requester:
 
     def _wait(self, rid: bytes, held: HeldInterrupts) -> dict:
         deadline = time.monotonic() + REQUEST_TIMEOUT
-        sock = self.conn.sock
+        conn = self.conn
         while True:
             if held.pending:
                 held.deliver()  # KeyboardInterrupt: the demand, if any, stays recorded
-            if sock.poll(int(POLL_SLICE * 1000)):
-                while sock.poll(0):
+            if conn.poll(POLL_SLICE):
+                while conn.poll(0):
                     body = self._read_reply(rid)
                     if body is not None:
                         return self._checked(body)
@@ -193,6 +195,12 @@ class Requester:
             if time.monotonic() > deadline:
                 raise DaemonError(f"expertd (pid {self.pid}) is alive but has not answered "
                                   f"for {REQUEST_TIMEOUT:g} s")
+
+    def _died(self, lost: ConnectionLost) -> DaemonDied:
+        if not self.alive():
+            return DaemonDied(f"expertd (pid {self.pid}) serving {self.blob_dir} died")
+        return DaemonDied(f"expertd (pid {self.pid}) serving {self.blob_dir} dropped this "
+                          f"client's connection ({lost})")
 
     def _checked(self, body: dict) -> dict:
         if body.get("ok"):

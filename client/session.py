@@ -29,7 +29,7 @@ from expertd.paths import daemon_paths
 from expertd.protocol import PROTOCOL_VERSION, Op
 from expertd.runfile import serving_epoch
 
-GOODBYE_LINGER_MS = 200  # how long a closing session lets its goodbye reach the daemon
+GOODBYE_LINGER = 0.2  # how long a closing session lets its goodbye reach the daemon
 # How long a read waits for rows someone else is filling before it demands them itself. The
 # demand merges onto the same fill, and moves a prefetch's low-priority read to the front.
 DRAIN_TIMEOUT = 0.05
@@ -111,7 +111,7 @@ class Session:
             # as long (and at least three heartbeats) before calling it stuck. The thread holds
             # the session weakly, so that dropping the model drops the session. Its first look
             # at the daemon's liveness comes an interval later, once the session below is set.
-            heartbeat = Heartbeat(self.paths.endpoint, conn.client_id, hello["token"], interval,
+            heartbeat = Heartbeat(str(self.paths.socket), conn.client_id, hello["token"], interval,
                                   max(hello["client_timeout"], 3 * interval),
                                   _weak(self, "_daemon_alive", False),
                                   _weak(self, "_reap", False),
@@ -399,8 +399,7 @@ class Session:
 class _Links:
     """A session's copier, connection and heartbeat thread, shut in order: the copier, the
     heartbeat thread (it closes its own socket, and stops using the connection's to release
-    late leases), then the connection's socket, then its context. Holds nothing of the
-    session."""
+    late leases), then the connection. Holds nothing of the session."""
 
     def __init__(self):
         self.copier = self.conn = self.heartbeat = None
@@ -411,7 +410,7 @@ class _Links:
         if self.conn is not None:
             # Bounded: the daemon may be gone (else it times this client out instead).
             queued = goodbye and self.conn.send_quietly(Op.GOODBYE, {})
-            self.conn.close(GOODBYE_LINGER_MS if queued else 0)
+            self.conn.close(GOODBYE_LINGER if queued else 0.0)
         self.conn = self.heartbeat = None
 
     def close(self) -> None:

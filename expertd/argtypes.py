@@ -10,7 +10,7 @@ from .hotset import parse_json
 from .paths import missing_parent
 
 MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
-# A day: any timeout beyond it is a typo, and its milliseconds fit zmq's int32 poll.
+# A day: any timeout beyond it is a typo.
 MAX_SECONDS = 86400.0
 MAX_GIB = 1 << 20  # a PiB: no machine has it, and int(gb * 2**30) never overflows below it
 MAX_BYTES = MAX_GIB * 2**30

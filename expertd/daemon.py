@@ -56,8 +56,8 @@ def _exit_on_signal(signum, _frame):
 
 
 def _raise_fd_limit() -> None:
-    """Let the daemon hold as many descriptors as it may: libzmq aborts the process when it
-    runs out while accepting connections, so the headroom is what a connection flood costs."""
+    """Let the daemon hold as many descriptors as it may: its peers (up to peers.MAX_PEERS),
+    its blob files and its pipes (macOS starts a process at 256)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -25,7 +25,7 @@ class FillPool:
     """Fills rows in parallel; completions come back through :meth:`completions`.
 
     ``wake_fd`` becomes readable whenever a fill completes, so the serving loop can poll it
-    next to its ZeroMQ socket. :meth:`submit`, :meth:`expedite`, :meth:`completions` and
+    next to its peers. :meth:`submit`, :meth:`expedite`, :meth:`completions` and
     :meth:`close` belong to the serving thread; only the workers run in other threads. Urgent
     fills (demands) always start before queued non-urgent ones (prefetches).
 

@@ -115,7 +115,8 @@ class DaemonPaths:
 
     @property
     def endpoint(self) -> str:
-        return f"ipc://{self.socket}"
+        """The socket, as status shows it."""
+        return f"unix://{self.socket}"
 
 
 def daemon_paths(blob_dir) -> DaemonPaths:

@@ -1,6 +1,7 @@
-"""The wire protocol between expertd and its clients (ZeroMQ DEALER -> ROUTER).
+"""The protocol between expertd and its clients, over the wire of wire.py.
 
-Frames, client to daemon: ``[request_id, op, body]``; the ROUTER prepends the peer identity.
+Frames, client to daemon: ``[request_id, op, body]``; the daemon knows the peer by the routing
+id of its connection's greeting.
 Replies: ``[request_id, op, body]`` where body is a msgpack map with ``ok`` true, or ``ok``
 false plus ``error`` (a message) and ``code``. ``prefetch``, ``release`` and ``goodbye`` are
 fire-and-forget: they are answered only when they fail. Nothing from the wire is trusted: bodies are decoded with

@@ -1,17 +1,15 @@
-"""The serving loop: one thread owns the ROUTER socket and dispatches each request.
+"""The serving loop: one thread owns the daemon's socket (peers.py) and dispatches each request.
 
 What it decides lives in rooms of its own: the expert cache (cache.py: the slot table, the
 policy and the lease book, and the fills around them) and the client registry (hello,
 heartbeat, time-to-dead). Fills run on the pread pool and come back through a wake-up pipe
-polled next to the socket.
+polled next to the peers.
 """
 
 import logging
 import os
 import time
 from pathlib import Path
-
-import zmq
 
 from . import native
 from .blobstore import BlobStore
@@ -22,8 +20,8 @@ from .errors import ProtocolError
 from .hotset import load_hot_set, read_pin_file, save_hot_set
 from .io import FillPool
 from .leases import Demand, LeaseBook
-from .protocol import (MAX_BODY, PROTOCOL_VERSION, ErrorCode, Op, parse_request, reply_error,
-                       reply_ok)
+from .peers import Peers
+from .protocol import PROTOCOL_VERSION, ErrorCode, Op, parse_request, reply_error, reply_ok
 from .shm.layout import Arena, Geometry
 from .units import size_text
 
@@ -32,10 +30,8 @@ log = logging.getLogger("expertd")
 TICK = 0.1
 SHUTDOWN_GRACE = 5.0
 MAX_QUEUED_PER_CLIENT = 32
-RECV_BATCH = 256
-# Messages ZeroMQ queues per peer before it stops reading that peer (the kernel holds the rest
-# and the sender waits): a client has a few requests in flight, a flood is held to this.
-RECV_HWM = 4
+RECV_BATCH = 256  # requests handled between two looks at completed fills
+WAKE = "fills"  # the pool's wake-up pipe, as the peers' poll names it
 
 
 class ExpertServer:
@@ -90,19 +86,13 @@ class ExpertServer:
             self.running = True
             self.counters = dict(bad_requests=0, demands=0, internal_errors=0, busy=0,
                                  clients_timed_out=0)
-            self.ctx = zmq.Context()
-            self.router = self.ctx.socket(zmq.ROUTER)
-            self.router.setsockopt(zmq.LINGER, 0)
-            # ZeroMQ drops (and disconnects) a peer whose frame is larger than any valid one,
-            # before Python ever allocates it.
-            self.router.setsockopt(zmq.MAXMSGSIZE, MAX_BODY)
-            self.router.setsockopt(zmq.RCVHWM, RECV_HWM)
-            old = os.umask(0o177)  # the socket file is created 0600
+            self.peers = Peers(str(paths.socket))
             try:
-                self.router.bind(paths.endpoint)
-            finally:
-                os.umask(old)
-            self._load_state()
+                self.peers.watch(self.pool.wake_fd, WAKE)
+                self._load_state()
+            except BaseException:
+                self.peers.close()
+                raise
         except BaseException:
             self.arena.unlink()
             raise
@@ -110,9 +100,6 @@ class ExpertServer:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.pool.wake_fd, zmq.POLLIN)
         g = self.geometry
         log.info("serving %s on %s (%d rows of %d bytes, %s, arena %s)", self.store.dir,
                  self.paths.endpoint, g.cache_rows, g.stride, size_text(g.total_size),
@@ -122,23 +109,18 @@ class ExpertServer:
                      "all %d in %s", size_text(self.config.cache_bytes), g.cache_rows,
                      size_text(g.total_size))
         try:
-            self._serve_loop(poller)
+            self._serve_loop()
         finally:
             self._shutdown()
 
-    def _serve_loop(self, poller) -> None:
+    def _serve_loop(self) -> None:
         next_tick = next_save = time.monotonic()
         while self.running:
-            events = dict(poller.poll(int(TICK * 1000)))
-            if self.pool.wake_fd in events:
+            woken, messages = self.peers.poll(TICK, RECV_BATCH)
+            if woken:
                 self.cache.completions()
-            if self.router in events:
-                for _ in range(RECV_BATCH):
-                    try:
-                        frames, count = self._recv()
-                    except zmq.Again:
-                        break
-                    self._dispatch(frames, count)
+            for message in messages:
+                self._dispatch(message.identity, message.frames, message.count)
             if self.cache.room_changed:
                 self.cache.retry_queued(self.clients.__contains__)
             now = time.monotonic()
@@ -168,8 +150,7 @@ class ExpertServer:
             self.arena.header["serving"] = 0
         finally:
             readers_done = self.pool.close(timeout=1.0)
-            self.router.close(linger=0)
-            self.ctx.term()
+            self.peers.close()
             if readers_done:  # a read still stuck in the kernel keeps its descriptor
                 self.store.close()
             self.arena.unlink()
@@ -182,31 +163,18 @@ class ExpertServer:
     # ---- requests --------------------------------------------------------------------------
 
     def _send(self, identity: bytes, frames: list) -> None:
-        try:
-            self.router.send_multipart([identity] + frames, zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the peer is gone or its queue is full; it will time out and retry
+        self.peers.send(identity, frames)  # a peer gone or not reading: it times out and retries
 
-    def _recv(self) -> tuple:
-        """One message: its first four frames (the identity, then a request's three) and how
-        many it had. Frames past those are dropped uncopied, however many a peer sends."""
-        frames = [self.router.recv(zmq.NOBLOCK)]
-        count = 1
-        while self.router.get(zmq.RCVMORE):
-            count += 1
-            if count <= 4:
-                frames.append(self.router.recv())
-            else:
-                self.router.recv(copy=False)
-        return frames, count
-
-    def _dispatch(self, frames: list, count: int) -> None:
-        identity, body = frames[0], frames[1:]
+    def _dispatch(self, identity: bytes, body: list, count: int) -> None:
+        """One request: ``body`` its first frames, of ``count`` (-1: malformed lengths)."""
         rid = body[0] if body and len(body[0]) <= 16 else b""
         op_byte = body[1][:1] if len(body) > 1 else b""
         try:
-            if count > len(frames):
-                raise ProtocolError(f"expected 3 frames, got {count - 1}")
+            if count < 0:
+                raise ProtocolError("the frame lengths do not add up to the message's",
+                                    ErrorCode.BAD_FRAME)
+            if count != len(body):
+                raise ProtocolError(f"expected 3 frames, got {count}")
             rid, op, req = parse_request(body)
             self._handle(identity, rid, op, req)
         except ProtocolError as exc:
@@ -225,6 +193,8 @@ class ExpertServer:
         if op is Op.HEARTBEAT:
             known = self.clients.heartbeat(req.client, req.token, now, req.steps,
                                            req.host_waits)
+            if known:
+                self.peers.trust(identity)  # the heartbeat socket of a client
             self._send(identity, reply_ok(rid, op, epoch=self.epoch, known=known))
             return
         if op is Op.HELLO:
@@ -237,6 +207,7 @@ class ExpertServer:
             if client is None:
                 raise ProtocolError(f"{self.clients.max_clients} clients are connected "
                                     "already; try again later", ErrorCode.BUSY)
+            self.peers.trust(identity)
             self._send(identity, reply_ok(rid, op, token=client.token, **self._hello()))
             return
         if op is Op.STATS:
@@ -368,7 +339,8 @@ class ExpertServer:
             busy=c["busy"], clients_timed_out=c["clients_timed_out"], demands=c["demands"],
             in_flight=cache.in_flight, io=self.store.io_mode, io_reason=self.store.io_reason,
             workers=self.config.workers, verify=self.config.verify,
-            implementation=native.IMPLEMENTATION)
+            implementation=native.IMPLEMENTATION, peers=self.peers.count,
+            **self.peers.counters)
 
     def _valid_key(self, layer, expert) -> bool:
         return (type(layer) is int and type(expert) is int and 0 <= layer < len(self.n_experts)

@@ -15,12 +15,12 @@ import signal
 import time
 
 import pytest
-import zmq
 
+from expertd.connection import Connection
 from expertd.errors import DaemonError
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
-from expertd.protocol import PROTOCOL_VERSION, ErrorCode, Op, parse_reply, request
+from expertd.protocol import PROTOCOL_VERSION, ErrorCode, Op, request
 from harness import (TINY_CACHE_GB, Daemon, RawClient, expertd_cli, kill_serving_daemon,
                      shm_exists, wait_until)
 
@@ -45,14 +45,11 @@ def _counters(stats: dict, *names) -> dict:
 
 
 class Identity:
-    """A raw DEALER socket with its own routing id, driven by the random op sequence."""
+    """A raw connection with its own routing id, driven by the random op sequence."""
 
-    def __init__(self, ctx, endpoint: str):
+    def __init__(self, blob_dir):
         self.id = os.urandom(16)
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.ROUTING_ID, self.id)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        self.conn = Connection(blob_dir, client_id=self.id)
         self.token = None
         self.leases = []
 
@@ -66,8 +63,7 @@ def test_random_op_sequences_from_many_identities_leave_nothing_behind(blobs, is
     rng = random.Random(7)
     with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
         n_layers = len(Manifest.load(blobs).layers)
-        ctx = zmq.Context()
-        peers = [Identity(ctx, daemon_paths(blobs).endpoint) for _ in range(8)]
+        peers = [Identity(blobs) for _ in range(8)]
         try:
             ops = [Op.HELLO, Op.HELLO, Op.DEMAND, Op.DEMAND, Op.DEMAND, Op.RELEASE, Op.RELEASE,
                    Op.PIN, Op.UNPIN, Op.GOODBYE, Op.PREFETCH, Op.HEARTBEAT]
@@ -89,10 +85,10 @@ def test_random_op_sequences_from_many_identities_leave_nothing_behind(blobs, is
                 else:
                     body = {"layer": rng.randrange(n_layers + 1),  # one past the last, too
                             "experts": rng.sample(range(17), rng.choice([1, 2, 4, 4, 5]))}
-                p.sock.send_multipart(request(b"%d" % n, op, body))
+                p.conn.send_frames(request(b"%d" % n, op, body))
                 for q in peers:
-                    while q.sock.poll(0):
-                        _, _, reply = parse_reply(q.sock.recv_multipart())
+                    while q.conn.poll(0):
+                        _, _, reply = q.conn.recv()
                         if reply.get("ok") and "token" in reply:
                             q.token = reply["token"]
                         if reply.get("ok") and "lease" in reply:
@@ -101,7 +97,7 @@ def test_random_op_sequences_from_many_identities_leave_nothing_behind(blobs, is
             assert stats["internal_errors"] == 0, d.log_text()
             assert stats["bad_requests"] > 0  # the sequence did reach the error paths
             for p in peers:
-                p.sock.send_multipart(request(b"bye", Op.GOODBYE, {}))
+                p.conn.send_frames(request(b"bye", Op.GOODBYE, {}))
             wait_until(lambda: _counters(d.stats(), "clients", "leases", "leased_rows",
                                          "queued") == dict(clients=0, leases=0, leased_rows=0,
                                                            queued=0),
@@ -110,8 +106,7 @@ def test_random_op_sequences_from_many_identities_leave_nothing_behind(blobs, is
             assert d.stats()["internal_errors"] == 0
         finally:
             for p in peers:
-                p.sock.close(linger=0)
-            ctx.term()
+                p.conn.close()
 
 
 def test_forged_heartbeats_do_not_keep_a_silent_client_alive(blobs, isolated_env):

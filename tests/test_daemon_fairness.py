@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-import zmq
 
 from expertd.connection import Connection
 from expertd.errors import DaemonError
 from expertd.protocol import ErrorCode, Op
+from expertd.wire import ConnectionLost
 from harness import (TINY_CACHE_GB, Daemon, RawClient, expected_bytes, query_stats,
                      read_json_line, spawn_client, stop_process, wait_until)
 
@@ -145,42 +145,36 @@ def _rss_minus_arena(pid: int, arena_bytes: int) -> int:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 def test_100000_hostile_frames_leave_memory_under_the_bar(blobs, isolated_env):
-    """100 000 hostile frames, three of them 100 MB: RSS minus the arena stays under 100 MB."""
+    """100 000 hostile messages, three of them 100 MB: RSS minus the arena stays under 100 MB,
+    and the daemon drops the connection of each 100 MB one before reading it."""
     rng = __import__("random").Random(7)
     big = b"\xff" * (100 << 20)
     with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
         arena = d.ready["arena_bytes"]
         before = _rss_minus_arena(d.pid, arena)
         with Connection(blobs) as conn:
-            endpoint = conn.endpoint
-        ctx = zmq.Context()
-        try:
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.connect(endpoint)
             for i in range(100_000):
                 if i in (10_000, 50_000, 90_000):
-                    frames = [b"r", bytes([Op.DEMAND]), big]
+                    with Connection(blobs) as one:
+                        one.send_frames([b"r", bytes([Op.DEMAND]), big])
+                        with pytest.raises(ConnectionLost):
+                            one.poll(30.0)
+                    continue
+                kind = rng.randrange(4)
+                if kind == 0:
+                    frames = [os.urandom(rng.randrange(1, 64))]
+                elif kind == 1:
+                    frames = [b"r" * rng.randrange(0, 40), bytes([rng.randrange(256)]),
+                              os.urandom(rng.randrange(0, 2048))]
+                elif kind == 2:
+                    frames = [os.urandom(8)] * rng.randrange(2, 9)
                 else:
-                    kind = rng.randrange(4)
-                    if kind == 0:
-                        frames = [os.urandom(rng.randrange(1, 64))]
-                    elif kind == 1:
-                        frames = [b"r" * rng.randrange(0, 40), bytes([rng.randrange(256)]),
-                                  os.urandom(rng.randrange(0, 2048))]
-                    elif kind == 2:
-                        frames = [os.urandom(8)] * rng.randrange(2, 9)
-                    else:
-                        frames = [b"rid", bytes([Op.DEMAND]), b"\xdf" + os.urandom(60_000)]
-                sock.send_multipart(frames, copy=False)
-                while sock.poll(0):
-                    sock.recv_multipart()
+                    frames = [b"rid", bytes([Op.DEMAND]), b"\xdf" + os.urandom(60_000)]
+                conn.send_frames(frames)
+                while conn.poll(0):
+                    conn.recv()
                 if i % 1000 == 999:
                     query_stats(blobs)  # keeps the sender from running far ahead
-            sock.close(linger=0)
-        finally:
-            ctx.term()
         stats = query_stats(blobs)
         assert d.proc.poll() is None and stats["bad_requests"] > 50_000
         after = _rss_minus_arena(d.pid, arena)

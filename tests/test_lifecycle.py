@@ -317,7 +317,7 @@ def test_detached_daemon_logs_to_a_rotating_file(models, isolated_env):
         with open(paths.log, "ab") as f:  # bring it to its 5 MiB limit
             f.write((b"x" * 99 + b"\n") * (5 * 2**20 // 100 + 1))
         with Connection(blobs) as conn:
-            conn.sock.send_multipart([b"not a request"])  # logged as a bad request
+            conn.send_frames([b"not a request"])  # logged as a bad request
             wait_until(lambda: Path(f"{paths.log}.1").exists(), 10, "the log to rotate")
         assert Path(f"{paths.log}.1").stat().st_size >= 5 * 2**20
         wait_until(lambda: "bad request" in paths.log.read_text(), 10, "the new log's line")

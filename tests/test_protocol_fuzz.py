@@ -1,28 +1,31 @@
 """Garbage on the wire never takes expertd down (design invariant 4).
 
-One real daemon serves the whole module; a raw ZeroMQ DEALER sends it hand-written and
-hypothesis-generated malformed messages. After each message the peer sends a STATS request and
-reads every reply up to its answer, so the daemon has handled the message and every error reply
-it caused has arrived (ZeroMQ keeps a peer's messages in order).
+One real daemon serves the whole module; a raw peer sends it hand-written and
+hypothesis-generated malformed messages, and bytes that are not messages at all. After each
+message the peer sends a STATS request and reads every reply up to its answer, so the daemon
+has handled the message and every error reply it caused has arrived (one connection's messages
+are handled in order).
 """
 
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
 import msgpack
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from expertd.connection import Connection
 from harness import (SMALL_CACHE_GB, RawClient, expected_bytes, query_stats, running_daemon,
                      wait_until)
 from expertd.paths import daemon_paths
 from expertd.errors import ProtocolError
 from expertd.protocol import (CLIENT_ID_BYTES, MAX_BODY, MAX_REQUEST_ID, PROTOCOL_VERSION,
                               ErrorCode, Op, unpack)
+from expertd.wire import MAGIC, ConnectionLost, decode, encode
 
 SYNC_PREFIX = b"\xfe\xedsync"
 OPS = {int(op) for op in Op}
@@ -47,15 +50,11 @@ def daemon(models, tmp_path_factory):
 
 
 class Peer:
-    """A raw DEALER socket; ``sync`` collects the replies to everything sent before it."""
+    """A raw connection; ``sync`` collects the replies to everything sent before it."""
 
     def __init__(self, blob_dir, hello: bool = True):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
         self.identity = os.urandom(CLIENT_ID_BYTES)
-        self.sock.setsockopt(zmq.ROUTING_ID, self.identity)
-        self.sock.connect(daemon_paths(blob_dir).endpoint)
+        self.conn = Connection(blob_dir, client_id=self.identity)
         self.n_sync = 0
         self.leases_released = 0
         if hello:
@@ -65,7 +64,7 @@ class Peer:
             assert [r[2]["ok"] for r in replies if r[0] == b"hello"] == [True]
 
     def send(self, frames: list) -> None:
-        self.sock.send_multipart(frames)
+        self.conn.send_frames(frames)
 
     def sync(self, timeout: float = 10.0) -> list:
         """Send a STATS marker; return ``[(rid, op, body)]`` of every reply that came before it.
@@ -77,14 +76,14 @@ class Peer:
         self.send([marker, bytes([Op.STATS]), _pack({})])
         replies = []
         while True:
-            assert self.sock.poll(int(timeout * 1000)), "expertd stopped answering"
+            assert self.conn.poll(timeout), "expertd stopped answering"
             rid, op, body = self._receive()
             if rid == marker and body.get("ok") and "pid" in body:
                 return replies
             replies.append((rid, op, body))
 
     def _receive(self) -> tuple:
-        frames = self.sock.recv_multipart()
+        frames = self.conn.channel.recv()
         assert len(frames) == 3, frames
         rid, op, raw = frames
         assert len(rid) <= MAX_REQUEST_ID and len(op) == 1
@@ -107,8 +106,7 @@ class Peer:
         return replies[0][2]
 
     def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
+        self.conn.close()
 
 
 def reply_to(replies: list, rid: bytes) -> dict:
@@ -157,8 +155,8 @@ def test_malformed_requests_get_error_replies(daemon, peer):
                ErrorCode.BAD_REQUEST)
     _error(peer.call(Op.HELLO, {"version": PROTOCOL_VERSION + 1, "client": peer.identity,
                                 "pid": 1}), ErrorCode.VERSION)
-    # A larger body never reaches Python (ZeroMQ's MAXMSGSIZE drops the peer, see below);
-    # the decoder refuses it too, should a socket ever be set up without that limit.
+    # A larger message is never read (the daemon drops the peer at its length, see below);
+    # the decoder refuses a larger body too.
     with pytest.raises(ProtocolError, match="exceeds"):
         unpack(b"\x00" * (MAX_BODY + 1))
 
@@ -182,10 +180,12 @@ def test_malformed_requests_get_error_replies(daemon, peer):
 
 @pytest.mark.timeout(60)
 def test_message_over_the_size_limit_drops_only_that_peer(daemon, peer):
-    bad_before = query_stats(daemon.blob_dir)["bad_requests"]
+    before = query_stats(daemon.blob_dir)
     big = Peer(daemon.blob_dir)
     try:
         big.send([b"big", bytes([Op.DEMAND]), b"\x00" * (1 << 20) + b"\x00" * 4096])
+        with pytest.raises(ConnectionLost):  # dropped at the message's length
+            big.conn.poll(10.0)
         # The other peers are served as before.
         assert peer.call(Op.STATS, {})["ok"]
     finally:
@@ -195,9 +195,71 @@ def test_message_over_the_size_limit_drops_only_that_peer(daemon, peer):
         assert fresh.call(Op.DEMAND, {"layer": 0, "experts": [0, 1]})["ok"]
     finally:
         fresh.close()
-    # ZeroMQ dropped the message before the daemon saw it.
-    assert query_stats(daemon.blob_dir)["bad_requests"] == bad_before
+    after = query_stats(daemon.blob_dir)
+    assert after["bad_requests"] == before["bad_requests"]  # none of it was parsed
+    assert after["peers_dropped"] == before["peers_dropped"] + 1
     assert daemon.proc.poll() is None
+
+
+def _raw(blob_dir) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10.0)
+    sock.connect(str(daemon_paths(blob_dir).socket))
+    return sock
+
+
+def _dropped(sock: socket.socket) -> bool:
+    """Whether the daemon closed the connection (it sends nothing to a peer it drops)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.timeout(60)
+def test_bytes_that_are_not_the_wire_drop_only_that_peer(daemon, peer):
+    """A wrong greeting, a routing id already taken, a message of 4 GiB and frame lengths
+    that do not add up: each costs its sender the connection or an error reply, and the
+    peers that keep the rules are served meanwhile."""
+    before = query_stats(daemon.blob_dir)["peers_dropped"]
+    cases = [b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64,  # not our magic
+             MAGIC + peer.identity + encode([b"r", bytes([Op.STATS]), _pack({})]),  # taken
+             MAGIC + os.urandom(CLIENT_ID_BYTES) + b"\xff\xff\xff\xff"]  # 4 GiB announced
+    for data in cases:
+        with _raw(daemon.blob_dir) as sock:
+            sock.sendall(data)
+            assert _dropped(sock), data[:24]
+        assert peer.call(Op.STATS, {})["ok"]
+    assert query_stats(daemon.blob_dir)["peers_dropped"] == before + len(cases)
+
+    # Lengths that do not tile the message: an error reply, and the stream stays in step.
+    with _raw(daemon.blob_dir) as sock:
+        payload = b"\x05\x00\x00\x00abc"  # a frame of 5 bytes, 3 of them there
+        sock.sendall(MAGIC + os.urandom(CLIENT_ID_BYTES) + len(payload).to_bytes(4, "little")
+                     + payload + encode([b"next", bytes([Op.STATS]), _pack({})]))
+        replies = []
+        while len(replies) < 2:
+            replies += _messages_in(sock)
+        assert replies[0][2]["code"] == ErrorCode.BAD_FRAME, replies
+        assert replies[1][0] == b"next" and replies[1][2]["ok"], replies
+
+    # Half a greeting, then silence: nothing waits for it.
+    with _raw(daemon.blob_dir) as silent:
+        silent.sendall(MAGIC[:2])
+        assert peer.call(Op.STATS, {})["ok"]
+    assert daemon.proc.poll() is None
+
+
+def _messages_in(sock: socket.socket) -> list:
+    """The replies in what one recv gives (the test's replies are small: whole in one)."""
+    data, replies = sock.recv(1 << 16), []
+    while data:
+        n = int.from_bytes(data[:4], "little")
+        frames, count = decode(data[4:4 + n], 3)
+        assert count == 3, data
+        replies.append((frames[0], frames[1], msgpack.unpackb(frames[2], raw=False)))
+        data = data[4 + n:]
+    return replies
 
 
 # ---- generated cases -------------------------------------------------------------------------

@@ -1,0 +1,264 @@
+"""The daemon's end of the wire: one listening Unix socket and every peer on it, each held to
+a bounded share of the daemon's memory.
+
+What bounds it (see wire.py for the format):
+- a peer's inbox holds at most one message, and a message's length is known from its first
+  four bytes: one longer than any request is refused before a byte of it is kept;
+- a peer is read only while its message is incomplete, so a flood waits in its sender's kernel
+  buffers, not here;
+- a reply its peer does not read stays at most OUTBOX_LIMIT here before the peer is dropped;
+- at most ``max_peers`` connections; past that, a new one replaces the oldest peer that has
+  not proved itself a client (a hello, or a heartbeat of a known client), so a flood of
+  connections cannot lock ``expertd status`` out, and never a client that has.
+
+Worst case: max_peers x (MAX_REQUEST + READ_MIN + OUTBOX_LIMIT + a reply), about 60 MB at the
+defaults, whatever the peers send.
+"""
+
+import errno
+import os
+import selectors
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from .protocol import MAX_BODY, MAX_REQUEST_ID
+from .wire import GREETING_BYTES, LENGTH, MAGIC, decode, encode, message_length
+
+# The largest request: a body at its limit, the longest request id, the op, three lengths.
+MAX_REQUEST = MAX_BODY + MAX_REQUEST_ID + 1 + 3 * LENGTH.size
+READ_MIN = 4096  # read at least this much at once (many small requests, few system calls)
+OUTBOX_LIMIT = 64 << 10  # unsent replies a peer may leave before it is dropped
+MAX_PEERS = 256
+PER_PEER_ROUND = 8  # messages taken from one peer before the others get their turn
+ACCEPT_ROUND = 64
+ACCEPT_PAUSE = 0.1  # out of descriptors: stop accepting this long
+KEEP_FRAMES = 3  # a request's frames; more are counted, never copied
+
+
+@dataclass(eq=False)
+class Peer:
+    sock: socket.socket
+    identity: bytes | None = None  # from the greeting
+    inbox: bytearray = None
+    outbox: bytearray = None
+    trusted: bool = False  # said hello, or heartbeats for a known client
+    writing: bool = False  # the selector watches it for room to write
+    queued: bool = False  # in Peers._ready
+
+    def __post_init__(self):
+        self.inbox, self.outbox = bytearray(), bytearray()
+
+
+@dataclass(frozen=True)
+class Message:
+    """One request as read: its first frames, and how many it had (-1: their lengths did not
+    tile the message)."""
+
+    identity: bytes
+    frames: list
+    count: int
+
+
+class Peers:
+    """The listening socket at ``path`` (created 0600) and its peers.
+
+    Extra descriptors (the fill pool's wake-up pipe) are watched with :meth:`watch`; one
+    :meth:`poll` returns those that are ready and the requests read.
+    """
+
+    def __init__(self, path: str, max_peers: int = MAX_PEERS):
+        self.max_peers = max_peers
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket file is created 0600
+        try:
+            self.listener.bind(path)
+        except BaseException:
+            self.listener.close()
+            raise
+        finally:
+            os.umask(old)
+        self.listener.listen(128)
+        self.listener.setblocking(False)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, self)
+        self._peers: dict = {}  # fileno -> Peer, oldest first
+        self._named: dict = {}  # routing id -> Peer
+        self._ready: deque = deque()  # peers with a whole message still in their inbox
+        self._accept_again = 0.0
+        self.counters = dict(peers_refused=0, peers_dropped=0, peers_replaced=0)
+
+    @property
+    def count(self) -> int:
+        return len(self._peers)
+
+    def watch(self, fd: int, tag) -> None:
+        self.selector.register(fd, selectors.EVENT_READ, tag)
+
+    def poll(self, timeout: float, limit: int) -> tuple:
+        """Wait up to ``timeout`` s; returns ``(watched tags ready, up to limit Messages)``."""
+        now = time.monotonic()
+        if self._accept_again and now >= self._accept_again:
+            self._accept_again = 0.0
+            self.selector.register(self.listener, selectors.EVENT_READ, self)
+        tags, messages = [], []
+        for key, mask in self.selector.select(0 if self._ready else timeout):
+            data = key.data
+            if data is self:
+                self._accept()
+            elif isinstance(data, Peer):
+                if mask & selectors.EVENT_WRITE:
+                    self._flush(data)
+                if mask & selectors.EVENT_READ and data.sock.fileno() >= 0:
+                    self._read(data)
+            else:
+                tags.append(data)
+        for _ in range(len(self._ready)):
+            if len(messages) >= limit:
+                break
+            peer = self._ready.popleft()
+            peer.queued = peer.sock.fileno() >= 0 and self._take(peer, messages, limit)
+            if peer.queued:
+                self._ready.append(peer)
+        return tags, messages
+
+    def send(self, identity: bytes, frames: list) -> None:
+        """Queue a reply; one to a peer that is gone is dropped (it times out and retries)."""
+        peer = self._named.get(identity)
+        if peer is None:
+            return
+        if peer.outbox and len(peer.outbox) > OUTBOX_LIMIT:
+            self._drop(peer)  # it does not read its replies
+            return
+        peer.outbox += encode(frames)
+        self._flush(peer)
+
+    def trust(self, identity: bytes) -> None:
+        """The peer proved itself a client: it is never replaced by a new connection."""
+        peer = self._named.get(identity)
+        if peer is not None:
+            peer.trusted = True
+
+    def close(self) -> None:
+        for peer in list(self._peers.values()):
+            self._drop(peer, counted=False)
+        self.selector.close()
+        self.listener.close()
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_ROUND):
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.selector.unregister(self.listener)
+                    self._accept_again = time.monotonic() + ACCEPT_PAUSE
+                return  # ECONNABORTED and the like: that peer is gone already
+            if len(self._peers) >= self.max_peers:
+                victim = next((p for p in self._peers.values() if not p.trusted), None)
+                if victim is None:
+                    sock.close()
+                    self.counters["peers_refused"] += 1
+                    continue
+                self._drop(victim, counted=False)
+                self.counters["peers_replaced"] += 1
+            sock.setblocking(False)
+            peer = Peer(sock)
+            self._peers[sock.fileno()] = peer
+            self.selector.register(sock, selectors.EVENT_READ, peer)
+
+    def _read(self, peer: Peer) -> None:
+        """Read what completes the greeting or the message in progress, no more than a
+        READ_MIN past it; then take whole messages."""
+        if peer.identity is None:
+            need = GREETING_BYTES - len(peer.inbox)
+        else:
+            n = message_length(peer.inbox)
+            if n is not None and n > MAX_REQUEST:
+                self._drop(peer)  # longer than any request: none of it is read
+                return
+            need = LENGTH.size - len(peer.inbox) if n is None else LENGTH.size + n - len(peer.inbox)
+        if need <= 0:
+            return  # a whole message waits its turn in _ready
+        try:
+            chunk = peer.sock.recv(max(need, READ_MIN))
+        except BlockingIOError:
+            return
+        except OSError:
+            self._drop(peer, counted=False)
+            return
+        if not chunk:
+            self._drop(peer, counted=False)
+            return
+        peer.inbox += chunk
+        if peer.identity is None:
+            if len(peer.inbox) < GREETING_BYTES:
+                return
+            if peer.inbox[:len(MAGIC)] != MAGIC:
+                self._drop(peer)  # not one of ours (or another wire version)
+                return
+            identity = bytes(peer.inbox[len(MAGIC):GREETING_BYTES])
+            if identity in self._named:
+                self._drop(peer)  # the routing id is taken: replies must reach one peer
+                return
+            del peer.inbox[:GREETING_BYTES]
+            peer.identity = identity
+            self._named[identity] = peer
+        if not peer.queued:
+            peer.queued = True
+            self._ready.append(peer)
+
+    def _take(self, peer: Peer, messages: list, limit: int) -> bool:
+        """Move up to PER_PEER_ROUND whole messages of ``peer`` into ``messages``; whether a
+        whole one is left."""
+        for _ in range(PER_PEER_ROUND):
+            n = message_length(peer.inbox)
+            if n is None:
+                return False
+            if n > MAX_REQUEST:
+                self._drop(peer)  # longer than any request: none of it is read
+                return False
+            if len(peer.inbox) < LENGTH.size + n:
+                return False
+            if len(messages) >= limit:
+                return True
+            frames, count = decode(memoryview(peer.inbox)[LENGTH.size:LENGTH.size + n],
+                                   KEEP_FRAMES)
+            del peer.inbox[:LENGTH.size + n]
+            messages.append(Message(peer.identity, frames, count))
+        n = message_length(peer.inbox)
+        return n is not None and len(peer.inbox) >= LENGTH.size + n
+
+    def _flush(self, peer: Peer) -> None:
+        try:
+            while peer.outbox:
+                sent = peer.sock.send(peer.outbox)
+                del peer.outbox[:sent]
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._drop(peer, counted=False)
+            return
+        writing = bool(peer.outbox)
+        if writing != peer.writing:
+            peer.writing = writing
+            self.selector.modify(peer.sock, selectors.EVENT_READ
+                                 | (selectors.EVENT_WRITE if writing else 0), peer)
+
+    def _drop(self, peer: Peer, counted: bool = True) -> None:
+        """Close a peer: one that broke the wire's rules (``counted``), or one that left."""
+        if peer.sock.fileno() < 0:
+            return
+        self.counters["peers_dropped"] += counted
+        self._peers.pop(peer.sock.fileno(), None)
+        if peer.identity is not None and self._named.get(peer.identity) is peer:
+            del self._named[peer.identity]
+        self.selector.unregister(peer.sock)
+        peer.sock.close()
+        peer.inbox = peer.outbox = bytearray()
+

@@ -1,0 +1,204 @@
+"""The wire under the protocol: frames in length-prefixed messages over a Unix stream socket.
+
+A connection opens with a greeting, ``MAGIC`` and the peer's 16-byte routing id (a ROUTER's
+identity, as in ZeroMQ). Each message is then a little-endian u32 payload length and the
+payload: its frames, each a u32 length and its bytes.
+
+Why not ZeroMQ: a ROUTER socket assembles a multipart message whole, in memory, before the
+daemon sees any of it (MAXMSGSIZE bounds one frame, RCVHWM counts messages), and it cannot
+refuse a peer. One hostile local client took the daemon past a gigabyte that way. Here the
+daemon reads each peer itself (see peers.py): it knows a message's length from its first four
+bytes, so no peer ever holds more than one bounded message of the daemon's memory.
+
+This module has the format and the client's end of a connection (:class:`Channel`).
+"""
+
+import selectors
+import socket
+import struct
+import time
+
+from .errors import DaemonError
+
+MAGIC = b"XPD\x01"  # the last byte is the wire's version
+IDENTITY_BYTES = 16
+GREETING_BYTES = len(MAGIC) + IDENTITY_BYTES
+LENGTH = struct.Struct("<I")
+MAX_REPLY = 64 << 20  # a daemon's reply (STATS of a very large model is well under this)
+READ_CHUNK = 256 << 10
+QUIET_OUTBOX = 1 << 20  # a fire-and-forget message is dropped past this much unsent
+
+
+class ConnectionLost(DaemonError):
+    """The daemon closed the connection, or it broke."""
+
+
+def encode(frames) -> bytes:
+    """One message: the payload's length, then each frame's length and bytes."""
+    parts = [b""]
+    for frame in frames:
+        parts.append(LENGTH.pack(len(frame)))
+        parts.append(bytes(frame))
+    parts[0] = LENGTH.pack(sum(map(len, parts)))
+    return b"".join(parts)
+
+
+def decode(payload, keep: int) -> tuple:
+    """A message's frames -> ``(the first keep frames, how many it has)``; the count is -1
+    when the lengths do not tile the payload. Frames past ``keep`` are counted, not copied."""
+    view = memoryview(payload)
+    frames, count, at = [], 0, 0
+    while at < len(view):
+        if len(view) - at < LENGTH.size:
+            return frames, -1
+        (n,) = LENGTH.unpack_from(view, at)
+        at += LENGTH.size
+        if n > len(view) - at:
+            return frames, -1
+        if count < keep:
+            frames.append(bytes(view[at:at + n]))
+        count += 1
+        at += n
+    return frames, count
+
+
+def message_length(buffer) -> int | None:
+    """The payload length a buffer's message header gives, or None while it is incomplete."""
+    if len(buffer) < LENGTH.size:
+        return None
+    return LENGTH.unpack_from(buffer)[0]
+
+
+class Channel:
+    """The client's end of one connection: frames out and in, never blocking past a timeout.
+
+    One thread uses a channel at a time (the owner hands it over with a lock).
+
+    Raises:
+        FileNotFoundError, ConnectionRefusedError: no daemon listens at ``path``.
+    """
+
+    def __init__(self, path: str, identity: bytes, connect_timeout: float = 5.0):
+        if len(identity) != IDENTITY_BYTES:
+            raise ValueError(f"a routing id is {IDENTITY_BYTES} bytes, not {len(identity)}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(connect_timeout)  # a daemon whose backlog is full
+            sock.connect(path)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(sock, selectors.EVENT_READ)
+        self._writing = False
+        self._out = bytearray(MAGIC + identity)
+        self._in = bytearray()
+        self.lost: str | None = None
+        self._flush()
+
+    def send(self, frames, quiet: bool = False) -> bool:
+        """Queue one message and write what the socket takes now. With ``quiet`` the message
+        is dropped (False) when the daemon has left a megabyte unread: it is flooded or gone."""
+        if quiet and len(self._out) > QUIET_OUTBOX:
+            return False
+        self._check()
+        self._out += encode(frames)
+        self._flush()
+        return True
+
+    def poll(self, timeout: float) -> bool:
+        """Whether a whole message has come, waiting up to ``timeout`` s for one (and writing
+        what is queued meanwhile).
+
+        Raises:
+            ConnectionLost: the daemon closed the connection.
+        """
+        deadline = time.monotonic() + timeout
+        while not self._whole():
+            self._check()
+            left = max(0.0, deadline - time.monotonic())
+            events = self._selector.select(left)
+            for _, mask in events:
+                if mask & selectors.EVENT_WRITE:
+                    self._flush()
+                if mask & selectors.EVENT_READ:
+                    self._read()
+            if left == 0 and not events:
+                return False
+        return True
+
+    def recv(self) -> list:
+        """The frames of the message :meth:`poll` found (call it first)."""
+        n = message_length(self._in)
+        frames, count = decode(memoryview(self._in)[LENGTH.size:LENGTH.size + n], 1 << 30)
+        del self._in[:LENGTH.size + n]
+        if count < 0:
+            self._lose("the daemon sent a malformed message")
+            self._check()
+        return frames
+
+    def drain(self, timeout: float) -> None:
+        """Write what is queued, waiting up to ``timeout`` s for room."""
+        deadline = time.monotonic() + timeout
+        while self._out and self.lost is None and self.sock.fileno() >= 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            with selectors.DefaultSelector() as selector:
+                selector.register(self.sock, selectors.EVENT_WRITE)
+                if selector.select(left):
+                    self._flush()
+
+    def close(self) -> None:
+        """Idempotent: unsent messages are dropped (nobody waits for them any more)."""
+        if self.sock.fileno() >= 0:
+            self._selector.close()
+            self.sock.close()
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _whole(self) -> bool:
+        n = message_length(self._in)
+        return n is not None and len(self._in) >= LENGTH.size + n
+
+    def _check(self) -> None:
+        if self.lost is not None:
+            raise ConnectionLost(self.lost)
+
+    def _lose(self, why: str) -> None:
+        if self.lost is None:
+            self.lost = why
+            self._out.clear()
+
+    def _flush(self) -> None:
+        try:
+            while self._out:
+                sent = self.sock.send(self._out)
+                del self._out[:sent]
+        except BlockingIOError:
+            pass
+        except OSError as exc:  # EPIPE, ECONNRESET: the daemon is gone
+            self._lose(f"the connection to expertd broke ({exc.strerror or exc})")
+        writing = bool(self._out) and self.lost is None
+        if writing != self._writing and self.sock.fileno() >= 0:
+            self._writing = writing
+            self._selector.modify(self.sock, selectors.EVENT_READ
+                                  | (selectors.EVENT_WRITE if writing else 0))
+
+    def _read(self) -> None:
+        try:
+            chunk = self.sock.recv(READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._lose(f"the connection to expertd broke ({exc.strerror or exc})")
+            return
+        if not chunk:
+            self._lose("expertd closed the connection")
+            return
+        self._in += chunk
+        n = message_length(self._in)
+        if n is not None and n > MAX_REPLY:
+            self._lose(f"expertd sent a message of {n} bytes (at most {MAX_REPLY})")
