@@ -31,8 +31,8 @@ MAX_REQUEST = MAX_BODY + MAX_REQUEST_ID + 1 + 3 * LENGTH.size
 READ_MIN = 4096  # read at least this much at once (many small requests, few system calls)
 OUTBOX_LIMIT = 64 << 10  # unsent replies a peer may leave before it is dropped
 MAX_PEERS = 256
-PER_PEER_ROUND = 8  # messages taken from one peer before the others get their turn
-ACCEPT_ROUND = 64
+PER_PEER_ROUND = 1  # messages taken from one peer before the others get their turn
+ACCEPT_ROUND = 256  # the whole backlog: a client waits behind at most one round of a flood
 ACCEPT_PAUSE = 0.1  # out of descriptors: stop accepting this long
 KEEP_FRAMES = 3  # a request's frames; more are counted, never copied
 
@@ -79,7 +79,7 @@ class Peers:
             raise
         finally:
             os.umask(old)
-        self.listener.listen(128)
+        self.listener.listen(ACCEPT_ROUND)
         self.listener.setblocking(False)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, self)
@@ -160,7 +160,9 @@ class Peers:
                     self._accept_again = time.monotonic() + ACCEPT_PAUSE
                 return  # ECONNABORTED and the like: that peer is gone already
             if len(self._peers) >= self.max_peers:
-                victim = next((p for p in self._peers.values() if not p.trusted), None)
+                # The oldest that is neither a client nor about to be answered.
+                victim = next((p for p in self._peers.values()
+                               if not p.trusted and not p.queued), None)
                 if victim is None:
                     sock.close()
                     self.counters["peers_refused"] += 1
@@ -171,6 +173,9 @@ class Peers:
             peer = Peer(sock)
             self._peers[sock.fileno()] = peer
             self.selector.register(sock, selectors.EVENT_READ, peer)
+            # A client sends its greeting and request as it connects: read them now, before a
+            # flood of newer connections could replace this one.
+            self._read(peer)
 
     def _read(self, peer: Peer) -> None:
         """Read what completes the greeting or the message in progress, no more than a

@@ -16,6 +16,7 @@ This module has the format and the client's end of a connection (:class:`Channel
 import selectors
 import socket
 import struct
+import sys
 import time
 
 from .errors import DaemonError
@@ -69,6 +70,28 @@ def message_length(buffer) -> int | None:
     return LENGTH.unpack_from(buffer)[0]
 
 
+def _connect(sock: socket.socket, path: str, timeout: float) -> None:
+    """Connect without blocking, trying again while the daemon's backlog is full for up to
+    ``timeout`` s: Linux says EAGAIN then and offers nothing to wait on; macOS says
+    ECONNREFUSED, as for a socket nobody listens on, so there it is tried for half a second."""
+    sock.setblocking(False)
+    start = time.monotonic()
+    pause = 0.001
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() + pause > start + timeout:
+                raise TimeoutError(f"the daemon at {path} accepted no connection within "
+                                   f"{timeout:g} s") from None
+        except ConnectionRefusedError:
+            if sys.platform != "darwin" or time.monotonic() + pause > start + min(timeout, 0.5):
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+
+
 class Channel:
     """The client's end of one connection: frames out and in, never blocking past a timeout.
 
@@ -83,9 +106,7 @@ class Channel:
             raise ValueError(f"a routing id is {IDENTITY_BYTES} bytes, not {len(identity)}")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(connect_timeout)  # a daemon whose backlog is full
-            sock.connect(path)
-            sock.setblocking(False)
+            _connect(sock, path, connect_timeout)
         except BaseException:
             sock.close()
             raise
