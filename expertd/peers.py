@@ -7,9 +7,10 @@ What bounds it (see wire.py for the format):
 - a peer is read only while its message is incomplete, so a flood waits in its sender's kernel
   buffers, not here;
 - a reply its peer does not read stays at most OUTBOX_LIMIT here before the peer is dropped;
-- at most ``max_peers`` connections; past that, a new one replaces the oldest peer that has
-  not proved itself a client (a hello, or a heartbeat of a known client), so a flood of
-  connections cannot lock ``expertd status`` out, and never a client that has.
+- at most ``max_peers`` connections; past that (or out of descriptors), a new one replaces the
+  oldest peer that is not a client's (the server marks those: a hello, or a heartbeat of a
+  known client), so a flood of connections cannot lock ``expertd status`` out. Clients are
+  at most MAX_CLIENTS, two connections each, so RESERVED_PEERS always stay for the rest.
 
 Worst case: max_peers x (MAX_REQUEST + READ_MIN + OUTBOX_LIMIT + a reply), about 60 MB at the
 defaults, whatever the peers send.
@@ -31,6 +32,8 @@ MAX_REQUEST = MAX_BODY + MAX_REQUEST_ID + 1 + 3 * LENGTH.size
 READ_MIN = 4096  # read at least this much at once (many small requests, few system calls)
 OUTBOX_LIMIT = 64 << 10  # unsent replies a peer may leave before it is dropped
 MAX_PEERS = 256
+RESERVED_PEERS = 64  # never a client's: for status, and for new clients' hellos
+MAX_CLIENTS = (MAX_PEERS - RESERVED_PEERS) // 2  # a client has its own and its heartbeat's
 PER_PEER_ROUND = 1  # messages taken from one peer before the others get their turn
 ACCEPT_ROUND = 256  # the whole backlog: a client waits behind at most one round of a flood
 ACCEPT_PAUSE = 0.1  # out of descriptors: stop accepting this long
@@ -70,6 +73,7 @@ class Peers:
 
     def __init__(self, path: str, max_peers: int = MAX_PEERS):
         self.max_peers = max_peers
+        self.gone: list = []  # routing ids of the peers closed since the server last looked
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket file is created 0600
         try:
@@ -135,10 +139,16 @@ class Peers:
         self._flush(peer)
 
     def trust(self, identity: bytes) -> None:
-        """The peer proved itself a client: it is never replaced by a new connection."""
+        """The peer is a client's: it is never replaced by a new connection."""
         peer = self._named.get(identity)
         if peer is not None:
             peer.trusted = True
+
+    def close_peer(self, identity: bytes) -> None:
+        """Close the connection of ``identity`` (its client is forgotten)."""
+        peer = self._named.get(identity)
+        if peer is not None:
+            self._drop(peer, counted=False)
 
     def close(self) -> None:
         for peer in list(self._peers.values()):
@@ -155,20 +165,17 @@ class Peers:
             except BlockingIOError:
                 return
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self.selector.unregister(self.listener)
-                    self._accept_again = time.monotonic() + ACCEPT_PAUSE
-                return  # ECONNABORTED and the like: that peer is gone already
-            if len(self._peers) >= self.max_peers:
-                # The oldest that is neither a client nor about to be answered.
-                victim = next((p for p in self._peers.values()
-                               if not p.trusted and not p.queued), None)
-                if victim is None:
-                    sock.close()
-                    self.counters["peers_refused"] += 1
-                    continue
-                self._drop(victim, counted=False)
-                self.counters["peers_replaced"] += 1
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    return  # ECONNABORTED and the like: that peer is gone already
+                if self._replace_one():
+                    continue  # a descriptor is free again
+                self.selector.unregister(self.listener)
+                self._accept_again = time.monotonic() + ACCEPT_PAUSE
+                return
+            if len(self._peers) >= self.max_peers and not self._replace_one():
+                sock.close()
+                self.counters["peers_refused"] += 1
+                continue
             sock.setblocking(False)
             peer = Peer(sock)
             self._peers[sock.fileno()] = peer
@@ -176,6 +183,15 @@ class Peers:
             # A client sends its greeting and request as it connects: read them now, before a
             # flood of newer connections could replace this one.
             self._read(peer)
+
+    def _replace_one(self) -> bool:
+        """Close the oldest peer that is neither a client's nor about to be answered."""
+        victim = next((p for p in self._peers.values() if not p.trusted and not p.queued), None)
+        if victim is None:
+            return False
+        self._drop(victim, counted=False)
+        self.counters["peers_replaced"] += 1
+        return True
 
     def _read(self, peer: Peer) -> None:
         """Read what completes the greeting or the message in progress, no more than a
@@ -263,6 +279,7 @@ class Peers:
         self._peers.pop(peer.sock.fileno(), None)
         if peer.identity is not None and self._named.get(peer.identity) is peer:
             del self._named[peer.identity]
+            self.gone.append(peer.identity)
         self.selector.unregister(peer.sock)
         peer.sock.close()
         peer.inbox = peer.outbox = bytearray()

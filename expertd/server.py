@@ -20,7 +20,7 @@ from .errors import ProtocolError
 from .hotset import load_hot_set, read_pin_file, save_hot_set
 from .io import FillPool
 from .leases import Demand, LeaseBook
-from .peers import Peers
+from .peers import MAX_CLIENTS, Peers
 from .protocol import PROTOCOL_VERSION, ErrorCode, Op, parse_request, reply_error, reply_ok
 from .shm.layout import Arena, Geometry
 from .units import size_text
@@ -80,12 +80,14 @@ class ExpertServer:
                                      prefetch=config.prefetch, top_k=m.top_k,
                                      side_hold=config.side_hold)
             self.policy = self.cache.policy
-            self.clients = ClientRegistry(config.client_timeout)
+            self.clients = ClientRegistry(config.client_timeout, MAX_CLIENTS)
+            self._beats: dict = {}  # a heartbeat connection's routing id -> its client's
+            self._quiet_until, self._unlogged = 0.0, 0  # bad requests: a log line a second
             self._ticks = 0
             self.started = time.monotonic()
             self.running = True
             self.counters = dict(bad_requests=0, demands=0, internal_errors=0, busy=0,
-                                 clients_timed_out=0)
+                                 clients_timed_out=0, clients_disconnected=0)
             self.peers = Peers(str(paths.socket))
             try:
                 self.peers.watch(self.pool.wake_fd, WAKE)
@@ -121,6 +123,10 @@ class ExpertServer:
                 self.cache.completions()
             for message in messages:
                 self._dispatch(message.identity, message.frames, message.count)
+            if self.peers.gone:
+                gone, self.peers.gone = self.peers.gone, []
+                for identity in gone:
+                    self._peer_gone(identity)
             if self.cache.room_changed:
                 self.cache.retry_queued(self.clients.__contains__)
             now = time.monotonic()
@@ -173,13 +179,13 @@ class ExpertServer:
             if count < 0:
                 raise ProtocolError("the frame lengths do not add up to the message's",
                                     ErrorCode.BAD_FRAME)
-            if count != len(body):
-                raise ProtocolError(f"expected 3 frames, got {count}")
+            if count > len(body):
+                raise ProtocolError(f"expected 3 frames, got more than {len(body)}")
             rid, op, req = parse_request(body)
             self._handle(identity, rid, op, req)
         except ProtocolError as exc:
             self.counters["bad_requests"] += 1
-            log.warning("bad request from %s: %s", identity.hex()[:12], exc)
+            self._log_bad(identity, exc)
             self._send(identity, reply_error(rid, op_byte, ErrorCode(exc.code), str(exc)))
         except Exception:
             # A bug in a handler: say so in the log and to the client, and keep serving.
@@ -188,13 +194,24 @@ class ExpertServer:
             self._send(identity, reply_error(rid, op_byte, ErrorCode.INTERNAL,
                                              "internal error in expertd (see its log)"))
 
+    def _log_bad(self, identity: bytes, exc: ProtocolError) -> None:
+        """One line a second at most: a flood of bad requests must not rotate the log away."""
+        now = time.monotonic()
+        if now < self._quiet_until:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more since the last line)" if self._unlogged else ""
+        log.warning("bad request from %s: %s%s", identity.hex()[:12], exc, more)
+        self._quiet_until, self._unlogged = now + 1.0, 0
+
     def _handle(self, identity: bytes, rid: bytes, op: Op, req) -> None:
         now = time.monotonic()
         if op is Op.HEARTBEAT:
             known = self.clients.heartbeat(req.client, req.token, now, req.steps,
                                            req.host_waits)
-            if known:
-                self.peers.trust(identity)  # the heartbeat socket of a client
+            if known and identity != req.client:  # a client's heartbeat connection
+                self.peers.trust(identity)
+                self._beats[identity] = req.client
             self._send(identity, reply_ok(rid, op, epoch=self.epoch, known=known))
             return
         if op is Op.HELLO:
@@ -222,7 +239,7 @@ class ExpertServer:
             self._send(identity, reply_ok(rid, op))
             self.running = False
         elif op is Op.GOODBYE:
-            self.cache.forget(self.clients.remove(identity))
+            self._forget(self.clients.remove(identity))
         elif op is Op.RELEASE:
             self.cache.release(req.lease, identity)
         else:
@@ -289,6 +306,27 @@ class ExpertServer:
                     client_timeout=self.config.client_timeout,
                     lease_timeout=self.config.lease_timeout, prefetch=self.config.prefetch)
 
+    # ---- clients' connections --------------------------------------------------------------
+
+    def _peer_gone(self, identity: bytes) -> None:
+        """A connection closed: a client whose own it was is gone with it (a SIGKILLed one
+        too: the kernel closes its socket); a heartbeat's is forgotten."""
+        self._beats.pop(identity, None)
+        client = self.clients.remove(identity)
+        if client is not None:
+            self.counters["clients_disconnected"] += 1
+            self._forget(client)
+
+    def _forget(self, client) -> None:
+        """Drop a client's leases, demands and pins, and close its heartbeat connections (a
+        client's connections are trusted only while it is known)."""
+        if client is None:
+            return
+        self.cache.forget(client)
+        for beat in [b for b, owner in self._beats.items() if owner == client.identity]:
+            del self._beats[beat]
+            self.peers.close_peer(beat)
+
     # ---- housekeeping ----------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
@@ -297,7 +335,8 @@ class ExpertServer:
             log.info("client pid %d timed out; reclaiming its %d leased rows", client.pid,
                      self.cache.book.held(client.identity))
             self.counters["clients_timed_out"] += 1
-            self.cache.forget(client)
+            self._forget(client)
+            self.peers.close_peer(client.identity)  # it was forgotten: it must say hello again
         self.cache.expire(now)
         self._ticks += 1
         if self.config.auto_pin and self._ticks % 10 == 0:
@@ -336,7 +375,8 @@ class ExpertServer:
             queued=book.queued(), lease_expiries=book.expired,
             max_demand=self.max_demand, client_cap=book.client_cap,
             bad_requests=c["bad_requests"], internal_errors=c["internal_errors"],
-            busy=c["busy"], clients_timed_out=c["clients_timed_out"], demands=c["demands"],
+            busy=c["busy"], clients_timed_out=c["clients_timed_out"],
+            clients_disconnected=c["clients_disconnected"], demands=c["demands"],
             in_flight=cache.in_flight, io=self.store.io_mode, io_reason=self.store.io_reason,
             workers=self.config.workers, verify=self.config.verify,
             implementation=native.IMPLEMENTATION, peers=self.peers.count,

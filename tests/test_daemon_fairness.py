@@ -106,7 +106,8 @@ def test_reclaiming_500_leases_keeps_the_daemon_answering(models, isolated_env):
                 stats = wait_until(reclaimed, 20, "the dead client's leases to be reclaimed")
         finally:
             stop_process(holder)
-        assert stats["clients_timed_out"] == 1 and stats["leased_rows"] == 0
+        # The kernel closed its connection: it was forgotten then, not at its timeout.
+        assert stats["clients_disconnected"] == 1 and stats["leased_rows"] == 0
         assert worst < interval, f"a heartbeat took {worst * 1e3:.0f} ms during the reclaim"
 
 

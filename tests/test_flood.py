@@ -16,7 +16,7 @@ import pytest
 
 from expertd.connection import Connection
 from expertd.paths import daemon_paths
-from expertd.peers import MAX_PEERS, MAX_REQUEST
+from expertd.peers import MAX_CLIENTS, MAX_PEERS, MAX_REQUEST
 from expertd.protocol import CLIENT_ID_BYTES, PROTOCOL_VERSION, Op
 from expertd.wire import MAGIC, ConnectionLost
 from harness import TINY_CACHE_GB, Daemon, query_stats, wait_until
@@ -96,7 +96,7 @@ def test_a_message_of_a_gigabyte_is_refused_at_its_length(blobs, isolated_env):
             conn.send_frames(frames)
             assert conn.poll(10.0), "no reply to a message of many frames"
             rid, _, body = conn.recv()
-        assert rid == b"8" and f"expected 3 frames, got {len(frames)}" in body["error"]
+        assert rid == b"8" and "expected 3 frames, got more than 3" in body["error"]
         _grew(before, _memory_mb(d.pid))
         stats = query_stats(blobs)
         assert stats["bad_requests"] == 1 and stats["peers_dropped"] == 1
@@ -146,3 +146,70 @@ def test_a_thousand_connections_holding_messages_open(blobs, isolated_env):
             client.close()
         _grew(before, after)
         assert query_stats(blobs)["internal_errors"] == 0
+
+
+def _hello(conn: Connection) -> dict:
+    conn.send(Op.HELLO, {"version": PROTOCOL_VERSION, "client": conn.client_id,
+                         "pid": os.getpid()})
+    assert conn.poll(10.0), "no reply to a hello"
+    return conn.recv()[2]
+
+
+def test_hellos_cannot_take_every_connection(blobs, isolated_env):
+    """Peers that say hello are kept, but at most MAX_CLIENTS of them: past that a hello is
+    refused as busy, and STATS is answered on new connections. A client is forgotten when its
+    connection closes, so connecting, saying hello and leaving in a loop fills nothing."""
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+        held = [Connection(blobs) for _ in range(MAX_CLIENTS + 20)]
+        try:
+            replies = [_hello(conn) for conn in held]
+            assert [r["ok"] for r in replies] == [True] * MAX_CLIENTS + [False] * 20
+            assert "clients are connected already" in replies[-1]["error"]
+            for _ in range(3 * MAX_PEERS):  # new connections replace the refused ones
+                stats = query_stats(blobs)
+            assert stats["clients"] == MAX_CLIENTS and stats["peers"] <= MAX_PEERS
+        finally:
+            for conn in held:
+                conn.close()
+        wait_until(lambda: query_stats(blobs)["clients"] == 0, 10.0,
+                   "the clients to go with their connections")
+        for _ in range(2 * MAX_CLIENTS):
+            with Connection(blobs) as conn:
+                assert _hello(conn)["ok"]
+        assert d.stats()["clients_disconnected"] >= 3 * MAX_CLIENTS - 1
+
+
+def test_bad_requests_are_logged_a_line_a_second(blobs, isolated_env):
+    """A burst of a thousand bad requests, each answered: a few lines in the log, not a
+    thousand (before, the log rotated its history away within seconds under a flood)."""
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+        with Connection(blobs) as conn:
+            for n in range(1000):
+                conn.send_frames([b"%d" % n, b"\x07"])  # two frames: a bad request
+            answered = 0
+            while answered < 1000:
+                assert conn.poll(10.0), f"{answered} of 1000 answered"
+                answered += 1
+                conn.recv()
+        assert d.stats()["bad_requests"] == 1000
+        lines = [line for line in d.log_text().splitlines() if "bad request from" in line]
+        assert 1 <= len(lines) <= 10, lines
+        assert "more since the last line" in lines[-1] or len(lines) == 1, lines
+
+
+@pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="sets the daemon's limits")
+def test_out_of_descriptors_a_new_connection_replaces_an_idle_one(blobs, isolated_env):
+    """The daemon's descriptors run out on silent connections: a new one still gets its
+    STATS answered, an idle peer closed to make room (before, everyone was locked out)."""
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+        limit = len(os.listdir(f"/proc/{d.pid}/fd")) + 16
+        resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (limit, limit))
+        silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(40)]
+        try:
+            for sock in silent:
+                sock.connect(str(daemon_paths(blobs).socket))
+            stats = query_stats(blobs)
+            assert stats["peers"] < 40 and stats["peers_replaced"] > 0, stats
+        finally:
+            for sock in silent:
+                sock.close()

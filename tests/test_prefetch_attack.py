@@ -108,7 +108,7 @@ def test_a_flood_of_prefetches_keeps_leases_rows_and_demands_intact(models, isol
 
 def test_a_killed_prefetcher_leaves_nothing(models, isolated_env):
     """A client SIGKILLed right after a burst of PREFETCHes (fills queued behind one worker):
-    the fills finish, its claims go with it at its timeout, and another client gets every side
+    the fills finish, its claims go with its connection, and another client gets every side
     row at once: within the hold, here longer than any test, so only the client's death can
     free them."""
     blobs = models.blobs()
@@ -121,7 +121,7 @@ def test_a_killed_prefetcher_leaves_nothing(models, isolated_env):
             proc.wait(10)
         finally:
             stop_process(proc)
-        wait_until(lambda: d.stats()["clients_timed_out"] == 1, 10.0, "the timeout")
+        wait_until(lambda: d.stats()["clients_disconnected"] == 1, 10.0, "its connection closed")
         with RawClient(blobs) as other:
             # Two generations of the next client take all eight rows.
             prefetch(other, 2, [0, 1, 2, 3])
