@@ -43,6 +43,34 @@ def _rejected_messages(path: str, until: float) -> None:
                 peer.recv()
 
 
+def _frame_bombs(path: str, until: float) -> None:
+    """20 peers send messages of 16,000 empty frames (64 KiB each), as fast as taken."""
+    from expertd.connection import Connection
+
+    bomb = [b""] * 16000
+    peers = [Connection(socket=path) for _ in range(20)]
+    while time.monotonic() < until:
+        for peer in peers:
+            peer.send_frames(bomb)
+            while peer.poll(0):
+                peer.recv()
+
+
+def _stats_without_reading(path: str, until: float) -> None:
+    """200 peers ask STATS over and over and read none of the replies."""
+    from expertd.connection import Connection
+    from expertd.protocol import Op
+
+    peers = [Connection(socket=path) for _ in range(200)]
+    while time.monotonic() < until:
+        for peer in peers:
+            try:
+                peer.send(Op.STATS, {})
+            except Exception:  # dropped for not reading: that is the daemon's answer
+                peers.remove(peer)
+                peers.append(Connection(socket=path))
+
+
 def _gigabyte_messages(path: str, until: float) -> None:
     """Peers announce 1.2 GB messages and stream them; each dropped one starts again."""
     from expertd.wire import MAGIC
@@ -97,6 +125,8 @@ def _churned_connections(path: str, until: float) -> None:
 
 FLOODS = [
     ("32 peers sending refused 60 KB messages", _rejected_messages, 1),
+    ("20 peers sending messages of 16,000 empty frames", _frame_bombs, 1),
+    ("200 peers asking STATS, reading no reply", _stats_without_reading, 1),
     ("peers streaming 1.2 GB messages", _gigabyte_messages, 4),
     ("a thousand connections each holding a 64 KiB message open", _held_connections, 1),
     ("connections opened as fast as 2 processes can, each holding a message", _churned_connections, 2),
@@ -169,6 +199,13 @@ def section(result: dict) -> str:
                      f"{r['stats_worst_ms']:.1f} ms ({r['stats_median_ms']:.2f} ms, "
                      f"{r['round_trips']}) | < {BAR_MB} MB, < {BAR_MS} ms | "
                      f"{'pass' if r['ok'] else 'FAIL'} |")
+    lines += ["", "The churn row is the one the daemon cannot bound: the kernel queues connections "
+              "first come, first served, a flooder of the same user connects exactly as `expertd "
+              "status` does, and the daemon empties its backlog (256) each turn of its loop; so "
+              "a new connection waits behind at most one backlog of the flood's, and a client "
+              "whose connect finds the backlog full tries again. The daemon's memory stays "
+              "bounded in every row, and a client that has said hello keeps its connection "
+              "(tests/test_flood.py)."]
     return "\n".join(lines) + "\n"
 
 
