@@ -199,13 +199,13 @@ def section(result: dict) -> str:
                      f"{r['stats_worst_ms']:.1f} ms ({r['stats_median_ms']:.2f} ms, "
                      f"{r['round_trips']}) | < {BAR_MB} MB, < {BAR_MS} ms | "
                      f"{'pass' if r['ok'] else 'FAIL'} |")
-    lines += ["", "The churn row is the one the daemon cannot bound: the kernel queues connections "
-              "first come, first served, a flooder of the same user connects exactly as `expertd "
-              "status` does, and the daemon empties its backlog (256) each turn of its loop; so "
-              "a new connection waits behind at most one backlog of the flood's, and a client "
-              "whose connect finds the backlog full tries again. The daemon's memory stays "
-              "bounded in every row, and a client that has said hello keeps its connection "
-              "(tests/test_flood.py)."]
+    lines += ["", "Connection churn is the flood the daemon bounds least: the kernel queues "
+              "connections first come, first served, and a flooder of the same user connects "
+              "exactly as `expertd status` does. The daemon empties its backlog (256) at each "
+              "turn of its loop, so a new connection waits behind at most one backlog of the "
+              "flood's; a client whose connect finds the backlog full tries again at once for "
+              "half a second (sleeping between tries, it came back to a full backlog: 180-230 ms "
+              "worst). A client that has said hello keeps its connection (tests/test_flood.py)."]
     return "\n".join(lines) + "\n"
 
 

@@ -2,7 +2,7 @@
 
     python bench/reclaim.py
 
-One client takes 500 one-expert leases and falls silent, as a killed one would; another sends
+One client takes 500 one-expert leases and falls silent, as a hung one would; another sends
 STATS back to back until the daemon has timed the first out and reclaimed its leases. The
 worst round trip is the figure (bar: 100 ms). The tests check what a busy machine cannot
 change: the reclaim's work is the dead client's own leases (tests/test_leases.py) and live

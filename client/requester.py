@@ -209,8 +209,8 @@ class Requester:
         if code == ErrorCode.SHUTTING_DOWN:
             raise DaemonDied(f"expertd (pid {self.pid}) is shutting down")
         if code == ErrorCode.NOT_HELLO:
-            # A daemon restarted before we noticed got this request on the old socket path
-            # (or ours timed out our heartbeat): attach again.
+            # The daemon timed this client out (it was stopped, or its heartbeat starved):
+            # attach again.
             raise DaemonDied(f"expertd serving {self.blob_dir} no longer knows this client "
                              "(restarted?)")
         raise DaemonError(str(body.get("error", "unknown error")), code)

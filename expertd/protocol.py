@@ -181,7 +181,16 @@ def request(rid: bytes, op: Op, body: dict) -> list:
 
 
 def reply_ok(rid: bytes, op: Op, **fields) -> list:
-    return [rid, bytes([op]), pack({"ok": True, **fields})]
+    return reply_packed(rid, op, pack_ok(**fields))
+
+
+def pack_ok(**fields) -> bytes:
+    """The body of a success reply, packed once for several replies."""
+    return pack({"ok": True, **fields})
+
+
+def reply_packed(rid: bytes, op: Op, body: bytes) -> list:
+    return [rid, bytes([op]), body]
 
 
 def reply_error(rid: bytes, op_byte: bytes, code: ErrorCode, message: str) -> list:

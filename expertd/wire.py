@@ -28,6 +28,7 @@ LENGTH = struct.Struct("<I")
 MAX_REPLY = 64 << 20  # a daemon's reply (STATS of a very large model is well under this)
 READ_CHUNK = 256 << 10
 QUIET_OUTBOX = 1 << 20  # a fire-and-forget message is dropped past this much unsent
+CONNECT_SPIN = 0.5
 
 
 class ConnectionLost(DaemonError):
@@ -75,10 +76,13 @@ def message_length(buffer) -> int | None:
 def _connect(sock: socket.socket, path: str, timeout: float) -> None:
     """Connect without blocking, trying again while the daemon's backlog is full for up to
     ``timeout`` s: Linux says EAGAIN then and offers nothing to wait on; macOS says
-    ECONNREFUSED, as for a socket nobody listens on, so there it is tried for half a second."""
+    ECONNREFUSED, as for a socket nobody listens on, so there it is tried for half a second.
+
+    The first CONNECT_SPIN s try again at once (yielding the CPU): a flood refills a backlog
+    as soon as the daemon empties it, and a client that sleeps comes back to a full one."""
     sock.setblocking(False)
     start = time.monotonic()
-    pause = 0.001
+    pause = 0.0
     while True:
         try:
             sock.connect(path)
@@ -91,7 +95,8 @@ def _connect(sock: socket.socket, path: str, timeout: float) -> None:
             if sys.platform != "darwin" or time.monotonic() + pause > start + min(timeout, 0.5):
                 raise
         time.sleep(pause)
-        pause = min(2 * pause, 0.01)
+        if time.monotonic() - start > CONNECT_SPIN:
+            pause = min(max(2 * pause, 0.001), 0.01)
 
 
 class Channel:
