@@ -152,11 +152,10 @@ class StreamedLayer:
         # An expert the next pool holds needs no read, even where the arena lacks it.
         read = self.guesser.guesses.plan(~resident & (nxt.pool.row_of[ranked] < 0), n_core)
         if read.any():
-            # The resident guesses are named too (their side rows stay claimed); the absent ones
-            # not to be read are not: the daemon reads every absent expert it is sent.
-            named = read | resident
-            session.prefetch(nxt.index, ranked[named], int(named[:n_core].sum()),
-                             int(read.sum()))
+            # The resident guesses are claimed (their side rows stay for this client), never
+            # read: one evicted since the lookup would be a read the budget did not pay for.
+            session.prefetch(nxt.index, ranked[read], int(read[:n_core].sum()),
+                             ranked[resident])
         expert_bytes = session.manifest.layers[nxt.index].expert_bytes
         if n_core * expert_bytes >= session.copy_ahead_bytes:
             nxt.pool.write_ahead(ranked[:n_core], found.slots[:n_core], found.versions[:n_core],

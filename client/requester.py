@@ -89,16 +89,18 @@ class Requester:
         return (np.asarray(reply["rows"], dtype=np.int32),
                 np.asarray(reply["versions"], dtype=np.uint64))
 
-    def prefetch(self, layer: int, experts: np.ndarray, core: int, absent: int) -> None:
+    def prefetch(self, layer: int, experts: np.ndarray, core: int, claim: np.ndarray) -> None:
         """Ask the daemon to read ``experts`` (best first; the first ``core`` are the next
-        router's likely top-k) into side rows. Skipped while the heartbeat thread has the
-        socket; never waits."""
+        router's likely top-k) into side rows, and to keep those of ``claim`` there. Skipped
+        while the heartbeat thread has the socket; never waits."""
         if not self.lock.acquire(blocking=False):
             return
         try:
-            self.send_quietly(Op.PREFETCH, {"layer": layer, "experts": experts.tolist(),
-                                            "core": core})
-            self.counters["prefetch_asked"] += absent
+            body = {"layer": layer, "experts": experts.tolist(), "core": core}
+            if len(claim):
+                body["claim"] = claim.tolist()
+            self.send_quietly(Op.PREFETCH, body)
+            self.counters["prefetch_asked"] += len(experts)
         finally:
             self.lock.release()
 

@@ -323,12 +323,12 @@ class Session:
         """Bytes a :meth:`fetch` buffer needs for ``max_group`` experts of any layer."""
         return max(buffer_bytes(self.max_group, nbytes) for _, nbytes in self._segment_tables)
 
-    def prefetch(self, layer: int, named: np.ndarray, n_core: int, reads: int) -> None:
-        """Ask the daemon to read the absent experts of ``named`` (distinct, best first; the
-        first ``n_core`` from the guess's core) of ``layer`` into its side rows; ``reads`` of them
-        were absent when looked up. A resident guess may sit in a side row: naming it keeps the
-        daemon from reusing that row."""
-        self.requester.prefetch(layer, named, n_core, reads)
+    def prefetch(self, layer: int, experts: np.ndarray, n_core: int, claim: np.ndarray) -> None:
+        """Ask the daemon to read ``experts`` (distinct, absent when looked up, best first; the
+        first ``n_core`` from the guess's core) of ``layer`` into its side rows. The guesses of
+        ``claim`` were resident: one may sit in a side row, which claiming keeps the daemon from
+        reusing."""
+        self.requester.prefetch(layer, experts, n_core, claim)
 
     def report_hits(self, layer: int, experts: np.ndarray) -> None:
         """Tell the daemon's LFU that ``experts`` were used from a pool (through the slot

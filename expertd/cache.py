@@ -309,7 +309,8 @@ class ExpertCache:
         for row, victim in zip(held.tolist(), empty.tolist()):
             self.side.swap(row, victim, unused=True)
 
-    def prefetch(self, owner: bytes, layer: int, experts, core: int | None = None) -> int:
+    def prefetch(self, owner: bytes, layer: int, experts, core: int | None = None,
+                 claim=()) -> int:
         """Fill the experts of ``layer`` that ``owner`` predicts it will need into side rows.
 
         Experts resident or filling anywhere are merged (and their side rows claimed for this
@@ -319,16 +320,26 @@ class ExpertCache:
         while workers are spare (shed otherwise): when reads back up, as on a daemon the SSD
         bounds, wrong guesses would take bandwidth the demands need.
 
+        The experts of ``claim`` only have their side rows claimed: one gone since the client
+        saw it resident is not read.
+
         Returns:
             How many experts it started reading.
         """
         c = self.counters
-        c["prefetch_requested"] += len(experts)
+        c["prefetch_requested"] += len(experts) + len(claim)
         if self.prefetch_mode == "off":
-            c["prefetch_ignored"] += len(experts)
+            c["prefetch_ignored"] += len(experts) + len(claim)
             return 0
         now = time.monotonic()
         gen = self.side.next_generation(owner)
+        for e in claim:
+            row, state = self.table.lookup(layer, e)
+            if state == SlotState.EMPTY:
+                continue
+            c["prefetch_merged"] += 1
+            if self.side.side[row]:
+                self.side.claim(row, owner, gen, now)
         core = len(experts) if core is None else core
         want, n_core = [], 0
         for i, e in enumerate(experts):

@@ -62,12 +62,15 @@ class Hello:
 class Experts:
     """Body of DEMAND, PREFETCH, PIN and UNPIN: one layer, distinct experts.
 
-    A PREFETCH lists its experts best guess first and may say how many of them are its
-    ``core`` (the rest is a wider guess the daemon reads only with workers to spare)."""
+    A PREFETCH lists the experts to read best guess first and may say how many of them are its
+    ``core`` (the rest is a wider guess the daemon reads only with workers to spare), and may
+    ``claim`` others: guessed too, but resident when the client looked, so their side rows
+    are kept for it and they are never read (the client's read-ahead budget did not pay)."""
 
     layer: int
     experts: tuple
     core: int | None = None
+    claim: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -123,17 +126,27 @@ def _bytes(body: dict, key: str, size: int) -> bytes:
     return value
 
 
-def _experts(body: dict) -> Experts:
-    layer = _int(body, "layer", 0, 2**31 - 1)
-    experts = body.get("experts")
+def _expert_list(body: dict, key: str) -> list:
+    experts = body.get(key)
     if not isinstance(experts, list) or not experts:
-        raise ProtocolError("experts must be a non-empty list")
+        raise ProtocolError(f"{key} must be a non-empty list")
     if any(type(e) is not int or not 0 <= e < 2**31 for e in experts):
-        raise ProtocolError("experts must be non-negative integers")
+        raise ProtocolError(f"{key} must be non-negative integers")
     if len(set(experts)) != len(experts):
-        raise ProtocolError("experts must be distinct")
+        raise ProtocolError(f"{key} must be distinct")
+    return experts
+
+
+def _experts(body: dict, claims: bool = False) -> Experts:
+    layer = _int(body, "layer", 0, 2**31 - 1)
+    experts = _expert_list(body, "experts")
     core = _int(body, "core", 0, len(experts)) if "core" in body else None
-    return Experts(layer, tuple(experts), core)
+    claim = ()
+    if claims and "claim" in body:
+        claim = tuple(_expert_list(body, "claim"))
+        if len(claim) + len(experts) > MAX_EXPERTS or set(claim) & set(experts):
+            raise ProtocolError("claim must be other experts than those to read")
+    return Experts(layer, tuple(experts), core, claim)
 
 
 CLIENT_ID_BYTES = 16
@@ -163,7 +176,7 @@ def parse_request(frames: list):
                     _int(body, "pid"),
                     _int(body, "pool_bytes", 0, 2**62) if "pool_bytes" in body else 0)
     elif op in (Op.DEMAND, Op.PREFETCH, Op.PIN, Op.UNPIN):
-        req = _experts(body)
+        req = _experts(body, claims=op is Op.PREFETCH)
     elif op is Op.RELEASE:
         req = Release(_int(body, "lease"))
     elif op is Op.HEARTBEAT:

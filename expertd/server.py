@@ -260,7 +260,7 @@ class ExpertServer:
                 self._demand(identity, rid, req)
             elif op is Op.PREFETCH:
                 client.prefetch_reads += self.cache.prefetch(identity, req.layer, req.experts,
-                                                             req.core)
+                                                             req.core, req.claim)
             elif op is Op.PIN:
                 self._pin(client, rid, req)
             elif op is Op.UNPIN:
@@ -277,7 +277,7 @@ class ExpertServer:
                                 f"of {self.store.manifest.describe(self.store.dir)}",
                                 ErrorCode.OUT_OF_RANGE)
         n = self.n_experts[req.layer]
-        bad = [e for e in req.experts if e >= n]
+        bad = [e for e in req.experts + req.claim if e >= n]
         if bad:
             raise ProtocolError(f"expert {bad[0]} out of range for layer {req.layer} "
                                 f"(0..{n - 1})", ErrorCode.OUT_OF_RANGE)

@@ -88,6 +88,25 @@ def test_prefetch_fills_side_rows_and_evicts_nothing(models, isolated_env):
             assert stats["prefetch_merged"] == 3 and stats["prefetch_fills"] == 4
 
 
+def test_claimed_experts_are_merged_and_never_read(models, isolated_env):
+    """A PREFETCH's claim names guesses that were resident when the client looked: those still
+    resident are merged (their side rows claimed), and one gone since is not read, since the
+    client's read-ahead budget did not pay for it."""
+    blobs = models.blobs()
+    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+        with RawClient(blobs) as c:
+            prefetch(c, 2, [0, 1])
+            before = wait_fills(c, 2)
+            c.conn.send(Op.PREFETCH, {"layer": 2, "experts": [5], "claim": [0, 1, 9]})
+            stats = wait_fills(c, 3)
+            assert stats["prefetch_fills"] == 3, stats  # expert 5 only
+            assert c.slot(2, 9)[1] == SlotState.EMPTY
+            assert stats["prefetch_merged"] == before["prefetch_merged"] + 2
+            for bad in ([5], [16], [5, 5]):  # to be read too, out of range, twice
+                c.conn.send(Op.PREFETCH, {"layer": 2, "experts": [5], "claim": bad})
+            assert c.request(Op.STATS)["bad_requests"] == before["bad_requests"] + 3
+
+
 def test_a_prefetch_longer_than_the_side_rows_reads_its_first_experts(models, isolated_env):
     """Clients list a guess best first: with fewer free side rows than absent experts, the
     daemon reads the head of the list and drops the tail (counted), whatever the expert ids."""
