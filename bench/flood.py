@@ -35,23 +35,21 @@ def _rejected_messages(path: str, until: float) -> None:
     """32 peers send refused 60 KB messages as fast as the daemon takes them."""
     from expertd.connection import Connection
 
-    peers = [Connection(socket=path) for _ in range(32)]
-    while time.monotonic() < until:
-        for peer in peers:
-            peer.send_frames(HOSTILE)
-            while peer.poll(0):
-                peer.recv()
+    _send_until([Connection(socket=path) for _ in range(32)], HOSTILE, until)
 
 
 def _frame_bombs(path: str, until: float) -> None:
     """20 peers send messages of 16,000 empty frames (64 KiB each), as fast as taken."""
     from expertd.connection import Connection
 
-    bomb = [b""] * 16000
-    peers = [Connection(socket=path) for _ in range(20)]
+    _send_until([Connection(socket=path) for _ in range(20)], [b""] * 16000, until)
+
+
+def _send_until(peers: list, frames: list, until: float) -> None:
+    """Each peer sends ``frames`` over and over, reading the error replies."""
     while time.monotonic() < until:
         for peer in peers:
-            peer.send_frames(bomb)
+            peer.send_frames(frames)
             while peer.poll(0):
                 peer.recv()
 
@@ -129,7 +127,8 @@ FLOODS = [
     ("200 peers asking STATS, reading no reply", _stats_without_reading, 1),
     ("peers streaming 1.2 GB messages", _gigabyte_messages, 4),
     ("a thousand connections each holding a 64 KiB message open", _held_connections, 1),
-    ("connections opened as fast as 2 processes can, each holding a message", _churned_connections, 2),
+    ("connections opened as fast as 2 processes can, each holding a message",
+     _churned_connections, 2),
 ]
 
 

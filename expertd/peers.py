@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .protocol import MAX_BODY, MAX_REQUEST_ID
-from .wire import GREETING_BYTES, LENGTH, MAGIC, decode, encode, message_length
+from .wire import GREETING_BYTES, LENGTH, MAGIC, decode, encode, message_length, send_some
 
 # The largest request: a body at its limit, the longest request id, the op, three lengths.
 MAX_REQUEST = MAX_BODY + MAX_REQUEST_ID + 1 + 3 * LENGTH.size
@@ -257,11 +257,7 @@ class Peers:
 
     def _flush(self, peer: Peer) -> None:
         try:
-            while peer.outbox:
-                sent = peer.sock.send(peer.outbox)
-                del peer.outbox[:sent]
-        except BlockingIOError:
-            pass
+            send_some(peer.sock, peer.outbox)
         except OSError:
             self._drop(peer, counted=False)
             return

@@ -66,6 +66,19 @@ def decode(payload, keep: int) -> tuple:
     return frames, count
 
 
+def send_some(sock: socket.socket, queued: bytearray) -> None:
+    """Write what the socket takes now of ``queued`` (which keeps the rest).
+
+    Raises:
+        OSError: the connection broke (EPIPE, ECONNRESET).
+    """
+    try:
+        while queued:
+            del queued[:sock.send(queued)]
+    except BlockingIOError:
+        pass
+
+
 def message_length(buffer) -> int | None:
     """The payload length a buffer's message header gives, or None while it is incomplete."""
     if len(buffer) < LENGTH.size:
@@ -202,11 +215,7 @@ class Channel:
 
     def _flush(self) -> None:
         try:
-            while self._out:
-                sent = self.sock.send(self._out)
-                del self._out[:sent]
-        except BlockingIOError:
-            pass
+            send_some(self.sock, self._out)
         except OSError as exc:  # EPIPE, ECONNRESET: the daemon is gone
             self._lose(f"the connection to expertd broke ({exc.strerror or exc})")
         writing = bool(self._out) and self.lost is None

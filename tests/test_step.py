@@ -18,7 +18,6 @@ from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, prompt_id
 from harness import Daemon, expertd_cli, wait_until
 from expertd.client import load
 from expertd.client.step import MAX_REPLAYS, RETRY_AFTER, WINDOW, Speculation, replayable
-from expertd.manifest import Manifest
 
 _resident = {}
 
