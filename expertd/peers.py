@@ -74,6 +74,7 @@ class Peers:
     def __init__(self, path: str, max_peers: int = MAX_PEERS):
         self.max_peers = max_peers
         self.gone: list = []  # routing ids of the peers closed since the server last looked
+        self.changes = 0  # peers opened or closed, for a cached STATS
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # the socket file is created 0600
         try:
@@ -138,11 +139,11 @@ class Peers:
         peer.outbox += encode(frames)
         self._flush(peer)
 
-    def trust(self, identity: bytes) -> None:
-        """The peer is a client's: it is never replaced by a new connection."""
+    def trust(self, identity: bytes, trusted: bool = True) -> None:
+        """The peer is a client's (or no longer): while it is, no new connection replaces it."""
         peer = self._named.get(identity)
         if peer is not None:
-            peer.trusted = True
+            peer.trusted = trusted
 
     def close_peer(self, identity: bytes) -> None:
         """Close the connection of ``identity`` (its client is forgotten)."""
@@ -177,6 +178,7 @@ class Peers:
                 self.counters["peers_refused"] += 1
                 continue
             sock.setblocking(False)
+            self.changes += 1
             peer = Peer(sock)
             self._peers[sock.fileno()] = peer
             self.selector.register(sock, selectors.EVENT_READ, peer)
@@ -272,6 +274,7 @@ class Peers:
         if peer.sock.fileno() < 0:
             return
         self.counters["peers_dropped"] += counted
+        self.changes += 1
         self._peers.pop(peer.sock.fileno(), None)
         if peer.identity is not None and self._named.get(peer.identity) is peer:
             del self._named[peer.identity]

@@ -84,8 +84,8 @@ class ExpertServer:
             self.clients = ClientRegistry(config.client_timeout, MAX_CLIENTS)
             self._beats: dict = {}  # a heartbeat connection's routing id -> its client's
             self._quiet_until, self._unlogged = 0.0, 0  # bad requests: a log line a second
-            # The STATS reply packed for a run of STATS with nothing else between them: a
-            # flood of them costs one.
+            # (peers.changes, the STATS reply packed) for a run of STATS with nothing else
+            # between them: a flood of them costs one.
             self._stats_body = None
             self._ticks = 0
             self.started = time.monotonic()
@@ -191,11 +191,13 @@ class ExpertServer:
                 self._stats_body = None
             self._handle(identity, rid, op, req)
         except ProtocolError as exc:
+            self._stats_body = None
             self.counters["bad_requests"] += 1
             self._log_bad(identity, exc)
             self._send(identity, reply_error(rid, op_byte, ErrorCode(exc.code), str(exc)))
         except Exception:
             # A bug in a handler: say so in the log and to the client, and keep serving.
+            self._stats_body = None
             self.counters["internal_errors"] += 1
             log.exception("internal error handling a request from %s", identity.hex()[:12])
             self._send(identity, reply_error(rid, op_byte, ErrorCode.INTERNAL,
@@ -216,7 +218,12 @@ class ExpertServer:
         if op is Op.HEARTBEAT:
             known = self.clients.heartbeat(req.client, req.token, now, req.steps,
                                            req.host_waits)
-            if known and identity != req.client:  # a client's heartbeat connection
+            if known and identity != req.client and identity not in self._beats:
+                # A client's heartbeat connection: one each, the newest (the heartbeat thread
+                # connects again when it loses one), so a client holds two trusted at most.
+                for beat in [b for b, owner in self._beats.items() if owner == req.client]:
+                    del self._beats[beat]
+                    self.peers.close_peer(beat)
                 self.peers.trust(identity)
                 self._beats[identity] = req.client
             self._send(identity, reply_ok(rid, op, epoch=self.epoch, known=known))
@@ -240,9 +247,9 @@ class ExpertServer:
                 self._send(identity, reply_ok(rid, op, **self.stats(),
                                               client_prefetch_reads=asker.prefetch_reads))
                 return
-            if self._stats_body is None:
-                self._stats_body = pack_ok(**self.stats())
-            self._send(identity, reply_packed(rid, op, self._stats_body))
+            if self._stats_body is None or self._stats_body[0] != self.peers.changes:
+                self._stats_body = (self.peers.changes, pack_ok(**self.stats()))
+            self._send(identity, reply_packed(rid, op, self._stats_body[1]))
             return
         client = self.clients.seen(identity, now)
         if client is None:
@@ -335,6 +342,7 @@ class ExpertServer:
         if client is None:
             return
         self.cache.forget(client)
+        self.peers.trust(client.identity, False)  # its own may stay, as any peer's
         for beat in [b for b, owner in self._beats.items() if owner == client.identity]:
             del self._beats[beat]
             self.peers.close_peer(beat)

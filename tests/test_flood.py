@@ -12,13 +12,14 @@ import resource
 import socket
 import sys
 
+import msgpack
 import pytest
 
 from expertd.connection import Connection
 from expertd.paths import daemon_paths
 from expertd.peers import MAX_CLIENTS, MAX_PEERS, MAX_REQUEST
 from expertd.protocol import CLIENT_ID_BYTES, PROTOCOL_VERSION, Op
-from expertd.wire import MAGIC, ConnectionLost
+from expertd.wire import MAGIC, ConnectionLost, decode, encode
 from harness import TINY_CACHE_GB, Daemon, query_stats, wait_until
 
 pytestmark = [pytest.mark.timeout(120),
@@ -213,3 +214,56 @@ def test_out_of_descriptors_a_new_connection_replaces_an_idle_one(blobs, isolate
         finally:
             for sock in silent:
                 sock.close()
+
+
+def test_a_client_keeps_two_trusted_connections_at_most(blobs, isolated_env):
+    """Its own, and one heartbeat connection (the newest): a client's token sent from many
+    connections does not make them all a client's, and one that said goodbye is a peer like
+    any other. Either way new connections still get their STATS (before, both filled every
+    slot for good)."""
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+        owner = Connection(blobs)
+        beats, gone = [], []
+        try:
+            token = _hello(owner)["token"]
+            for _ in range(MAX_PEERS):
+                beats.append(Connection(blobs))
+                assert beats[-1].request(Op.HEARTBEAT, {"client": owner.client_id,
+                                                        "token": token})["known"]
+            for _ in range(MAX_PEERS):
+                gone.append(Connection(blobs))
+                assert _hello(gone[-1])["ok"]
+                gone[-1].send(Op.GOODBYE, {})
+            for _ in range(2 * MAX_PEERS):  # each new one replaces an idle peer
+                stats = query_stats(blobs)
+            assert stats["clients"] == 1 and stats["peers"] <= MAX_PEERS, stats
+            lost = 0
+            for beat in beats[:-1]:
+                with pytest.raises(ConnectionLost):
+                    beat.poll(10.0)
+                lost += 1
+            assert lost == MAX_PEERS - 1
+            assert owner.request(Op.HEARTBEAT, {"client": owner.client_id, "token": token})
+        finally:
+            for conn in [owner, *beats, *gone]:
+                conn.close()
+
+
+def test_a_stats_after_a_bad_request_counts_it(blobs, isolated_env):
+    """STATS asked in one run share a reply only while nothing happened between them: a bad
+    request between two is counted in the second."""
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(daemon_paths(blobs).socket))
+            stats = [b"s", bytes([Op.STATS]), b"\x80"]
+            sock.sendall(MAGIC + os.urandom(CLIENT_ID_BYTES) + encode(stats)
+                         + encode([b"bad", b"\x07"]) + encode(stats))
+            replies, data = [], b""
+            while len(replies) < 3:
+                data += sock.recv(1 << 20)
+                while len(data) >= 4 and len(data) >= 4 + int.from_bytes(data[:4], "little"):
+                    n = int.from_bytes(data[:4], "little")
+                    replies.append(decode(data[4:4 + n], 3)[0])
+                    data = data[4 + n:]
+        first, second = (msgpack.unpackb(r[2]) for r in (replies[0], replies[2]))
+        assert second["bad_requests"] == first["bad_requests"] + 1
