@@ -120,11 +120,16 @@ USAGE_KEYS = ("hits", "misses", "bytes_read", "prefetch_reads")
 def gather_usage(summary: dict, group) -> list:
     """Every rank's own hits, misses and bytes read (``expertd generate``'s summary), in rank
     order, on every rank: each rank streams from its own daemon, so each has its own."""
+    import importlib
+
     import mlx.core as mx
 
-    # Generation evaluates the step after the last token ahead of time: its sends between
-    # stages may still be in flight; they finish before anything else is exchanged.
+    # Generation evaluates the step after the last token ahead of time, on mlx-lm's own
+    # generation stream: its sends and gather between stages may still be in flight there, and
+    # must finish before this gather uses the same connections (else one rank reads the other's
+    # hidden state as numbers).
     mx.synchronize()
+    mx.synchronize(importlib.import_module("mlx_lm.generate").generation_stream)
     mine = mx.array([int(summary[k]) for k in USAGE_KEYS], dtype=mx.int64)
     rows = mx.distributed.all_gather(mine[None], group=group, stream=mx.cpu).tolist()
     leave_together(group)
