@@ -119,7 +119,10 @@ def serve_pipeline(tmp_path: Path) -> str:
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            raise AssertionError("the ranks did not stop on Ctrl-C") from None
+            os.killpg(proc.pid, signal.SIGKILL)
+            err = proc.communicate()[1]
+            raise AssertionError(f"the ranks did not stop on Ctrl-C; they wrote:\n{err[-4000:]}") \
+                from None
         return text
     finally:
         if proc.poll() is None:
