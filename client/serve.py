@@ -359,9 +359,12 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         generator = generator_class(provider, LRUPromptCache(cli_args.prompt_cache_size),
                                     counters, watch)
         if pipeline_group is not None and pipeline_group.rank() != 0:
-            # This rank's generation thread follows rank 0's requests (mlx-lm shares them).
-            # Its thread is left to the process's exit: it waits on rank 0, which may be gone.
-            _serve_until_signal(None)
+            # This rank's generation thread follows rank 0's requests (mlx-lm shares them),
+            # waiting for each inside MLX with the GIL held (an .item() on a collective): a
+            # Python signal handler would run only once rank 0 answers, and rank 0 may be gone.
+            # So Ctrl-C or SIGTERM ends this rank in the kernel; the daemon forgets a client
+            # whose connection closes, and nothing else here needs closing.
+            _follow_until_signal()
             return 0
         distributed = pipeline_group is not None
         try:
@@ -385,20 +388,24 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     return 0
 
 
+def _follow_until_signal() -> None:
+    """Wait, ended by SIGINT or SIGTERM at their default action (the process ends)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    while True:
+        signal.pause()
+
+
 def _serve_until_signal(httpd) -> None:
-    """Serve (``httpd``, or nothing but wait) until SIGINT or SIGTERM, either of which ends
-    ``serve_forever`` (or the wait) in this thread."""
+    """Serve ``httpd`` until SIGINT or SIGTERM, either of which ends ``serve_forever`` in this
+    thread."""
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        if httpd is not None:
-            httpd.serve_forever()
-        else:
-            while True:
-                signal.pause()
+        httpd.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
