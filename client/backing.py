@@ -74,18 +74,38 @@ class HostRows:
         return (lambda: read(self.host, self.bases, rows)), None
 
 
+class Staging:
+    """The host buffer the moves into a model's device pools go through, one move at a time
+    (they run on the thread that runs the model, and each is copied into an MLX array before
+    the next starts): one for all the layers, not one each, which on a 48-layer model of
+    Qwen3-30B-A3B's shapes was gigabytes of host memory."""
+
+    def __init__(self):
+        self._buffer = np.empty(0, np.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        return self._buffer.nbytes
+
+    def get(self, nbytes: int) -> np.ndarray:
+        if self._buffer.nbytes < nbytes:
+            self._buffer = np.empty(nbytes, np.uint8)
+        return self._buffer[:nbytes]
+
+
 class DeviceRows:
     """Pool rows in device memory, written in place by MLX's scatter (a discrete GPU).
 
     Args:
         rows: rows of the pool.
         segments: per segment ``(mlx dtype, per-expert shape, nbytes)``.
-        batch: most rows moved in one transfer (the host buffer's size).
+        batch: most rows moved in one transfer.
+        staging: the host buffer moves go through, shared by the pools of one model.
     """
 
     whole_array_writes = True  # a scatter needs the whole array free to update it in place
 
-    def __init__(self, rows: int, segments: list, batch: int):
+    def __init__(self, rows: int, segments: list, batch: int, staging: Staging | None = None):
         self.rows = rows
         self.segments = segments
         self.nbytes = np.array([nb for _, _, nb in segments], dtype=np.intp)
@@ -93,19 +113,21 @@ class DeviceRows:
         self.arrays = [mx.zeros((rows, *shape), dtype=dtype) for dtype, shape, _ in segments]
         mx.eval(self.arrays)
         self.nbytes_total = sum(a.nbytes for a in self.arrays)
-        self.host = np.empty(buffer_bytes(self.batch, self.nbytes), np.uint8)
-        # Rows written ahead have a buffer of their own: one write ahead at a time per pool,
-        # committed (its bytes made an MLX array) before the next starts.
-        self.ahead_host = np.empty_like(self.host)
+        self.staging = staging if staging is not None else Staging()
+        # Rows written ahead have a buffer of their own (the copier thread fills it while
+        # the model runs): one write ahead at a time per pool, committed (its bytes made an
+        # MLX array) before the next starts.
+        self.ahead_host = np.empty(buffer_bytes(self.batch, self.nbytes), np.uint8)
         self.ahead_limit = self.batch
 
     def write(self, rows: np.ndarray, experts: np.ndarray, read) -> None:
+        host = self.staging.get(buffer_bytes(min(len(rows), self.batch), self.nbytes))
         for start in range(0, len(rows), self.batch):
             part = rows[start:start + self.batch]
             bases = segment_bases(len(part), self.nbytes)
-            read(experts[start:start + self.batch], self.host, bases,
+            read(experts[start:start + self.batch], host, bases,
                  np.arange(len(part), dtype=np.int32))
-            self._scatter(part, bases, self.host)
+            self._scatter(part, bases, host)
 
     def staged_write(self, rows: np.ndarray, read):
         """The host copy may run on another thread; the scatter is issued on the caller's

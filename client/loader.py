@@ -8,6 +8,7 @@ from expertd.argtypes import check_gib, check_seconds
 from expertd.blobstore import check_trunk
 from expertd.errors import BlobStoreError
 
+from .backing import Staging
 from .copier import Copier
 from .layer import StreamedLayer
 from .pipeline import refuse_stage, split_model, stage_layers
@@ -140,13 +141,15 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
     guessers = make_guessers(modules, layers, prefetch)
     session.guessers = guessers
     copier = session.copier = Copier()
+    staging = Staging()  # one host buffer for every device pool's moves
     streamed = []
     for layer, n, guesser, before in zip(layers, rows, guessers, [None] + guessers[:-1]):
         module = modules.get(layer.module)
         if not isinstance(module, (SwitchGLU, SwitchMLP)):
             raise BlobStoreError(f"{trunk}: the model has no switch module at {layer.module}")
         segments = expert_segments(module, layer)
-        pool = make_pool(layer, n, [seg[2:] for seg in segments], backing, session.max_group)
+        pool = make_pool(layer, n, [seg[2:] for seg in segments], backing, session.max_group,
+                         staging)
         state = StreamedLayer(session, layer.index, pool, [seg[:2] for seg in segments],
                               layer.num_experts, guesser,
                               before.guesses if before is not None else None, copier=copier)

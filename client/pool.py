@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .backing import ALIGN, DeviceRows, HostRows
+from .backing import ALIGN, DeviceRows, HostRows, Staging
 
 DECAY_EVERY = 8  # uses are halved after this many times the pool's rows of touches
 MAX_PENDING = 2  # outputs remembered per pool before the oldest is evaluated (waited for)
@@ -310,9 +310,11 @@ def plan_rows(layers, top_k: int, pool_gb: float | None, backing: str) -> list:
     return rows
 
 
-def make_pool(layer, rows: int, segments: list, backing: str, batch: int) -> ExpertPool:
+def make_pool(layer, rows: int, segments: list, backing: str, batch: int,
+              staging: Staging | None = None) -> ExpertPool:
     """A pool of ``rows`` rows for ``layer``, ``segments`` as ``(dtype, shape, nbytes)``, on
-    the ``backing`` (one of POOL_BACKINGS; ``load`` checks it)."""
-    rows_backing = HostRows(rows, segments) if backing == "host" else DeviceRows(rows, segments,
-                                                                                  batch)
+    the ``backing`` (one of POOL_BACKINGS; ``load`` checks it); device pools move their rows
+    through ``staging``, shared by the pools of a model."""
+    rows_backing = (HostRows(rows, segments) if backing == "host"
+                    else DeviceRows(rows, segments, batch, staging))
     return ExpertPool(layer.index, layer.num_experts, rows_backing)

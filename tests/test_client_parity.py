@@ -200,6 +200,26 @@ def test_load_after_daemon_was_killed_says_how_to_start_one(models, isolated_env
             load(blob_dir)
 
 
+def test_device_pools_move_rows_through_one_host_buffer(models, isolated_env, tmp_path):
+    """The host memory that device pools' moves go through is one buffer for the model, of at
+    most one move's rows, not a buffer per layer (gigabytes on a 48-layer model)."""
+    from expertd.client.backing import buffer_bytes
+
+    _, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL,
+                                                      tmp_path / "state.json")):
+        model, tokenizer = load(blob_dir, pool_backing="device")
+        session = model.expertd_session
+        try:
+            mx.eval(model(mx.array([prompt_ids(40, tokenizer.vocab_size)])))
+            backings = [pool.backing for pool in session.pools]
+            assert len({id(b.staging) for b in backings}) == 1
+            biggest = max(buffer_bytes(b.batch, b.nbytes) for b in backings)
+            assert 0 < backings[0].staging.nbytes <= biggest
+        finally:
+            session.close()
+
+
 def test_client_expert_memory_is_its_pools(models, isolated_env, tmp_path):
     """Invariant 7, client side: the client's expert memory is its pools, within the budget it
     was given and reported to the daemon; the model holds no expert array between calls, and a
