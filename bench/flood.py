@@ -49,7 +49,7 @@ def _send_until(peers: list, frames: list, until: float) -> None:
     """Each peer sends ``frames`` over and over, reading the error replies."""
     while time.monotonic() < until:
         for peer in peers:
-            peer.send_frames(frames)
+            peer.send_frames(frames, wait=False)
             while peer.poll(0):
                 peer.recv()
 

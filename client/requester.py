@@ -136,13 +136,16 @@ class Requester:
 
         Returns True while something is left to release.
         """
-        if not (self.demands or self.leases) or not self.lock.acquire(blocking=False):
-            return bool(self.demands or self.leases)
+        # A release or prefetch the daemon had no room for waits in the connection's queue:
+        # the idle client writes it too.
+        pending = self.demands or self.leases or self.conn.channel.unsent
+        if not pending or not self.lock.acquire(blocking=False):
+            return bool(pending)
         try:
-            while self.conn.poll(0):
+            while self.conn.poll(0):  # writes what is queued, too
                 self._read_reply(None)
             self.release_leases()
-            return bool(self.demands)
+            return bool(self.demands or self.conn.channel.unsent)
         except (DaemonError, ProtocolError):  # the connection is lost: so are its leases
             return False
         finally:

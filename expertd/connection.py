@@ -55,9 +55,10 @@ class Connection:
         self.channel.send(request(rid, op, body))
         return rid
 
-    def send_frames(self, frames: list) -> None:
-        """Send raw frames (tests and tools that speak the protocol themselves)."""
-        self.channel.send(frames)
+    def send_frames(self, frames: list, wait: bool = True) -> None:
+        """Send raw frames (tests and tools that speak the protocol themselves); with
+        ``wait=False`` only what the socket takes now is written, the rest by later calls."""
+        self.channel.send(frames, wait=wait)
 
     def send_quietly(self, op: Op, body: dict, rid: bytes | None = None) -> bool:
         """Fire and forget without ever blocking on a daemon that is gone or flooded: whether

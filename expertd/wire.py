@@ -29,6 +29,7 @@ MAX_REPLY = 64 << 20  # a daemon's reply (STATS of a very large model is well un
 READ_CHUNK = 256 << 10
 QUIET_OUTBOX = 1 << 20  # a fire-and-forget message is dropped past this much unsent
 CONNECT_SPIN = 0.5
+SEND_WAIT = 10.0  # a daemon that reads nothing for this long is stuck, or stopped
 
 
 class ConnectionLost(DaemonError):
@@ -139,15 +140,26 @@ class Channel:
         self.lost: str | None = None
         self._flush()
 
-    def send(self, frames, quiet: bool = False) -> bool:
-        """Queue one message and write what the socket takes now. With ``quiet`` the message
-        is dropped (False) when the daemon has left a megabyte unread: it is flooded or gone."""
+    def send(self, frames, quiet: bool = False, wait: bool = True) -> bool:
+        """Queue one message and write it, waiting up to SEND_WAIT s for the daemon to take
+        it (what it has not taken by then is written by the next send or poll).
+
+        With ``quiet`` nothing waits, and the message is dropped (False) when the daemon has
+        left a megabyte unread: it is flooded or gone. ``wait=False`` writes only what the
+        socket takes now."""
         if quiet and len(self._out) > QUIET_OUTBOX:
             return False
         self._check()
         self._out += encode(frames)
         self._flush()
+        if self._out and wait and not quiet:
+            self.drain(SEND_WAIT)
         return True
+
+    @property
+    def unsent(self) -> int:
+        """Bytes queued that the daemon has not taken yet."""
+        return len(self._out)
 
     def poll(self, timeout: float) -> bool:
         """Whether a whole message has come, waiting up to ``timeout`` s for one (and writing
@@ -194,6 +206,7 @@ class Channel:
 
     def close(self) -> None:
         """Idempotent: unsent messages are dropped (nobody waits for them any more)."""
+        self._out.clear()
         if self.sock.fileno() >= 0:
             self._selector.close()
             self.sock.close()
