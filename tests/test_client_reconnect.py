@@ -5,6 +5,7 @@ daemon does not come back."""
 import signal
 import threading
 import time
+from contextlib import ExitStack
 
 import mlx_lm
 import pytest
@@ -295,5 +296,6 @@ def test_a_daemon_gone_between_its_hello_and_the_arena_map_is_waited_through(
         assert session.hello["pid"] == daemons[-1].pid
         session.close()
     finally:
-        for daemon in daemons:
-            daemon.close()
+        with ExitStack() as stack:  # every daemon is stopped, even if one's close fails
+            for daemon in daemons:
+                stack.callback(daemon.close)
