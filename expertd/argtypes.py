@@ -88,10 +88,7 @@ def check_seconds(name: str, value) -> float:
     Raises:
         ValueError: naming ``name``.
     """
-    try:
-        return _bounded(value, SECONDS, 0, MAX_SECONDS)
-    except ValueError as exc:
-        raise ValueError(f"{name} {exc}") from None
+    return _checked(name, value, SECONDS, MAX_SECONDS)
 
 
 def check_gib(name: str, value) -> float:
@@ -100,8 +97,12 @@ def check_gib(name: str, value) -> float:
     Raises:
         ValueError: naming ``name``.
     """
+    return _checked(name, value, GIB, MAX_GIB)
+
+
+def _checked(name: str, value, what: str, hi: float) -> float:
     try:
-        return _bounded(value, GIB, 0, MAX_GIB)
+        return _bounded(value, what, 0, hi)
     except ValueError as exc:
         raise ValueError(f"{name} {exc}") from None
 

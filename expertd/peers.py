@@ -22,7 +22,7 @@ import selectors
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .protocol import MAX_BODY, MAX_REQUEST_ID
 from .wire import GREETING_BYTES, LENGTH, MAGIC, decode, encode, message_length, send_some
@@ -44,14 +44,11 @@ KEEP_FRAMES = 3  # a request's frames; more are counted, never copied
 class Peer:
     sock: socket.socket
     identity: bytes | None = None  # from the greeting
-    inbox: bytearray = None
-    outbox: bytearray = None
+    inbox: bytearray = field(default_factory=bytearray)
+    outbox: bytearray = field(default_factory=bytearray)
     trusted: bool = False  # said hello, or heartbeats for a known client
     writing: bool = False  # the selector watches it for room to write
     queued: bool = False  # in Peers._ready
-
-    def __post_init__(self):
-        self.inbox, self.outbox = bytearray(), bytearray()
 
 
 @dataclass(frozen=True)

@@ -221,9 +221,7 @@ class ExpertServer:
             if known and identity != req.client and identity not in self._beats:
                 # A client's heartbeat connection: one each, the newest (the heartbeat thread
                 # connects again when it loses one), so a client holds two trusted at most.
-                for beat in [b for b, owner in self._beats.items() if owner == req.client]:
-                    del self._beats[beat]
-                    self.peers.close_peer(beat)
+                self._close_beats(req.client)
                 self.peers.trust(identity)
                 self._beats[identity] = req.client
             self._send(identity, reply_ok(rid, op, epoch=self.epoch, known=known))
@@ -343,7 +341,11 @@ class ExpertServer:
             return
         self.cache.forget(client)
         self.peers.trust(client.identity, False)  # its own may stay, as any peer's
-        for beat in [b for b, owner in self._beats.items() if owner == client.identity]:
+        self._close_beats(client.identity)
+
+    def _close_beats(self, client_id: bytes) -> None:
+        """Close the heartbeat connections of the client ``client_id``."""
+        for beat in [b for b, owner in self._beats.items() if owner == client_id]:
             del self._beats[beat]
             self.peers.close_peer(beat)
 

@@ -172,13 +172,7 @@ class Channel:
         while not self._whole():
             self._check()
             left = max(0.0, deadline - time.monotonic())
-            events = self._selector.select(left)
-            for _, mask in events:
-                if mask & selectors.EVENT_WRITE:
-                    self._flush()
-                if mask & selectors.EVENT_READ:
-                    self._read()
-            if left == 0 and not events:
+            if not self._pump(left) and left == 0:
                 return False
         return True
 
@@ -199,10 +193,7 @@ class Channel:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            with selectors.DefaultSelector() as selector:
-                selector.register(self.sock, selectors.EVENT_WRITE)
-                if selector.select(left):
-                    self._flush()
+            self._pump(left)  # replies read meanwhile wait for poll()
 
     def close(self) -> None:
         """Idempotent: unsent messages are dropped (nobody waits for them any more)."""
@@ -212,6 +203,17 @@ class Channel:
             self.sock.close()
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _pump(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s to write what is queued or read what came; whether
+        anything happened."""
+        events = self._selector.select(timeout)
+        for _, mask in events:
+            if mask & selectors.EVENT_WRITE:
+                self._flush()
+            if mask & selectors.EVENT_READ:
+                self._read()
+        return bool(events)
 
     def _whole(self) -> bool:
         n = message_length(self._in)

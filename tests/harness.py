@@ -22,6 +22,7 @@ import termios
 import time
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import posix_ipc
 
@@ -458,3 +459,21 @@ def drawn(master: int) -> str:
             break
         data += chunk
     return data.decode(errors="replace")
+
+
+def read_replies(sock, n: int) -> list:
+    """The first ``n`` replies on a raw connection to the daemon (greeted by the caller), as
+    ``(request id, op, body)``; waits on the socket's own timeout."""
+    from expertd.wire import decode, message_length
+
+    data, replies = b"", []
+    while len(replies) < n:
+        chunk = sock.recv(1 << 16)
+        assert chunk, f"the daemon closed the connection after {len(replies)} replies"
+        data += chunk
+        while (size := message_length(data)) is not None and len(data) >= 4 + size:
+            frames, count = decode(data[4:4 + size], 3)
+            assert count == 3, data
+            replies.append((frames[0], frames[1], msgpack.unpackb(frames[2], raw=False)))
+            data = data[4 + size:]
+    return replies

@@ -12,15 +12,14 @@ import resource
 import socket
 import sys
 
-import msgpack
 import pytest
 
 from expertd.connection import Connection
 from expertd.paths import daemon_paths
 from expertd.peers import MAX_CLIENTS, MAX_PEERS, MAX_REQUEST
 from expertd.protocol import CLIENT_ID_BYTES, PROTOCOL_VERSION, Op
-from expertd.wire import MAGIC, ConnectionLost, decode, encode
-from harness import TINY_CACHE_GB, Daemon, query_stats, wait_until
+from expertd.wire import MAGIC, ConnectionLost, encode
+from harness import TINY_CACHE_GB, Daemon, query_stats, read_replies, wait_until
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -258,12 +257,7 @@ def test_a_stats_after_a_bad_request_counts_it(blobs, isolated_env):
             stats = [b"s", bytes([Op.STATS]), b"\x80"]
             sock.sendall(MAGIC + os.urandom(CLIENT_ID_BYTES) + encode(stats)
                          + encode([b"bad", b"\x07"]) + encode(stats))
-            replies, data = [], b""
-            while len(replies) < 3:
-                data += sock.recv(1 << 20)
-                while len(data) >= 4 and len(data) >= 4 + int.from_bytes(data[:4], "little"):
-                    n = int.from_bytes(data[:4], "little")
-                    replies.append(decode(data[4:4 + n], 3)[0])
-                    data = data[4 + n:]
-        first, second = (msgpack.unpackb(r[2]) for r in (replies[0], replies[2]))
+            sock.settimeout(10.0)
+            replies = read_replies(sock, 3)
+        first, second = replies[0][2], replies[2][2]
         assert second["bad_requests"] == first["bad_requests"] + 1

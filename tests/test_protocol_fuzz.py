@@ -19,13 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from expertd.connection import Connection
-from harness import (SMALL_CACHE_GB, RawClient, expected_bytes, query_stats, running_daemon,
-                     wait_until)
+from harness import (SMALL_CACHE_GB, RawClient, expected_bytes, query_stats, read_replies,
+                     running_daemon, wait_until)
 from expertd.paths import daemon_paths
 from expertd.errors import ProtocolError
 from expertd.protocol import (CLIENT_ID_BYTES, MAX_BODY, MAX_REQUEST_ID, PROTOCOL_VERSION,
                               ErrorCode, Op, unpack)
-from expertd.wire import MAGIC, ConnectionLost, decode, encode
+from expertd.wire import MAGIC, ConnectionLost, encode
 
 SYNC_PREFIX = b"\xfe\xedsync"
 OPS = {int(op) for op in Op}
@@ -237,9 +237,7 @@ def test_bytes_that_are_not_the_wire_drop_only_that_peer(daemon, peer):
         payload = b"\x05\x00\x00\x00abc"  # a frame of 5 bytes, 3 of them there
         sock.sendall(MAGIC + os.urandom(CLIENT_ID_BYTES) + len(payload).to_bytes(4, "little")
                      + payload + encode([b"next", bytes([Op.STATS]), _pack({})]))
-        replies = []
-        while len(replies) < 2:
-            replies += _messages_in(sock)
+        replies = read_replies(sock, 2)
         assert replies[0][2]["code"] == ErrorCode.BAD_FRAME, replies
         assert replies[1][0] == b"next" and replies[1][2]["ok"], replies
 
@@ -248,18 +246,6 @@ def test_bytes_that_are_not_the_wire_drop_only_that_peer(daemon, peer):
         silent.sendall(MAGIC[:2])
         assert peer.call(Op.STATS, {})["ok"]
     assert daemon.proc.poll() is None
-
-
-def _messages_in(sock: socket.socket) -> list:
-    """The replies in what one recv gives (the test's replies are small: whole in one)."""
-    data, replies = sock.recv(1 << 16), []
-    while data:
-        n = int.from_bytes(data[:4], "little")
-        frames, count = decode(data[4:4 + n], 3)
-        assert count == 3, data
-        replies.append((frames[0], frames[1], msgpack.unpackb(frames[2], raw=False)))
-        data = data[4 + n:]
-    return replies
 
 
 # ---- generated cases -------------------------------------------------------------------------
