@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-pure bench clean
+.PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml setup.py cython_ext/_native.pyx
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --durations=20
 	EXPERTD_PURE_PYTHON=1 $(BIN)/python -m pytest -q -n 2 -m "not slow and not once"
+
+# ruff, with the rules in pyproject.toml; CI runs it beside the tests.
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[bench]"

@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from expertd.policy import LfuPolicy
+from expertd.serving.policy import LfuPolicy
 
 
 def _flat(trace) -> tuple[np.ndarray, int, int]:

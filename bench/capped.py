@@ -5,7 +5,6 @@ layer by layer from mlx-lm's own switch modules.
 """
 
 import numpy as np
-
 from belady import belady_hits, policy_hits
 from common import ensure_model
 

@@ -87,7 +87,7 @@ def daemon(blob_dir: Path, cache_gb: float, *flags: str):
             break
         except DaemonError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the benchmark daemon did not start")
+                raise RuntimeError("the benchmark daemon did not start") from None
             time.sleep(0.05)
     try:
         yield proc.pid

@@ -16,7 +16,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-
 from common import daemon, ensure_model
 
 
@@ -83,7 +82,7 @@ def pool_fill(blob_dir, threads: int, seed: int, verify: str) -> tuple:
     import select
 
     from expertd.blobstore import BlobStore
-    from expertd.io import FillPool
+    from expertd.serving.preads import FillPool
 
     store = BlobStore(blob_dir, direct=True)
 

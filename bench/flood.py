@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import OUT, daemon, ensure_model, write_section  # noqa: E402
+from common import OUT, daemon, ensure_model, write_section
 
 ROOT = Path(__file__).resolve().parent
 SMALL = dict(family="qwen3_moe", layers=4, experts=16, top_k=4, hidden=128, moe_inter=64,
@@ -88,7 +88,7 @@ def _gigabyte_messages(path: str, until: float) -> None:
 def _holding(path: str) -> socket.socket:
     """A connection that greets and sends all but the last byte of a message of the largest
     size allowed."""
-    from expertd.peers import MAX_REQUEST
+    from expertd.serving.peers import MAX_REQUEST
     from expertd.wire import MAGIC
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -35,10 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (QWEN3_30B_LIKE, ROOT, daemon, ensure_model, rss_breakdown,  # noqa: E402
-                    write_section)
-from overlap import arena_gb  # noqa: E402
-from prefill import ttft  # noqa: E402
+from common import QWEN3_30B_LIKE, ROOT, daemon, ensure_model, rss_breakdown, write_section
+from overlap import arena_gb
+from prefill import ttft
 
 QWEN3_30B_SHAPES = dict(QWEN3_30B_LIKE, experts=128)
 TINY = dict(family="qwen3_moe", layers=4, experts=32, top_k=4, hidden=256, moe_inter=128,

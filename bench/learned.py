@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import OUT  # noqa: E402
+from common import OUT
 
 NAME = "learned-qwen3-moe"
 # The synth fields of the trained model: `expertd synth` with the same fields builds the
@@ -53,7 +53,7 @@ def stdlib_files(held_out: bool) -> list:
     return files
 
 
-def encode_files(tokenizer_dir: Path, files: list, max_chars: int) -> "np.ndarray":
+def encode_files(tokenizer_dir: Path, files: list, max_chars: int):
     """Token ids of the files' text, joined by end-of-text tokens, up to ``max_chars`` of text."""
     import numpy as np
     from tokenizers import Tokenizer

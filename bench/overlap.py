@@ -18,7 +18,6 @@ import time
 from contextlib import ExitStack
 
 import numpy as np
-
 from belady import belady_hits
 from common import OUT, daemon, ensure_model, stats
 
@@ -39,8 +38,8 @@ STAT_KEYS = ("hits", "misses", "prefetch_hits", "prefetch_requested", "prefetch_
 def arena_gb(blob_dir, rows: int) -> float:
     """``--cache-gb`` that gives exactly ``rows`` cache rows, the daemon's default side rows
     (``Geometry.default_side_rows``) on top."""
-    from expertd.config import GUESS_WIDTH
     from expertd.manifest import Manifest
+    from expertd.protocol import GUESS_WIDTH
     from expertd.shm.layout import Geometry
 
     m = Manifest.load(blob_dir)
@@ -242,10 +241,11 @@ def ssd_gbps(blob_dir, threads: int = 8) -> tuple:
 
 def learned(rounds: int = 5, log=print) -> dict:
     """Everything on the learned-routing model: the arena curve, off and on at each size."""
-    from expertd.manifest import Manifest
     from learned import ensure_learned_model
     from mlx_lm.utils import load_tokenizer
     from routing_stats import held_out_tokens
+
+    from expertd.manifest import Manifest
 
     model_dir, blob_dir = ensure_learned_model()
     manifest = Manifest.load(blob_dir)
@@ -291,8 +291,9 @@ def qwen30b(tokens: int = 6, log=print) -> dict:
     """Prefetch off vs on at Qwen3-30B-A3B expert shapes, every expert in the arena and pools of
     top-k rows a layer (of every expert, nothing would move)."""
     from common import QWEN3_30B_LIKE
-    from expertd.manifest import Manifest
     from mlx_lm.utils import load_tokenizer
+
+    from expertd.manifest import Manifest
 
     model_dir, blob_dir = ensure_model("qwen3-30b-like", QWEN3_30B_LIKE)
     manifest = Manifest.load(blob_dir)

@@ -2,9 +2,8 @@
 
 import time
 
-import numpy as np
-
 import common
+import numpy as np
 from common import ROOT
 from overlap import NARROW
 

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MEDIUM, OUT, ensure_model, stop_daemon  # noqa: E402
+from common import MEDIUM, OUT, ensure_model, stop_daemon
 
 PY = sys.executable
 LAUNCH = str(Path(PY).with_name("mlx.launch"))

@@ -17,10 +17,10 @@ from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
-
 from belady import belady_hits, npz_trace, policy_hits, routing_trace
 from common import write_section
-from expertd.policy import LfuPolicy
+
+from expertd.serving.policy import LfuPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -86,7 +86,7 @@ class Policy:
 
 
 class DaemonLfu(Policy):
-    """``expertd.policy.LfuPolicy`` itself, driven through a slot table as the daemon does."""
+    """``expertd.serving.policy.LfuPolicy`` itself, driven through a slot table as the daemon does."""
 
     def __init__(self, capacity, stream, **options):
         super().__init__(capacity, stream)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import daemon, ensure_model  # noqa: E402
+from common import daemon, ensure_model
 
 # Small experts: MLX's CPU kernels are slow, and a 1024-token prompt must prefill in seconds.
 PREFILL = dict(family="qwen3_moe", layers=4, experts=64, top_k=8, hidden=256, moe_inter=128,

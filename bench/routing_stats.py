@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from common import OUT, ROOT, ensure_model
 
 N_SEQ, SEQ_LEN = 4, 512
@@ -154,7 +153,6 @@ def write_section(text: str) -> None:
 
 def main(model_dir: Path, blob_dir: Path) -> None:
     import mlx_lm
-
     from learned import NAME, SPEC
 
     synth_dir, _ = ensure_model("synth-like-learned", SPEC)

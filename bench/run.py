@@ -17,13 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import capped  # noqa: E402
-import fill  # noqa: E402
-import overlap  # noqa: E402
-import overlap_report  # noqa: E402
-import reclaim  # noqa: E402
-import warm_decode  # noqa: E402
-from common import MEDIUM, OUT, QWEN3_30B_LIKE, ROOT, SMALL, daemon, ensure_model, rss_breakdown, stats  # noqa: E402,E501
+import capped
+import fill
+import overlap
+import overlap_report
+import reclaim
+import warm_decode
+from common import MEDIUM, OUT, QWEN3_30B_LIKE, ROOT, SMALL, daemon, ensure_model, rss_breakdown, stats
 
 
 def sharing(name: str, spec: dict, clients: int = 3, tokens: int = 32) -> dict:
@@ -56,9 +56,10 @@ def sharing(name: str, spec: dict, clients: int = 3, tokens: int = 32) -> dict:
 def memory(name: str, spec: dict) -> dict:
     """Daemon RSS outside the arena, and the client's own expert memory (its pools) against the
     pool budget it was given, with a warm cache."""
+    from mlx_lm import generate
+
     from expertd.client import load
     from expertd.manifest import Manifest
-    from mlx_lm import generate
 
     _, blob_dir = ensure_model(name, spec)
     manifest = Manifest.load(blob_dir)

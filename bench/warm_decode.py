@@ -10,7 +10,6 @@ are in place, which with every expert pooled is bookkeeping only (nothing moves)
 """
 
 import numpy as np
-
 from common import daemon, ensure_model
 
 SPECULATE = ("auto", "off")

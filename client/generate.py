@@ -4,8 +4,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from expertd.argtypes import (DEFAULT_KV_GROUP_SIZE, DEFAULT_PREFILL_STEP_SIZE,
-                              DEFAULT_QUANTIZED_KV_START)
+from expertd.cli.argtypes import DEFAULT_KV_GROUP_SIZE, DEFAULT_PREFILL_STEP_SIZE, DEFAULT_QUANTIZED_KV_START
 
 
 @dataclass(frozen=True)

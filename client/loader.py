@@ -4,8 +4,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from expertd.argtypes import check_gib, check_seconds
 from expertd.blobstore import check_trunk
+from expertd.cli.argtypes import check_gib, check_seconds
 from expertd.errors import BlobStoreError
 
 from .backing import Staging
@@ -47,7 +47,7 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
             least this many bytes (default 512 KiB); smaller ones are cheaper to move when
             the layer runs than to hand to another thread.
         guess_width: experts read ahead per expert a token routes to (default 2, see
-            ``expertd.config.GUESS_WIDTH``): the daemon fills the absent ones of that many of the next
+            ``expertd.serving.config.GUESS_WIDTH``): the daemon fills the absent ones of that many of the next
             router's best-ranked experts into its side rows; the copy ahead stays at the top-k.
         pipeline_group: an ``mx.distributed`` group (under ``mlx.launch``): split the model
             with mlx-lm's own ``pipeline(group)`` and stream only this rank's layers, from

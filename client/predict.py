@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from expertd.config import GUESS_WIDTH  # experts read ahead per routed expert (the core: 1)
-from expertd.config import PREFETCH_MODES
+from expertd.serving.config import PREFETCH_MODES
 
 WINDOW = 32  # guesses per precision verdict
 MIN_PRECISION = 0.5

@@ -22,11 +22,10 @@ import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
+from expertd.cli.argtypes import DEFAULT_KV_GROUP_SIZE, DEFAULT_PREFILL_STEP_SIZE, DEFAULT_QUANTIZED_KV_START
 from expertd.client.serve_errors import DaemonWatch, ModelNotServed, ShapedErrors, error_object
 from expertd.client.serve_metrics import ServerCounters, render_metrics
 from expertd.connection import Connection
-from expertd.argtypes import (DEFAULT_KV_GROUP_SIZE, DEFAULT_PREFILL_STEP_SIZE,
-                              DEFAULT_QUANTIZED_KV_START)
 from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.protocol import Op
 

@@ -21,12 +21,11 @@ from expertd.client.heartbeat import Heartbeat
 from expertd.client.interrupts import HeldInterrupts
 from expertd.client.pool import POOL_COUNTERS
 from expertd.client.requester import DaemonDied, Requester
-from expertd.config import GUESS_WIDTH
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
-from expertd.protocol import PROTOCOL_VERSION, Op
+from expertd.protocol import GUESS_WIDTH, PROTOCOL_VERSION, Op
 from expertd.runfile import serving_epoch
 
 GOODBYE_LINGER = 0.2  # how long a closing session lets its goodbye reach the daemon

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from expertd.config import SPECULATE_MODES
+from expertd.serving.config import SPECULATE_MODES
 
 from .layer import DECODE_IDS
 from .predict import check_choice
@@ -98,7 +98,7 @@ class StepGuard:
     """Mixin placed in front of the mlx-lm model class: each call is one checked step."""
 
     def __call__(self, inputs, *args, **kwargs):
-        return self.__dict__["_expertd_steps"].run(super(StepGuard, self).__call__, inputs,
+        return self.__dict__["_expertd_steps"].run(super().__call__, inputs,
                                                    args, kwargs)
 
 

@@ -5,8 +5,9 @@ import errno
 import mmap
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import xxhash
 

@@ -10,15 +10,39 @@ import os
 PURE_PYTHON_FORCED = os.environ.get("EXPERTD_PURE_PYTHON", "") not in ("", "0")
 
 if PURE_PYTHON_FORCED:
-    from expertd._fallback import (IMPLEMENTATION, begin_write, bump_hits, copy_segments, drain,
-                                   end_write, remap, validate)
+    from expertd._fallback import (
+        IMPLEMENTATION,
+        begin_write,
+        bump_hits,
+        copy_segments,
+        drain,
+        end_write,
+        remap,
+        validate,
+    )
 else:
     try:
-        from expertd._native import (IMPLEMENTATION, begin_write, bump_hits, copy_segments, drain,
-                                     end_write, remap, validate)
+        from expertd._native import (
+            IMPLEMENTATION,
+            begin_write,
+            bump_hits,
+            copy_segments,
+            drain,
+            end_write,
+            remap,
+            validate,
+        )
     except ImportError:
-        from expertd._fallback import (IMPLEMENTATION, begin_write, bump_hits, copy_segments,
-                                       drain, end_write, remap, validate)
+        from expertd._fallback import (
+            IMPLEMENTATION,
+            begin_write,
+            bump_hits,
+            copy_segments,
+            drain,
+            end_write,
+            remap,
+            validate,
+        )
 
 __all__ = ["IMPLEMENTATION", "PURE_PYTHON_FORCED", "remap", "validate", "drain",
            "copy_segments", "bump_hits", "begin_write", "end_write"]

@@ -4,8 +4,8 @@ Frames, client to daemon: ``[request_id, op, body]``; the daemon knows the peer 
 id of its connection's greeting.
 Replies: ``[request_id, op, body]`` where body is a msgpack map with ``ok`` true, or ``ok``
 false plus ``error`` (a message) and ``code``. ``prefetch``, ``release`` and ``goodbye`` are
-fire-and-forget: they are answered only when they fail. Nothing from the wire is trusted: bodies are decoded with
-size limits and turned into typed requests here, at the edge.
+fire-and-forget: they are answered only when they fail. Nothing from the wire is trusted: bodies
+are decoded with size limits and turned into typed requests here, at the edge.
 """
 
 import enum
@@ -19,6 +19,9 @@ PROTOCOL_VERSION = 2
 MAX_BODY = 64 * 1024
 MAX_REQUEST_ID = 16
 MAX_EXPERTS = 4096
+# Experts a client reads ahead per expert a token routes to (client.predict); the daemon's
+# default side rows are sized for it.
+GUESS_WIDTH = 2
 
 
 class Op(enum.IntEnum):

@@ -8,12 +8,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from harness import SEEN_ARENAS, shm_exists
 
 from expertd.shm.layout import unlink_arena
 from expertd.tools.convert import convert
 from expertd.tools.safetensors import read_header
 from expertd.tools.synth import SynthConfig, synthesize
-from harness import SEEN_ARENAS, shm_exists
 
 # Small enough to build in a second, big enough that routing spreads over many experts.
 TINY = dict(layers=3, experts=16, top_k=4, hidden=128, moe_inter=64)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import xxhash
-
 from harness import RawClient, query_stats, validate
 
 
@@ -211,8 +210,8 @@ def hoard_worker(args) -> None:
 def parity_client(args) -> dict:
     """Streamed against resident logits (``client_helpers.compare_runs``)."""
     import mlx_lm
-
     from client_helpers import compare_runs
+
     from expertd import native
     from expertd.client import load
 
@@ -231,9 +230,9 @@ def parity_client(args) -> dict:
 def generate_client(args) -> dict:
     """Greedy decoding of a fixed prompt, one token per line appended to ``--tokens-file``."""
     import mlx.core as mx
+    from client_helpers import prompt_ids
     from mlx_lm.generate import generate_step
 
-    from client_helpers import prompt_ids
     from expertd import native
     from expertd.client import load
 

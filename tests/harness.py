@@ -240,7 +240,7 @@ running_daemon = Daemon
 def kill_serving_daemon(blob_dir) -> None:
     """Teardown for daemons started detached by the CLI: stop whatever still serves the dir
     (SIGTERM, SIGKILL past ``STOP_TIMEOUT``) and remove its arena if it left it."""
-    from expertd.daemon import serving_pid
+    from expertd.cli.lifecycle import serving_pid
     from expertd.paths import daemon_paths
 
     paths = daemon_paths(blob_dir)

@@ -15,14 +15,13 @@ import signal
 import time
 
 import pytest
+from harness import TINY_CACHE_GB, Daemon, RawClient, expertd_cli, kill_serving_daemon, shm_exists, wait_until
 
 from expertd.connection import Connection
 from expertd.errors import DaemonError
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
 from expertd.protocol import PROTOCOL_VERSION, ErrorCode, Op, request
-from harness import (TINY_CACHE_GB, Daemon, RawClient, expertd_cli, kill_serving_daemon,
-                     shm_exists, wait_until)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -151,7 +150,7 @@ def test_a_blob_truncated_under_a_serving_daemon_fails_by_name(own_blobs, isolat
         assert err.value.code == ErrorCode.IO
         assert last.file in str(err.value) and "short read" in str(err.value)
         # Both reads fail; the pool reports whichever failed first, by its number.
-        assert re.search(r"expert (%s)\b" % "|".join(map(str, experts)), str(err.value))
+        assert re.search(rf"expert ({'|'.join(map(str, experts))})\b", str(err.value))
         assert len(c.fetch(0, [0, 1])) == 2
         stats = d.stats()
         assert stats["fill_errors"] >= 1 and stats["internal_errors"] == 0

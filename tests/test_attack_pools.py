@@ -9,10 +9,10 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx_lm.models.cache import KVCache, make_prompt_cache
-
 from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, prompt_ids, routed_model
 from harness import Daemon, wait_until
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
 from expertd.client import load
 
 BACKINGS = ["host", "device"]

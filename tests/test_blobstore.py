@@ -8,8 +8,8 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, flip_byte, lm_head_offset, mounted
+
 from expertd.blobstore import BlobStore
 from expertd.errors import BlobStoreError, ChecksumError
 

@@ -13,9 +13,8 @@ import time
 
 import mlx_lm
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
-
 from harness import SMALL_CACHE_GB, Daemon, sigint_as_usual
+from mlx_lm.models.cache import make_prompt_cache
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,10 +12,10 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-
 from harness import expertd_cli, kill_serving_daemon, query_stats, sigint_as_usual, wait_until
-from expertd.cli import DefaultsHelpFormatter, build_parser
-from expertd.control import parse_size
+
+from expertd.cli.daemon_control import parse_size
+from expertd.cli.main import DefaultsHelpFormatter, build_parser
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
 from expertd.shm.layout import Geometry
@@ -426,7 +426,7 @@ def test_synth_checks_flags_together_in_one_line(tmp_path):
 
 
 def test_sizes_print_in_mib_below_a_gib():
-    from expertd.control import _status_lines
+    from expertd.cli.daemon_control import _status_lines
     from expertd.units import size_text
 
     assert size_text(274_000) == "0.26 MiB" and size_text(274_000, round_up=True) == "0.27 MiB"

@@ -3,12 +3,19 @@ shared cache reading the SSD once for clients that need the same experts."""
 
 import mlx_lm
 import pytest
+from client_helpers import (
+    ROWS_ALL,
+    ROWS_MEDIUM,
+    client_flags,
+    greedy_tokens,
+    prompt_ids,
+    routed_model,
+    run_together,
+)
+from harness import Daemon, wait_until
 
-from client_helpers import (ROWS_ALL, ROWS_MEDIUM, client_flags, greedy_tokens, prompt_ids,
-                            routed_model, run_together)
 from expertd import native
 from expertd.manifest import Manifest
-from harness import Daemon, wait_until
 
 FAMILY = ("qwen3_moe", "affine", 4)
 PROMPT_LEN = 17

@@ -4,8 +4,8 @@ import json
 import shutil
 
 import pytest
-
 from harness import SMALL_CACHE_GB, running_daemon
+
 from expertd.client import load
 from expertd.errors import DaemonError
 

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
-
 from harness import SMALL_CACHE_GB, Daemon, expertd_cli
-from expertd.cli import build_parser
+
+from expertd.cli.main import build_parser
 
 
 def refusal(capsys, *argv) -> str:

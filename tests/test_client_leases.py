@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from client_helpers import cache_gb
 from harness import Daemon, RawClient, query_stats, read_json_line, spawn_client, wait_until
 

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from harness import START_TIMEOUT, STOP_TIMEOUT, Daemon, expertd_cli, kill_serving_daemon
 
 ROUNDS = 3

@@ -11,12 +11,20 @@ import os
 import mlx.core as mx
 import mlx_lm
 import pytest
-from mlx.utils import tree_flatten
-
-from client_helpers import (ROWS_ALL, ROWS_MEDIUM, ROWS_TINY, client_flags, compare_runs, pool_gb,
-                            prompt_ids, routed_model)
+from client_helpers import (
+    ROWS_ALL,
+    ROWS_MEDIUM,
+    ROWS_TINY,
+    client_flags,
+    compare_runs,
+    pool_gb,
+    prompt_ids,
+    routed_model,
+)
 from conftest import FAMILY_MODES
 from harness import Daemon, expertd_cli, finish_client, query_stats, spawn_client, wait_until
+from mlx.utils import tree_flatten
+
 from expertd.client import load
 from expertd.errors import DaemonNotRunning
 from expertd.manifest import Manifest

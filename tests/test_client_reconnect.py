@@ -9,9 +9,15 @@ from contextlib import ExitStack
 
 import mlx_lm
 import pytest
-
-from client_helpers import (ROWS_ALL, ROWS_TINY, client_flags, greedy_tokens, prompt_ids,
-                            read_tokens, routed_model)
+from client_helpers import (
+    ROWS_ALL,
+    ROWS_TINY,
+    client_flags,
+    greedy_tokens,
+    prompt_ids,
+    read_tokens,
+    routed_model,
+)
 from harness import Daemon, finish_client, spawn_client, stop_process, wait_until
 
 FAMILY = ("qwen3_moe", "affine", 4)

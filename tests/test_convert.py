@@ -17,15 +17,15 @@ import mlx_lm
 import numpy as np
 import pytest
 import xxhash
+from conftest import PYTHON, TINY, mounted
+from harness import drawn, terminal, wait_until
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 
-from conftest import PYTHON, TINY, mounted
-from harness import drawn, terminal, wait_until
 from expertd.blobstore import BlobStore
-from expertd.tools.convert import convert, expert_slice
 from expertd.errors import ModelDirError
 from expertd.manifest import STRIDE_ALIGN, Manifest
+from expertd.tools.convert import convert, expert_slice
 from expertd.tools.safetensors import read_header
 from expertd.tools.synth import SynthConfig, synthesize
 
@@ -361,7 +361,7 @@ def assert_valid(blob_dir: Path) -> None:
 # The expertd command, with Ctrl-C raising KeyboardInterrupt even when this test runs in a
 # background job (which starts with SIGINT ignored, and Python then keeps it ignored).
 CLI_WITH_SIGINT = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                   "from expertd.cli import main; sys.exit(main(sys.argv[1:]))")
+                   "from expertd.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
 
 def signal_mid_conversion(model_dir: Path, blob_dir: Path, signum: int):
@@ -570,7 +570,7 @@ def test_full_disk_is_one_line_and_leaves_nothing(models, small_tmpfs):
 # Root reads everything: the command drops to nobody after its imports to see a refusal.
 # (Python's own modules are root's here: everything the command imports is imported first.)
 AS_NOBODY = ("import os, sys; import tqdm, expertd.tools.convert; "
-             "from expertd.cli import build_parser, main; build_parser(); "
+             "from expertd.cli.main import build_parser, main; build_parser(); "
              "os.setgroups([]); os.setgid(65534); os.setuid(65534); sys.exit(main(sys.argv[1:]))")
 
 

@@ -15,10 +15,24 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import (
+    SMALL_CACHE_GB,
+    TINY_CACHE_GB,
+    RawClient,
+    arena_owner,
+    expected_bytes,
+    expertd_cli,
+    kill_serving_daemon,
+    query_stats,
+    read_json_line,
+    running_daemon,
+    shm_exists,
+    shm_mode,
+    spawn_client,
+    stop_process,
+    wait_until,
+)
 
-from harness import (SMALL_CACHE_GB, TINY_CACHE_GB, RawClient, arena_owner, expected_bytes,
-                     expertd_cli, kill_serving_daemon, query_stats, read_json_line,
-                     running_daemon, shm_exists, shm_mode, spawn_client, stop_process, wait_until)
 from expertd.errors import DaemonError
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths

@@ -11,13 +11,23 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import (
+    TINY_CACHE_GB,
+    Daemon,
+    RawClient,
+    expected_bytes,
+    query_stats,
+    read_json_line,
+    spawn_client,
+    stop_process,
+    wait_until,
+)
 
 from expertd.connection import Connection
 from expertd.errors import DaemonError
 from expertd.protocol import ErrorCode, Op
 from expertd.wire import ConnectionLost
-from harness import (TINY_CACHE_GB, Daemon, RawClient, expected_bytes, query_stats,
-                     read_json_line, spawn_client, stop_process, wait_until)
+
 
 def spawn_holder(blob_dir, n_leases: int, pins=()):
     """A client process holding ``n_leases`` one-expert leases and ``pins``, until killed."""
@@ -190,8 +200,8 @@ def test_a_bug_in_a_handler_is_logged_answered_and_survived(blobs, isolated_env,
     import threading
 
     from expertd.paths import daemon_paths
-    from expertd.config import ServerConfig
-    from expertd.server import ExpertServer
+    from expertd.serving.config import ServerConfig
+    from expertd.serving.server import ExpertServer
     from expertd.shm.layout import unlink_arena
 
     config = ServerConfig(blob_dir=blobs, cache_bytes=int(float(TINY_CACHE_GB) * 2**30))

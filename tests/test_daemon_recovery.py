@@ -5,9 +5,16 @@ import shutil
 import signal
 
 import pytest
+from harness import (
+    STOP_TIMEOUT,
+    TINY_CACHE_GB,
+    RawClient,
+    expected_bytes,
+    running_daemon,
+    shm_exists,
+    wait_until,
+)
 
-from harness import (STOP_TIMEOUT, TINY_CACHE_GB, RawClient, expected_bytes, running_daemon,
-                     shm_exists, wait_until)
 from expertd.errors import DaemonError
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths

@@ -9,13 +9,13 @@ import sys
 import threading
 
 import pytest
-
 from harness import TINY_CACHE_GB, RawClient, expected_bytes, running_daemon, wait_until
+
 from expertd.blobstore import BlobStore
 from expertd.errors import DaemonError
-from expertd.io import FillPool
 from expertd.manifest import Manifest
 from expertd.protocol import ErrorCode, Op
+from expertd.serving.preads import FillPool
 
 LAYER, EXPERT = 1, 5
 

@@ -13,13 +13,13 @@ import socket
 import sys
 
 import pytest
+from harness import TINY_CACHE_GB, Daemon, query_stats, read_replies, wait_until
 
 from expertd.connection import Connection
 from expertd.paths import daemon_paths
-from expertd.peers import MAX_CLIENTS, MAX_PEERS, MAX_REQUEST
 from expertd.protocol import CLIENT_ID_BYTES, PROTOCOL_VERSION, Op
+from expertd.serving.peers import MAX_CLIENTS, MAX_PEERS, MAX_REQUEST
 from expertd.wire import MAGIC, ConnectionLost, encode
-from harness import TINY_CACHE_GB, Daemon, query_stats, read_replies, wait_until
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"),

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from harness import Daemon
+
 from expertd.manifest import Manifest
 
 PROMPT = "Once upon a time"

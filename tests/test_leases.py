@@ -8,10 +8,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from expertd import leases
-from expertd.clients import ClientRegistry
-from expertd.leases import Demand, LeaseBook
-from expertd.config import cache_limits
+from expertd.serving import leases
+from expertd.serving.clients import ClientRegistry
+from expertd.serving.config import cache_limits
+from expertd.serving.leases import Demand, LeaseBook
 
 A, B = b"a" * 16, b"b" * 16
 

@@ -22,13 +22,19 @@ from pathlib import Path
 
 import posix_ipc
 import pytest
+from harness import (
+    RawClient,
+    expertd_cli,
+    kill_serving_daemon,
+    query_stats,
+    running_daemon,
+    shm_exists,
+    wait_until,
+)
 
-from harness import (RawClient, expertd_cli, kill_serving_daemon, query_stats,
-                     running_daemon, shm_exists, wait_until)
-from expertd.daemon import serving_pid
+from expertd.cli.lifecycle import serving_pid
 from expertd.paths import daemon_paths
-from expertd.runfile import (ARENA_NAME, read_run_info, serving_epoch, sweep_runtime_dir,
-                             write_atomically)
+from expertd.runfile import ARENA_NAME, read_run_info, serving_epoch, sweep_runtime_dir, write_atomically
 from expertd.shm.layout import Geometry, unlink_arena
 
 NOBODY = 65534
@@ -235,7 +241,7 @@ def test_default_side_rows_are_twice_top_k_only_in_a_big_enough_arena():
 BLOCK_BEFORE_STATE = """
 import sys
 if "--foreground" in sys.argv:
-    import expertd.server as server
+    import expertd.serving.server as server
     load_state = server.ExpertServer._load_state
 
     def blocked(self):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from harness import Daemon, RawClient, sigint_as_usual
+
 from expertd.errors import BlobStoreError, DaemonError
 from expertd.manifest import Manifest
 
@@ -48,8 +48,8 @@ def free_port_pair() -> int:
 def launch(tmp_path: Path, command: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """``command`` on two ranks with mlx.launch (ring backend). ``$MLX_RANK`` picks each rank's
     runtime directory (``tmp_path/rt{rank}`` file) and blob directory, as two hosts would."""
-    wrapped = ('XDG_RUNTIME_DIR=$(cat %s/rt$MLX_RANK) XDG_STATE_HOME=%s/state$MLX_RANK exec %s'
-               % (tmp_path, tmp_path, command))
+    wrapped = (f'XDG_RUNTIME_DIR=$(cat {tmp_path}/rt$MLX_RANK) '
+               f'XDG_STATE_HOME={tmp_path}/state$MLX_RANK exec {command}')
     return subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "-p",
                            str(free_port_pair()), "--", "sh", "-c", wrapped],
                           capture_output=True, text=True, timeout=timeout)
@@ -100,8 +100,8 @@ def serve_pipeline(tmp_path: Path) -> str:
         http_port = probe.getsockname()[1]
     command = (f"{shlex.quote(sys.executable)} -m expertd serve --pipeline --blobs "
                f"{tmp_path}/stage$MLX_RANK --port {http_port}")
-    wrapped = ('XDG_RUNTIME_DIR=$(cat %s/rt$MLX_RANK) XDG_STATE_HOME=%s/state$MLX_RANK exec %s'
-               % (tmp_path, tmp_path, command))
+    wrapped = (f'XDG_RUNTIME_DIR=$(cat {tmp_path}/rt$MLX_RANK) '
+               f'XDG_STATE_HOME={tmp_path}/state$MLX_RANK exec {command}')
     proc = subprocess.Popen([str(LAUNCH), "-n", "2", "--backend", "ring", "-p",
                              str(free_port_pair()), "--", "sh", "-c", wrapped],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from expertd.hotset import load_hot_set
-from expertd.policy import FREQUENCY_FLOOR, LfuPolicy
+from expertd.serving.hotset import load_hot_set
+from expertd.serving.policy import FREQUENCY_FLOOR, LfuPolicy
+
 
 def all_rows(policy: LfuPolicy) -> np.ndarray:
     return np.ones(policy.n_rows, dtype=bool)
@@ -540,7 +541,7 @@ def test_layer_none_is_the_plain_rule_whatever_the_quotas():
     for flat in rng.choice(row_keys, size=20, replace=False):
         policy.pin(divmod(int(flat), n_experts))
     row_keys[rng.choice(n_rows, size=10, replace=False)] = -1
-    for step in range(50):  # layered demands move quotas and record ghosts in between
+    for _ in range(50):  # layered demands move quotas and record ghosts in between
         eligible = rng.random(n_rows) < 0.9
         layer = int(rng.integers(n_layers))
         missing = rng.integers(0, n_experts, size=4).tolist()

@@ -11,12 +11,21 @@ import time
 
 import numpy as np
 import pytest
+from harness import (
+    TINY_CACHE_GB,
+    RawClient,
+    expected_bytes,
+    read_json_line,
+    running_daemon,
+    spawn_client,
+    stop_process,
+    validate,
+    wait_until,
+)
+from test_side_rows import LONG_HOLD
 
-from harness import (TINY_CACHE_GB, RawClient, expected_bytes, read_json_line, running_daemon,
-                     spawn_client, stop_process, validate, wait_until)
 from expertd.protocol import Op
 from expertd.shm.layout import SlotState
-from test_side_rows import LONG_HOLD
 
 SCRIPT = __file__
 
@@ -259,9 +268,10 @@ def failed_read_ahead_waited_on(d, c: RawClient) -> dict:
     import os
     import signal
 
+    from test_side_rows import stopped
+
     from expertd.errors import DaemonError
     from expertd.protocol import ErrorCode
-    from test_side_rows import stopped
 
     last = c.manifest.layers[-1]
     os.truncate(c.blob_dir / last.file, 2 * c.manifest.stride + 5)  # experts 2.. cut off
@@ -363,7 +373,6 @@ def test_no_side_rows(models, isolated_env):
 @pytest.fixture
 def qwen(models):
     import mlx_lm
-
     from client_helpers import routed_model
 
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
@@ -459,9 +468,9 @@ def interrupted(blobs, out, expected) -> None:
     import threading
 
     import mlx.core as mx
+    from client_helpers import prompt_ids
     from mlx_lm.generate import generate_step
 
-    from client_helpers import prompt_ids
     from expertd.client import load
 
     expected = json.loads(expected)

@@ -14,15 +14,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from client_helpers import prompt_ids
+from harness import Daemon
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from client_helpers import prompt_ids
-from harness import Daemon
 from expertd.client import load
+from expertd.client.predict import MIN_PRECISION, READ_WINDOW, RETEST_AFTER, WINDOW, Guesser, LayerGuesses
 from expertd.manifest import Manifest
-from expertd.client.predict import (MIN_PRECISION, READ_WINDOW, RETEST_AFTER, WINDOW, Guesser,
-                                    LayerGuesses)
 from expertd.tools.convert import convert
 
 RANDOM = dict(layers=4, experts=64, top_k=2)

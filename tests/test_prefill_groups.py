@@ -11,12 +11,11 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-
 from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, prompt_ids, routed_model
 from conftest import FAMILY_MODES
 from harness import Daemon
-from expertd.client import load
-from expertd.client import switch
+
+from expertd.client import load, switch
 from expertd.manifest import Manifest
 
 FAMILY_IDS = [f"{family}-{mode}{bits}" for family, mode, bits in FAMILY_MODES]

@@ -15,16 +15,30 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from harness import (
+    SMALL_CACHE_GB,
+    RawClient,
+    expected_bytes,
+    query_stats,
+    read_replies,
+    running_daemon,
+    wait_until,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from expertd.connection import Connection
-from harness import (SMALL_CACHE_GB, RawClient, expected_bytes, query_stats, read_replies,
-                     running_daemon, wait_until)
-from expertd.paths import daemon_paths
 from expertd.errors import ProtocolError
-from expertd.protocol import (CLIENT_ID_BYTES, MAX_BODY, MAX_REQUEST_ID, PROTOCOL_VERSION,
-                              ErrorCode, Op, unpack)
+from expertd.paths import daemon_paths
+from expertd.protocol import (
+    CLIENT_ID_BYTES,
+    MAX_BODY,
+    MAX_REQUEST_ID,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Op,
+    unpack,
+)
 from expertd.wire import MAGIC, ConnectionLost, encode
 
 SYNC_PREFIX = b"\xfe\xedsync"

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import mlx_lm
 import pytest
-from openai import APIError, APIStatusError, NotFoundError, OpenAI
-
 from harness import SMALL_CACHE_GB, Daemon, expertd_cli, wait_until
+from openai import APIError, APIStatusError, NotFoundError, OpenAI
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -371,9 +370,9 @@ def test_serve_refuses_a_port_out_of_range(port):
 
 
 def test_serve_kv_cache_flags_reach_mlx_server():
-    from expertd.cli import build_parser
+    from expertd.cli.inference import serve_options
+    from expertd.cli.main import build_parser
     from expertd.client.serve import mlx_server_args
-    from expertd.commands import serve_options
 
     args = build_parser().parse_args(["serve", "--blobs", "b", "--kv-bits", "4",
                                       "--kv-group-size", "32", "--quantized-kv-start", "0",

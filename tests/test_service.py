@@ -11,10 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from harness import expertd_cli, kill_serving_daemon, try_stats, wait_until
-from expertd.service import (STOP_GRACE_S, expertd_command, make_plan, plist_dict,
-                             service_id, systemd_quote)
+
+from expertd.cli.service import (
+    STOP_GRACE_S,
+    expertd_command,
+    make_plan,
+    plist_dict,
+    service_id,
+    systemd_quote,
+)
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "launchd" / "com.expertd.agent.plist"
 CACHE = "80%"  # of the tiny model's 768 KiB of experts: 37 of its 48 rows
@@ -108,7 +114,7 @@ def test_unit_passes_systemd_analyze_verify(awkward_blobs, home):
 
 
 def test_unit_without_a_runtime_dir_unsets_the_managers(models):
-    from expertd.service import render_unit
+    from expertd.cli.service import render_unit
 
     plan = make_plan(models.blobs(), platform="linux", home=Path("/home/u"), environ={})
     assert plan.path == Path("/home/u/.config/systemd/user") / plan.name

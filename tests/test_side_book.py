@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from expertd.side import SIDE_HOLD, SideBook
+from expertd.serving.side import SIDE_HOLD, SideBook
 
 A, B = b"a" * 16, b"b" * 16
 CACHE, SIDE = 6, 2  # rows 0..5 cache, 6..9 side

@@ -7,9 +7,17 @@ import signal
 
 import numpy as np
 import pytest
+from harness import (
+    TINY_CACHE_GB,
+    RawClient,
+    expected_bytes,
+    finish_client,
+    running_daemon,
+    spawn_client,
+    validate,
+    wait_until,
+)
 
-from harness import (TINY_CACHE_GB, RawClient, expected_bytes, finish_client, running_daemon,
-                     spawn_client, validate, wait_until)
 from expertd import native
 from expertd.protocol import Op
 from expertd.shm.layout import SlotState

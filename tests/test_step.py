@@ -12,10 +12,10 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
-
 from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, prompt_ids, routed_model
 from harness import Daemon, expertd_cli, wait_until
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
 from expertd.client import load
 from expertd.client.step import MAX_REPLAYS, RETRY_AFTER, WINDOW, Speculation, replayable
 

@@ -12,10 +12,10 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
-
 from conftest import FAMILY_MODES, TINY
 from harness import drawn, sigint_as_usual, terminal, wait_until
+from mlx.utils import tree_flatten
+
 from expertd.tools.synth import SynthConfig, synthesize
 
 TEXTS = [

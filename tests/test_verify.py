@@ -5,14 +5,14 @@ import json
 import subprocess
 
 import pytest
-
 from conftest import PYTHON, TINY, flip_byte, lm_head_offset
+from harness import SMALL_CACHE_GB, running_daemon
+
 from expertd.client import load
 from expertd.errors import BlobStoreError
 from expertd.manifest import Manifest
 from expertd.tools.convert import convert
 from expertd.tools.synth import SynthConfig, synthesize
-from harness import SMALL_CACHE_GB, running_daemon
 
 EXPERTS = TINY["layers"] * TINY["experts"]
 

@@ -29,6 +29,7 @@ from expertd.errors import ConvertError, ModelDirError
 from expertd.manifest import STRIDE_ALIGN, Manifest, MoeLayer, Segment, Stage, TrunkFile
 from expertd.paths import missing_parent
 from expertd.runfile import read_private, take_lock
+
 from .safetensors import SafetensorsWriter, read_header
 
 _SEGMENT_ALIGN = 64
@@ -40,7 +41,8 @@ def find_switch_modules(config: dict) -> list:
     The model is built from mlx-lm's own classes; its parameters stay lazy (never evaluated), so
     this costs no memory whatever the model's size.
     """
-    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP, SwitchLinear
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear, SwitchMLP
+
     from .mlxlm import model_classes
 
     try:
@@ -202,8 +204,8 @@ def select_stage(config: dict, layers: list, trunk: list, spec: str):
         ConvertError: the family cannot be split into pipeline stages, or ``spec`` is not a
             range of the model's layers, or the range holds no MoE layer.
     """
-    from expertd.client.pipeline import PipelineError, check_pipeline_support, layer_number
-    from expertd.client.pipeline import parse_layers
+    from expertd.client.pipeline import PipelineError, check_pipeline_support, layer_number, parse_layers
+
     from .mlxlm import model_classes
 
     model_class, args_class = model_classes(config)

@@ -29,11 +29,12 @@ def default_workdir() -> Path:
 
 
 def run_demo(workdir: Path | None = None, rebuild: bool = False) -> int:
-    from .convert import convert
-    from expertd.daemon import serving_pid, start_detached, stop
+    from expertd.cli.lifecycle import serving_pid, start_detached, stop
     from expertd.errors import BlobStoreError
     from expertd.manifest import Manifest
     from expertd.paths import daemon_paths
+
+    from .convert import convert
     from .synth import synthesize
 
     workdir = workdir or default_workdir()
@@ -77,8 +78,8 @@ def run_demo(workdir: Path | None = None, rebuild: bool = False) -> int:
          f"experts: the model does not fit")
     try:
         _say("4/5", f"two client processes generate {MAX_TOKENS} tokens at the same time from "
-             f"the prompt {PROMPT!r} (random weights, sampled at temperature 1 with the same seed: the text is noise, the "
-             "numbers are not)")
+             f"the prompt {PROMPT!r} (random weights, sampled at temperature 1 with the same seed: "
+             "the text is noise, the numbers are not)")
         pair = _run_clients(blob_dir, 2)
         for i, (text, summary) in enumerate(pair, 1):
             ids = " ".join(str(t) for t in summary["tokens"][:16])

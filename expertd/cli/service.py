@@ -255,7 +255,7 @@ def _run_all(commands, action: str, then=()) -> bool:
 
 
 def _plan(args) -> ServicePlan:
-    from .control import start_flags
+    from expertd.cli.daemon_control import start_flags
 
     flags = start_flags(args) if args.action == "install" else []
     if args.action == "install" and args.log_file:
@@ -270,7 +270,7 @@ def _manages_here(args, plan: ServicePlan) -> bool:
 
 
 def _cmd_install(args) -> int:
-    from .control import _config
+    from expertd.cli.daemon_control import _config
 
     _config(args)  # refuse a bad blob directory or budget now, not in a restart loop
     plan = _plan(args)
@@ -317,7 +317,7 @@ def _cmd_uninstall(args) -> int:
 def _cmd_status(args) -> int:
     import argparse
 
-    from .control import _snapshot
+    from expertd.cli.daemon_control import _snapshot
 
     plan = _plan(args)
     installed = plan.path.exists()
@@ -337,7 +337,7 @@ def _cmd_status(args) -> int:
 
 
 def add_subcommands(sub) -> None:
-    from .control import add_start_flags
+    from expertd.cli.daemon_control import add_start_flags
 
     p = sub.add_parser("service", help="run the daemon as a launchd agent or systemd user unit",
                        description="Install, remove or inspect a per-user service that keeps "

@@ -13,12 +13,12 @@ from collections import deque
 
 import numpy as np
 
-from .leases import Demand, LeaseBook
-from .policy import LfuPolicy
-from .protocol import Op, reply_error, reply_ok
-from .shm.layout import SlotState
-from .side import SIDE_HOLD, SideBook
-from .slots import SlotTable
+from expertd.protocol import Op, reply_error, reply_ok
+from expertd.serving.leases import Demand, LeaseBook
+from expertd.serving.policy import LfuPolicy
+from expertd.serving.side import SIDE_HOLD, SideBook
+from expertd.serving.slots import SlotTable
+from expertd.shm.layout import SlotState
 
 log = logging.getLogger("expertd")
 
@@ -28,8 +28,8 @@ class ExpertCache:
 
     Args:
         arena: the daemon's arena.
-        pool: the :class:`~expertd.io.FillPool` that reads rows.
-        book: the :class:`~expertd.leases.LeaseBook` (caps and time bounds set).
+        pool: the :class:`~expertd.serving.preads.FillPool` that reads rows.
+        book: the :class:`~expertd.serving.leases.LeaseBook` (caps and time bounds set).
         workers: most background fills in flight at once.
         send: ``send(identity, frames)``, how answers go out.
         prefetch: "on", "auto" (the daemon fills what clients ask for; clients decide per

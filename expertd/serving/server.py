@@ -11,20 +11,29 @@ import os
 import time
 from pathlib import Path
 
-from . import native
-from .blobstore import BlobStore
-from .cache import ExpertCache
-from .clients import ClientRegistry
-from .config import GUESS_WIDTH, ServerConfig, cache_limits
-from .errors import ProtocolError
-from .hotset import load_hot_set, read_pin_file, save_hot_set
-from .io import FillPool
-from .leases import Demand, LeaseBook
-from .peers import MAX_CLIENTS, Peers
-from .protocol import (PROTOCOL_VERSION, ErrorCode, Op, pack_ok, parse_request, reply_error,
-                       reply_ok, reply_packed)
-from .shm.layout import Arena, Geometry
-from .units import size_text
+from expertd import native
+from expertd.blobstore import BlobStore
+from expertd.errors import ProtocolError
+from expertd.protocol import (
+    GUESS_WIDTH,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Op,
+    pack_ok,
+    parse_request,
+    reply_error,
+    reply_ok,
+    reply_packed,
+)
+from expertd.serving.cache import ExpertCache
+from expertd.serving.clients import ClientRegistry
+from expertd.serving.config import ServerConfig, cache_limits
+from expertd.serving.hotset import load_hot_set, read_pin_file, save_hot_set
+from expertd.serving.leases import Demand, LeaseBook
+from expertd.serving.peers import MAX_CLIENTS, Peers
+from expertd.serving.preads import FillPool
+from expertd.shm.layout import Arena, Geometry
+from expertd.units import size_text
 
 log = logging.getLogger("expertd")
 

@@ -4,7 +4,7 @@ import json
 import logging
 from pathlib import Path
 
-from .runfile import read_private, write_atomically
+from expertd.runfile import read_private, write_atomically
 
 log = logging.getLogger("expertd")
 

@@ -9,7 +9,7 @@ import hmac
 import os
 from dataclasses import dataclass, field
 
-from .protocol import HEARTBEAT_TOKEN_BYTES
+from expertd.protocol import HEARTBEAT_TOKEN_BYTES
 
 
 @dataclass(eq=False)

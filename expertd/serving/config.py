@@ -4,14 +4,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .io import VERIFY_MODES
-from .side import SIDE_HOLD
+from expertd.serving.preads import VERIFY_MODES
+from expertd.serving.side import SIDE_HOLD
 
 PREFETCH_MODES = ("auto", "on", "off")
 SPECULATE_MODES = ("auto", "on", "off")  # the client's one-wait-a-step mode (client/step.py)
-# Experts a client reads ahead per expert a token routes to (client.predict); the daemon's
-# default side rows are sized for it.
-GUESS_WIDTH = 2
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from . import argtypes
-from .errors import DaemonError, DaemonNotRunning
-from .hotset import read_pin_file
-from .units import size_text
+from expertd.cli import argtypes
+from expertd.errors import DaemonError, DaemonNotRunning
+from expertd.serving.hotset import read_pin_file
+from expertd.units import size_text
 
 MAX_WORKERS = 256
 MAX_SIDE_ROWS = 64  # x top_k: prefetch rows per generation, at most
@@ -55,8 +55,8 @@ def parse_size(text: str, total_bytes: int) -> float:
 def _share_bytes(m, expert_bytes: float, side_rows: int | None) -> int:
     """The arena whose cache rows hold ``expert_bytes`` of experts (100%: every one), its
     side rows (the daemon's default for that arena, if not given) and slot tables on top."""
-    from .config import GUESS_WIDTH
-    from .shm.layout import Geometry
+    from expertd.protocol import GUESS_WIDTH
+    from expertd.shm.layout import Geometry
 
     shape = len(m.layers), m.max_experts, m.stride
     rows = max(1, math.ceil(round(expert_bytes / m.stride, 6)))
@@ -83,7 +83,7 @@ def cache_bytes(text: str, manifest, blobs, side_rows: int | None = None) -> int
     Raises:
         ValueError: one line naming the smallest budget that works.
     """
-    from .shm.layout import Geometry
+    from expertd.shm.layout import Geometry
 
     m = manifest
     side = m.top_k if side_rows is None else side_rows
@@ -118,8 +118,8 @@ def cache_bytes(text: str, manifest, blobs, side_rows: int | None = None) -> int
 
 def _config(args):
     """The daemon's configuration from ``start`` flags, every flag checked before anything runs."""
-    from .blobstore import BlobStore
-    from .config import ServerConfig
+    from expertd.blobstore import BlobStore
+    from expertd.serving.config import ServerConfig
 
     blob_dir = Path(args.blobs).expanduser().resolve()
     store = BlobStore(blob_dir)  # refuse a bad directory here, not in the detached child
@@ -131,8 +131,9 @@ def _config(args):
         budget = cache_bytes(args.cache_gb, store.manifest, args.blobs, args.side_rows)
         # Auto-pins are pins: at most a quarter of the cache rows (config.cache_limits), as
         # the daemon lays the arena out (server.Server).
-        from .config import GUESS_WIDTH, cache_limits
-        from .shm.layout import Geometry
+        from expertd.protocol import GUESS_WIDTH
+        from expertd.serving.config import cache_limits
+        from expertd.shm.layout import Geometry
 
         m = store.manifest
         side = args.side_rows if args.side_rows is not None else Geometry.default_side_rows(
@@ -158,7 +159,7 @@ def _config(args):
 
 
 def _log_file(args, config) -> Path:
-    from .paths import daemon_paths
+    from expertd.paths import daemon_paths
 
     if args.log_file:
         return Path(args.log_file).expanduser().absolute()
@@ -166,7 +167,7 @@ def _log_file(args, config) -> Path:
 
 
 def _cmd_start(args) -> int:
-    from .daemon import run_foreground, start_detached
+    from expertd.cli.lifecycle import run_foreground, start_detached
 
     config = _config(args)
     state_file = Path(args.state_file).expanduser() if args.state_file else None
@@ -186,7 +187,7 @@ def _cmd_start(args) -> int:
 
 
 def _cmd_stop(args) -> int:
-    from .daemon import stop
+    from expertd.cli.lifecycle import stop
 
     try:
         pid = stop(Path(args.blobs), timeout=args.timeout)
@@ -198,7 +199,7 @@ def _cmd_stop(args) -> int:
 
 
 def _cmd_restart(args) -> int:
-    from .daemon import stop
+    from expertd.cli.lifecycle import stop
 
     if args.foreground:
         raise ValueError("restart starts the daemon detached; for --foreground, run stop "
@@ -239,8 +240,8 @@ def _status_lines(s: dict) -> list:
 def log_location(blob_dir) -> str:
     """Where the daemon of ``blob_dir`` logs: its service's log if one is installed here, else
     the runtime directory's rotating log of detached daemons."""
-    from .paths import daemon_paths
-    from .service import make_plan
+    from expertd.cli.service import make_plan
+    from expertd.paths import daemon_paths
 
     plan = make_plan(blob_dir)
     return plan.log_hint if plan.path.exists() else str(daemon_paths(blob_dir).log)
@@ -248,11 +249,11 @@ def log_location(blob_dir) -> str:
 
 def _snapshot(args) -> tuple:
     """``(exit code, text or JSON-able value)`` of one status look."""
-    from .connection import Connection
-    from .daemon import list_sockets
-    from .paths import daemon_paths
-    from .protocol import Op
-    from .runfile import lock_held
+    from expertd.cli.lifecycle import list_sockets
+    from expertd.connection import Connection
+    from expertd.paths import daemon_paths
+    from expertd.protocol import Op
+    from expertd.runfile import lock_held
 
     targets = [dict(blob_dir=args.blobs)] if args.blobs else [
         dict(socket=str(s)) for s in list_sockets()]
@@ -296,7 +297,7 @@ def _not_running(args, message: str) -> tuple:
 
 def _cmd_status(args) -> int:
     if args.watch is None:
-        from .cli import answer
+        from expertd.cli.main import answer
 
         code, out = _snapshot(args)
         if args.json:
@@ -321,8 +322,8 @@ def _cmd_status(args) -> int:
 
 def add_start_flags(p: argparse.ArgumentParser) -> None:
     """The flags ``start``, ``restart`` and ``service install`` share."""
-    from .config import PREFETCH_MODES
-    from .side import SIDE_HOLD
+    from expertd.serving.config import PREFETCH_MODES
+    from expertd.serving.side import SIDE_HOLD
 
     p.add_argument("--blobs", required=True, metavar="BLOB_DIR", help="blob directory to serve")
     p.add_argument("--cache-gb", default="4", metavar="SIZE",

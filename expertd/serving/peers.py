@@ -24,8 +24,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .protocol import MAX_BODY, MAX_REQUEST_ID
-from .wire import GREETING_BYTES, LENGTH, MAGIC, decode, encode, message_length, send_some
+from expertd.protocol import MAX_BODY, MAX_REQUEST_ID
+from expertd.wire import GREETING_BYTES, LENGTH, MAGIC, decode, encode, message_length, send_some
 
 # The largest request: a body at its limit, the longest request id, the op, three lengths.
 MAX_REQUEST = MAX_BODY + MAX_REQUEST_ID + 1 + 3 * LENGTH.size

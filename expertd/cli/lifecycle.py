@@ -9,14 +9,23 @@ import sys
 import time
 from pathlib import Path
 
-from .connection import Connection
-from .errors import DaemonError, DaemonNotRunning
-from .paths import daemon_paths, runtime_dir
-from .protocol import Op
-from .runfile import (RunInfo, lock_held, new_arena_name, new_epoch, read_private,
-                      remove_leftovers, sweep_runtime_dir, take_lock, write_atomically,
-                      write_run_info)
-from .shm.layout import unlink_arena
+from expertd.connection import Connection
+from expertd.errors import DaemonError, DaemonNotRunning
+from expertd.paths import daemon_paths, runtime_dir
+from expertd.protocol import Op
+from expertd.runfile import (
+    RunInfo,
+    lock_held,
+    new_arena_name,
+    new_epoch,
+    read_private,
+    remove_leftovers,
+    sweep_runtime_dir,
+    take_lock,
+    write_atomically,
+    write_run_info,
+)
+from expertd.shm.layout import unlink_arena
 
 log = logging.getLogger("expertd")
 
@@ -79,7 +88,7 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
     Raises:
         DaemonError: if a daemon already serves the directory, or start-up fails.
     """
-    from .server import ExpertServer
+    from expertd.serving.server import ExpertServer
 
     os.umask(0o077)  # every file the daemon creates is the user's only
     _raise_fd_limit()

@@ -6,8 +6,8 @@ import argparse
 import math
 from pathlib import Path
 
-from .hotset import parse_json
-from .paths import missing_parent
+from expertd.paths import missing_parent
+from expertd.serving.hotset import parse_json
 
 MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 # A day: any timeout beyond it is a typo.

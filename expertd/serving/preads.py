@@ -13,10 +13,10 @@ from collections import deque
 
 import numpy as np
 
-from .blobstore import BlobStore
-from .manifest import reconvert
-from .errors import ChecksumError
-from .protocol import ErrorCode
+from expertd.blobstore import BlobStore
+from expertd.errors import ChecksumError
+from expertd.manifest import reconvert
+from expertd.protocol import ErrorCode
 
 VERIFY_MODES = ("always", "first", "never")
 

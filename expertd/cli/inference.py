@@ -7,13 +7,18 @@ import os
 import sys
 from pathlib import Path
 
-from . import argtypes
-from .argtypes import (DEFAULT_KV_GROUP_SIZE, DEFAULT_PREFILL_STEP_SIZE,
-                       DEFAULT_QUANTIZED_KV_START, KV_BITS, KV_GROUP_SIZES)
+from expertd.cli import argtypes
+from expertd.cli.argtypes import (
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_PREFILL_STEP_SIZE,
+    DEFAULT_QUANTIZED_KV_START,
+    KV_BITS,
+    KV_GROUP_SIZES,
+)
 
 
 def add_subcommands(sub) -> None:
-    from .control import add_subcommands as add_control_subcommands
+    from expertd.cli.daemon_control import add_subcommands as add_control_subcommands
 
     add_control_subcommands(sub)
     add_client_subcommands(sub)
@@ -63,7 +68,7 @@ def _pipeline_group():
     """This process's ``mx.distributed`` group, which ``mlx.launch`` sets up."""
     import mlx.core as mx
 
-    from .errors import ExpertdError
+    from expertd.errors import ExpertdError
 
     group = mx.distributed.init()
     if group.size() < 2:
@@ -100,7 +105,7 @@ def add_kv_flags(p) -> None:
 def add_prefetch_flag(p, help_text: str) -> None:
     """The client's --prefetch and --pool-gb, the same on every subcommand that loads the
     model."""
-    from .config import PREFETCH_MODES, SPECULATE_MODES
+    from expertd.serving.config import PREFETCH_MODES, SPECULATE_MODES
 
     p.add_argument("--prefetch", choices=PREFETCH_MODES, default="auto", help=help_text)
     p.add_argument("--pool-gb", type=argtypes.gib, default=None, metavar="G",
@@ -117,7 +122,7 @@ def add_prefetch_flag(p, help_text: str) -> None:
 
 
 def _cmd_demo(args) -> int:
-    from .tools.demo import run_demo
+    from expertd.tools.demo import run_demo
 
     return run_demo(Path(args.workdir) if args.workdir else None, rebuild=args.rebuild)
 

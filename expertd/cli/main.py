@@ -6,8 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from . import argtypes
-from .errors import ExpertdError
+from expertd.cli import argtypes
+from expertd.errors import ExpertdError
 
 DESCRIPTION = """\
 expertd runs Mixture-of-Experts models larger than memory by streaming the routed experts from
@@ -22,26 +22,28 @@ Typical use:
 
 
 def _cmd_synth(args) -> int:
-    from .tools.synth import SynthConfig, mode_bits, synthesize
+    from expertd.tools.synth import SynthConfig, mode_bits, synthesize
 
     cfg = SynthConfig(family=args.family, layers=args.layers, experts=args.experts,
                       top_k=args.top_k, hidden=args.hidden, moe_inter=args.moe_inter,
-                      bits=mode_bits(args.mode) if args.bits is None else args.bits, mode=args.mode, dtype=args.dtype, seed=args.seed)
+                      bits=mode_bits(args.mode) if args.bits is None else args.bits,
+                      mode=args.mode, dtype=args.dtype, seed=args.seed)
     out = synthesize(cfg, Path(args.out))
     print(f"wrote a synthetic {cfg.family} checkpoint to {out}")
     return 0
 
 
 def _cmd_convert(args) -> int:
-    from .tools.convert import convert
+    from expertd.tools.convert import convert
 
     manifest = convert(Path(args.model_dir), Path(args.blob_dir), progress=not args.quiet,
                        layers=args.layers)
-    from .units import size_text
+    from expertd.units import size_text
 
     stage = "" if manifest.stage is None else (f" of transformer layers {manifest.stage} "
                                                f"(of {manifest.stage.num_layers})")
-    print(f"wrote {len(manifest.layers)} MoE layers{stage} ({size_text(manifest.total_expert_bytes)} of experts, stride "
+    print(f"wrote {len(manifest.layers)} MoE layers{stage} "
+          f"({size_text(manifest.total_expert_bytes)} of experts, stride "
           f"{manifest.stride} bytes) and trunk/ to {args.blob_dir}")
     return 0
 
@@ -49,8 +51,8 @@ def _cmd_convert(args) -> int:
 def _cmd_verify(args) -> int:
     from tqdm import tqdm
 
-    from .blobstore import DirectoryCheck
-    from .manifest import reconvert
+    from expertd.blobstore import DirectoryCheck
+    from expertd.manifest import reconvert
 
     check = DirectoryCheck(Path(args.blobs))
     bad = 0
@@ -118,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mlx-lm model family (default: qwen3_moe)")
     p.add_argument("--out", required=True, help="output directory (must not exist)")
     p.add_argument("--layers", type=argtypes.positive_int, default=4, help="transformer layers (default: 4)")
-    p.add_argument("--experts", type=argtypes.positive_int, default=16, help="routed experts per layer (default: 16)")
+    p.add_argument("--experts", type=argtypes.positive_int, default=16,
+                   help="routed experts per layer (default: 16)")
     p.add_argument("--top-k", type=argtypes.positive_int, default=4, help="experts per token (default: 4)")
     p.add_argument("--hidden", type=argtypes.positive_int, default=128, help="hidden size (default: 128)")
     p.add_argument("--moe-inter", type=argtypes.positive_int, default=64,
@@ -158,9 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_verify)
 
-    from . import commands, service
+    from expertd.cli import inference, service
 
-    commands.add_subcommands(sub)
+    inference.add_subcommands(sub)
     service.add_subcommands(sub)
     _set_formatter(parser)
     return parser

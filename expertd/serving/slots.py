@@ -7,13 +7,13 @@ inside a seqlock write (odd version while it changes), so a client that copied i
 
 import numpy as np
 
-from . import native
-from .shm.layout import SlotState
+from expertd import native
+from expertd.shm.layout import SlotState
 
 
 class SlotTable:
     """Every row of the arena (LFU cache rows and prefetch side rows alike) and the experts they
-    hold; which row plays which role is the side-row book's business (``expertd.side``).
+    hold; which row plays which role is the side-row book's business (``expertd.serving.side``).
 
     Args:
         arena: the daemon's :class:`~expertd.shm.layout.Arena`.
