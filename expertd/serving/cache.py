@@ -36,11 +36,14 @@ class ExpertCache:
             layer whether to ask) or "off" (PREFETCH is counted and ignored).
         top_k: experts each token routes to per layer: no layer's quota of rows goes below it.
         side_hold: seconds a prefetch claim protects its side row at most (see SideBook).
+        clock: monotonic seconds (the server's) that leases and side-row holds are timed by;
+            fill throughput is timed in real seconds.
     """
 
     def __init__(self, arena, pool, book: LeaseBook, workers: int, send, prefetch: str = "auto",
-                 top_k: int = 1, side_hold: float = SIDE_HOLD):
+                 top_k: int = 1, side_hold: float = SIDE_HOLD, clock=time.monotonic):
         g = arena.geometry
+        self.clock = clock
         # The slot table, the policy and the lease book span every row: a side row becomes a
         # cache row by a role swap, never by a copy.
         self.table = SlotTable(arena)
@@ -104,7 +107,7 @@ class ExpertCache:
         for i, e in enumerate(d.experts):
             if i not in filled:  # a fill counts its own use
                 self.policy.on_touched((d.layer, e))
-        self.book.grant(d, rows, waiting, time.monotonic())
+        self.book.grant(d, rows, waiting, self.clock())
         # Leased now, so no promotion below picks another of this demand's rows as its victim.
         saved = 0
         for row in side_used:
@@ -134,7 +137,7 @@ class ExpertCache:
             self.room_changed = True
             self.send(d.owner, reply_error(d.rid, bytes([Op.DEMAND]), *d.error))
             return
-        self.book.answered(d, time.monotonic())
+        self.book.answered(d, self.clock())
         self.send(d.owner, reply_ok(d.rid, Op.DEMAND, rows=d.rows,
                                     versions=self.table.versions(d.rows), lease=d.lease,
                                     misses=d.misses, saved=d.saved))
@@ -331,7 +334,7 @@ class ExpertCache:
         if self.prefetch_mode == "off":
             c["prefetch_ignored"] += len(experts) + len(claim)
             return 0
-        now = time.monotonic()
+        now = self.clock()
         gen = self.side.next_generation(owner)
         for e in claim:
             row, state = self.table.lookup(layer, e)

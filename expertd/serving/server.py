@@ -53,11 +53,14 @@ class ExpertServer:
         state_file: where the hot set is saved and read back.
         arena_name: the shared-memory name to create (random per start).
         epoch: this start's identity, published in the arena header and the hello.
+        clock: seconds, monotonic: what heartbeats, leases, side-row holds and ticks are timed
+            by. A test drives a server in its own process with a clock it moves by hand.
     """
 
     def __init__(self, config: ServerConfig, paths, state_file: Path, arena_name: str,
-                 epoch: int):
+                 epoch: int, clock=time.monotonic):
         self.config = config
+        self.clock = clock
         self.paths = paths
         self.state_file = state_file
         self.epoch = epoch
@@ -88,7 +91,7 @@ class ExpertServer:
                              config.lease_timeout)
             self.cache = ExpertCache(self.arena, self.pool, book, config.workers, self._send,
                                      prefetch=config.prefetch, top_k=m.top_k,
-                                     side_hold=config.side_hold)
+                                     side_hold=config.side_hold, clock=clock)
             self.policy = self.cache.policy
             self.clients = ClientRegistry(config.client_timeout, MAX_CLIENTS)
             self._beats: dict = {}  # a heartbeat connection's routing id -> its client's
@@ -129,7 +132,7 @@ class ExpertServer:
             self._shutdown()
 
     def _serve_loop(self) -> None:
-        next_tick = next_save = time.monotonic()
+        next_tick = next_save = self.clock()
         while self.running:
             woken, messages = self.peers.poll(TICK, RECV_BATCH)
             self._stats_body = None
@@ -143,7 +146,7 @@ class ExpertServer:
                     self._peer_gone(identity)
             if self.cache.room_changed:
                 self.cache.retry_queued(self.clients.__contains__)
-            now = time.monotonic()
+            now = self.clock()
             if now >= next_tick:
                 next_tick = now + TICK
                 self._tick(now)
@@ -162,7 +165,7 @@ class ExpertServer:
             for d in self.cache.book.pending():
                 self._send(d.owner, reply_error(d.rid, bytes([Op.DEMAND]),
                                                 ErrorCode.SHUTTING_DOWN, "expertd is stopping"))
-            deadline = time.monotonic() + SHUTDOWN_GRACE
+            deadline = time.monotonic() + SHUTDOWN_GRACE  # real seconds: reads take real time
             while self.cache.in_flight and time.monotonic() < deadline:
                 time.sleep(0.01)
                 self.cache.completions(stopping=True)
@@ -214,7 +217,7 @@ class ExpertServer:
 
     def _log_bad(self, identity: bytes, exc: ProtocolError) -> None:
         """One line a second at most: a flood of bad requests must not rotate the log away."""
-        now = time.monotonic()
+        now = self.clock()
         if now < self._quiet_until:
             self._unlogged += 1
             return
@@ -223,7 +226,7 @@ class ExpertServer:
         self._quiet_until, self._unlogged = now + 1.0, 0
 
     def _handle(self, identity: bytes, rid: bytes, op: Op, req) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if op is Op.HEARTBEAT:
             known = self.clients.heartbeat(req.client, req.token, now, req.steps,
                                            req.host_waits)
