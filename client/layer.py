@@ -82,7 +82,7 @@ class StreamedLayer:
                 self.incoming.record(ranked[:n_core], unique, ranked)
         fetched = None
         if len(unique) <= pool.rows:
-            rows = pool.place(unique, self._read)
+            rows = pool.place(unique, self.read_rows)
             fetched = time.perf_counter()
             # A pool with a row for every expert holds each at its index: the router's ids
             # are the rows, already on the device.
@@ -92,7 +92,7 @@ class StreamedLayer:
         else:
             out = grouped(module, self.segments, pool.arrays, x, idx, unique,
                           max(1, pool.rows // 2), self.num_experts,
-                          lambda group: pool.place(group, self._read), pool.computing)
+                          lambda group: pool.place(group, self.read_rows), pool.computing)
         if guess is not None:
             ahead = time.perf_counter()
             self._guess_ahead(np.array(guess), indices.shape[-1])
@@ -131,7 +131,7 @@ class StreamedLayer:
         # per-layer call may belong to a step that was built and never evaluated.
         self._report(unique)
 
-    def _read(self, experts, dest, bases, positions) -> None:
+    def read_rows(self, experts, dest, bases, positions) -> None:
         self.session.read_rows(self.index, experts, dest, bases, positions)
 
     def _guess_ahead(self, g: np.ndarray, k: int) -> None:

@@ -112,7 +112,7 @@ def _fill(states: list) -> None:
         pool = state.pool
         missing = np.flatnonzero(pool.row_of < 0).astype(np.int32)
         for start in range(0, len(missing), pool.rows):
-            pool.place(missing[start:start + pool.rows], state._read)
+            pool.place(missing[start:start + pool.rows], state.read_rows)
         mx.eval(pool.arrays)
 
 

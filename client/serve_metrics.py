@@ -42,7 +42,7 @@ class ServerCounters:
     """What the HTTP side did, for /metrics; updated from the handler threads."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # held by whoever reads or writes several counters at once
         self.requests = self.errors = self.prompt_tokens = self.generated_tokens = 0
         self.queued = self.running = 0
         self.daemon_refusals = self.disconnects = 0
@@ -53,7 +53,7 @@ class ServerCounters:
         self.ttft = Histogram()
 
     def add(self, **amounts) -> None:
-        with self._lock:
+        with self.lock:
             for key, amount in amounts.items():
                 setattr(self, key, getattr(self, key) + amount)
 
@@ -75,7 +75,7 @@ class ServerCounters:
         if flight.settled:
             return
         flight.settled = True
-        with self._lock:
+        with self.lock:
             self.running -= 1
             self.prompt_tokens += flight.prompt_tokens
             self.generated_tokens += flight.tokens
@@ -130,7 +130,7 @@ def render_metrics(stats: dict | None, server: ServerCounters, client: dict,
     for name, kind, text, key in DAEMON_METRICS if stats is not None else []:
         suffix = "_total" if kind == "counter" else ""
         metric(f"expertd_daemon_{name}{suffix}", kind, text, stats[key])
-    with server._lock:  # one consistent reading of the handler threads' counters
+    with server.lock:  # one consistent reading of the handler threads' counters
         _server_metrics(metric, server)
         _histogram(lines, "expertd_server_time_to_first_token_seconds",
                    "seconds from a request's arrival to its first generated token", server.ttft)

@@ -19,6 +19,7 @@ from expertd.client.arena_view import ArenaView
 from expertd.client.backing import buffer_bytes, segment_bases
 from expertd.client.heartbeat import Heartbeat
 from expertd.client.interrupts import HeldInterrupts
+from expertd.client.links import Links, weak_method
 from expertd.client.pool import POOL_COUNTERS
 from expertd.client.requester import DaemonDied, Requester
 from expertd.connection import Connection
@@ -28,7 +29,6 @@ from expertd.paths import daemon_paths
 from expertd.protocol import GUESS_WIDTH, PROTOCOL_VERSION, Op
 from expertd.runfile import serving_epoch
 
-GOODBYE_LINGER = 0.2  # how long a closing session lets its goodbye reach the daemon
 # How long a read waits for rows someone else is filling before it demands them itself. The
 # demand merges onto the same fill, and moves a prefetch's low-priority read to the front.
 DRAIN_TIMEOUT = 0.05
@@ -52,7 +52,7 @@ class Session:
     def __init__(self, blob_dir, reconnect_timeout: float = 60.0, max_group: int | None = None):
         # The socket and the threads, held apart from the session: a model dropped without
         # close() (or left at exit) still has them shut, in order, by the finalizer.
-        self._links = _Links()
+        self._links = Links()
         weakref.finalize(self, self._links.close)
         self.paths = daemon_paths(blob_dir)
         self.manifest = Manifest.load(self.paths.blob_dir)
@@ -112,9 +112,9 @@ class Session:
             # at the daemon's liveness comes an interval later, once the session below is set.
             heartbeat = Heartbeat(str(self.paths.socket), conn.client_id, hello["token"], interval,
                                   max(hello["client_timeout"], 3 * interval),
-                                  _weak(self, "_daemon_alive", False),
-                                  _weak(self, "_reap", False),
-                                  _weak(self, "_heartbeat_report", {}))
+                                  weak_method(self, "_daemon_alive", False),
+                                  weak_method(self, "_reap", False),
+                                  weak_method(self, "_heartbeat_report", {}))
             requester.heartbeat = heartbeat
             with HeldInterrupts():  # attached all at once: a SIGINT comes after
                 self._links.conn, self._links.heartbeat = conn, heartbeat
@@ -350,10 +350,6 @@ class Session:
                 self._reconnect(str(exc))
 
     @property
-    def _demands(self) -> set:
-        return self.requester.demands
-
-    @property
     def _leases(self) -> set:
         return self.requester.leases
 
@@ -393,40 +389,3 @@ class Session:
 
     def stats(self) -> dict:
         return self.request(Op.STATS, {})
-
-
-class _Links:
-    """A session's copier, connection and heartbeat thread, shut in order: the copier, the
-    heartbeat thread (it closes its own socket, and stops using the connection's to release
-    late leases), then the connection. Holds nothing of the session."""
-
-    def __init__(self):
-        self.copier = self.conn = self.heartbeat = None
-
-    def detach(self, goodbye: bool) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-        if self.conn is not None:
-            # Bounded: the daemon may be gone (else it times this client out instead).
-            queued = goodbye and self.conn.send_quietly(Op.GOODBYE, {})
-            self.conn.close(GOODBYE_LINGER if queued else 0.0)
-        self.conn = self.heartbeat = None
-
-    def close(self) -> None:
-        """Say goodbye and shut everything (close(), the finalizer, exit)."""
-        copier, self.copier = self.copier, None
-        if copier is not None:
-            copier.close()
-        self.detach(goodbye=True)
-
-
-def _weak(session: Session, method: str, gone):
-    """``session.method`` as a callable that holds the session weakly (``gone`` once the
-    session has been collected)."""
-    ref = weakref.ref(session)
-
-    def call():
-        target = ref()
-        return gone if target is None else getattr(target, method)()
-
-    return call
