@@ -22,22 +22,13 @@ import time
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-from expertd.cli.argtypes import DEFAULT_KV_GROUP_SIZE, DEFAULT_PREFILL_STEP_SIZE, DEFAULT_QUANTIZED_KV_START
+from expertd.cli.options import MLX_SERVER_DEFAULTS
 from expertd.client.serve_errors import DaemonWatch, ModelNotServed, ShapedErrors, error_object
 from expertd.client.serve_metrics import ServerCounters, render_metrics
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.protocol import Op
 
-# mlx_lm.server's own defaults for the flags `expertd serve` does not expose (mlx-lm 0.32).
-MLX_SERVER_DEFAULTS = dict(
-    adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,
-    chat_template="", use_default_chat_template=False, temp=0.0, top_p=1.0, top_k=0, min_p=0.0,
-    max_tokens=512, chat_template_args={}, decode_concurrency=32, prompt_concurrency=8,
-    prefill_step_size=DEFAULT_PREFILL_STEP_SIZE, prompt_cache_size=10, prompt_cache_bytes=None,
-    kv_bits=None, kv_group_size=DEFAULT_KV_GROUP_SIZE,
-    quantized_kv_start=DEFAULT_QUANTIZED_KV_START, pipeline=False, allowed_origins=["*"],
-    log_level="INFO")
 METRICS_STATS_TIMEOUT = 2.0  # seconds a scrape waits for the daemon's STATS
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The model waits this long for a restarted daemon; requests meanwhile get 503 at once.

@@ -22,8 +22,9 @@ KV_BITS = (1, 2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
 
 
-def _ranged(parse, what: str, ok, doc: str):
-    """An argument type: ``parse(text)`` where ``ok`` of it, else argparse's one-line error."""
+def _ranged(parse, what: str, ok, doc: str, show=str):
+    """An argument type: ``parse(text)`` where ``ok`` of it, else argparse's one-line error.
+    ``show`` writes a default of the type in --help (main.DefaultsHelpFormatter)."""
     def check(text: str):
         try:
             value = parse(text)
@@ -34,6 +35,7 @@ def _ranged(parse, what: str, ok, doc: str):
         return value
 
     check.__doc__ = doc
+    check.show = show
     return check
 
 
@@ -107,9 +109,10 @@ def _checked(name: str, value, what: str, hi: float) -> float:
         raise ValueError(f"{name} {exc}") from None
 
 
+# A default of seconds reads as the user writes it: "(default: 10)", not 10.0.
 seconds = _ranged(float, SECONDS, lambda v: 0 < v <= MAX_SECONDS,
                   "A timeout or interval: seconds above 0, at most a day (status/stop --timeout, "
-                  "--client-timeout, --lease-timeout, --heartbeat, --watch).")
+                  "--client-timeout, --lease-timeout, --heartbeat, --watch).", show="{:g}".format)
 gib = _ranged(float, GIB, lambda v: 0 < v <= MAX_GIB,
               "A memory budget in GiB above 0, bounded as --cache-gb is (--pool-gb).")
 

@@ -1,11 +1,11 @@
-"""Subcommands that control a daemon: start, stop, restart, status (generate and demo: commands.py).
+"""Subcommands that control a daemon: start, stop, restart, status (generate and demo:
+inference.py; the start flags: options.py).
 
 They behave like pg_ctl or systemctl: ``stop`` of a stopped daemon is not an error, ``status``
 exits 3 when nothing runs (and still answers in JSON with ``--json``), ``start`` and ``status``
 say where the log is.
 """
 
-import argparse
 import json
 import math
 import re
@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 from expertd.cli import argtypes
+from expertd.cli.options import add_start_flags, check_bounds, config_settings, start_flags
 from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.serving.hotset import read_pin_file
 from expertd.units import size_text
 
-MAX_WORKERS = 256
 MAX_SIDE_ROWS = 64  # x top_k: prefetch rows per generation, at most
 MAX_CACHE_GB = argtypes.MAX_GIB
 NOT_RUNNING = 3  # status's exit code when no daemon runs, as pg_ctl and LSB init scripts use
@@ -116,8 +116,14 @@ def cache_bytes(text: str, manifest, blobs, side_rows: int | None = None) -> int
 
 # ---- start, stop, restart ----------------------------------------------------------------------
 
-def _config(args):
-    """The daemon's configuration from ``start`` flags, every flag checked before anything runs."""
+def config_from_args(args):
+    """The daemon's configuration from ``start`` flags, every flag checked before anything runs
+    (``start``, ``restart`` and ``service install`` refuse bad flags before they act).
+
+    Raises:
+        ValueError: one line naming the bad flag or pin file.
+        BlobStoreError: a blob directory that cannot be served.
+    """
     from expertd.blobstore import BlobStore
     from expertd.serving.config import ServerConfig
 
@@ -145,17 +151,11 @@ def _config(args):
                              f"quarter of this cache's {rows} rows), not {args.auto_pin}")
     finally:
         store.close()
-    if not 1 <= args.workers <= MAX_WORKERS:
-        raise ValueError(f"--workers must be between 1 and {MAX_WORKERS}, not {args.workers}")
-    pin_file = Path(args.pin_file).expanduser() if args.pin_file else None
-    if pin_file:  # here too, so a bad pin file is named before anything starts
-        read_pin_file(pin_file)
-    return ServerConfig(
-        blob_dir=blob_dir, cache_bytes=budget, workers=args.workers, io=args.io,
-        verify=args.verify, client_timeout=args.client_timeout,
-        heartbeat_interval=args.heartbeat, lease_timeout=args.lease_timeout,
-        pin_file=pin_file, auto_pin=args.auto_pin, prefetch=args.prefetch,
-        side_rows=args.side_rows, side_hold=args.side_hold)
+    check_bounds(args)
+    settings = config_settings(args)
+    if settings["pin_file"]:  # here too, so a bad pin file is named before anything starts
+        read_pin_file(settings["pin_file"])
+    return ServerConfig(blob_dir=blob_dir, cache_bytes=budget, **settings)
 
 
 def _log_file(args, config) -> Path:
@@ -169,7 +169,7 @@ def _log_file(args, config) -> Path:
 def _cmd_start(args) -> int:
     from expertd.cli.lifecycle import run_foreground, start_detached
 
-    config = _config(args)
+    config = config_from_args(args)
     state_file = Path(args.state_file).expanduser() if args.state_file else None
     if args.foreground:
         log_file = Path(args.log_file).expanduser().absolute() if args.log_file else None
@@ -204,7 +204,7 @@ def _cmd_restart(args) -> int:
     if args.foreground:
         raise ValueError("restart starts the daemon detached; for --foreground, run stop "
                          "then start --foreground")
-    _config(args)  # refuse bad flags before stopping a daemon that works
+    config_from_args(args)  # refuse bad flags before stopping a daemon that works
     try:
         print(f"stopped expertd pid {stop(Path(args.blobs), timeout=args.timeout)}")
     except DaemonNotRunning as exc:
@@ -247,8 +247,12 @@ def log_location(blob_dir) -> str:
     return plan.log_hint if plan.path.exists() else str(daemon_paths(blob_dir).log)
 
 
-def _snapshot(args) -> tuple:
-    """``(exit code, text or JSON-able value)`` of one status look."""
+def snapshot(args) -> tuple:
+    """``(exit code, text or JSON-able value)`` of one status look.
+
+    ``args`` has ``blobs`` (None: every daemon of this user), ``json`` and ``timeout``; the
+    code is 0, or NOT_RUNNING when nothing answers.
+    """
     from expertd.cli.lifecycle import list_sockets
     from expertd.connection import Connection
     from expertd.paths import daemon_paths
@@ -299,14 +303,14 @@ def _cmd_status(args) -> int:
     if args.watch is None:
         from expertd.cli.main import answer
 
-        code, out = _snapshot(args)
+        code, out = snapshot(args)
         if args.json:
             return answer(json.dumps(out, indent=2), code)
         return answer(out, code, file=sys.stdout if code == 0 else sys.stderr)
     clear = sys.stdout.isatty() and not args.json
     try:
         while True:
-            code, out = _snapshot(args)
+            code, out = snapshot(args)
             if clear:
                 print("\033[H\033[2J", end="")
             # One JSON document per line, so that a reader can follow it line by line.
@@ -319,83 +323,6 @@ def _cmd_status(args) -> int:
 
 
 # ---- the parser --------------------------------------------------------------------------------
-
-def add_start_flags(p: argparse.ArgumentParser) -> None:
-    """The flags ``start``, ``restart`` and ``service install`` share."""
-    from expertd.serving.config import PREFETCH_MODES
-    from expertd.serving.side import SIDE_HOLD
-
-    p.add_argument("--blobs", required=True, metavar="BLOB_DIR", help="blob directory to serve")
-    p.add_argument("--cache-gb", default="4", metavar="SIZE",
-                   help="size of the shared expert cache: the whole arena, in GiB (8), or 8G, "
-                   "512M; or a share of the experts, the side rows and slot tables on top "
-                   "(100%% holds every one; e.g. 30%%). A size above what every expert needs "
-                   "is cut to it (start says so) (default: 4)")
-    p.add_argument("--workers", type=int, default=8, help="parallel pread workers (default: 8)")
-    p.add_argument("--io", choices=("direct", "buffered"), default="direct",
-                   help="direct: bypass the page cache (O_DIRECT / F_NOCACHE), so the arena is "
-                   "the only copy; buffered: trust the page cache (default: direct)")
-    p.add_argument("--verify", choices=("always", "first", "never"), default="always",
-                   help="check each expert's checksum every time it is read from the disk "
-                   "(a corrupt blob is refused by name, never served), only the first time, "
-                   "or never (default: always)")
-    p.add_argument("--pin-file", type=argtypes.file_path, metavar="JSON",
-                   help="JSON list of [layer, expert] to pin (default: none)")
-    p.add_argument("--auto-pin", type=int, default=0, metavar="N",
-                   help="keep the N hottest resident experts pinned (default: 0, off)")
-    p.add_argument("--prefetch", choices=PREFETCH_MODES, default="auto",
-                   help="fill the experts clients predict into side rows that never evict "
-                   "cached ones: on, off (PREFETCH is ignored) or auto (on here; each client "
-                   "turns prediction off for layers where it does not pay; default: auto)")
-    p.add_argument("--side-rows", type=int, default=None, metavar="N",
-                   help="prefetch rows per generation; the arena keeps two generations, so "
-                   "2 x N rows of the cache budget. One client reads ahead up to twice a "
-                   "token's top_k experts per layer: raise N when several clients decode at "
-                   "once (STATS prefetch_dropped counts what found no row) (default: 2 x top_k "
-                   "when that leaves 16 times as many cache rows, else top_k)")
-    p.add_argument("--client-timeout", type=argtypes.seconds, default=10.0, metavar="S",
-                   help="reclaim a client's leases after S seconds without a heartbeat "
-                   "(default: 10)")
-    p.add_argument("--lease-timeout", type=argtypes.seconds, default=30.0, metavar="S",
-                   help="revoke a lease held longer than S seconds, even from a live client "
-                   "(a client copies its rows in milliseconds; default: 30)")
-    p.add_argument("--heartbeat", type=argtypes.seconds, default=1.0, metavar="S",
-                   help="heartbeat interval clients are told to use (default: 1)")
-    # Hidden, for tests: a long hold leaves a client's death as the only thing that frees its
-    # side rows, a short one lets a test see the hold lapse without waiting a second.
-    p.add_argument("--side-hold", type=argtypes.seconds, default=SIDE_HOLD, help=argparse.SUPPRESS)
-    p.add_argument("--state-file", help="where the hot set is saved "
-                   "(default: per-user state dir)")
-    p.add_argument("--log-file", type=argtypes.new_file_path, metavar="PATH",
-                   help="rotating log file (default: <runtime dir>/<id>.log when detached, "
-                   "stderr with --foreground)")
-
-
-# The start flags a service passes on, as (dest, flag, is_path); defaults are left out.
-START_FLAGS = (("cache_gb", "--cache-gb", False), ("workers", "--workers", False),
-               ("io", "--io", False), ("verify", "--verify", False),
-               ("pin_file", "--pin-file", True), ("auto_pin", "--auto-pin", False),
-               ("prefetch", "--prefetch", False), ("side_rows", "--side-rows", False),
-               ("client_timeout", "--client-timeout", False),
-               ("lease_timeout", "--lease-timeout", False), ("heartbeat", "--heartbeat", False),
-               ("side_hold", "--side-hold", False),
-               ("state_file", "--state-file", True))
-
-
-def start_flags(args) -> list:
-    """The ``start`` flags of ``args`` that differ from their defaults, paths made absolute."""
-    defaults = argparse.ArgumentParser()
-    add_start_flags(defaults)
-    flags = []
-    for dest, flag, is_path in START_FLAGS:
-        value = getattr(args, dest)
-        if value is None or value == defaults.get_default(dest):
-            continue
-        if is_path:
-            value = Path(value).expanduser().absolute()
-        flags += [flag, str(value)]
-    return flags
-
 
 def add_subcommands(sub) -> None:
     p = sub.add_parser("start", help="start the daemon for a blob directory",
@@ -414,7 +341,7 @@ def add_subcommands(sub) -> None:
                        "Stopping a daemon that does not run says so and succeeds.")
     p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
     p.add_argument("--timeout", type=argtypes.seconds, default=10.0,
-                   help="seconds before SIGKILL (default: 10)")
+                   help="seconds before SIGKILL")
     p.set_defaults(func=_cmd_stop)
 
     p = sub.add_parser("restart", help="stop the daemon if it runs, then start it",
@@ -423,7 +350,7 @@ def add_subcommands(sub) -> None:
                        "refused before the running daemon is stopped.")
     add_start_flags(p)
     p.add_argument("--timeout", type=argtypes.seconds, default=10.0,
-                   help="seconds before SIGKILL of the old daemon (default: 10)")
+                   help="seconds before SIGKILL of the old daemon")
     p.set_defaults(func=_cmd_restart, foreground=False)
 
     p = sub.add_parser("status", help="show what a daemon is doing",
@@ -439,5 +366,5 @@ def add_subcommands(sub) -> None:
     p.add_argument("--watch", type=argtypes.seconds, nargs="?", const=2.0, metavar="SECONDS",
                    help="refresh every SECONDS (2 if not given) until Ctrl-C (default: once)")
     p.add_argument("--timeout", type=argtypes.seconds, default=5.0,
-                   help="seconds to wait for the daemon's answer (default: 5)")
+                   help="seconds to wait for the daemon's answer")
     p.set_defaults(func=_cmd_status)

@@ -1,4 +1,5 @@
-"""Subcommands that run clients of the daemon: generate, demo (start/stop/status: control.py)."""
+"""Subcommands that run clients of the daemon: generate, demo, serve, chat (start, stop, restart,
+status: daemon_control.py; serve's mlx_lm.server flags: options.py)."""
 
 import argparse
 import json
@@ -15,6 +16,7 @@ from expertd.cli.argtypes import (
     KV_BITS,
     KV_GROUP_SIZES,
 )
+from expertd.cli.options import MLX_SERVER_OPTIONS, add_options, option_values
 
 
 def add_subcommands(sub) -> None:
@@ -201,18 +203,7 @@ def _cmd_serve(args) -> int:
 
 def serve_options(args) -> dict:
     """The mlx_lm.server settings of ``expertd serve``'s flags, by their mlx-lm names."""
-    return dict(temp=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                max_tokens=args.max_tokens, chat_template=args.chat_template or "",
-                use_default_chat_template=args.use_default_chat_template,
-                chat_template_args=args.chat_template_args,
-                decode_concurrency=args.decode_concurrency,
-                prompt_concurrency=args.prompt_concurrency,
-                prefill_step_size=args.prefill_step_size,
-                prompt_cache_size=args.prompt_cache_size,
-                prompt_cache_bytes=args.prompt_cache_bytes, kv_bits=args.kv_bits,
-                kv_group_size=args.kv_group_size,
-                quantized_kv_start=args.quantized_kv_start,
-                allowed_origins=args.allowed_origins, log_level=args.log_level)
+    return option_values(args, MLX_SERVER_OPTIONS)
 
 
 def _cmd_chat(args) -> int:
@@ -243,48 +234,7 @@ def add_serving_subcommands(sub) -> None:
                    help="run under mlx.launch, one pipeline stage per rank, each rank's BLOB_DIR "
                    "holding its stage (expertd convert --layers); rank 0 answers HTTP, as "
                    "mlx_lm.server --pipeline does (README: Several machines)")
-    p.add_argument("--chat-template", help="a chat template (Jinja) replacing the "
-                   "tokenizer's")
-    p.add_argument("--use-default-chat-template", action="store_true",
-                   help="use the tokenizer's built-in chat template if none is set")
-    p.add_argument("--chat-template-args", type=argtypes.json_object, default={},
-                   help="JSON arguments for apply_chat_template, e.g. "
-                   "'{\"enable_thinking\":false}'")
-    p.add_argument("--temp", type=argtypes.non_negative_float, default=0.0,
-                   help="sampling temperature of requests that set none")
-    p.add_argument("--top-p", type=argtypes.probability, default=1.0,
-                   help="top-p of requests that set none")
-    p.add_argument("--top-k", type=argtypes.non_negative_int, default=0,
-                   help="top-k of requests that set none (0: off)")
-    p.add_argument("--min-p", type=argtypes.probability, default=0.0,
-                   help="min-p of requests that set none (0: off)")
-    p.add_argument("--max-tokens", type=argtypes.positive_int, default=512,
-                   help="most tokens generated for a request that sets no max_tokens")
-    p.add_argument("--decode-concurrency", type=argtypes.positive_int, default=32,
-                   help="requests decoded together in one batch")
-    p.add_argument("--prompt-concurrency", type=argtypes.positive_int, default=8,
-                   help="prompts processed together in one batch")
-    p.add_argument("--prefill-step-size", type=argtypes.positive_int,
-                   default=DEFAULT_PREFILL_STEP_SIZE, help="prompt tokens per prefill step")
-    p.add_argument("--prompt-cache-size", type=argtypes.non_negative_int, default=10,
-                   help="most KV caches kept for reuse across requests")
-    p.add_argument("--prompt-cache-bytes", type=argtypes.byte_size, default=None, metavar="SIZE",
-                   help="most bytes of the KV caches kept for reuse, e.g. 2GB or 500MB "
-                   "(default: no bound but --prompt-cache-size)")
-    p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None,
-                   help="bits of the quantized KV cache (default: not quantized); as in "
-                   "mlx_lm.server, requests are then served one at a time, not batched")
-    p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
-                   default=DEFAULT_KV_GROUP_SIZE,
-                   help="group size of the quantized KV cache")
-    p.add_argument("--quantized-kv-start", type=argtypes.non_negative_int,
-                   default=DEFAULT_QUANTIZED_KV_START,
-                   help="with --kv-bits, quantize a request's KV cache from this many tokens on")
-    p.add_argument("--allowed-origins", type=lambda text: text.split(","), default=["*"],
-                   help="CORS origins, comma-separated (default: *)")
-    p.add_argument("--log-level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
-                   help="mlx_lm.server's logging level")
+    add_options(p, MLX_SERVER_OPTIONS)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("chat", help="interactive chat (like mlx_lm.chat) on the shared cache",

@@ -35,10 +35,23 @@ def _cmd_synth(args) -> int:
 
 def _cmd_convert(args) -> int:
     from expertd.tools.convert import convert
+    from expertd.tools.lazy import convert_lazy
 
-    manifest = convert(Path(args.model_dir), Path(args.blob_dir), progress=not args.quiet,
-                       layers=args.layers)
+    if args.lazy:
+        manifest = convert_lazy(args.model_dir, Path(args.blob_dir), progress=not args.quiet,
+                                layers=args.layers, revision=args.revision)
+    elif str(args.model_dir).startswith(("http://", "https://")):
+        raise ValueError(f"{args.model_dir} is a URL: convert it with --lazy (experts "
+                         "fetched on first use)")
+    else:
+        manifest = convert(Path(args.model_dir), Path(args.blob_dir), progress=not args.quiet,
+                           layers=args.layers)
     from expertd.units import size_text
+
+    if args.lazy:
+        return answer(f"wrote {len(manifest.layers)} MoE layers of {args.model_dir} lazily "
+                      f"(no expert fetched yet, {size_text(manifest.total_expert_bytes)} on "
+                      f"first use) and trunk/ to {args.blob_dir}", 0)
 
     stage = "" if manifest.stage is None else (f" of transformer layers {manifest.stage} "
                                                f"(of {manifest.stage.num_layers})")
@@ -72,7 +85,8 @@ def _cmd_verify(args) -> int:
 
 
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Shows every optional flag's default, unless its help already names it."""
+    """Shows every optional flag's default (as its type writes one: seconds as 10, not 10.0),
+    unless its help already names it."""
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -82,7 +96,9 @@ class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
             default = action.default
             if default is None or default is False:
                 default = "off" if action.nargs == 0 else "none"
-            text += f" (default: {str(default).replace('%', '%%')})"
+            else:
+                default = getattr(action.type, "show", str)(default)
+            text += f" (default: {default.replace('%', '%%')})"
         return text
 
 
@@ -142,8 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "layer (each expert at expert * stride) plus trunk/, an mlx-lm model "
                        "directory without the routed experts. Streams tensor by tensor: memory "
                        "stays small whatever the model size. The output appears atomically.")
-    p.add_argument("model_dir", help="mlx-lm model directory (config.json + *.safetensors)")
+    p.add_argument("model_dir", metavar="MODEL",
+                   help="mlx-lm model directory (config.json + *.safetensors) or Hugging Face "
+                   "repo id; with --lazy, a repo id or an http(s) base URL of a model directory")
     p.add_argument("blob_dir", help="output blob directory (must not exist)")
+    p.add_argument("--lazy", action="store_true",
+                   help="leave the experts remote: read the shards' headers and download the "
+                   "trunk now; each expert is fetched by HTTP range the first time it is "
+                   "routed (or by expertd fetch) and kept in the blob files. A repo id honours "
+                   "HF_ENDPOINT and HF_TOKEN as huggingface_hub does")
+    p.add_argument("--revision", help="with --lazy and a repo id: the branch, tag or commit "
+                   "(default: main; pinned to its commit)")
     p.add_argument("--layers", metavar="A:B",
                    help="write one pipeline stage only: the transformer layers A:B (a Python "
                    "slice, as mlx-lm's pipeline split gives a rank; see README 'Several "

@@ -14,6 +14,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from expertd.cli.daemon_control import config_from_args, snapshot
+from expertd.cli.options import add_start_flags, start_flags
+
 PLATFORMS = ("linux", "macos")
 # launchd's and systemd's grace between SIGTERM and SIGKILL: above `expertd stop`'s 10 s, so
 # the daemon always gets to save its hot set and unlink its arena.
@@ -255,8 +258,6 @@ def _run_all(commands, action: str, then=()) -> bool:
 
 
 def _plan(args) -> ServicePlan:
-    from expertd.cli.daemon_control import start_flags
-
     flags = start_flags(args) if args.action == "install" else []
     if args.action == "install" and args.log_file:
         raise ValueError("--log-file is chosen by the service (macOS: ~/Library/Logs/expertd/, "
@@ -270,9 +271,7 @@ def _manages_here(args, plan: ServicePlan) -> bool:
 
 
 def _cmd_install(args) -> int:
-    from expertd.cli.daemon_control import _config
-
-    _config(args)  # refuse a bad blob directory or budget now, not in a restart loop
+    config_from_args(args)  # refuse a bad blob directory or budget now, not in a restart loop
     plan = _plan(args)
     if plan.log is not None:  # launchd and the daemon's --log-file both need it to exist
         plan.log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -317,8 +316,6 @@ def _cmd_uninstall(args) -> int:
 def _cmd_status(args) -> int:
     import argparse
 
-    from expertd.cli.daemon_control import _snapshot
-
     plan = _plan(args)
     installed = plan.path.exists()
     print(f"{plan.name}: {plan.path} {'installed' if installed else 'not installed'}")
@@ -331,14 +328,12 @@ def _cmd_status(args) -> int:
             view = "\n".join(ln.strip() for ln in view.splitlines()
                              if ln.strip().startswith(("state =", "pid =", "last exit"))) or view
         print(f"  {shell_line(cmd)}: " + view.replace("\n", "\n    "))
-    code, out = _snapshot(argparse.Namespace(blobs=str(plan.blob_dir), json=False, timeout=5.0))
+    code, out = snapshot(argparse.Namespace(blobs=str(plan.blob_dir), json=False, timeout=5.0))
     print(out if code == 0 else "  the daemon: not running")
     return 0 if installed else 3
 
 
 def add_subcommands(sub) -> None:
-    from expertd.cli.daemon_control import add_start_flags
-
     p = sub.add_parser("service", help="run the daemon as a launchd agent or systemd user unit",
                        description="Install, remove or inspect a per-user service that keeps "
                        "one expertd serving BLOB_DIR: a launchd agent in ~/Library/LaunchAgents "

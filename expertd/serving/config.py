@@ -7,13 +7,18 @@ from pathlib import Path
 from expertd.serving.preads import VERIFY_MODES
 from expertd.serving.side import SIDE_HOLD
 
+IO_MODES = ("direct", "buffered")  # O_DIRECT / F_NOCACHE reads, or through the page cache
 PREFETCH_MODES = ("auto", "on", "off")
 SPECULATE_MODES = ("auto", "on", "off")  # the client's one-wait-a-step mode (client/step.py)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything ``expertd start`` decides, validated once."""
+    """Everything ``expertd start`` decides, validated once.
+
+    The defaults here are the daemon's: ``expertd start``'s flags take theirs from these fields
+    (expertd.cli.options), so a daemon built in Python and one started from the shell agree.
+    """
 
     blob_dir: Path
     cache_bytes: int
@@ -35,8 +40,8 @@ class ServerConfig:
             raise ValueError("cache size must be positive")
         if self.workers < 1:
             raise ValueError("workers must be at least 1")
-        if self.io not in ("direct", "buffered"):
-            raise ValueError("io must be 'direct' or 'buffered'")
+        if self.io not in IO_MODES:
+            raise ValueError(f"io must be {' or '.join(map(repr, IO_MODES))}")
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}")
         for name in ("client_timeout", "heartbeat_interval", "lease_timeout", "side_hold"):
