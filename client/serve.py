@@ -23,7 +23,13 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from expertd.cli.options import MLX_SERVER_DEFAULTS
-from expertd.client.serve_errors import DaemonWatch, ModelNotServed, ShapedErrors, error_object
+from expertd.client.serve_errors import (
+    DaemonWatch,
+    ModelNotServed,
+    ShapedErrors,
+    abandon,
+    error_object,
+)
 from expertd.client.serve_metrics import ServerCounters, render_metrics
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning
@@ -130,6 +136,7 @@ def _server_classes():
                     if not self.generation_available():
                         raise RuntimeError("generation thread died") from None
                     if not self.watch.serving():
+                        abandon(response_queue, lambda: self.counters.add(abandoned=1))
                         raise DaemonNotRunning(self.watch.refusal()) from None
 
         def stop_and_join(self):

@@ -59,3 +59,31 @@ class ShapedErrors:
 
     def __getattr__(self, name):
         return getattr(self.raw, name)
+
+
+def abandon(response_queue, on_stopped) -> None:
+    """Nobody reads ``response_queue`` any more: its request was answered 503 while it waited.
+
+    The request may still sit in mlx_lm.server's queue of requests, and its generation thread,
+    waiting inside the model for the daemon, would generate it for nobody once the daemon is
+    back. So from now on the context it hands this queue is stopped at once (its batch drops
+    the request after a step) and ``on_stopped()`` called, and nothing else handed to it is
+    kept.
+    """
+    from queue import Empty
+
+    from mlx_lm.server import GenerationContext
+
+    def put(item, *args, **kwargs):
+        if isinstance(item, GenerationContext):
+            item.stop()
+            on_stopped()
+
+    response_queue.put = put  # looked up at each put by the generation thread
+    while True:  # what it put before
+        try:
+            item = response_queue.get_nowait()
+        except Empty:
+            return
+        put(item)
+

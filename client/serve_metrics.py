@@ -46,6 +46,7 @@ class ServerCounters:
         self.requests = self.errors = self.prompt_tokens = self.generated_tokens = 0
         self.queued = self.running = 0
         self.daemon_refusals = self.disconnects = 0
+        self.abandoned = 0  # requests answered 503 whose generation was then stopped
         # Summed over requests: prompt time is admission to first token, decode time first
         # to last token, so each speed is a request's own, however many share a batch.
         self.prompt_computed = self.decode_tokens = 0
@@ -149,6 +150,8 @@ def _server_metrics(metric, server: ServerCounters) -> None:
         ("request_errors", "counter", "requests refused before generating", server.errors),
         ("daemon_refusals", "counter", "requests answered 503 because the daemon was gone",
          server.daemon_refusals),
+        ("requests_abandoned", "counter", "requests answered 503 while they waited, whose "
+         "generation was stopped once the daemon was back", server.abandoned),
         ("client_disconnects", "counter", "requests whose client hung up before the reply "
          "was written", server.disconnects),
         ("requests_queued", "gauge", "requests waiting for the generation thread to take them",
