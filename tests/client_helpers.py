@@ -1,7 +1,7 @@
 """Helpers for the client tests: cache sizes in rows, prompts, logits compared step by step,
 and several ``generate`` client processes released at once.
 
-The daemon, the poll helper and the client-process spawner are the harness's (``harness.py``);
+The daemon, the poll helper and the client-process spawner are the harness's (``harness/``);
 what the client processes run is in ``daemon_helpers.py``.
 """
 
@@ -9,7 +9,7 @@ import hashlib
 import time
 from pathlib import Path
 
-from harness import finish_client, spawn_client, stop_process, wait_until
+from harness import Daemon, finish_client, spawn_client, stop_process, wait_until
 
 PROMPT_LENGTHS = (1, 17, 300)
 DECODE_STEPS = 20
@@ -51,6 +51,13 @@ def client_flags(blob_dir, rows: int, state_file: Path, workers: int = 2,
     return ["--cache-gb", cache_gb(blob_dir, rows), "--workers", workers,
             "--client-timeout", client_timeout, "--heartbeat", heartbeat,
             "--state-file", state_file]
+
+
+def client_daemon(blob_dir, env: dict, tmp_path: Path, rows: int = ROWS_ALL,
+                  state: str = "state.json") -> Daemon:
+    """A daemon process with the client tests' flags (:func:`client_flags`): a cache of
+    ``rows`` rows, its hot set in ``tmp_path / state``."""
+    return Daemon(blob_dir, env, *client_flags(blob_dir, rows, Path(tmp_path) / state))
 
 
 def routed_model(models, family: str, mode: str, bits: int) -> tuple:

@@ -6,6 +6,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from harness import SEEN_ARENAS, shm_exists
@@ -54,18 +55,58 @@ def models(tmp_path_factory) -> ModelCache:
     return ModelCache(tmp_path_factory.mktemp("expertd-models"))
 
 
-@pytest.fixture
-def isolated_env(tmp_path, monkeypatch):
-    """Per-test runtime and state directories, so daemons of different tests never meet.
+@contextmanager
+def _private_dirs(state: Path, monkeypatch):
+    """A fresh runtime directory and ``state`` as this process's XDG_RUNTIME_DIR and
+    XDG_STATE_HOME (children inherit them); the runtime directory is removed after.
 
     The runtime directory is short on purpose: unix socket paths are limited to 104 bytes.
     """
     runtime = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))
-    state = tmp_path / "state"
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     monkeypatch.setenv("XDG_STATE_HOME", str(state))
-    yield {"XDG_RUNTIME_DIR": str(runtime), "XDG_STATE_HOME": str(state)}
-    shutil.rmtree(runtime, ignore_errors=True)
+    try:
+        yield {"XDG_RUNTIME_DIR": str(runtime), "XDG_STATE_HOME": str(state)}
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.fixture
+def isolated_env(tmp_path, monkeypatch):
+    """Per-test runtime and state directories, so daemons of different tests never meet."""
+    with _private_dirs(tmp_path / "state", monkeypatch) as env:
+        yield env
+
+
+@pytest.fixture(scope="module")
+def module_env(tmp_path_factory):
+    """``isolated_env`` for a module's one daemon (a module-scoped fixture's)."""
+    with pytest.MonkeyPatch.context() as mp, \
+            _private_dirs(tmp_path_factory.mktemp("state"), mp) as env:
+        yield env
+
+
+@pytest.fixture(scope="session")
+def blobs(models) -> Path:
+    """The tiny model's blob directory, shared: for tests that only read it."""
+    return models.blobs()
+
+
+class Qwen(NamedTuple):
+    model_dir: Path
+    blob_dir: Path
+    resident: object  # mlx-lm's own load of the whole checkpoint (only ever read)
+    tokenizer: object
+
+
+@pytest.fixture(scope="session")
+def qwen(models) -> Qwen:
+    """The tiny qwen3_moe model (affine, 4 bits), its blobs and resident mlx-lm model."""
+    import mlx_lm
+
+    model_dir = models.model(family="qwen3_moe", mode="affine", bits=4)
+    blob_dir = models.blobs(family="qwen3_moe", mode="affine", bits=4)
+    return Qwen(model_dir, blob_dir, *mlx_lm.load(str(model_dir)))
 
 
 @pytest.fixture

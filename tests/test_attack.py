@@ -2,20 +2,30 @@
 forged for another client, another client's lease ids, files changed under a serving daemon,
 unreadable state files, a SIGKILL in the middle of a shutdown.
 
-Real daemons on temporary directories; each test is a regression guard for something that
-held when it was tried by hand (see the attack report for what did not).
+Daemons on temporary directories: the serving loop in this process, with a clock the test moves
+where a test waits out a timeout, or a process where the test kills it or uses the command
+line. Each test is a regression guard for something that held when it was tried by hand (see
+the attack report for what did not).
 """
 
 import json
 import os
 import random
 import re
-import shutil
 import signal
-import time
 
 import pytest
-from harness import TINY_CACHE_GB, Daemon, RawClient, expertd_cli, kill_serving_daemon, shm_exists, wait_until
+from harness import (
+    TINY_CACHE_GB,
+    Daemon,
+    FakeClock,
+    InProcessDaemon,
+    RawClient,
+    expertd_cli,
+    kill_serving_daemon,
+    shm_exists,
+    wait_until,
+)
 
 from expertd.connection import Connection
 from expertd.errors import DaemonError
@@ -24,19 +34,6 @@ from expertd.paths import daemon_paths
 from expertd.protocol import PROTOCOL_VERSION, ErrorCode, Op, request
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def blobs(models):
-    return models.blobs(seed=23)
-
-
-@pytest.fixture
-def own_blobs(blobs, tmp_path):
-    """A private copy of the blob directory, for tests that damage it."""
-    copy = tmp_path / "blobs"
-    shutil.copytree(blobs, copy)
-    return copy
 
 
 def _counters(stats: dict, *names) -> dict:
@@ -60,7 +57,7 @@ def test_random_op_sequences_from_many_identities_leave_nothing_behind(blobs, is
     fails, and once every identity says goodbye no client, lease, queued demand or pin is
     left."""
     rng = random.Random(7)
-    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB) as d:
         n_layers = len(Manifest.load(blobs).layers)
         peers = [Identity(blobs) for _ in range(8)]
         try:
@@ -111,8 +108,8 @@ def test_random_op_sequences_from_many_identities_leave_nothing_behind(blobs, is
 def test_forged_heartbeats_do_not_keep_a_silent_client_alive(blobs, isolated_env):
     """A client that holds a lease and goes silent is timed out even while another peer sends
     heartbeats naming it (with a wrong token) and tries to release its lease by id."""
-    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB,
-                "--client-timeout", "1.5", "--heartbeat", "0.3") as d:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--client-timeout", "1.5",
+                         "--heartbeat", "0.3", clock=FakeClock()) as d:
         victim = RawClient(blobs)
         attacker = RawClient(blobs)
         try:
@@ -121,13 +118,13 @@ def test_forged_heartbeats_do_not_keep_a_silent_client_alive(blobs, isolated_env
                 attacker.release(guess)
             assert d.stats()["leases"] == 1  # the victim's lease is the victim's alone
             forged = {"client": victim.conn.client_id, "token": os.urandom(16)}
-            deadline = time.monotonic() + 15
+            deadline = d.clock() + 15
             while d.stats()["clients"] > 1:
                 reply = attacker.request(Op.HEARTBEAT, forged)
                 assert reply["known"] is False
                 attacker.heartbeat()  # the attacker itself stays alive
-                assert time.monotonic() < deadline, "the silent client was never timed out"
-                time.sleep(0.1)
+                assert d.clock() < deadline, "the silent client was never timed out"
+                d.advance(0.1)
             stats = d.stats()
             assert stats["leases"] == 0 and stats["clients_timed_out"] == 1
         finally:
@@ -135,15 +132,14 @@ def test_forged_heartbeats_do_not_keep_a_silent_client_alive(blobs, isolated_env
             attacker.close()
 
 
-def test_a_blob_truncated_under_a_serving_daemon_fails_by_name(own_blobs, isolated_env):
+def test_a_blob_truncated_under_a_serving_daemon_fails_by_name(blob_dir, isolated_env):
     """A blob file cut short while the daemon serves: a demand for an expert past the new end
     fails with an I/O error naming the file and the expert, never a row of zeros, and the
     daemon keeps serving the other layers."""
-    with Daemon(own_blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d, \
-            RawClient(own_blobs) as c:
+    with InProcessDaemon(blob_dir, "--cache-gb", TINY_CACHE_GB) as d, RawClient(blob_dir) as c:
         m = c.manifest
         last = m.layers[-1]
-        os.truncate(own_blobs / last.file, 2 * m.stride + 5)
+        os.truncate(blob_dir / last.file, 2 * m.stride + 5)
         experts = list(range(last.num_experts - 2, last.num_experts))
         with pytest.raises(DaemonError) as err:
             c.demand(last.index, experts)
@@ -175,8 +171,8 @@ def test_an_unreadable_state_file_never_stops_a_start(blobs, isolated_env, tmp_p
         state.mkdir()
     else:
         state.write_bytes(content)
-    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB,
-                "--state-file", state) as d, RawClient(blobs) as c:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB,
+                         "--state-file", state) as d, RawClient(blobs) as c:
         assert len(c.fetch(0, [0, 1, 2])) == 3
         assert d.stats()["pinned"] == 0
 
@@ -225,8 +221,8 @@ def test_state_file_left_by_a_stopped_daemon_holds_no_client_pin(blobs, isolated
     """A client pins the most it may and vanishes without a goodbye; after its timeout and a
     clean stop, the saved hot set lists no pin."""
     state = tmp_path / "state.json"
-    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--state-file", state,
-                "--client-timeout", "1.5", "--heartbeat", "0.3") as d:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--state-file", state,
+                         "--client-timeout", "1.5", "--heartbeat", "0.3", clock=FakeClock()) as d:
         c = RawClient(blobs)
         try:
             pins = c.hello["cache_rows"] // 4
@@ -235,6 +231,7 @@ def test_state_file_left_by_a_stopped_daemon_holds_no_client_pin(blobs, isolated
                 c.request(Op.PIN, {"layer": 1, "experts": [0]})
         finally:
             c.close()  # no goodbye: the daemon must notice the silence
+        d.advance(1.5 + 0.1)
         wait_until(lambda: d.stats()["clients"] == 0, 10, "the silent client to time out")
         assert d.stats()["pinned"] == 0
         assert d.stop() == 0

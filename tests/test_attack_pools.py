@@ -9,36 +9,19 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx_lm
 import pytest
-from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, prompt_ids, routed_model
-from harness import Daemon, wait_until
+from client_helpers import ROWS_TINY, client_daemon, pool_gb, prompt_ids
+from harness import wait_until
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from expertd.client import load
 
 BACKINGS = ["host", "device"]
-QWEN = ("qwen3_moe", "affine", 4)
-_resident = {}
-
-
-def resident_model(model_dir):
-    if model_dir not in _resident:
-        _resident[model_dir] = mlx_lm.load(str(model_dir))
-    return _resident[model_dir]
-
-
 def same(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and mx.array_equal(a, b).item()
 
 
 def ids(length: int, vocab: int, seed: int = 0):
     return mx.array([prompt_ids(length, vocab, seed)])
-
-
-@pytest.fixture
-def qwen(models):
-    model_dir, blob_dir = routed_model(models, *QWEN)
-    resident, tokenizer = resident_model(model_dir)
-    return model_dir, blob_dir, resident, tokenizer
 
 
 @contextmanager
@@ -60,17 +43,13 @@ def two_copies(model, resident, prompt) -> tuple:
     return c1, c2, ref, logits
 
 
-def daemon(blob_dir, env, tmp_path, rows=ROWS_ALL, name="s.json"):
-    return Daemon(blob_dir, env, *client_flags(blob_dir, rows, tmp_path / name))
-
-
 # ---- 1. several lazy forwards before any evaluation ------------------------------------------
 
 @pytest.mark.parametrize("backing,speculate", [("host", "auto")])
 def test_two_lazy_forwards_evaluated_together(qwen, isolated_env, tmp_path, backing, speculate):
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
-    with daemon(blob_dir, isolated_env, tmp_path):
+    with client_daemon(blob_dir, isolated_env, tmp_path):
         with streamed(blob_dir, 4, pool_backing=backing, speculate=speculate) as model:
             for la, lb in [(20, 30), (1, 33), (5, 7), (40, 2)]:
                 xa, xb = ids(la, vocab, 1), ids(lb, vocab, 2)
@@ -102,7 +81,7 @@ def test_a_replayed_step_left_lazy_survives_a_later_speculative_hit(qwen, isolat
     a's logits, evaluated last, must still be resident mlx-lm's."""
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
-    with daemon(blob_dir, isolated_env, tmp_path):
+    with client_daemon(blob_dir, isolated_env, tmp_path):
         with streamed(blob_dir, 8, pool_backing=backing, speculate="on") as model:
             session = model.expertd_session
             c1, c2, ref, first = two_copies(model, resident, ids(5, vocab, 3))
@@ -139,7 +118,7 @@ def test_two_sequences_decoded_without_evaluating_the_first(qwen, isolated_env, 
     hits speculatively; then another request's prompt moves rows in."""
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
-    with daemon(blob_dir, isolated_env, tmp_path):
+    with client_daemon(blob_dir, isolated_env, tmp_path):
         with streamed(blob_dir, 4, pool_backing=backing, speculate="on") as model:
             session = model.expertd_session
             c1, c2, ref, want = two_copies(model, resident, ids(5, vocab, 3))
@@ -168,7 +147,7 @@ def test_two_sequences_decoded_without_evaluating_the_first(qwen, isolated_env, 
 def test_batched_decode_is_exact(qwen, isolated_env, tmp_path, backing, batch):
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
-    with daemon(blob_dir, isolated_env, tmp_path):
+    with client_daemon(blob_dir, isolated_env, tmp_path):
         with streamed(blob_dir, 6, pool_backing=backing, speculate="on") as model:
             session = model.expertd_session
             x = mx.array([prompt_ids(3, vocab, s) for s in range(batch)])
@@ -187,7 +166,7 @@ def test_batched_decode_is_exact(qwen, isolated_env, tmp_path, backing, batch):
 def test_generate_loops_match_resident(qwen, isolated_env, tmp_path, backing):
     _, blob_dir, resident, tokenizer = qwen
     prompt = "Once upon a time there was a small model that"
-    with daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
+    with client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
         model, tok = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), pool_backing=backing,
                           prefetch="on", copy_ahead_bytes=0)
         try:
@@ -207,7 +186,7 @@ def test_stream_generate_with_other_caches(qwen, isolated_env, tmp_path, kv):
     """Quantized KV caches (trimmed and replayed) and a rotating cache that wraps mid-run."""
     _, blob_dir, resident, tokenizer = qwen
     prompt = "Once upon a time"
-    with daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
+    with client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
         model, tok = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), speculate="on",
                           prefetch="on", copy_ahead_bytes=0)
         try:
@@ -226,7 +205,7 @@ def test_batch_generate_matches_resident(qwen, isolated_env, tmp_path, backing):
     _, blob_dir, resident, tokenizer = qwen
     vocab = resident.args.vocab_size
     prompts = [prompt_ids(n, vocab, s) for n, s in [(3, 0), (9, 1), (1, 2), (20, 3)]]
-    with daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
+    with client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
         model, tok = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), pool_backing=backing,
                           prefetch="on", copy_ahead_bytes=0)
         try:
@@ -242,7 +221,7 @@ def test_batch_generate_matches_resident(qwen, isolated_env, tmp_path, backing):
 def test_two_models_interleaved(qwen, isolated_env, tmp_path):
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
-    with daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
+    with client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
         with streamed(blob_dir, 4, pool_backing="host", speculate="on", prefetch="on",
                       copy_ahead_bytes=0) as m1:
             with streamed(blob_dir, 5, pool_backing="device", speculate="auto", prefetch="on",
@@ -265,7 +244,7 @@ def test_two_models_interleaved(qwen, isolated_env, tmp_path):
 def test_daemon_killed_mid_decode_small_pool(qwen, isolated_env, tmp_path, backing):
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
-    first = daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY, "a.json")
+    first = client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY, "a.json")
     try:
         with streamed(blob_dir, 4, pool_backing=backing, speculate="on", prefetch="on",
                       copy_ahead_bytes=0, reconnect_timeout=30.0) as model:
@@ -280,7 +259,7 @@ def test_daemon_killed_mid_decode_small_pool(qwen, isolated_env, tmp_path, backi
                     first.kill()
                     wait_until(lambda: session._heartbeat.lost, 10.0, "the death noticed")
                     dead = first
-                    first = daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY, "b.json")
+                    first = client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY, "b.json")
                     dead.close()
                     got, want = pending
                 else:
@@ -317,7 +296,7 @@ def test_a_forward_interrupted_mid_way_leaves_the_model_exact(qwen, isolated_env
                                                              backing, speculate):
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
-    with daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
+    with client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
         with streamed(blob_dir, 4, pool_backing=backing, speculate=speculate, prefetch="on",
                       copy_ahead_bytes=0) as model:
             session = model.expertd_session
@@ -337,7 +316,7 @@ def test_an_interrupted_speculative_step_keeps_no_lazy_ids(qwen, isolated_env, t
     interrupted graph (and its layers) alive until some later speculative step."""
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
-    with daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
+    with client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY):
         with streamed(blob_dir, 4, speculate="on") as model:
             session = model.expertd_session
             interrupt_every_layer(model, vocab)
@@ -352,7 +331,7 @@ def test_an_interrupted_speculative_step_keeps_no_lazy_ids(qwen, isolated_env, t
 def test_edge_pool_sizes_and_prompt_lengths(qwen, isolated_env, tmp_path, backing, rows):
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
-    with daemon(blob_dir, isolated_env, tmp_path):
+    with client_daemon(blob_dir, isolated_env, tmp_path):
         with streamed(blob_dir, rows, pool_backing=backing, speculate="on") as model:
             session = model.expertd_session
             assert all(p.rows == rows for p in session.pools)
@@ -372,7 +351,7 @@ def test_edge_pool_sizes_and_prompt_lengths(qwen, isolated_env, tmp_path, backin
 def test_repeated_long_prompts_do_not_grow_memory(qwen, isolated_env, tmp_path, backing):
     _, blob_dir, resident, _ = qwen
     vocab = resident.args.vocab_size
-    with daemon(blob_dir, isolated_env, tmp_path):
+    with client_daemon(blob_dir, isolated_env, tmp_path):
         with streamed(blob_dir, 4, pool_backing=backing) as model:
             seen = []
             for i in range(8):

@@ -1,7 +1,6 @@
 """Several client processes on one daemon: invariants 1-2 under eviction pressure, and the
 shared cache reading the SSD once for clients that need the same experts."""
 
-import mlx_lm
 import pytest
 from client_helpers import (
     ROWS_ALL,
@@ -9,7 +8,6 @@ from client_helpers import (
     client_flags,
     greedy_tokens,
     prompt_ids,
-    routed_model,
     run_together,
 )
 from harness import Daemon, wait_until
@@ -17,16 +15,9 @@ from harness import Daemon, wait_until
 from expertd import native
 from expertd.manifest import Manifest
 
-FAMILY = ("qwen3_moe", "affine", 4)
 PROMPT_LEN = 17
 MAX_TOKENS = 24
 SHARING_BOUND = 1.10
-
-
-@pytest.fixture
-def qwen(models):
-    model_dir, blob_dir = routed_model(models, *FAMILY)
-    return model_dir, blob_dir, mlx_lm.load(str(model_dir))[0]
 
 
 def solo_tokens(resident, seed: int) -> list:
@@ -54,7 +45,7 @@ def test_concurrent_clients_under_eviction_match_solo(qwen, isolated_env, tmp_pa
                                                       prefetch):
     """With prefetch on, the clients' guesses, side-row fills, promotions and demands race
     under eviction too; every token must still be the resident model's."""
-    model_dir, blob_dir, resident = qwen
+    model_dir, blob_dir, resident, _ = qwen
     every_expert = sum(layer.num_experts for layer in Manifest.load(blob_dir).layers)
     seeds = list(range(1, n_clients + 1))
     expected = [solo_tokens(resident, seed) for seed in seeds]
@@ -84,7 +75,7 @@ def test_concurrent_clients_under_eviction_match_solo(qwen, isolated_env, tmp_pa
 
 def test_three_clients_read_the_ssd_once(qwen, isolated_env, tmp_path):
     """Sharing: 3 clients on the same prompt read about what 1 client alone reads."""
-    model_dir, blob_dir, resident = qwen
+    model_dir, blob_dir, resident, _ = qwen
     expected = solo_tokens(resident, 1)
     reads = {}
     for n in (1, 3):

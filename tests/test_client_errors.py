@@ -1,20 +1,18 @@
-"""The client refuses clearly when the daemon does not serve what it expects."""
+"""The client refuses clearly when the daemon does not serve what it expects (the daemon's
+serving loop runs in this process, beside the client)."""
 
 import json
-import shutil
 
 import pytest
-from harness import SMALL_CACHE_GB, running_daemon
+from harness import SMALL_CACHE_GB, InProcessDaemon
 
 from expertd.client import load
 from expertd.errors import DaemonError
 
 
-def test_load_refuses_a_daemon_serving_another_version_of_the_directory(models, isolated_env,
-                                                                        tmp_path):
-    blobs = tmp_path / "blobs"
-    shutil.copytree(models.blobs(), blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB):
+def test_load_refuses_a_daemon_serving_another_version_of_the_directory(blob_dir, isolated_env):
+    blobs = blob_dir
+    with InProcessDaemon(blobs, "--cache-gb", SMALL_CACHE_GB):
         # Same content, written differently: another conversion as far as the client can tell.
         manifest = blobs / "manifest.json"
         manifest.write_text(json.dumps(json.loads(manifest.read_text()), indent=3))
@@ -23,9 +21,8 @@ def test_load_refuses_a_daemon_serving_another_version_of_the_directory(models, 
         assert "expertd stop --blobs" in str(err.value)
 
 
-def test_load_works_with_the_directory_the_daemon_serves(models, isolated_env):
-    blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB):
+def test_load_works_with_the_directory_the_daemon_serves(blobs, isolated_env):
+    with InProcessDaemon(blobs, "--cache-gb", SMALL_CACHE_GB):
         model, _ = load(blobs)
         assert model.expertd_session.hello["manifest"] == model.expertd_session.manifest.digest
         model.expertd_session.close()

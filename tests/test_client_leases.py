@@ -1,8 +1,9 @@
 """No lease leaks from a client, however it is interrupted; a dead or stuck daemon is noticed
 at once; drain waits without burning a core.
 
-The lease tests run real daemons and real client processes (this file run as a script, see
-``main``) and deliver real SIGINTs; the drain tests run both implementations side by side.
+The lease tests run real client processes (this file run as a script, see ``main``) on the
+serving loop in this process, and deliver real SIGINTs; a daemon that is killed or stuck is a
+process; the drain tests run both implementations side by side.
 """
 
 import json
@@ -18,7 +19,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from client_helpers import cache_gb
-from harness import Daemon, RawClient, query_stats, read_json_line, spawn_client, wait_until
+from harness import (
+    Daemon,
+    InProcessDaemon,
+    RawClient,
+    query_stats,
+    read_json_line,
+    spawn_client,
+    wait_until,
+)
 
 from expertd import _fallback
 from expertd.shm.layout import SLOT_DTYPE, SlotState
@@ -37,11 +46,6 @@ REAP_BOUND = 5.0  # seconds a late lease may take to be released (it takes ~10 m
 
 
 ROWS = 10  # the smallest cache the tiny model accepts: demands of 4, 4 rows per client
-
-
-@pytest.fixture
-def blobs(models):
-    return models.blobs()
 
 
 def tiny_cache(blobs) -> tuple:
@@ -76,7 +80,7 @@ def test_interrupted_wait_on_a_blocked_demand_leaks_no_lease(blobs, isolated_env
     """SIGINT while the client waits on a demand that cannot be served yet (two other clients
     hold 8 of the 10 rows): the client lives on, and when the demand is served later its lease
     is released by the idle client, long before any timeout."""
-    with Daemon(blobs, isolated_env, *tiny_cache(blobs), *PATIENT) as daemon:
+    with InProcessDaemon(blobs, *tiny_cache(blobs), *PATIENT) as daemon:
         ready = daemon.ready
         assert (ready["arena_rows"], ready["max_demand"], ready["client_cap"]) == (ROWS, 4, 4)
         with RawClient(blobs) as a, RawClient(blobs) as b:
@@ -108,7 +112,7 @@ def test_interrupted_wait_on_a_blocked_demand_leaks_no_lease(blobs, isolated_env
                 err = finish(client)
             # Its goodbye made the daemon forget it at once, not after the client timeout.
             wait_until(lambda: query_stats(blobs)["clients"] == 2, REAP_BOUND, "the goodbye")
-        assert daemon.proc.poll() is None
+        assert daemon.poll() is None
     assert "Traceback" not in err, err
 
 
@@ -118,7 +122,7 @@ def test_sigint_anywhere_in_fetch_leaks_no_lease(models, isolated_env):
     few milliseconds while the client only waits. Rows of 432 KiB make the copies long
     enough to be hit too."""
     blobs = models.blobs(hidden=512, moe_inter=512)
-    with Daemon(blobs, isolated_env, *tiny_cache(blobs), *PATIENT):
+    with InProcessDaemon(blobs, *tiny_cache(blobs), *PATIENT):
         client = spawn("interrupts", blobs, 300, 7)
         try:
             result = read_json_line(client, 240.0)
@@ -367,7 +371,7 @@ def interrupts_client(blob_dir: str, iterations: int, seed: int) -> None:
 
     def interrupt(*_):
         # A real SIGINT, delivered as a user's would be; noted by the phase it falls in.
-        arrived["waiting" if session._demands else "leased" if session._leases else "other"] += 1
+        arrived["waiting" if session.requester.demands else "leased" if session._leases else "other"] += 1
         signal.raise_signal(signal.SIGINT)
 
     signal.signal(signal.SIGALRM, interrupt)

@@ -7,37 +7,24 @@ import threading
 import time
 from contextlib import ExitStack
 
-import mlx_lm
 import pytest
 from client_helpers import (
     ROWS_ALL,
     ROWS_TINY,
-    client_flags,
+    client_daemon,
     greedy_tokens,
     prompt_ids,
     read_tokens,
-    routed_model,
 )
-from harness import Daemon, finish_client, spawn_client, stop_process, wait_until
+from harness import finish_client, spawn_client, stop_process, wait_until
 
-FAMILY = ("qwen3_moe", "affine", 4)
 PROMPT_LEN = 17
 MAX_TOKENS = 40
 KILL_AFTER = 3  # tokens the client has produced when the daemon is killed
 
 
-@pytest.fixture
-def qwen(models):
-    model_dir, blob_dir = routed_model(models, *FAMILY)
-    return model_dir, blob_dir, mlx_lm.load(str(model_dir))[0]
-
-
 def undisturbed_tokens(resident) -> list:
     return greedy_tokens(resident, prompt_ids(PROMPT_LEN, resident.args.vocab_size), MAX_TOKENS)
-
-
-def start_daemon(blob_dir, env, tmp_path, rows: int) -> Daemon:
-    return Daemon(blob_dir, env, *client_flags(blob_dir, rows, tmp_path / "state.json"))
 
 
 def start_generating(blob_dir, env, tmp_path, reconnect_timeout: float):
@@ -56,16 +43,16 @@ def start_generating(blob_dir, env, tmp_path, reconnect_timeout: float):
 
 
 def test_client_survives_daemon_kill_and_restart(qwen, isolated_env, tmp_path):
-    model_dir, blob_dir, resident = qwen
+    model_dir, blob_dir, resident, _ = qwen
     expected = undisturbed_tokens(resident)
-    first = start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+    first = client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
     proc = None
     try:
         proc, tokens_file, out = start_generating(blob_dir, isolated_env, tmp_path, 60.0)
         first.kill()
         at_kill = len(read_tokens(tokens_file))
         assert at_kill < MAX_TOKENS, "the client finished before the daemon was killed"
-        with start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY) as second:
+        with client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY) as second:
             assert second.pid != first.pid
             result = finish_client(proc, out, timeout=120)
             stats = second.stats()
@@ -84,16 +71,16 @@ def test_client_paused_across_a_restart_attaches_again(qwen, isolated_env, tmp_p
     """The daemon is killed and restarted while the client is stopped (SIGSTOP), so the
     client's next request reaches the new daemon on the old connection before the client
     could notice the death: it must attach again, not fail."""
-    model_dir, blob_dir, resident = qwen
+    model_dir, blob_dir, resident, _ = qwen
     expected = undisturbed_tokens(resident)
-    daemon = start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+    daemon = client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
     proc = None
     try:
         proc, tokens_file, out = start_generating(blob_dir, isolated_env, tmp_path, 60.0)
         for _ in range(3):
             proc.send_signal(signal.SIGSTOP)
             daemon.kill()
-            dead, daemon = daemon, start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+            dead, daemon = daemon, client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
             dead.close()  # only now: the new daemon starts as it would after a real crash
             seen = len(read_tokens(tokens_file))
             proc.send_signal(signal.SIGCONT)
@@ -109,9 +96,9 @@ def test_client_paused_across_a_restart_attaches_again(qwen, isolated_env, tmp_p
 
 
 def test_client_reports_a_daemon_that_does_not_come_back(qwen, isolated_env, tmp_path):
-    model_dir, blob_dir, _ = qwen
+    model_dir, blob_dir, _, _ = qwen
     reconnect_timeout = 2.0
-    daemon = start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+    daemon = client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
     proc = None
     try:
         proc, tokens_file, out = start_generating(blob_dir, isolated_env, tmp_path,
@@ -143,9 +130,9 @@ def test_restarted_daemon_with_another_cache_size(qwen, isolated_env, tmp_path, 
 
     from expertd.client import load
 
-    _, blob_dir, resident = qwen
+    _, blob_dir, resident, _ = qwen
     prompt = mx.array([prompt_ids(PROMPT_LEN, resident.args.vocab_size)])
-    daemon = start_daemon(blob_dir, isolated_env, tmp_path, rows[0])
+    daemon = client_daemon(blob_dir, isolated_env, tmp_path, rows[0])
     try:
         streamed, _ = load(blob_dir, reconnect_timeout=30.0)
         caches = make_prompt_cache(resident), make_prompt_cache(streamed)
@@ -154,7 +141,7 @@ def test_restarted_daemon_with_another_cache_size(qwen, isolated_env, tmp_path, 
         daemon.kill()
         # Every expert may be a hit in the dead daemon's arena; the client must notice anyway.
         wait_until(lambda: streamed.expertd_session._heartbeat.lost, 10.0, "the death noticed")
-        dead, daemon = daemon, start_daemon(blob_dir, isolated_env, tmp_path, rows[1])
+        dead, daemon = daemon, client_daemon(blob_dir, isolated_env, tmp_path, rows[1])
         dead.close()
         for step in range(6):
             token = mx.argmax(a[:, -1:], axis=-1)
@@ -201,9 +188,9 @@ def test_calls_after_a_reconnect_gave_up_attach_again_once_the_daemon_is_back(
     from expertd.client import load
     from expertd.errors import DaemonNotRunning
 
-    _, blob_dir, resident = qwen
+    _, blob_dir, resident, _ = qwen
     prompt = mx.array([prompt_ids(PROMPT_LEN, resident.args.vocab_size)])
-    daemon = start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+    daemon = client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
     try:
         streamed, _ = load(blob_dir, reconnect_timeout=0.05)
         session = streamed.expertd_session
@@ -215,7 +202,7 @@ def test_calls_after_a_reconnect_gave_up_attach_again_once_the_daemon_is_back(
             message = str(failed.value)
             assert f"start it with: expertd start --blobs {blob_dir.resolve()}" in message
             assert message.count("expertd start") == 1, message  # one sentence, one hint
-        dead, daemon = daemon, start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+        dead, daemon = daemon, client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
         dead.close()
         same_as_resident(resident, streamed, prompt)
         assert session.counters["reconnects"] == 1
@@ -232,9 +219,9 @@ def test_a_call_after_an_interrupted_reconnect_attaches_again(qwen, isolated_env
 
     from expertd.client import load
 
-    _, blob_dir, resident = qwen
+    _, blob_dir, resident, _ = qwen
     prompt = mx.array([prompt_ids(PROMPT_LEN, resident.args.vocab_size)])
-    daemon = start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+    daemon = client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         streamed, _ = load(blob_dir, reconnect_timeout=120.0)
@@ -254,7 +241,7 @@ def test_a_call_after_an_interrupted_reconnect_attaches_again(qwen, isolated_env
                 same_as_resident(resident, streamed, prompt, steps=1)
         finally:
             interrupter.join()
-        dead, daemon = daemon, start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
+        dead, daemon = daemon, client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)
         dead.close()
         same_as_resident(resident, streamed, prompt)
         assert session.counters["reconnects"] == 1
@@ -275,16 +262,16 @@ def test_a_daemon_gone_between_its_hello_and_the_arena_map_is_waited_through(
     from expertd.connection import Connection
     from expertd.protocol import Op
 
-    _, blob_dir, resident = qwen
+    _, blob_dir, resident, _ = qwen
     prompt = mx.array([prompt_ids(PROMPT_LEN, resident.args.vocab_size)])
-    daemons = [start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)]
+    daemons = [client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY)]
     try:
         streamed, _ = load(blob_dir, reconnect_timeout=120.0)
         session = streamed.expertd_session
         same_as_resident(resident, streamed, prompt, steps=1)
         killed_and_noticed(daemons[0], session)
         daemons[0].close()
-        daemons.append(start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY))
+        daemons.append(client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY))
         request, raced = Connection.request, []
 
         def hello_then_gone(conn, op, *args, **kwargs):
@@ -293,7 +280,7 @@ def test_a_daemon_gone_between_its_hello_and_the_arena_map_is_waited_through(
                 raced.append(reply["arena"])
                 daemons[-1].kill()
                 daemons[-1].close()
-                daemons.append(start_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY))
+                daemons.append(client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY))
             return reply
 
         monkeypatch.setattr(Connection, "request", hello_then_gone)

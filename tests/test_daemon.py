@@ -1,13 +1,15 @@
-"""End-to-end tests of the expertd daemon: real processes, real shared memory, real sockets.
+"""End-to-end tests of the expertd daemon: real shared memory, real sockets, real processes
+where a test needs one.
 
-Each test starts its own ``expertd start --foreground`` on the session's tiny model (3 MoE
-layers of 16 experts, 16 KiB rows) in per-test runtime and state directories; faults are
-injected by killing processes and corrupting blob files.
+Each test starts its own daemon on the session's tiny model (3 MoE layers of 16 experts, 16 KiB
+rows) in per-test runtime and state directories: the serving loop in this process
+(``InProcessDaemon``) for the protocol, an ``expertd start --foreground`` process for what
+needs one (a daemon killed, the command line, file permissions). Faults are injected by killing
+processes and corrupting blob files.
 """
 
 import json
 import re
-import shutil
 import stat
 import subprocess
 import sys
@@ -18,6 +20,8 @@ import pytest
 from harness import (
     SMALL_CACHE_GB,
     TINY_CACHE_GB,
+    FakeClock,
+    InProcessDaemon,
     RawClient,
     arena_owner,
     expected_bytes,
@@ -43,11 +47,6 @@ from expertd.shm.layout import SlotState
 FAST_TIMEOUTS = ("--client-timeout", "1.5", "--heartbeat", "0.3")
 
 
-@pytest.fixture
-def blobs(models):
-    return models.blobs()
-
-
 def _groups(experts, size):
     return [experts[i:i + size] for i in range(0, len(experts), size)]
 
@@ -71,7 +70,7 @@ def _mode(path) -> int:
 @pytest.mark.parametrize("cache_gb", [SMALL_CACHE_GB, TINY_CACHE_GB], ids=["fits", "evicts"])
 def test_demand_returns_the_exact_bytes_of_every_expert(blobs, isolated_env, cache_gb):
     want = expected_bytes(blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", cache_gb), RawClient(blobs) as c:
+    with InProcessDaemon(blobs, "--cache-gb", cache_gb), RawClient(blobs) as c:
         rows = c.hello["cache_rows"]
         group = min(4, c.hello["max_demand"])
         # Forward, then backward: with a tiny cache the second pass refills evicted rows.
@@ -98,7 +97,7 @@ def test_demand_returns_the_exact_bytes_of_every_expert(blobs, isolated_env, cac
 def test_concurrent_clients_under_eviction_never_read_torn_rows(blobs, isolated_env, tmp_path):
     n_clients, iterations = 4, 400
     stop_file = tmp_path / "stop-readers"
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "4"):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--workers", "4"):
         with RawClient(blobs) as probe:
             assert probe.hello["cache_rows"] == 10  # far less than 4 clients x 2-4 experts
         reader = spawn_client("lockfree", blobs, stop_file, 7, 60)
@@ -138,7 +137,7 @@ def test_concurrent_clients_under_eviction_never_read_torn_rows(blobs, isolated_
 @pytest.mark.timeout(60)
 def test_sigkilled_clients_leave_no_lease_behind(blobs, isolated_env):
     want = expected_bytes(blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS) as d:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS) as d:
         procs = []
         try:
             # Two clients lease 8 of the 10 rows; a third one's demand for 4 more must queue.
@@ -166,24 +165,26 @@ def test_sigkilled_clients_leave_no_lease_behind(blobs, isolated_env):
         with RawClient(blobs) as c:
             got = c.fetch(2, [0, 1, 2, 3])
             assert got == [want[(2, e)] for e in range(4)]
-        assert d.proc.poll() is None
+        assert d.poll() is None
 
 
 @pytest.mark.timeout(60)
 def test_a_second_hello_keeps_the_clients_leases_reclaimable(blobs, isolated_env):
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS,
+                         clock=FakeClock()) as d:
         with RawClient(blobs) as c:
             c.demand(0, [1, 2])  # leased, never released
             c.request(Op.HELLO, {"version": PROTOCOL_VERSION, "client": c.conn.client_id, "pid": 1})
             assert query_stats(blobs)["leases"] == 1
         # The client went silent: its lease goes once its heartbeat times out.
+        d.advance(1.5 + 0.1)
         wait_until(lambda: (s := query_stats(blobs))["clients"] == 0 and s["leases"] == 0,
                    10, "the silent client's lease to be reclaimed")
 
 
 @pytest.mark.timeout(60)
 def test_a_client_cannot_release_another_clients_lease(blobs, isolated_env):
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB) as d:
         with RawClient(blobs) as owner, RawClient(blobs) as other:
             lease = owner.demand(0, [1, 2, 3])["lease"]
             other.release(lease)
@@ -191,7 +192,7 @@ def test_a_client_cannot_release_another_clients_lease(blobs, isolated_env):
             assert query_stats(blobs)["leases"] == 1
             owner.release(lease)
             wait_until(lambda: query_stats(blobs)["leases"] == 0, 10, "the owner's release")
-        assert d.proc.poll() is None
+        assert d.poll() is None
 
 
 # ---- daemon death and the command line ------------------------------------------------------
@@ -307,7 +308,7 @@ def test_warm_restart_refills_the_hot_experts(blobs, isolated_env):
 @pytest.mark.timeout(60)
 def test_pinned_experts_survive_eviction_and_unpinned_ones_do_not(blobs, isolated_env):
     pins = [(0, 3), (0, 7)]
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB), RawClient(blobs) as c:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB), RawClient(blobs) as c:
         assert c.hello["cache_rows"] == 10  # so at most 10 // 4 = 2 pins
         assert c.request(Op.PIN, {"layer": 0, "experts": [3, 7]})["pinned"] == 2
         wait_until(lambda: all(c.slot(*k)[1] == SlotState.READY for k in pins), 10,
@@ -335,8 +336,8 @@ def test_pin_file_pins_experts_at_start(blobs, isolated_env, tmp_path):
     pin_file = tmp_path / "pins.json"
     pin_file.write_text(json.dumps([list(k) for k in pins]))
     want = expected_bytes(blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB,
-                        "--pin-file", pin_file), RawClient(blobs) as c:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB,
+                         "--pin-file", pin_file), RawClient(blobs) as c:
         wait_until(lambda: all(c.slot(*k)[1] == SlotState.READY for k in pins), 10,
                    "the experts of the pin file to be filled")
         stats = c.request(Op.STATS)
@@ -374,10 +375,8 @@ def _segments_created_by(pid: int) -> list:
 # ---- bad blobs ---------------------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
-def test_corrupt_expert_is_refused_by_name_and_the_rest_served(models, isolated_env, tmp_path):
-    src = models.blobs()
-    blobs = tmp_path / "blobs"
-    shutil.copytree(src, blobs)
+def test_corrupt_expert_is_refused_by_name_and_the_rest_served(models, blob_dir, isolated_env):
+    src, blobs = models.blobs(), blob_dir
     manifest = Manifest.load(blobs)
     layer, expert = 1, 5
     with open(blobs / manifest.layers[layer].file, "r+b") as f:
@@ -387,8 +386,7 @@ def test_corrupt_expert_is_refused_by_name_and_the_rest_served(models, isolated_
         f.write(bytes([byte ^ 0xFF]))
     want = expected_bytes(src)
 
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d, \
-            RawClient(blobs) as c:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB) as d, RawClient(blobs) as c:
         for experts in ([expert], [expert - 1, expert, expert + 1]):
             with pytest.raises(DaemonError) as err:
                 c.demand(layer, experts)
@@ -400,7 +398,7 @@ def test_corrupt_expert_is_refused_by_name_and_the_rest_served(models, isolated_
         assert stats["leases"] == 0 and stats["fill_errors"] == 2
         for key in [(layer, expert - 1), (layer, expert + 1), (0, expert), (2, expert)]:
             assert c.fetch(key[0], [key[1]]) == [want[key]]
-        assert d.proc.poll() is None
+        assert d.poll() is None
 
 
 # ---- permissions -------------------------------------------------------------------------------

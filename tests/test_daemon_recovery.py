@@ -1,16 +1,17 @@
 """Daemon paths that only show when things go wrong: demands queued behind fills, clients that
-vanish with a demand queued, a state file that cannot be written."""
+vanish with a demand queued, a state file that cannot be written. The serving loop runs in this
+process, with a clock the test moves where a client's timeout is waited out."""
 
 import shutil
-import signal
 
 import pytest
 from harness import (
     STOP_TIMEOUT,
     TINY_CACHE_GB,
+    FakeClock,
+    InProcessDaemon,
     RawClient,
     expected_bytes,
-    running_daemon,
     shm_exists,
     wait_until,
 )
@@ -29,7 +30,7 @@ def test_demand_queued_behind_fills_is_answered(models, isolated_env):
     rows: clients that demand and leave at once hold none, and their fills run on.)"""
     blobs = models.blobs()
     # As many workers as rows: every row is FILLING when the demand arrives.
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "16"):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--workers", "16"):
         with RawClient(blobs) as c:
             rows = c.hello["cache_rows"]
             step = c.hello["client_cap"]
@@ -48,7 +49,8 @@ def test_demand_queued_behind_fills_is_answered(models, isolated_env):
 
 def test_vanished_client_with_a_queued_demand_leaks_no_lease(models, isolated_env):
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS,
+                         clock=FakeClock()) as d:
         with RawClient(blobs) as watcher, RawClient(blobs) as gone:
             group = watcher.hello["max_demand"]
             assert group == watcher.hello["client_cap"]
@@ -59,8 +61,12 @@ def test_vanished_client_with_a_queued_demand_leaks_no_lease(models, isolated_en
                        "the second demand to be queued")
             assert watcher.request(Op.STATS)["leases"] == 1
             # `gone` sends nothing more: its heartbeat times out; `watcher` keeps its own alive.
-            wait_until(lambda: watcher.heartbeat() and watcher.request(Op.STATS)["clients"] == 1,
-                       15.0, "the silent client to be forgotten")
+            def forgotten():
+                beat = watcher.heartbeat()
+                d.advance(0.1)  # the time between two of its heartbeats
+                return beat and watcher.request(Op.STATS)["clients"] == 1
+
+            wait_until(forgotten, 15.0, "the silent client to be forgotten")
             stats = watcher.request(Op.STATS)
             assert (stats["leases"], stats["queued"], stats["leased_rows"]) == (0, 0, 0), stats
             assert len(watcher.fetch(1, list(range(group)))) == group
@@ -71,13 +77,13 @@ def test_unwritable_state_file_does_not_leave_shared_memory_behind(models, isola
     blobs = models.blobs()
     state_dir = tmp_path / "state-here"
     state_dir.mkdir()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--state-file",
-                        state_dir / "hot.json") as d:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--state-file",
+                         state_dir / "hot.json") as d:
         with RawClient(blobs) as c:
             c.fetch(0, [1, 2])
         shutil.rmtree(state_dir)  # the state file can no longer be written
-        d.proc.send_signal(signal.SIGTERM)
-        assert d.proc.wait(timeout=STOP_TIMEOUT) == 0, d.log_text()
+        d.stop()  # as SIGTERM stops a daemon process
+        assert d.wait(timeout=STOP_TIMEOUT) == 0, d.log_text()
         assert "could not save the hot set" in d.log_text()
     assert not shm_exists(d.arena)
     assert not daemon_paths(blobs).socket.exists()
@@ -92,11 +98,10 @@ def _flip_byte(blobs, layer: int, expert: int) -> None:
         f.write(bytes([byte ^ 0xFF]))
 
 
-def test_verify_always_catches_corruption_after_a_good_first_read(models, isolated_env,
-                                                                  tmp_path):
-    blobs = tmp_path / "blobs"
-    shutil.copytree(models.blobs(), blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--verify", "always"):
+def test_verify_always_catches_corruption_after_a_good_first_read(models, blob_dir,
+                                                                  isolated_env):
+    blobs = blob_dir
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--verify", "always"):
         with RawClient(blobs) as c:
             assert c.fetch(1, [5]) == [expected_bytes(models.blobs())[(1, 5)]]
             _flip_byte(blobs, 1, 5)
@@ -105,12 +110,11 @@ def test_verify_always_catches_corruption_after_a_good_first_read(models, isolat
                 c.demand(1, [5])
 
 
-def test_verify_first_checks_each_expert_once(models, isolated_env, tmp_path):
+def test_verify_first_checks_each_expert_once(blob_dir, isolated_env):
     """With --verify first (the default is always): the first fill of an expert is checked,
     its refills are not."""
-    blobs = tmp_path / "blobs"
-    shutil.copytree(models.blobs(), blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--verify", "first"):
+    blobs = blob_dir
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--verify", "first"):
         with RawClient(blobs) as c:
             c.fetch(1, [5])
             _flip_byte(blobs, 1, 5)

@@ -4,12 +4,11 @@ the pread pool shuts down without writing to a descriptor it no longer owns."""
 import mmap
 import os
 import re
-import shutil
 import sys
 import threading
 
 import pytest
-from harness import TINY_CACHE_GB, RawClient, expected_bytes, running_daemon, wait_until
+from harness import TINY_CACHE_GB, InProcessDaemon, RawClient, expected_bytes, wait_until
 
 from expertd.blobstore import BlobStore
 from expertd.errors import DaemonError
@@ -18,14 +17,6 @@ from expertd.protocol import ErrorCode, Op
 from expertd.serving.preads import FillPool
 
 LAYER, EXPERT = 1, 5
-
-
-@pytest.fixture
-def blobs(models, tmp_path):
-    """A private copy of the tiny model's blob directory, free to corrupt."""
-    out = tmp_path / "blobs"
-    shutil.copytree(models.blobs(), out)
-    return out
 
 
 def flip_byte(blob_dir, layer: int, expert: int, at: int = 100) -> None:
@@ -48,29 +39,28 @@ def assert_names_the_corruption(message: str, blob_dir, layer: int, expert: int)
     assert "expertd convert" in message, message
 
 
-# ---- against a real daemon, default flags ------------------------------------------------------
+# ---- against the serving loop, default flags ------------------------------------------------------
 
 @pytest.mark.timeout(120)
-def test_every_refill_of_a_corrupted_expert_is_refused_and_never_served(blobs, isolated_env):
-    want = expected_bytes(blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d, \
-            RawClient(blobs) as c:
+def test_every_refill_of_a_corrupted_expert_is_refused_and_never_served(blob_dir, isolated_env):
+    want = expected_bytes(blob_dir)
+    with InProcessDaemon(blob_dir, "--cache-gb", TINY_CACHE_GB) as d, RawClient(blob_dir) as c:
         assert c.request(Op.STATS)["verify"] == "always"
         assert c.fetch(LAYER, [EXPERT]) == [want[(LAYER, EXPERT)]]  # the first fill is sound
-        flip_byte(blobs, LAYER, EXPERT)
+        flip_byte(blob_dir, LAYER, EXPERT)
         for attempt in range(1, 4):
             c.evict(LAYER, EXPERT)
             with pytest.raises(DaemonError) as err:
                 c.demand(LAYER, [EXPERT - 1, EXPERT])
             assert err.value.code == ErrorCode.CHECKSUM, str(err.value)
-            assert_names_the_corruption(str(err.value), blobs, LAYER, EXPERT)
+            assert_names_the_corruption(str(err.value), blob_dir, LAYER, EXPERT)
             assert c.slot(LAYER, EXPERT)[0] == -1, "the corrupt row is still in the table"
             stats = c.request(Op.STATS)
             assert stats["fill_errors"] == attempt and stats["leases"] == 0
         # The sound experts around it are served, with their exact bytes.
         for key in [(LAYER, EXPERT - 1), (LAYER, EXPERT + 1), (0, EXPERT)]:
             assert c.fetch(key[0], [key[1]]) == [want[key]]
-        assert d.proc.poll() is None
+        assert d.poll() is None
 
 
 def _generate(blob_dir, env: dict):
@@ -83,17 +73,17 @@ def _generate(blob_dir, env: dict):
 
 
 @pytest.mark.timeout(400)
-def test_generate_fails_with_the_checksum_error_instead_of_wrong_text(blobs, isolated_env):
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
-        good = _generate(blobs, isolated_env)
+def test_generate_fails_with_the_checksum_error_instead_of_wrong_text(blob_dir, isolated_env):
+    with InProcessDaemon(blob_dir, "--cache-gb", TINY_CACHE_GB):
+        good = _generate(blob_dir, isolated_env)
         assert good.returncode == 0, good.stderr
         # Every expert row corrupt: the cache (10 rows) cannot hold one token's experts of all
         # three layers, so the next run must refill some of them.
-        manifest = Manifest.load(blobs)
+        manifest = Manifest.load(blob_dir)
         for layer in manifest.layers:
             for expert in range(layer.num_experts):
-                flip_byte(blobs, layer.index, expert)
-        bad = _generate(blobs, isolated_env)
+                flip_byte(blob_dir, layer.index, expert)
+        bad = _generate(blob_dir, isolated_env)
     assert bad.returncode != 0, bad.stdout
     assert "checksum mismatch" in bad.stderr and "expertd convert" in bad.stderr, bad.stderr
     assert "Traceback" not in bad.stderr, bad.stderr
@@ -140,10 +130,10 @@ def collect(pool: FillPool, count: int) -> dict:
 
 
 @pytest.mark.timeout(60)
-def test_pool_refuses_each_corrupt_refill_and_fills_the_rest(blobs):
-    want = expected_bytes(blobs)
-    flip_byte(blobs, LAYER, EXPERT)
-    store = BlobStore(blobs)
+def test_pool_refuses_each_corrupt_refill_and_fills_the_rest(blob_dir):
+    want = expected_bytes(blob_dir)
+    flip_byte(blob_dir, LAYER, EXPERT)
+    store = BlobStore(blob_dir)
     rows = GatedRows(2, store.stride)
     rows.gate.set()
     pool = FillPool(store, rows, workers=4, verify="always")
@@ -154,7 +144,7 @@ def test_pool_refuses_each_corrupt_refill_and_fills_the_rest(blobs):
             done = collect(pool, 2)
             code, message = done[(LAYER, EXPERT)]
             assert code == ErrorCode.CHECKSUM
-            assert_names_the_corruption(message, blobs, LAYER, EXPERT)
+            assert_names_the_corruption(message, blob_dir, LAYER, EXPERT)
             assert done[(LAYER, EXPERT + 1)] is None
             got = bytes(rows.memory[store.stride:store.stride + len(want[(LAYER, EXPERT + 1)])])
             assert got == want[(LAYER, EXPERT + 1)]
@@ -164,8 +154,8 @@ def test_pool_refuses_each_corrupt_refill_and_fills_the_rest(blobs):
 
 
 @pytest.mark.timeout(60)
-def test_pool_close_never_writes_to_a_descriptor_it_gave_back(blobs):
-    store = BlobStore(blobs)
+def test_pool_close_never_writes_to_a_descriptor_it_gave_back(blob_dir):
+    store = BlobStore(blob_dir)
     rows = GatedRows(3, store.stride)
     pool = FillPool(store, rows, workers=2, verify="always")
     wake_r, wake_w = pool.wake_fd, pool._wake_w
@@ -196,8 +186,8 @@ def test_pool_close_never_writes_to_a_descriptor_it_gave_back(blobs):
 
 
 @pytest.mark.timeout(60)
-def test_pool_close_waits_for_running_reads_and_then_refuses_fills(blobs):
-    store = BlobStore(blobs)
+def test_pool_close_waits_for_running_reads_and_then_refuses_fills(blob_dir):
+    store = BlobStore(blob_dir)
     rows = GatedRows(2, store.stride)
     pool = FillPool(store, rows, workers=2, verify="always")
     pool.submit(0, 0, 0)

@@ -30,11 +30,6 @@ BOUND_MB = 100
 HOSTILE = [b"1", b"\x02", b"\x81\xa5layer" + b"\x91" * 60000 + b"\xc0"]
 
 
-@pytest.fixture(scope="module")
-def blobs(models):
-    return models.blobs(seed=23)
-
-
 def _memory_mb(pid: int) -> dict:
     fields = {}
     with open(f"/proc/{pid}/status") as f:

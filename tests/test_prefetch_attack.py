@@ -1,5 +1,7 @@
 """Attacks on the side rows and PREFETCH: floods, hogs, clients that die or never read, prefetches
-racing demands, pins and shutdown, checked against the arena's own invariants.
+racing demands, pins and shutdown, checked against the arena's own invariants. The daemon is
+the serving loop in this process, but where a test stops it (SIGSTOP) or kills it: there it is
+a process.
 
 Run as a script (``python test_prefetch_attack.py MODE ...``) this file is also the client
 process some tests kill.
@@ -13,6 +15,8 @@ import numpy as np
 import pytest
 from harness import (
     TINY_CACHE_GB,
+    FakeClock,
+    InProcessDaemon,
     RawClient,
     expected_bytes,
     read_json_line,
@@ -64,21 +68,22 @@ def test_a_client_that_never_reads_cannot_keep_the_side_rows(models, isolated_en
     claims past the hold after the fill: otherwise one client that prefetches and never reads
     keeps every side row and every other client's prefetch is dropped for ever."""
     blobs = models.blobs()
-    hold = 0.25  # short, so the test waits it out quickly; waiting longer only makes it surer
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB,
-                        "--side-hold", str(hold)):
+    hold = 0.25
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--side-hold", str(hold),
+                         clock=FakeClock()) as d:
         with RawClient(blobs) as hog, RawClient(blobs) as other:
             hog.fill_cache(2)
             prefetch(hog, 0, [0, 1, 2, 3])
             prefetch(hog, 0, [4, 5, 6, 7])
-            filled = time.monotonic()
+            filled = d.clock()
             stats = quiet(hog)
             assert stats["prefetch_fills"] == 8 and stats["side_rows_used"] == 8
             # The hog keeps asking for the same two sets, past the hold of their fill.
             n = 0
-            while time.monotonic() < filled + 1.5 * hold:
+            while d.clock() < filled + 1.5 * hold:
                 prefetch(hog, 0, [0, 1, 2, 3] if n % 2 else [4, 5, 6, 7])
                 n += 1
+                d.clock.advance(hold / 8)  # the time between two of the hog's requests
             stats = prefetch(other, 1, [0, 1, 2, 3])
             assert stats["prefetch_dropped"] == 0, (n, stats)
             stats = quiet(other)
@@ -92,7 +97,7 @@ def test_a_flood_of_prefetches_keeps_leases_rows_and_demands_intact(models, isol
     keeps its size and the side rows never exceed theirs."""
     blobs = models.blobs()
     want = expected_bytes(blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "2"):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--workers", "2"):
         with RawClient(blobs) as flood, RawClient(blobs) as victim:
             m = flood.manifest
             held = victim.demand(1, [0, 1])  # half its cap: the fetches below need the rest
@@ -121,8 +126,8 @@ def test_a_killed_prefetcher_leaves_nothing(models, isolated_env):
     row at once: within the hold, here longer than any test, so only the client's death can
     free them."""
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "1",
-                        "--client-timeout", "0.2", "--heartbeat", "0.1", *LONG_HOLD) as d:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--workers", "1",
+                         "--client-timeout", "0.2", "--heartbeat", "0.1", *LONG_HOLD) as d:
         proc = spawn_client("burst", blobs, script=SCRIPT)
         try:
             assert read_json_line(proc, 30.0)["sent"] == 2
@@ -146,7 +151,7 @@ def test_pinning_an_expert_in_a_side_row_keeps_it(models, isolated_env):
     """An expert prefetched into a side row and then pinned joins the cache: no later
     prefetch overwrites it, and the cache keeps its size."""
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB):
         with RawClient(blobs) as c:
             prefetch(c, 0, [0, 1, 2, 3])
             quiet(c)
@@ -166,7 +171,7 @@ def test_demands_and_prefetches_of_the_same_experts_race(models, isolated_env):
     demanded row holds the right bytes and the daemon stays consistent."""
     blobs = models.blobs()
     want = expected_bytes(blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "1"):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--workers", "1"):
         with RawClient(blobs) as a, RawClient(blobs) as b:
             rng = np.random.default_rng(7)
             for i in range(300):
@@ -186,14 +191,14 @@ def test_shutdown_with_prefetch_fills_queued(models, isolated_env):
     """SHUTDOWN while prefetches keep coming and their fills wait behind one worker: the
     daemon stops at once and cleanly (the harness checks the arena is gone)."""
     blobs = models.blobs(layers=1, experts=32, top_k=8, hidden=512, moe_inter=512)
-    with running_daemon(blobs, isolated_env, "--cache-gb", "0.05", "--workers", "1") as d:
+    with InProcessDaemon(blobs, "--cache-gb", "0.05", "--workers", "1") as d:
         with RawClient(blobs) as c:
             c.conn.send(Op.PREFETCH, {"layer": 0, "experts": list(range(8))})
             c.conn.send(Op.PREFETCH, {"layer": 0, "experts": list(range(8, 16))})
             c.request(Op.SHUTDOWN)
             for _ in range(50):
                 c.conn.send(Op.PREFETCH, {"layer": 0, "experts": list(range(16, 24))})
-        assert d.proc.wait(10) == 0
+        assert d.wait(10) == 0
         assert "Traceback" not in d.log_text()
 
 
@@ -203,7 +208,7 @@ def test_an_absorbed_prefetch_demoted_unused_still_counts(models, isolated_env):
     still a saved miss, and its rewrite still a waste. Every expert prefetched is accounted
     for once: prefetch_fills == prefetch_hits + prefetch_wasted."""
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB):
         with RawClient(blobs) as c:
             assert c.hello["cache_rows"] == 10 and c.hello["side_rows"] == 4
             for gen in range(3):  # the third: 0..3 (no longer claimed) take empty cache rows
@@ -243,7 +248,7 @@ def test_another_clients_prefetch_does_not_expose_a_generation_to_demands(models
     test): taken into the cache unused, its rows would be the LFU's first victims (never
     counted as used) and B's demands would rewrite them before A read them."""
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, *LONG_HOLD):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, *LONG_HOLD):
         with RawClient(blobs) as a, RawClient(blobs) as b:
             for start in range(0, 6, 2):  # six of the ten cache rows, four left empty
                 b.fetch(1, [start, start + 1])
@@ -290,22 +295,13 @@ def failed_read_ahead_waited_on(d, c: RawClient) -> dict:
     return stats
 
 
-@pytest.fixture
-def own_blobs(models, tmp_path):
-    import shutil
-
-    copy = tmp_path / "blobs"
-    shutil.copytree(models.blobs(), copy)
-    return copy
-
-
-def test_a_failed_read_ahead_leaves_an_empty_row_the_next_prefetches_take(own_blobs,
+def test_a_failed_read_ahead_leaves_an_empty_row_the_next_prefetches_take(blob_dir,
                                                                           isolated_env):
     """After a read-ahead's read failed under a waiting demand (the row it was promoted to,
     a cache row, is empty again), prefetches take that row, and the arena stays consistent."""
-    with running_daemon(own_blobs, isolated_env, "--cache-gb", TINY_CACHE_GB,
+    with running_daemon(blob_dir, isolated_env, "--cache-gb", TINY_CACHE_GB,
                         "--workers", "1") as d:
-        with RawClient(own_blobs) as c:
+        with RawClient(blob_dir) as c:
             failed_read_ahead_waited_on(d, c)
             for gen in range(4):
                 prefetch(c, 0, range(4 * gen, 4 * gen + 4))
@@ -317,11 +313,11 @@ def test_a_failed_read_ahead_leaves_an_empty_row_the_next_prefetches_take(own_bl
             check_arena(c, stats)
 
 
-def test_a_failed_read_ahead_that_a_demand_waited_on_saved_nothing(own_blobs, isolated_env):
+def test_a_failed_read_ahead_that_a_demand_waited_on_saved_nothing(blob_dir, isolated_env):
     """No saved miss is counted for a read-ahead whose read brought nothing."""
-    with running_daemon(own_blobs, isolated_env, "--cache-gb", TINY_CACHE_GB,
+    with running_daemon(blob_dir, isolated_env, "--cache-gb", TINY_CACHE_GB,
                         "--workers", "1") as d:
-        with RawClient(own_blobs) as c:
+        with RawClient(blob_dir) as c:
             stats = failed_read_ahead_waited_on(d, c)
             assert stats["prefetch_hits"] <= stats["prefetch_fills"], stats
 
@@ -333,7 +329,7 @@ def test_prefetch_cores_of_every_shape(models, isolated_env):
     from expertd.errors import DaemonError
 
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", "4"):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--workers", "4"):
         with RawClient(blobs) as c:
             c.fill_cache(2)
             c.conn.send(Op.PREFETCH, {"layer": 0, "experts": [0, 1, 2, 3], "core": 0})
@@ -355,7 +351,7 @@ def test_no_side_rows(models, isolated_env):
     demands are served from the cache alone."""
     blobs = models.blobs()
     want = expected_bytes(blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--side-rows", "0"):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--side-rows", "0"):
         with RawClient(blobs) as c:
             assert c.hello["side_rows"] == 0
             for gen in range(3):
@@ -370,15 +366,6 @@ def test_no_side_rows(models, isolated_env):
 
 # ---- model-level clients with prefetch on -----------------------------------------------------
 
-@pytest.fixture
-def qwen(models):
-    import mlx_lm
-    from client_helpers import routed_model
-
-    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
-    return model_dir, blob_dir, mlx_lm.load(str(model_dir))[0]
-
-
 @pytest.mark.parametrize("how", ["kill", "restart"])
 def test_a_guessing_client_survives_its_daemon_restarting(qwen, isolated_env, tmp_path, how):
     """Prefetch on (guesses, the copier, PREFETCHes in flight): the daemon SIGKILLed, or
@@ -387,7 +374,7 @@ def test_a_guessing_client_survives_its_daemon_restarting(qwen, isolated_env, tm
     from client_helpers import ROWS_TINY, client_flags, greedy_tokens, prompt_ids, read_tokens
     from harness import Daemon, finish_client
 
-    model_dir, blob_dir, resident = qwen
+    model_dir, blob_dir, resident, _ = qwen
     expected = greedy_tokens(resident, prompt_ids(17, resident.args.vocab_size), 30)
     flags = client_flags(blob_dir, ROWS_TINY, tmp_path / "state.json")
     first = Daemon(blob_dir, isolated_env, *flags)
@@ -423,11 +410,10 @@ def test_interrupts_while_the_copier_runs_change_no_token(qwen, isolated_env, tm
     lease is left behind."""
     from client_helpers import ROWS_ALL, client_flags, greedy_tokens, prompt_ids
 
-    model_dir, blob_dir, resident = qwen
+    model_dir, blob_dir, resident, _ = qwen
     expected = greedy_tokens(resident, prompt_ids(9, resident.args.vocab_size), 40)
     out = tmp_path / "client.json"
-    with running_daemon(blob_dir, isolated_env,
-                        *client_flags(blob_dir, ROWS_ALL, tmp_path / "state.json")) as d:
+    with InProcessDaemon(blob_dir, *client_flags(blob_dir, ROWS_ALL, tmp_path / "state.json")) as d:
         proc = spawn_client("interrupted", blob_dir, out, json.dumps(expected), script=SCRIPT,
                             env=isolated_env)
         try:

@@ -1,27 +1,24 @@
 """Garbage on the wire never takes expertd down (design invariant 4).
 
-One real daemon serves the whole module; a raw peer sends it hand-written and
-hypothesis-generated malformed messages, and bytes that are not messages at all. After each
-message the peer sends a STATS request and reads every reply up to its answer, so the daemon
-has handled the message and every error reply it caused has arrived (one connection's messages
-are handled in order).
+One daemon serves the whole module (the real serving loop, in this process); a raw peer sends
+it hand-written and hypothesis-generated malformed messages, and bytes that are not messages at
+all. After each message the peer sends a STATS request and reads every reply up to its answer,
+so the daemon has handled the message and every error reply it caused has arrived (one
+connection's messages are handled in order).
 """
 
 import os
-import shutil
 import socket
-import tempfile
-from pathlib import Path
 
 import msgpack
 import pytest
 from harness import (
     SMALL_CACHE_GB,
+    InProcessDaemon,
     RawClient,
     expected_bytes,
     query_stats,
     read_replies,
-    running_daemon,
     wait_until,
 )
 from hypothesis import HealthCheck, given, settings
@@ -50,17 +47,10 @@ def _pack(obj) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def daemon(models, tmp_path_factory):
+def daemon(blobs, module_env):
     """One expertd for the module, in its own runtime and state directories."""
-    runtime = Path(tempfile.mkdtemp(prefix="xf", dir="/tmp"))
-    env = {"XDG_RUNTIME_DIR": str(runtime),
-           "XDG_STATE_HOME": str(tmp_path_factory.mktemp("fuzz-state"))}
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
-        with running_daemon(models.blobs(), env, "--cache-gb", SMALL_CACHE_GB) as d:
-            yield d
-    shutil.rmtree(runtime, ignore_errors=True)
+    with InProcessDaemon(blobs, "--cache-gb", SMALL_CACHE_GB) as d:
+        yield d
 
 
 class Peer:
@@ -189,7 +179,7 @@ def test_malformed_requests_get_error_replies(daemon, peer):
         _error(stranger.call(demand, {"layer": 0, "experts": [1]}), ErrorCode.NOT_HELLO)
     finally:
         stranger.close()
-    assert daemon.proc.poll() is None
+    assert daemon.poll() is None
 
 
 @pytest.mark.timeout(60)
@@ -212,7 +202,7 @@ def test_message_over_the_size_limit_drops_only_that_peer(daemon, peer):
     after = query_stats(daemon.blob_dir)
     assert after["bad_requests"] == before["bad_requests"]  # none of it was parsed
     assert after["peers_dropped"] == before["peers_dropped"] + 1
-    assert daemon.proc.poll() is None
+    assert daemon.poll() is None
 
 
 def _raw(blob_dir) -> socket.socket:
@@ -259,7 +249,7 @@ def test_bytes_that_are_not_the_wire_drop_only_that_peer(daemon, peer):
     with _raw(daemon.blob_dir) as silent:
         silent.sendall(MAGIC[:2])
         assert peer.call(Op.STATS, {})["ok"]
-    assert daemon.proc.poll() is None
+    assert daemon.poll() is None
 
 
 # ---- generated cases -------------------------------------------------------------------------
@@ -393,7 +383,7 @@ def test_fuzzed_messages_never_take_the_daemon_down(daemon, peer):
             answered.append(frames[1][0])
 
     send_one()
-    assert daemon.proc.poll() is None
+    assert daemon.poll() is None
     # Every error the model predicts was seen, many times: the test cannot pass vacuously.
     assert set(checked) == {ErrorCode.BAD_REQUEST, ErrorCode.UNKNOWN_OP,
                             ErrorCode.OUT_OF_RANGE, ErrorCode.VERSION}, set(checked)
@@ -409,4 +399,4 @@ def test_fuzzed_messages_never_take_the_daemon_down(daemon, peer):
         for layer in range(3):
             experts = [layer, 15 - layer, 7]
             assert c.fetch(layer, experts) == [want[(layer, e)] for e in experts]
-    assert daemon.proc.poll() is None
+    assert daemon.poll() is None

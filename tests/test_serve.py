@@ -8,7 +8,6 @@ the arena everything the first one had the daemon read.
 
 import json
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import mlx_lm
 import pytest
-from harness import SMALL_CACHE_GB, Daemon, expertd_cli, wait_until
+from harness import SMALL_CACHE_GB, Daemon, expertd_cli, stop_process, wait_until
 from openai import APIError, APIStatusError, NotFoundError, OpenAI
 
 pytestmark = pytest.mark.timeout(240)
@@ -69,15 +68,8 @@ class Server:
 
     def close(self) -> int:
         """SIGTERM, then SIGKILL past ``STOP_TIMEOUT``; the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_TIMEOUT)
-                raise AssertionError("expertd serve did not stop within "
-                                     f"{STOP_TIMEOUT:g} s of SIGTERM") from None
+        if stop_process(self.proc, STOP_TIMEOUT):
+            raise AssertionError(f"expertd serve did not stop within {STOP_TIMEOUT:g} s of SIGTERM")
         return self.proc.returncode
 
     def __enter__(self):

@@ -1,6 +1,9 @@
 """PREFETCH into the arena's side rows: never evicting the cache, two generations per client
 (invariant 3), promotion by a role swap when a demand or a client uses a row, demands ahead of
-prefetches in the pread pool, and three client processes racing it all under eviction."""
+prefetches in the pread pool, and three client processes racing it all under eviction.
+
+The daemon is the serving loop in this process, but where a test stops it with SIGSTOP so
+that requests wait together in its socket: there it is a process."""
 
 import os
 import signal
@@ -9,6 +12,7 @@ import numpy as np
 import pytest
 from harness import (
     TINY_CACHE_GB,
+    InProcessDaemon,
     RawClient,
     expected_bytes,
     finish_client,
@@ -70,7 +74,7 @@ def side_row_bytes(c: RawClient, layer: int, expert: int) -> bytes:
 def test_prefetch_fills_side_rows_and_evicts_nothing(models, isolated_env):
     blobs = models.blobs()
     want = expected_bytes(blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB):
         with RawClient(blobs) as c:
             cache_rows = c.hello["cache_rows"]
             resident = [(0, e) for e in range(8)] + [(1, 0), (1, 1)]
@@ -101,7 +105,7 @@ def test_claimed_experts_are_merged_and_never_read(models, isolated_env):
     resident are merged (their side rows claimed), and one gone since is not read, since the
     client's read-ahead budget did not pay for it."""
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB):
         with RawClient(blobs) as c:
             prefetch(c, 2, [0, 1])
             before = wait_fills(c, 2)
@@ -119,7 +123,7 @@ def test_a_prefetch_longer_than_the_side_rows_reads_its_first_experts(models, is
     """Clients list a guess best first: with fewer free side rows than absent experts, the
     daemon reads the head of the list and drops the tail (counted), whatever the expert ids."""
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB):
         with RawClient(blobs) as c:
             ranked = [13, 2, 9, 0, 15, 4, 7]
             prefetch(c, 1, ranked)
@@ -138,7 +142,7 @@ def test_a_cache_with_empty_rows_keeps_every_prefetched_expert(models, isolated_
     read twice, and using one later still counts as a saved miss."""
     blobs = models.blobs()
     want = expected_bytes(blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", "200%"):
+    with InProcessDaemon(blobs, "--cache-gb", "200%"):
         with RawClient(blobs) as c:
             gens = [(0, [0, 1, 2, 3]), (0, [4, 5, 6, 7]), (0, [8, 9, 10, 11]), (1, [0, 1, 2, 3])]
             for n, (layer, experts) in enumerate(gens, 1):
@@ -186,7 +190,7 @@ def test_a_generation_is_kept_while_the_next_fills(models, isolated_env):
     rows; another client cannot take A's two latest generations within the hold (how a claim
     lapses past it: test_a_client_that_never_reads_cannot_keep_the_side_rows)."""
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, *LONG_HOLD):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, *LONG_HOLD):
         with RawClient(blobs) as a, RawClient(blobs) as b:
             a.fill_cache(2)
             s1, s2, s3 = [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]
@@ -214,7 +218,7 @@ def test_a_generation_is_kept_while_the_next_fills(models, isolated_env):
 def test_a_demand_is_answered_from_the_side_row_and_promotes_it(models, isolated_env, workers):
     blobs = models.blobs()
     want = expected_bytes(blobs)
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--workers", workers):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--workers", workers):
         with RawClient(blobs) as c:
             stride = c.hello["stride"]
             if workers == "8":
@@ -243,7 +247,7 @@ def test_a_demand_is_answered_from_the_side_row_and_promotes_it(models, isolated
 
 def test_a_row_used_lock_free_is_promoted_before_the_next_prefetch(models, isolated_env):
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB):
         with RawClient(blobs) as c:
             c.fill_cache(1)
             prefetch(c, 2, [0, 1, 2, 3])
@@ -262,7 +266,7 @@ def test_a_row_used_lock_free_is_promoted_before_the_next_prefetch(models, isola
 
 def test_off_ignores_prefetches(models, isolated_env):
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--prefetch", "off"):
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, "--prefetch", "off"):
         with RawClient(blobs) as c:
             assert c.hello["prefetch"] == "off"
             stats = prefetch(c, 0, [0, 1, 2, 3])
@@ -308,7 +312,7 @@ def test_three_clients_race_prefetches_reads_and_demands(models, isolated_env, t
     """Prefetches, lock-free reads and demands of three processes under eviction on a tiny
     cache: every consumed row is verified (seqlock and checksum)."""
     blobs = models.blobs()
-    with running_daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB) as d:
         outs = [tmp_path / f"client{i}.json" for i in range(3)]
         procs = [spawn_client("prefetch", blobs, 3.0, seed, "--out", out)
                  for seed, out in enumerate(outs)]

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 from conftest import PYTHON, TINY, flip_byte, lm_head_offset
-from harness import SMALL_CACHE_GB, running_daemon
+from harness import SMALL_CACHE_GB, InProcessDaemon
 
 from expertd.client import load
 from expertd.errors import BlobStoreError
@@ -109,7 +109,7 @@ def test_bad_manifest_is_one_line_from_verify_and_start(blob_dir, isolated_env, 
 def test_load_refuses_a_corrupt_trunk(blob_dir, isolated_env):
     trunk_file = blob_dir / "trunk" / "model.safetensors"
     offset = lm_head_offset(blob_dir)
-    with running_daemon(blob_dir, isolated_env, "--cache-gb", SMALL_CACHE_GB):
+    with InProcessDaemon(blob_dir, "--cache-gb", SMALL_CACHE_GB):
         flip_byte(trunk_file, offset)  # lm_head.weight: wrong logits if it were loaded
         with pytest.raises(BlobStoreError) as info:
             load(blob_dir)

@@ -1,0 +1,51 @@
+"""The one test harness, by job (everything is importable from ``harness`` itself):
+
+- ``core``: limits, ``wait_until`` (the one poll-until helper), shared-memory probes, STATS, the
+  exact bytes of a blob directory, ``SEEN_ARENAS`` (checked by conftest at the session's end);
+- ``raw``: ``RawClient``, a protocol-level client with the arena mapped, and a raw reply reader;
+- ``inprocess``: ``InProcessDaemon``, the real serving loop on a thread of the test process, and
+  ``FakeClock``, a clock the test moves by hand: for protocol tests that need no process;
+- ``daemon``: ``Daemon``, a real ``expertd start --foreground`` process, for what needs one
+  (kills, SIGSTOP, permissions, restarts, the command line, the daemon's memory);
+- ``processes``: the command line, client processes (``daemon_helpers.py``), ``stop_process``
+  (the one SIGTERM-then-SIGKILL stopper) and a pseudo-terminal.
+"""
+
+from .core import (
+    SEEN_ARENAS,
+    SMALL_CACHE_GB,
+    START_TIMEOUT,
+    STOP_TIMEOUT,
+    TINY_CACHE_GB,
+    arena_owner,
+    expected_bytes,
+    query_stats,
+    shm_exists,
+    shm_mode,
+    try_stats,
+    validate,
+    wait_until,
+)
+from .daemon import Daemon, kill_serving_daemon, running_daemon
+from .inprocess import FakeClock, InProcessDaemon, server_config
+from .processes import (
+    CLIENT_SCRIPT,
+    drawn,
+    expertd_cli,
+    finish_client,
+    read_json_line,
+    sigint_as_usual,
+    spawn_client,
+    stop_process,
+    terminal,
+)
+from .raw import RawClient, read_replies
+
+__all__ = [
+    "CLIENT_SCRIPT", "SEEN_ARENAS", "SMALL_CACHE_GB", "START_TIMEOUT", "STOP_TIMEOUT",
+    "TINY_CACHE_GB", "Daemon", "FakeClock", "InProcessDaemon", "RawClient", "arena_owner",
+    "drawn", "expected_bytes", "expertd_cli", "finish_client", "kill_serving_daemon",
+    "query_stats", "read_json_line", "read_replies", "running_daemon", "server_config",
+    "shm_exists", "shm_mode", "sigint_as_usual", "spawn_client", "stop_process", "terminal",
+    "try_stats", "validate", "wait_until",
+]
