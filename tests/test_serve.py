@@ -8,6 +8,7 @@ the arena everything the first one had the daemon read.
 
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -351,6 +352,47 @@ def test_serve_without_its_daemon(models, isolated_env, tmp_path):
     assert values["expertd_server_generated_tokens_total"] >= 2 * MAX_TOKENS + 2
     assert values["expertd_client_reconnects_total"] == 1
     assert values["expertd_daemon_up"] == 0  # scraped with the daemon stopped
+
+
+def test_a_request_refused_while_it_waited_is_not_generated_later(models, isolated_env, tmp_path):
+    """A request queued behind a model that waits for a stopped daemon is answered 503 once the
+    daemon is killed. Its generation is stopped when the restarted daemon lets the model take
+    it, not run for nobody: it is counted as abandoned before a later request is answered."""
+    blobs = models.blobs()
+    daemon = Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB)
+    try:
+        with Server(blobs, tmp_path) as server, ThreadPoolExecutor(2) as pool:
+            assert daemon.stats()["bytes_read"] == 0  # the first prompt's experts need the daemon
+            client = server.client.with_options(timeout=120)
+
+            def complete(prompt):
+                return client.completions.create(model=blobs.name, prompt=prompt,
+                                                 max_tokens=MAX_TOKENS, temperature=0)
+
+            def gauges():
+                values = parse_metrics(server.get("/metrics")[2])[0]
+                return (values["expertd_server_requests_running"],
+                        values["expertd_server_requests_queued"])
+
+            os.kill(daemon.proc.pid, signal.SIGSTOP)
+            first = pool.submit(complete, PROMPT)  # taken, then waits inside the model
+            wait_until(lambda: gauges() == (1, 0), 60.0, "the first request taken")
+            second = pool.submit(complete, "class Point:")  # waits for the generation thread
+            wait_until(lambda: gauges() == (1, 1), 60.0, "the second request queued")
+            daemon.kill()
+            for refused in (first, second):
+                with pytest.raises(APIStatusError) as err:
+                    refused.result()
+                assert err.value.status_code == 503
+            daemon.close()
+            daemon = Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB)
+            assert complete(PROMPT).choices[0].text  # taken after the second one, FIFO
+            values = parse_metrics(server.get("/metrics")[2])[0]
+            assert values["expertd_server_requests_abandoned_total"] == 1
+            assert gauges() == (0, 0)
+            assert values["expertd_server_daemon_refusals_total"] == 2
+    finally:
+        daemon.close()
 
 
 @pytest.mark.parametrize("port", ["99999", "65536", "-1", "http"])
