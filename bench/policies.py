@@ -1,26 +1,27 @@
 """Which cache replacement policy comes closest to Belady on learned routing (offline study).
 
 Run: ``nice python bench/policies.py [--trace NPZ] [--no-write]`` (about a minute, pure simulation:
-no daemon, no MLX). Every policy sees the same stream as the daemon: one demand at a time (one
-token's top_k experts of one layer), misses filled on demand, the demand's own resident keys never
-evicted by its misses, one touch per routed expert. Hit rates are divided by Belady's (optimal,
-offline, per request) on the same stream, at 10/25/50/75% of the keys, cold (empty cache, whole
-stream counted) and warm (the first sequence fills the cache and is not counted). Writes the
-section "## Replacement policies on the learned trace (offline)" of bench/RESULTS.md.
+no daemon, no MLX), or ``--quick`` for a few seconds on a small synthetic trace (nothing written).
+Every policy is a real ``expertd.serving.policy.CachePolicy`` (the daemon's LFU and LRU, and ARC
+and a next-use guess in alternatives.py, against the same interface), driven as the daemon's cache
+drives one: one demand at a time (one token's top_k experts of one layer) through a slot table,
+misses filled on demand, the demand's own resident rows never evicted by its misses, one touch per
+routed expert. Hit rates are divided by Belady's (optimal, offline, per request) on the same
+stream, at 10/25/50/75% of the keys, cold (empty cache, whole stream counted) and warm (the first
+sequence fills the cache and is not counted). Writes the section "## Replacement policies on the
+learned trace (offline)" of bench/RESULTS.md.
 """
 
 import argparse
-import heapq
-import math
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
+from alternatives import ArcPolicy, NextUsePolicy, token_decay
 from belady import belady_hits, npz_trace, policy_hits, routing_trace
 from common import write_section
 
-from expertd.serving.policy import LfuPolicy
+from expertd.serving.policy import CachePolicy, LfuPolicy, LruPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "RESULTS.md"
@@ -33,397 +34,100 @@ SHIPPED = "expertd's LfuPolicy as shipped (layer given: adaptive quotas)"
 class Stream:
     """A routing trace as flat keys (layer * n_experts + expert), with its shape."""
 
-    def __init__(self, path):
-        trace, self.n_keys, self.top_k = npz_trace(path)
-        self.trace = trace
+    def __init__(self, trace: np.ndarray, n_keys: int, top_k: int, sequence_requests: int,
+                 name: str):
+        self.trace, self.n_keys, self.top_k, self.name = trace, n_keys, top_k, name
         self.n_layers = int(trace[:, 0].max()) + 1
         self.n_experts = self.n_keys // self.n_layers
         self.keys = (trace[:, 0] * self.n_experts + trace[:, 1]).tolist()
+        self.sequence_requests = sequence_requests  # what the warm runs leave uncounted
+
+    @classmethod
+    def load(cls, path) -> "Stream":
+        trace, n_keys, top_k = npz_trace(path)
         experts = np.load(path)["experts"]
-        self.sequence_requests = int(np.prod(experts.shape[1:]))
-        self.name = Path(path).stem.removeprefix("trace-")
-
-
-# --- policies: each keeps its resident set and picks victims among unprotected residents ---
-
-
-class Policy:
-    """Base: ``resident`` is the set of cached keys; subclasses rank victims.
-
-    The simulator calls :meth:`fill` with a demand's misses (after counting hits), then
-    :meth:`touch` once per routed expert of the demand. ``step`` counts demands; one token is
-    ``n_layers`` steps, so ``step / n_layers`` is time in tokens.
-    """
-
-    def __init__(self, capacity: int, stream: Stream):
-        self.capacity = capacity
-        self.n_layers = stream.n_layers
-        self.n_experts = stream.n_experts
-        self.resident = set()
-
-    def fill(self, missing: list, demand: list, step: int) -> None:
-        need = len(self.resident) + len(missing) - self.capacity
-        if need > 0:
-            protected = self.resident.intersection(demand)
-            for key in self.victims(need, protected, step):
-                self.resident.discard(key)
-                self.evicted(key)
-        self.resident.update(missing)
-        for key in missing:
-            self.inserted(key, step)
-
-    def victims(self, n: int, protected: set, step: int) -> list:
-        raise NotImplementedError
-
-    def evicted(self, key: int) -> None:
-        pass
-
-    def inserted(self, key: int, step: int) -> None:
-        pass
-
-    def touch(self, key: int, step: int) -> None:
-        pass
-
-
-class DaemonLfu(Policy):
-    """``expertd.serving.policy.LfuPolicy`` itself, driven through a slot table as the daemon does."""
-
-    def __init__(self, capacity, stream, **options):
-        super().__init__(capacity, stream)
-        self.policy = LfuPolicy(capacity, stream.n_layers, stream.n_experts, **options)
-        self.row_keys = np.full(capacity, -1, dtype=np.int64)
-        self.key_row = {}
-
-    def choose(self, missing, demand, eligible) -> list:
-        return self.policy.victims(len(missing), eligible, self.row_keys)
-
-    def fill(self, missing, demand, step):
-        eligible = np.ones(self.capacity, dtype=bool)
-        eligible[[self.key_row[key] for key in demand if key in self.key_row]] = False
-        for key, row in zip(missing, self.choose(missing, demand, eligible)):
-            old = int(self.row_keys[row])
-            if old >= 0:
-                del self.key_row[old]
-                self.resident.discard(old)
-            self.row_keys[row] = key
-            self.key_row[key] = row
-            self.resident.add(key)
-
-    def touch(self, key, step):
-        self.policy.on_touched(divmod(key, self.n_experts))
-
-
-class DaemonQuotaLfu(DaemonLfu):
-    """The daemon's policy as shipped: ``LfuPolicy`` told each demand's layer and missing
-    experts, as ``expertd/cache.py`` tells it (per-layer quotas moved by ghosts, min_quota
-    top_k)."""
-
-    def __init__(self, capacity, stream, **options):
-        super().__init__(capacity, stream, layer_quotas=True, min_quota=stream.top_k, **options)
-
-    def choose(self, missing, demand, eligible) -> list:
-        return self.policy.victims(len(missing), eligible, self.row_keys,
-                                   demand[0] // self.n_experts,
-                                   [key % self.n_experts for key in missing])
-
-
-class Lru(Policy):
-    def __init__(self, capacity, stream):
-        super().__init__(capacity, stream)
-        self.order = OrderedDict()
-
-    def victims(self, n, protected, step):
-        return [key for key in self.order if key not in protected][:n]
-
-    def evicted(self, key):
-        del self.order[key]
-
-    def touch(self, key, step):
-        self.order[key] = None
-        self.order.move_to_end(key)
-
-
-class Arc(Policy):
-    """Adaptive Replacement Cache (Megiddo & Modha): recency list T1, frequency list T2, and
-    ghost lists B1/B2 of evicted keys that steer the target size ``p`` of T1."""
-
-    def __init__(self, capacity, stream):
-        super().__init__(capacity, stream)
-        self.t1, self.t2, self.b1, self.b2 = (OrderedDict() for _ in range(4))
-        self.p = 0.0
-        self.filled_at = {}
-
-    def fill(self, missing, demand, step):
-        c = self.capacity
-        for key in missing:  # adapt p on ghost hits before choosing victims
-            if key in self.b1:
-                self.p = min(c, self.p + max(len(self.b2) / len(self.b1), 1))
-            elif key in self.b2:
-                self.p = max(0.0, self.p - max(len(self.b1) / len(self.b2), 1))
-        super().fill(missing, demand, step)
-
-    def victims(self, n, protected, step):
-        chosen = []
-        t1 = [k for k in self.t1 if k not in protected]
-        t2 = [k for k in self.t2 if k not in protected]
-        for _ in range(n):
-            # Evict from T1 while it is over its target, else from T2 (either if the other is empty).
-            from_t1 = t1 and (len(self.t1) - sum(1 for k in chosen if k in self.t1) > self.p
-                              or not t2)
-            chosen.append(t1.pop(0) if from_t1 else t2.pop(0))
-        return chosen
-
-    def evicted(self, key):
-        if key in self.t1:
-            del self.t1[key]
-            self.b1[key] = None
-        else:
-            del self.t2[key]
-            self.b2[key] = None
-        for ghosts in (self.b1, self.b2):
-            while len(ghosts) > self.capacity:
-                ghosts.popitem(last=False)
-
-    def inserted(self, key, step):
-        self.filled_at[key] = step
-        if key in self.b1 or key in self.b2:
-            self.b1.pop(key, None)
-            self.b2.pop(key, None)
-            self.t2[key] = None  # seen recently enough to be remembered: frequency list
-        else:
-            self.t1[key] = None
-
-    def touch(self, key, step):
-        if self.filled_at.get(key) == step:
-            return  # the touch that goes with a key's own fill is the same use, not a second one
-        if key in self.t1:
-            del self.t1[key]
-            self.t2[key] = None
-        elif key in self.t2:
-            self.t2.move_to_end(key)
-
-
-class Lrfu(Policy):
-    """Recency-weighted frequency (LRFU, Lee et al.): each use adds 1 to a score that halves
-    every ``half_life`` tokens, kept for evicted keys too; evict the lowest score.
-
-    Scores are stored as log2(score) + t / half_life so that they never need rescaling: ranking by
-    the stored value at a common ``now`` is ranking by the decayed score.
-    """
-
-    def __init__(self, capacity, stream, half_life: float):
-        super().__init__(capacity, stream)
-        self.rate = 1.0 / half_life  # per token
-        self.anchor = [-math.inf] * (stream.n_layers * stream.n_experts)
-
-    def _now(self, step):
-        return step / self.n_layers * self.rate
-
-    def score_now(self, key, step):
-        """log2 of the decayed score at ``step``."""
-        return self.anchor[key] - self._now(step)
-
-    def victims(self, n, protected, step):
-        anchor = self.anchor
-        return heapq.nsmallest(n, (k for k in self.resident if k not in protected),
-                               key=anchor.__getitem__)
-
-    def touch(self, key, step):
-        now = self._now(step)
-        old = self.anchor[key] - now
-        self.anchor[key] = now + (math.log2(1.0 + 2.0 ** old) if old > -60 else 0.0)
-
-
-class NextUse(Lrfu):
-    """LRFU's score read as a rate, plus the known layer order: an online guess of Belady.
-
-    A key used with probability p per token has a steady LRFU score of p / (1 - 2^(-1/h)), so
-    p ≈ score * (1 - 2^(-1/h)). Its next use is expected (1 - p) / p tokens after its layer's next
-    visit, and the layers are visited in order: at layer L, layer L+1 comes next and L itself
-    (its experts not in this demand) comes last. Evict the key whose expected next use is furthest.
-    """
-
-    def __init__(self, capacity, stream, half_life: float):
-        super().__init__(capacity, stream, half_life)
-        self.scale = 1.0 - 2.0 ** -self.rate
-
-    def victims(self, n, protected, step):
-        layer_now = step % self.n_layers
-        n_layers, n_experts, now, scale = self.n_layers, self.n_experts, self._now(step), self.scale
-        anchor = self.anchor
-
-        def expected_next_use(key):
-            p = min(1.0, scale * 2.0 ** (anchor[key] - now))
-            offset = ((key // n_experts - layer_now - 1) % n_layers + 1) / n_layers
-            return offset + (1.0 - p) / max(p, 1e-12)
-
-        return heapq.nlargest(n, (k for k in self.resident if k not in protected),
-                              key=expected_next_use)
-
-
-class LayerQuota(Lrfu):
-    """Each layer owns capacity / n_layers rows (the remainder spread over the first layers); a
-    miss evicts the lowest-LRFU key of its own layer, which is also the layer visited furthest
-    from now (its other experts wait a whole token)."""
-
-    def __init__(self, capacity, stream, half_life: float):
-        super().__init__(capacity, stream, half_life)
-        base, extra = divmod(capacity, self.n_layers)
-        self.quota = [base + (layer < extra) for layer in range(self.n_layers)]
-        self.per_layer = [set() for _ in range(self.n_layers)]
-
-    def fill(self, missing, demand, step):
-        layer = demand[0] // self.n_experts
-        own = self.per_layer[layer]
-        need = len(own) + len(missing) - self.quota[layer]
-        if need > 0:
-            candidates = [k for k in own if k not in demand]
-            for key in heapq.nsmallest(need, candidates, key=self.anchor.__getitem__):
-                own.discard(key)
-                self.resident.discard(key)
-        own.update(missing)
-        self.resident.update(missing)
-
-
-class AdaptiveQuota(LayerQuota):
-    """:class:`LayerQuota` whose quotas move: a miss on one of its layer's last ``ghosts``
-    evicted keys shows that layer is short of rows, so it takes one from the layer whose weakest
-    resident key is weakest (every layer keeps at least top_k rows)."""
-
-    def __init__(self, capacity, stream, half_life: float, ghosts: int):
-        super().__init__(capacity, stream, half_life)
-        self.ghosts = [OrderedDict() for _ in range(self.n_layers)]
-        self.n_ghosts, self.floor = ghosts, stream.top_k
-
-    def fill(self, missing, demand, step):
-        layer = demand[0] // self.n_experts
-        weakest = self.anchor.__getitem__
-        for key in missing:
-            if self.ghosts[layer].pop(key, 0) is None:
-                donors = [min(keys, key=weakest) for other, keys in enumerate(self.per_layer)
-                          if other != layer and keys and self.quota[other] > self.floor]
-                if donors:
-                    victim = min(donors, key=weakest)
-                    donor = victim // self.n_experts
-                    if len(self.per_layer[donor]) >= self.quota[donor]:
-                        self.per_layer[donor].discard(victim)
-                        self.resident.discard(victim)
-                    self.quota[donor] -= 1
-                    self.quota[layer] += 1
-        before = set(self.per_layer[layer])
-        super().fill(missing, demand, step)
-        ghosts = self.ghosts[layer]
-        for key in before - self.per_layer[layer]:
-            ghosts[key] = None
-        while len(ghosts) > self.n_ghosts:
-            ghosts.popitem(last=False)
-
-
-class QuotaLfu(DaemonLfu):
-    """The daemon's ``LfuPolicy`` with per-layer quotas imposed through ``eligible`` only (the
-    smallest change to expertd): a demand of layer L whose layer holds its quota of rows may evict
-    only layer L's rows; a layer under quota takes rows from layers over theirs. Empty rows first.
-
-    ``ghosts`` > 0 moves the quotas as :class:`AdaptiveQuota` does, the weakest key being the one
-    of lowest decayed frequency.
-    """
-
-    def __init__(self, capacity, stream, ghosts: int = 0, **options):
-        super().__init__(capacity, stream, **options)
-        base, extra = divmod(capacity, self.n_layers)
-        self.quota = np.array([base + (layer < extra) for layer in range(self.n_layers)])
-        self.ghosts = [OrderedDict() for _ in range(self.n_layers)]
-        self.n_ghosts, self.floor = ghosts, stream.top_k
-
-    def _adapt(self, layer: int, missing: list) -> None:
-        """A miss on a key its layer evicted lately moves one row of quota to that layer."""
-        freq = self.policy._freq
-        for key in missing:
-            if self.ghosts[layer].pop(key, 0) is not None:
-                continue
-            donors = [(freq[key_].min(), other) for other in range(self.n_layers)
-                      if other != layer and self.quota[other] > self.floor
-                      and (key_ := self.row_keys[self.row_keys // self.n_experts == other]).size]
-            if donors:
-                self.quota[min(donors)[1]] -= 1
-                self.quota[layer] += 1
-
-    def fill(self, missing, demand, step):
-        layer = demand[0] // self.n_experts
-        if self.n_ghosts:
-            self._adapt(layer, missing)
-        row_layer = np.where(self.row_keys >= 0, self.row_keys // self.n_experts, -1)
-        held = np.bincount(row_layer[row_layer >= 0], minlength=self.n_layers)
-        if held[layer] + len(missing) > self.quota[layer]:
-            allowed = row_layer == layer
-        else:
-            allowed = (row_layer >= 0) & (held > self.quota)[row_layer]
-        eligible = (self.row_keys < 0) | allowed
-        eligible[[self.key_row[key] for key in demand if key in self.key_row]] = False
-        for key, row in zip(missing, self.policy.victims(len(missing), eligible, self.row_keys)):
-            old = int(self.row_keys[row])
-            if old >= 0:
-                del self.key_row[old]
-                self.resident.discard(old)
-                ghosts = self.ghosts[old // self.n_experts]
-                ghosts[old] = None
-                if len(ghosts) > self.n_ghosts:
-                    ghosts.popitem(last=False)
-            self.row_keys[row] = key
-            self.key_row[key] = row
-            self.resident.add(key)
-
-
-def simulate(policy: Policy, stream: Stream, count_from: int = 0) -> int:
-    """Hits of ``policy`` on ``stream``, demand by demand; requests before ``count_from`` warm
-    the cache and are not counted."""
-    keys, top_k, resident = stream.keys, stream.top_k, policy.resident
+        return cls(trace, n_keys, top_k, int(np.prod(experts.shape[1:])),
+                   Path(path).stem.removeprefix("trace-"))
+
+    @classmethod
+    def synthetic(cls, tokens: int = 200, layers: int = 8, experts: int = 32,
+                  top_k: int = 4) -> "Stream":
+        """``belady.py``'s Zipf trace with topic shifts; its first quarter warms the cache."""
+        trace = routing_trace(tokens, layers, experts, top_k, skew=1.0, seed=0,
+                              phase_tokens=tokens // 4)
+        return cls(trace, layers * experts, top_k, len(trace) // 4, "zipf-quick")
+
+
+def simulate(policy: CachePolicy, stream: Stream, count_from: int = 0,
+             layered: bool = False) -> int:
+    """Hits of ``policy`` on ``stream``, driven as ``expertd/serving/cache.py`` drives it;
+    ``layered`` passes each demand's layer and missing experts (quotas, ARC, next-use).
+    Requests before ``count_from`` warm the cache and are not counted."""
+    keys, top_k, n_experts = stream.keys, stream.top_k, stream.n_experts
+    row_keys = np.full(policy.n_rows, -1, dtype=np.int64)  # the slot table, and its inverse
+    key_row = {}
     hits = 0
-    for step, start in enumerate(range(0, len(keys), top_k)):
+    for start in range(0, len(keys), top_k):
         demand = keys[start:start + top_k]
-        missing = [key for key in demand if key not in resident]
+        missing = [key for key in demand if key not in key_row]
         if start >= count_from:
             hits += top_k - len(missing)
         if missing:
-            policy.fill(missing, demand, step)
+            eligible = np.ones(policy.n_rows, dtype=bool)
+            eligible[[key_row[key] for key in demand if key in key_row]] = False
+            where = (missing[0] // n_experts, [key % n_experts for key in missing]) if layered else ()
+            for key, row in zip(missing, policy.victims(len(missing), eligible, row_keys, *where)):
+                old = int(row_keys[row])
+                if old >= 0:
+                    del key_row[old]
+                    policy.on_evicted(divmod(old, n_experts), 0)
+                row_keys[row], key_row[key] = key, row
+                policy.on_filled(divmod(key, n_experts), used=False)  # its use is the touch below
         for key in demand:
-            policy.touch(key, step)
+            policy.on_touched(divmod(key, n_experts))
     return hits
 
 
-def candidates(full: bool) -> list:
-    """(policy, params, factory(capacity, stream)) to compare; the daemon's default LFU first."""
-    lfu = [("LFU (daemon)", "default: ×0.5 every 8×rows", lambda c, s: DaemonLfu(c, s))]
-    shipped = [(SHIPPED, "default decay, 8 ghosts per layer, min quota top_k",
-                lambda c, s: DaemonQuotaLfu(c, s))]
+def candidates(stream: Stream, full: bool) -> list:
+    """(policy, params, layered, factory(capacity)) to compare; the daemon's default LFU first."""
+    n_layers, n_experts, top_k = stream.n_layers, stream.n_experts, stream.top_k
+
+    def lfu(**options):
+        return lambda c: LfuPolicy(c, n_layers, n_experts, **options)
+
+    def quotas(ghosts: int, **options):
+        return lfu(layer_quotas=True, min_quota=top_k, ghosts=ghosts, **options)
+
+    rows = [("LFU (daemon)", "default: ×0.5 every 8×rows", False, lfu())]
+    shipped = [(SHIPPED, "default decay, 8 ghosts per layer, min quota top_k", True,
+                lfu(min_quota=top_k))]
     if full:
-        lfu += [("LFU (daemon)", f"×{factor} every {times}×rows",
-                 lambda c, s, t=times, f=factor: DaemonLfu(c, s, decay_interval=t * c,
-                                                           decay_factor=f))
-                for times in (1, 2, 4, 8, 32) for factor in (0.5, 0.8, 0.9)
-                if (times, factor) != (8, 0.5)]
-        lfu.append(("LFU (daemon)", "no decay (×1.0)",
-                    lambda c, s: DaemonLfu(c, s, decay_factor=1.0)))
+        rows += [("LFU (daemon)", f"×{factor} every {times}×rows", False,
+                  lambda c, t=times, f=factor: LfuPolicy(c, n_layers, n_experts,
+                                                         decay_interval=t * c, decay_factor=f))
+                 for times in (1, 2, 4, 8, 32) for factor in (0.5, 0.8, 0.9)
+                 if (times, factor) != (8, 0.5)]
+        rows.append(("LFU (daemon)", "no decay (×1.0)", False, lfu(decay_factor=1.0)))
     rest = [
-        ("LRU", "–", Lru),
-        ("ARC", "–", Arc),
-        *[("LRFU", f"half-life {h} tokens", lambda c, s, h=h: Lrfu(c, s, h)) for h in (4, 16, 64)],
-        *[("next-use guess (LRFU rate + layer order)", f"half-life {h} tokens",
-           lambda c, s, h=h: NextUse(c, s, h)) for h in (8, 16)],
-        *[("per-layer quota, LRFU inside", f"half-life {h} tokens",
-           lambda c, s, h=h: LayerQuota(c, s, h)) for h in (16, 32)],
-        ("adaptive per-layer quota, LRFU inside", "half-life 32 tokens, 8 ghosts per layer",
-         lambda c, s: AdaptiveQuota(c, s, 32, 8)),
-        ("per-layer quota + daemon LFU", "default decay",
-         lambda c, s: QuotaLfu(c, s)),
-        ("per-layer quota + daemon LFU", "×0.8 every 1×rows",
-         lambda c, s: QuotaLfu(c, s, decay_interval=c, decay_factor=0.8)),
-        ("adaptive per-layer quota + daemon LFU", "default decay, 8 ghosts per layer",
-         lambda c, s: QuotaLfu(c, s, ghosts=8)),
+        ("LRU", "–", False, lambda c: LruPolicy(c, n_layers, n_experts, layer_quotas=False)),
+        ("ARC", "–", True, lambda c: ArcPolicy(c, n_layers, n_experts)),
+        *[("LRFU (LFU, decay per token)", f"half-life {h} tokens", False,
+           lfu(layer_quotas=False, **token_decay(n_layers, top_k, h))) for h in (4, 16, 64)],
+        *[("next-use guess (LRFU rate + layer order)", f"half-life {h} tokens", True,
+           lambda c, h=h: NextUsePolicy(c, n_layers, n_experts, top_k=top_k, half_life=h))
+          for h in (8, 16)],
+        *[("per-layer quota, LRFU inside", f"half-life {h} tokens", True,
+           quotas(0, **token_decay(n_layers, top_k, h))) for h in (16, 32)],
+        ("adaptive per-layer quota, LRFU inside", "half-life 32 tokens, 8 ghosts per layer", True,
+         quotas(8, **token_decay(n_layers, top_k, 32))),
+        ("per-layer quota + daemon LFU", "default decay", True, quotas(0)),
+        ("per-layer quota + daemon LFU", "×0.8 every 1×rows", True,
+         lambda c: LfuPolicy(c, n_layers, n_experts, min_quota=top_k, ghosts=0,
+                             decay_interval=c, decay_factor=0.8)),
     ]
     if not full:
         rest = [row for row in rest if "per-layer quota" in row[0]]
-    return lfu + shipped + rest
+    return rows + shipped + rest
 
 
 def measure(stream: Stream, full: bool) -> dict:
@@ -434,13 +138,13 @@ def measure(stream: Stream, full: bool) -> dict:
     belady = {mode: [belady_hits(stream.trace, c, start) / counted[mode] for c in capacities]
               for mode, start in (("cold", 0), ("warm", warm))}
     # The demand-by-demand simulation of the daemon's LFU must match belady.py's own.
-    check = DaemonLfu(capacities[0], stream)
+    check = LfuPolicy(capacities[0], stream.n_layers, stream.n_experts)
     assert simulate(check, stream) == policy_hits(stream.trace, capacities[0], group=stream.top_k)
     rows = []
-    for name, params, make in candidates(full):
+    for name, params, layered, make in candidates(stream, full):
         ratios = {}
         for mode, start in (("cold", 0), ("warm", warm)):
-            ratios[mode] = [simulate(make(c, stream), stream, start) / counted[mode] / b
+            ratios[mode] = [simulate(make(c), stream, start, layered) / counted[mode] / b
                             for c, b in zip(capacities, belady[mode])]
         rows.append({"policy": name, "params": params, **ratios})
         print(_line(rows[-1]), flush=True)
@@ -531,9 +235,8 @@ def section(results: list, seconds: float, zipf: dict) -> str:
         "(`expertd/cache.py`), min quota = the model's top_k. Against plain LFU, cold / warm at "
         f"10/25/50/75%: {shipped_gain(learned)} on `trace-{learned['trace']}.npz`"
         + "".join(f", {shipped_gain(o)} on `trace-{o['trace']}.npz`" for o in results[1:])
-        + ". It keeps the step decay: the continuous half-life decay of the LRFU-inside "
-        f"adaptive quota would add {decay_gain} (cold, 10/25/50/75%), for a second frequency "
-        "model in the daemon.",
+        + ". It keeps its decay (×0.5 every 8×rows): the per-token half-life decay of the "
+        f"LRFU-inside adaptive quota would add {decay_gain} (cold, 10/25/50/75%).",
         f"- Best decay of the daemon's LFU: {best_grid['params']}, "
         + ", ".join(f"{b - d:+.3f}" for b, d in zip(best_grid["cold"], default["cold"]))
         + " against the default (cold): the decay is tuned already.",
@@ -568,13 +271,21 @@ def main() -> None:
                                                        str(out / "trace-synth.npz")],
                         help="routing files; the first gets every policy, the rest a short list")
     parser.add_argument("--no-write", action="store_true", help="print only, leave RESULTS.md")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small synthetic trace instead, every policy, in seconds; "
+                             "prints only")
     args = parser.parse_args()
+    if args.quick:
+        stream = Stream.synthetic()
+        print(f"# {stream.name}: {len(stream.keys)} requests, {stream.n_keys} keys")
+        measure(stream, full=True)
+        return
     started = time.monotonic()
     results = []
     for index, path in enumerate(args.trace):
         if not Path(path).exists():
             raise SystemExit(f"{path} is missing: run `python bench/learned.py` to record it")
-        stream = Stream(path)
+        stream = Stream.load(path)
         print(f"# {path}: {len(stream.keys)} requests, {stream.n_keys} keys; "
               f"each cell cold/warm hit rate ÷ Belady at {', '.join(f'{f:.0%}' for f in FRACTIONS)}")
         results.append(measure(stream, full=index == 0))

@@ -34,7 +34,6 @@ class Copier:
         self._jobs = queue.SimpleQueue()
         self._thread = None
         self.busy_seconds = 0.0
-        self.jobs = 0
 
     def submit(self, run) -> CopyJob:
         """Run ``run()`` on the copier thread; returns its job at once."""
@@ -57,7 +56,6 @@ class Copier:
                 job.error = exc
             job.seconds = time.perf_counter() - started
             self.busy_seconds += job.seconds
-            self.jobs += 1
             job.done.set()
             job = None  # while idle, a finished copy must not keep a dropped model's session
 

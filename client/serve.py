@@ -355,15 +355,18 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         httpd = None
         generator = generator_class(provider, LRUPromptCache(cli_args.prompt_cache_size),
                                     counters, watch)
-        if pipeline_group is not None and pipeline_group.rank() != 0:
-            # This rank's generation thread follows rank 0's requests (mlx-lm shares them),
-            # waiting for each inside MLX with the GIL held (an .item() on a collective): a
-            # Python signal handler would run only once rank 0 answers, and rank 0 may be gone.
-            # So Ctrl-C or SIGTERM ends this rank in the kernel; the daemon forgets a client
-            # whose connection closes, and nothing else here needs closing.
-            _follow_until_signal()
-            return 0
         distributed = pipeline_group is not None
+        if distributed:
+            # Every rank's generation thread shares the requests with the others (mlx-lm does),
+            # waiting inside MLX with the GIL held (an .item() on a collective): a Python signal
+            # handler would run only once the other ranks answer, and they may be gone. So
+            # Ctrl-C or SIGTERM ends a rank in the kernel; the daemon forgets a client whose
+            # connection closes, and nothing else here needs closing.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if pipeline_group.rank() != 0:  # it follows rank 0's requests
+                while True:
+                    signal.pause()
         try:
             httpd = _bind(host, port, lambda *a, **k: handler_class(
                 generator, *a, system_fingerprint=fingerprint, **k),
@@ -374,23 +377,17 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
             print(f"expertd serve: {name} on http://{bound_host}:{bound_port}/v1 (blob dir "
                   f"{session.paths.blob_dir}, daemon pid {session.daemon_pid}); stop with "
                   "Ctrl-C", file=out, flush=True)
+            if distributed:
+                httpd.serve_forever()  # until a signal ends the process
             _serve_until_signal(httpd)
         finally:
             if httpd is not None:
                 httpd.server_close()
-            if not distributed:  # under mlx.launch the other ranks may have stopped first
+            if not distributed:
                 generator.stop_and_join()
     finally:
         session.close()
     return 0
-
-
-def _follow_until_signal() -> None:
-    """Wait, ended by SIGINT or SIGTERM at their default action (the process ends)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    while True:
-        signal.pause()
 
 
 def _serve_until_signal(httpd) -> None:

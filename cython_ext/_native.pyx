@@ -63,7 +63,8 @@ cdef extern from *:
     void xd_sleep(double seconds) nogil
     void xd_cpu_relax() nogil
 
-# Slot record layout (shm/layout.py SLOT_DTYPE): keep in step.
+# Slot record layout: shm/layout.py's SLOT_DTYPE and SlotState are the definition; these
+# compile-time copies are exported as SLOT_LAYOUT, which tests/test_slot_layout.py compares.
 DEF SLOT_SIZE = 32
 DEF OFF_VERSION = 0
 DEF OFF_LAYER = 8
@@ -74,6 +75,8 @@ DEF STATE_FILLING = 1
 DEF STATE_READY = 2
 
 IMPLEMENTATION = "cython"
+SLOT_LAYOUT = dict(size=SLOT_SIZE, version=OFF_VERSION, layer=OFF_LAYER, expert=OFF_EXPERT,
+                   state=OFF_STATE, hits=OFF_HITS, filling=STATE_FILLING, ready=STATE_READY)
 
 # drain's back-off, the same in expertd/_fallback.py: a fill usually lands within microseconds
 # of being seen FILLING (spin), a slow one frees the core (yield), then the CPU (sleeps).

@@ -13,6 +13,7 @@ import xxhash
 
 from .errors import BlobStoreError, ChecksumError
 from .manifest import Manifest, reconvert
+from .present import PresentRecords
 
 _F_NOCACHE = 48  # macOS fcntl: do not keep the pages of this file in the unified buffer cache
 _HASH_CHUNK = 8 << 20  # bytes read at a time when hashing a file: bounds the memory used
@@ -74,6 +75,9 @@ class BlobStore:
         blob_dir: the directory written by ``expertd convert``.
         direct: read with O_DIRECT (Linux) / F_NOCACHE (macOS) instead of the page cache.
     Attributes:
+        records: a lazy directory's :class:`~expertd.present.PresentRecords` (which rows
+            have arrived, and their checksums); None for a converted one, whose rows are all
+            there.
         io_mode: how reads really go, ``"direct"`` or ``"buffered"`` (buffered when ``direct``
             was not asked for or a file system refused it); ``io_reason`` says why.
         direct: ``io_mode == "direct"``.
@@ -86,8 +90,11 @@ class BlobStore:
         self.manifest = Manifest.load(self.dir)
         self.stride = self.manifest.stride
         self._fds = []
+        self.records = None
         modes = []
         try:
+            if self.manifest.remote is not None:
+                self.records = PresentRecords(self.dir, self.manifest.layers, writable="auto")
             for layer in self.manifest.layers:
                 path = self.dir / layer.file
                 _check_blob_file(path, layer, self.stride)
@@ -120,6 +127,20 @@ class BlobStore:
         if not 0 <= expert < n:
             raise IndexError(f"expert {expert} out of range for layer {layer} (0..{n - 1})")
 
+    @property
+    def lazy(self) -> bool:
+        return self.records is not None
+
+    def present(self, layer: int, expert: int) -> bool:
+        """Whether the expert's row is on the disk (always, but in a lazy directory)."""
+        return self.records is None or self.records.present(layer, expert)
+
+    def checksum(self, layer: int, expert: int) -> int:
+        """The checksum the row's bytes must have (a lazy row's is recorded on arrival)."""
+        if self.records is not None:
+            return self.records.checksum(layer, expert)
+        return self.manifest.layers[layer].checksums[expert]
+
     def read_into(self, layer: int, expert: int, buf) -> int:
         """Read one expert's whole row (``stride`` bytes) into ``buf`` with ``os.preadv``.
 
@@ -141,7 +162,9 @@ class BlobStore:
         """Raise :class:`ChecksumError` unless ``buf`` holds the expert's exact bytes."""
         self.check_index(layer, expert)
         info = self.manifest.layers[layer]
-        if xxhash.xxh3_64_intdigest(memoryview(buf)[:info.expert_bytes]) != info.checksums[expert]:
+        expected = self.checksum(layer, expert)
+        if not self.present(layer, expert) or (
+                xxhash.xxh3_64_intdigest(memoryview(buf)[:info.expert_bytes]) != expected):
             raise ChecksumError(layer, expert, str(self.dir / info.file))
 
     def verify_trunk(self) -> None:
@@ -165,6 +188,8 @@ class BlobStore:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+        if self.records is not None:
+            self.records.close()
 
 
 def _check_blob_file(path: Path, layer, stride: int) -> None:
@@ -275,6 +300,13 @@ class DirectoryCheck:
         self.dir = Path(blob_dir).resolve()
         self.manifest = Manifest.load(self.dir)
         self.experts = sum(layer.num_experts for layer in self.manifest.layers)
+        # A lazy directory: only the rows that arrived are checked, against their records.
+        self.records = (PresentRecords(self.dir, self.manifest.layers)
+                        if self.manifest.remote is not None else None)
+        if self.records is not None:
+            self.records.close()  # read into memory: the descriptors are not needed
+        self.present = self.experts if self.records is None else self.records.count()
+        self.shards_checked: list = []
         self.total_bytes = (self.manifest.total_expert_bytes
                             + sum(f.size for f in self.manifest.trunk))
 
@@ -287,6 +319,12 @@ class DirectoryCheck:
         for layer in self.manifest.layers:
             yield from self._layer_faults(layer, advance)
         yield from trunk_faults(self.dir, self.manifest, advance)
+        if self.records is not None:
+            from .shardcheck import check_shards
+
+            self.shards_checked, faults = check_shards(self.dir, self.manifest, self.records)
+            for shard, message in faults:
+                yield Fault(self.dir / shard, None, None, message)
 
     def _layer_faults(self, layer, advance) -> Iterator[Fault]:
         stride = self.manifest.stride
@@ -316,6 +354,11 @@ class DirectoryCheck:
                     except OSError as exc:
                         got, problem = 0, f"read error ({exc.strerror})"
                     for expert in range(first, first + count):
+                        if self.records is not None and not self.records.present(layer.index,
+                                                                                 expert):
+                            continue  # not arrived yet: nothing to check
+                        expected = (layer.checksums[expert] if self.records is None
+                                    else self.records.checksum(layer.index, expert))
                         start = (expert - first) * stride
                         if got < start + layer.expert_bytes:
                             yield Fault(path, layer.index, expert, f"layer {layer.index} expert "
@@ -323,7 +366,7 @@ class DirectoryCheck:
                             continue
                         with memoryview(buf) as view:
                             ok = (xxhash.xxh3_64_intdigest(view[start:start + layer.expert_bytes])
-                                  == layer.checksums[expert])
+                                  == expected)
                         if not ok:
                             yield Fault(path, layer.index, expert,
                                         str(ChecksumError(layer.index, expert, str(path))))

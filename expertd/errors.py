@@ -47,3 +47,7 @@ class DaemonError(ExpertdError):
 
 class DaemonNotRunning(DaemonError):
     """No expertd serves the requested blob directory."""
+
+
+class RemoteError(ExpertdError):
+    """A remote checkpoint's bytes could not be fetched (network, server, or a wrong answer)."""

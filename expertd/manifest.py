@@ -14,8 +14,10 @@ FORMAT = "expertd-blobs"
 # 3: a pipeline stage's directory: "stage": {"start", "stop", "num_layers"}. A whole model's
 #    manifest is still written as version 2, so older expertd versions keep reading it, and
 #    refuse a stage's directory (which they could not serve correctly) with "upgrade expertd".
-FORMAT_VERSION = 3
-READ_VERSIONS = (2, 3)
+# 4: a lazy directory (expertd convert --lazy): "remote" names the checkpoint's files, each
+#    layer's "sources" where its segments lie in them; rows arrive on first use (present.py).
+FORMAT_VERSION = 4
+READ_VERSIONS = (2, 3, 4)
 STRIDE_ALIGN = 16384
 CHECKSUM = "xxh3_64"
 
@@ -54,12 +56,17 @@ class MoeLayer:
     expert_bytes: int
     segments: tuple
     checksums: tuple
+    # A lazy directory's: per segment, (remote file, absolute offset of expert 0's slice).
+    sources: tuple = ()
 
     def to_json(self) -> dict:
-        return {"index": self.index, "module": self.module, "file": self.file,
+        data = {"index": self.index, "module": self.module, "file": self.file,
                 "num_experts": self.num_experts, "expert_bytes": self.expert_bytes,
                 "segments": [s.to_json() for s in self.segments],
                 "checksums": [f"{c:016x}" for c in self.checksums]}
+        if self.sources:
+            data["sources"] = [[file, start] for file, start in self.sources]
+        return data
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,35 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class RemoteFile:
+    """One file of a remote checkpoint: where it is, its size, and its sha256 if published."""
+
+    url: str
+    size: int
+    sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class Remote:
+    """Where a lazy directory's experts come from (``expertd convert --lazy``).
+
+    ``source`` is what was converted (a Hugging Face repo id or a base URL); ``repo`` and
+    ``revision`` (the commit, so every row comes from the files the trunk came from) are set
+    for a repo; ``files`` maps each safetensors shard's name to its :class:`RemoteFile`.
+    """
+
+    source: str
+    files: dict
+    repo: str | None = None
+    revision: str | None = None
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "repo": self.repo, "revision": self.revision,
+                "files": {name: {"url": f.url, "size": f.size, "sha256": f.sha256}
+                          for name, f in sorted(self.files.items())}}
+
+
+@dataclass(frozen=True)
 class Manifest:
     model_type: str
     stride: int
@@ -97,6 +133,7 @@ class Manifest:
     checksum: str = CHECKSUM
     digest: str = ""  # sha256 of the manifest file: tells two conversions apart
     stage: Stage | None = None  # None: the whole model
+    remote: Remote | None = None  # None: every row was written by the conversion
 
     @property
     def max_experts(self) -> int:
@@ -107,7 +144,8 @@ class Manifest:
         return sum(layer.num_experts * self.stride for layer in self.layers)
 
     def to_json(self) -> dict:
-        data = {"format": FORMAT, "version": 2 if self.stage is None else 3,
+        version = 4 if self.remote is not None else 2 if self.stage is None else 3
+        data = {"format": FORMAT, "version": version,
                 "model_type": self.model_type, "stride": self.stride, "top_k": self.top_k,
                 "checksum": self.checksum, "layers": [layer.to_json() for layer in self.layers],
                 "trunk": {f.name: {"checksum": f"{f.checksum:016x}", "size": f.size}
@@ -115,6 +153,8 @@ class Manifest:
         if self.stage is not None:
             data["stage"] = {"start": self.stage.start, "stop": self.stage.stop,
                              "num_layers": self.stage.num_layers}
+        if self.remote is not None:
+            data["remote"] = self.remote.to_json()
         return data
 
     def describe(self, blob_dir) -> str:
@@ -172,8 +212,9 @@ class Manifest:
             raise BlobStoreError(f"{path}: top_k {top_k} is not between 1 and the experts of "
                                  f"a layer; {RECONVERT}")
         stage = _stage_from_json(path, data.get("stage")) if version >= 3 else None
+        remote = _remote_from_json(path, data.get("remote"), layers) if version >= 4 else None
         return cls(_get(data, "model_type", str, where), stride, top_k, layers, trunk,
-                   digest=hashlib.sha256(text).hexdigest(), stage=stage)
+                   digest=hashlib.sha256(text).hexdigest(), stage=stage, remote=remote)
 
 
 _KINDS = {int: "an integer", str: "a string", list: "a list", dict: "an object"}
@@ -224,10 +265,18 @@ def _layer_from_json(path: Path, i: int, raw, stride: int) -> MoeLayer:
     raw = _object(raw, where)
     segments = tuple(_segment_from_json(s, f"{where} segment {j}")
                      for j, s in enumerate(_get(raw, "segments", list, where)))
+    sources = []
+    for source in raw.get("sources", []):
+        if not (isinstance(source, list) and len(source) == 2 and isinstance(source[0], str)
+                and type(source[1]) is int and source[1] >= 0):
+            raise BlobStoreError(f"{where}: malformed manifest, source {source!r} is not "
+                                 f"[file, offset]; {RECONVERT}")
+        sources.append((source[0], source[1]))
     layer = MoeLayer(_get(raw, "index", int, where), _get(raw, "module", str, where),
                      _get(raw, "file", str, where), _get(raw, "num_experts", int, where),
                      _get(raw, "expert_bytes", int, where), segments,
-                     tuple(_hex(c, where) for c in _get(raw, "checksums", list, where)))
+                     tuple(_hex(c, where) for c in _get(raw, "checksums", list, where)),
+                     tuple(sources))
     where = f"{path}: layer {i} ({layer.module})"
     if layer.index != i:
         raise BlobStoreError(f"{where}: index {layer.index} out of order")
@@ -264,6 +313,33 @@ def _stage_from_json(path: Path, raw) -> Stage | None:
         raise BlobStoreError(f"{where}: layers {stage} are not a range within "
                              f"{stage.num_layers} layers; {RECONVERT}")
     return stage
+
+
+def _remote_from_json(path: Path, raw, layers: tuple) -> Remote | None:
+    if raw is None:
+        return None
+    where = f"{path}: remote"
+    raw = _object(raw, where)
+    files = {}
+    for name, entry in _get(raw, "files", dict, where).items():
+        entry = _object(entry, f"{where} file {name!r}")
+        sha = entry.get("sha256")
+        if sha is not None and not isinstance(sha, str):
+            raise BlobStoreError(f"{where} file {name!r}: sha256 must be a string")
+        files[name] = RemoteFile(_get(entry, "url", str, where), _get(entry, "size", int, where),
+                                 sha)
+    for layer in layers:
+        if len(layer.sources) != len(layer.segments):
+            raise BlobStoreError(f"{where}: layer {layer.index} has {len(layer.sources)} "
+                                 f"sources for {len(layer.segments)} segments; {RECONVERT}")
+        for (file, start), seg in zip(layer.sources, layer.segments):
+            if file not in files or start + layer.num_experts * seg.nbytes > files[file].size:
+                raise BlobStoreError(f"{where}: layer {layer.index} segment {seg.name} lies "
+                                     f"outside the remote file {file!r}; {RECONVERT}")
+    repo, revision = raw.get("repo"), raw.get("revision")
+    if not all(v is None or isinstance(v, str) for v in (repo, revision)):
+        raise BlobStoreError(f"{where}: repo and revision must be strings")
+    return Remote(_get(raw, "source", str, where), files, repo, revision)
 
 
 def _trunk_from_json(path: Path, raw: dict) -> tuple:

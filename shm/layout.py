@@ -62,19 +62,13 @@ SLOT_DTYPE = np.dtype(
         ("hits", "<u8"),
     ]
 )
-SLOT_VERSION_OFFSET = 0
-SLOT_LAYER_OFFSET = 8
-SLOT_EXPERT_OFFSET = 12
-SLOT_STATE_OFFSET = 16
-SLOT_HITS_OFFSET = 24
-assert SLOT_DTYPE.itemsize == 32
+assert SLOT_DTYPE.itemsize == 32  # the native extension's copy: cython_ext/_native.pyx
 
 
 class SlotState(enum.IntEnum):
     EMPTY = 0
     FILLING = 1
     READY = 2
-    FAILED = 3
 
 
 def _round_up(n: int, align: int) -> int:

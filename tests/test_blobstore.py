@@ -111,9 +111,9 @@ def _overlap_segments(data):
 
 
 @pytest.mark.parametrize("edit,expected", [
-    pytest.param(_set("version", 1), "format version 1, this expertd reads versions 2 to 3; "
+    pytest.param(_set("version", 1), "format version 1, this expertd reads versions 2 to 4; "
                  "re-run expertd convert", id="old-version"),
-    pytest.param(_set("version", 4), "format version 4, this expertd reads versions 2 to 3; "
+    pytest.param(_set("version", 5), "format version 5, this expertd reads versions 2 to 4; "
                  "upgrade expertd", id="newer-version"),
     pytest.param(_set("format", "something-else"), "not an expertd manifest", id="format"),
     pytest.param(_set("checksum", "md5"), "unknown checksum 'md5'", id="checksum"),

@@ -21,11 +21,6 @@ from expertd.paths import daemon_paths
 from expertd.shm.layout import Geometry
 
 
-@pytest.fixture
-def blobs(models):
-    return models.blobs()
-
-
 def test_version_comes_from_the_package_metadata():
     got = expertd_cli("--version")
     assert got.returncode == 0 and got.stdout == f"expertd {version('expertd')}\n", got
@@ -426,7 +421,7 @@ def test_synth_checks_flags_together_in_one_line(tmp_path):
 
 
 def test_sizes_print_in_mib_below_a_gib():
-    from expertd.cli.daemon_control import _status_lines
+    from expertd.cli.daemon_control import status_lines
     from expertd.units import size_text
 
     assert size_text(274_000) == "0.26 MiB" and size_text(274_000, round_up=True) == "0.27 MiB"
@@ -437,7 +432,7 @@ def test_sizes_print_in_mib_below_a_gib():
                  prefetch="auto", prefetch_fills=0, side_rows=8, prefetch_hits=0,
                  prefetch_wasted=0, prefetch_dropped=0, prefetch_shed=0, bytes_read=0,
                  fills=0, fill_gbps=0.0, clients=0, leases=0, log="L")
-    assert "  arena        0.75 MiB, 0/48 rows used, 0 pinned" in _status_lines(stats)
+    assert "  arena        0.75 MiB, 0/48 rows used, 0 pinned" in status_lines(stats)
 
 
 def test_convert_prints_a_small_model_in_mib(models, tmp_path):

@@ -12,6 +12,7 @@ from expertd.serving import leases
 from expertd.serving.clients import ClientRegistry
 from expertd.serving.config import cache_limits
 from expertd.serving.leases import Demand, LeaseBook
+from expertd.serving.stats import LeaseStats
 
 A, B = b"a" * 16, b"b" * 16
 
@@ -52,7 +53,9 @@ def test_grant_counts_rows_per_lease_and_per_client():
     assert not book.release(l1, owner=B)  # only the owner may release
     assert book.release(l1, owner=A) and not book.release(l1)
     assert book.leased.tolist() == [0, 1, 1, 0, 0, 0, 0, 0] and book.held(A) == 0
-    assert book.owner_of(l2) == B
+    assert not book.release(l2, owner=A) and book.held(B) == 2  # l2 is B's
+    assert book.stats() == LeaseStats(leases=1, leased_rows=2, queued=0, lease_expiries=0,
+                                      client_cap=4)
 
 
 def test_waiting_demand_completes_when_its_last_fill_ends_and_keeps_the_first_error():

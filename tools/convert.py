@@ -15,11 +15,9 @@ models it is tens of GB. The manifest records the range; the MoE layers are numb
 the directory (their files keep the model's MoE layer numbers in their names).
 """
 
-import errno
 import json
 import os
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import xxhash
@@ -27,9 +25,8 @@ import xxhash
 from expertd.blobstore import file_checksum
 from expertd.errors import ConvertError, ModelDirError
 from expertd.manifest import STRIDE_ALIGN, Manifest, MoeLayer, Segment, Stage, TrunkFile
-from expertd.paths import missing_parent
-from expertd.runfile import read_private, take_lock
 
+from .destination import check_destination, pwrite_all, write_blob_dir
 from .safetensors import SafetensorsWriter, read_header
 
 _SEGMENT_ALIGN = 64
@@ -123,10 +120,15 @@ def _plan(model_dir: Path, config_path: Path):
             tensors.update(read_header(shard))
         except ValueError as exc:
             raise ModelDirError(str(exc)) from None
+    return plan_tensors(config, tensors, model_dir)
 
+
+def plan_tensors(config: dict, tensors: dict, where):
+    """The plan of :func:`plan` from a config and every tensor of the shards (local or
+    remote: ``TensorInfo.path`` is whatever names the shard); ``where`` is for messages."""
     switches = find_switch_modules(config)
     if not switches:
-        raise ModelDirError(f"{model_dir}: model type {config['model_type']!r} has no MoE "
+        raise ModelDirError(f"{where}: model type {config['model_type']!r} has no MoE "
                             "layers (no SwitchGLU / SwitchMLP module)")
     layers, expert_names = [], set()
     quant_overrides = {}
@@ -248,49 +250,25 @@ def convert(model_dir: Path, blob_dir: Path, progress: bool = True,
             :func:`select_stage`).
     """
     model_dir, blob_dir = resolve_model(model_dir), Path(os.path.expanduser(str(blob_dir)))
-    if blob_dir.exists():
-        raise FileExistsError(f"{blob_dir} already exists; remove it or choose another path")
-    if missing_parent(blob_dir):
-        raise ConvertError(missing_parent(blob_dir))
+    check_destination(blob_dir)
     spec = layers
     config, tensors, layers, stride, trunk = plan(model_dir)
     stage = None
     if spec is not None:
         stage, layers, trunk = select_stage(config, layers, trunk, spec)
-    try:
-        with _destination_lock(blob_dir):
-            # Checked again under the lock: a run that held it may just have finished.
-            if blob_dir.exists():
-                raise FileExistsError(f"{blob_dir} already exists; remove it or choose "
-                                      "another path")
-            return _convert_locked(model_dir, blob_dir, config, tensors, layers, stride, trunk,
-                                   progress, stage)
-    except OSError as exc:
-        if isinstance(exc, FileExistsError) and not exc.filename:
-            raise
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise ConvertError(f"{blob_dir}: no space left on the device, the disk is full; "
-                               "the partial output was removed: free some space and re-run "
-                               "expertd convert") from None
-        where = exc.filename or blob_dir
-        raise ConvertError(f"{where}: {exc.strerror or exc} (while writing {blob_dir})") from None
+    return write_blob_dir(blob_dir, lambda tmp: _convert_into(
+        tmp, model_dir, config, tensors, layers, stride, trunk, progress, stage))
 
 
-def _convert_locked(model_dir, blob_dir, config, tensors, layers, stride, trunk,
-                    progress, stage=None) -> Manifest:
+def _convert_into(tmp, model_dir, config, tensors, layers, stride, trunk, progress,
+                  stage) -> Manifest:
     from tqdm import tqdm
-
-    tmp = blob_dir.parent / f".{blob_dir.name}.partial"
-    if tmp.exists():  # left by a run that died: no live run can own it, we hold the lock
-        shutil.rmtree(tmp)
-    tmp.mkdir()
 
     total = sum(layer.num_experts * layer.expert_bytes for layer in layers)
     total += sum(t.nbytes for t in trunk)
     # disable=None: drawn on a terminal only, never as \r frames into a log.
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
-               disable=None if progress else True, desc="convert", dynamic_ncols=True)
-    try:
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+              disable=None if progress else True, desc="convert", dynamic_ncols=True) as bar:
         done_layers = []
         source_fds = {}
         try:
@@ -304,67 +282,13 @@ def _convert_locked(model_dir, blob_dir, config, tensors, layers, stride, trunk,
             for fd in source_fds.values():
                 os.close(fd)
         bar.set_postfix_str("trunk")
-        trunk_files = _write_trunk(model_dir, tmp / "trunk", config, trunk, bar.update)
-        manifest = Manifest(config["model_type"], stride,
-                            int(config.get("num_experts_per_tok", 1)), tuple(done_layers),
-                            trunk_files, stage=stage)
-        manifest.save(tmp / "manifest.json")
-        _fsync_dir(tmp)
-        os.rename(tmp, blob_dir)
-        _fsync_dir(blob_dir.parent)
-    except BaseException:
-        bar.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    bar.close()
-    return manifest
-
-
-@contextmanager
-def _destination_lock(blob_dir: Path):
-    """Hold ``.NAME.lock`` next to ``blob_dir`` (flock), or fail at once if another run does.
-
-    The lock file holds the owner's pid, for the message. It is removed while still locked;
-    a run that opened it just before checks, once locked, that it locked the file still there.
-    """
-    path = blob_dir.parent / f".{blob_dir.name}.lock"
-    fd = take_lock(path)  # flock, and a check that it locked the file still at the name
-    if fd is None:
-        raise ConvertError(f"another expertd convert is writing {blob_dir} (pid "
-                           f"{_lock_owner(path)}); wait for it to finish or choose another path")
-    try:
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except OSError:
-            pass  # a full disk: the pid is only for the message, the run reports the real error
-        yield
-    finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass  # removed by hand: nothing to clean
-        os.close(fd)
-
-
-def _lock_owner(path: Path) -> str:
-    try:
-        text = read_private(path, 32).decode().strip()
-    except (OSError, UnicodeDecodeError):
-        return "unknown"
-    return text if text.isdigit() else "unknown"
-
-
-def _pwrite_all(fd: int, data, offset: int, path: Path) -> None:
-    """``os.pwrite`` until every byte is written: a short write is retried, and a write
-    that makes no progress (or the ENOSPC that usually follows a short one) is an error."""
-    view = memoryview(data)
-    done = 0
-    while done < view.nbytes:
-        n = os.pwrite(fd, view[done:], offset + done)
-        if n <= 0:
-            raise ConvertError(f"{path}: wrote {done} of {view.nbytes} bytes at offset {offset}")
-        done += n
+        trunk_dir = tmp / "trunk"
+        copy_small_files(model_dir, trunk_dir, config)
+        writer = SafetensorsWriter(trunk_dir / "model.safetensors", trunk)
+        writer.copy_all(progress=bar.update)
+        writer.close()
+        return Manifest(config["model_type"], stride, int(config.get("num_experts_per_tok", 1)),
+                        tuple(done_layers), list_trunk(trunk_dir), stage=stage)
 
 
 def _write_layer(out: Path, layer: MoeLayer, stride: int, sources: list, fds: dict,
@@ -386,7 +310,7 @@ def _write_layer(out: Path, layer: MoeLayer, stride: int, sources: list, fds: di
                 if got != seg.nbytes:
                     raise ModelDirError(f"{src.path}: short read in {src.name}")
             checksums.append(xxhash.xxh3_64_intdigest(view[:layer.expert_bytes]))
-            _pwrite_all(fd_out, view, e * stride, out / layer.file)
+            pwrite_all(fd_out, view, e * stride, out / layer.file)
             advance(layer.expert_bytes)
         os.fsync(fd_out)
     finally:
@@ -395,9 +319,8 @@ def _write_layer(out: Path, layer: MoeLayer, stride: int, sources: list, fds: di
                     layer.segments, tuple(checksums))
 
 
-def _write_trunk(model_dir: Path, trunk_dir: Path, config: dict, trunk: list,
-                 advance) -> tuple:
-    """Write trunk/ and return a :class:`TrunkFile` (size, checksum) for each file in it."""
+def copy_small_files(model_dir: Path, trunk_dir: Path, config: dict) -> None:
+    """Create trunk/ with the model directory's files but the weights, and ``config``."""
     trunk_dir.mkdir()
     for item in model_dir.iterdir():
         if item.name.endswith(".safetensors") or item.name == "model.safetensors.index.json":
@@ -406,23 +329,16 @@ def _write_trunk(model_dir: Path, trunk_dir: Path, config: dict, trunk: list,
             continue
         shutil.copy2(item, trunk_dir / item.name)
     (trunk_dir / "config.json").write_text(json.dumps(config, indent=4))
-    writer = SafetensorsWriter(trunk_dir / "model.safetensors", trunk)
-    writer.copy_all(progress=advance)
-    writer.close()
-    # Hashed from what is on disk (still in the page cache): what a client will check.
+
+
+def list_trunk(trunk_dir: Path) -> tuple:
+    """A :class:`TrunkFile` (size, checksum) for each file of ``trunk_dir``, hashed from what
+    is on disk (still in the page cache): what a client will check."""
     files = []
     for path in sorted(trunk_dir.iterdir()):
         checksum, size = file_checksum(path)
         files.append(TrunkFile(path.name, checksum, size))
     return tuple(files)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def expert_slice(tensor, expert: int) -> bytes:

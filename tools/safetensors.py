@@ -38,16 +38,34 @@ def read_header(path: Path) -> dict:
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: too short for a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > min(_MAX_HEADER, size - 8):
-            raise ValueError(f"{path}: safetensors header length {n} is not plausible")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: safetensors header is not JSON ({exc})") from None
-    base = 8 + n
+        n = header_length(raw, size, path)
+        return parse_header(f.read(n), size, path)
+
+
+def header_length(raw: bytes, size: int, where) -> int:
+    """The JSON header's length from a file's first 8 bytes (``size``: the file's size)."""
+    if len(raw) != 8:
+        raise ValueError(f"{where}: too short for a safetensors file")
+    (n,) = struct.unpack("<Q", raw)
+    if n > min(_MAX_HEADER, size - 8):
+        raise ValueError(f"{where}: safetensors header length {n} is not plausible")
+    return n
+
+
+def parse_header(raw: bytes, size: int, path) -> dict:
+    """Every tensor of a header ``raw`` (the JSON after the length) of a file of ``size``
+    bytes, as ``{name: TensorInfo}`` with ``path`` as each tensor's file.
+
+    Raises:
+        ValueError: if the header is not well-formed.
+    """
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: safetensors header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is not a JSON object")
+    base = 8 + len(raw)
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -97,6 +115,10 @@ class SafetensorsWriter:
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+    def append(self, data) -> None:
+        """Write the next bytes of the data, in the order of the tensor list."""
+        self._file.write(data)
 
     def close(self) -> None:
         self._file.flush()

@@ -214,7 +214,7 @@ def _cmd_restart(args) -> int:
 
 # ---- status ------------------------------------------------------------------------------------
 
-def _status_lines(s: dict) -> list:
+def status_lines(s: dict) -> list:
     return [
         f"expertd pid {s['pid']} serving {s['blob_dir']}",
         f"  endpoint     {s['endpoint']}",
@@ -228,6 +228,10 @@ def _status_lines(s: dict) -> list:
         "spare worker)",
         f"  read         {s['bytes_read'] / 2**20:.1f} MiB in {s['fills']} fills, "
         f"{s['fill_gbps']:.2f} GB/s while filling",
+        *([f"  remote       {r['rows_present']}/{r['rows_total']} rows present, "
+           f"{r['bytes_fetched'] / 2**20:.1f} MiB fetched in {r['fetch_requests']} requests, "
+           f"{r['pending']} pending, {r['fetch_errors']} failed, from {r['source']}"]
+          if (r := s.get("remote")) else []),
         f"  clients      {s['clients']} connected, {s['leases']} leases",
         *[f"    pid {c['pid']:<8} pools {c['pool_bytes'] / 2**20:.1f} MiB, "
           f"{c.get('steps', 0)} steps, "
@@ -289,7 +293,7 @@ def snapshot(args) -> tuple:
         return 0, results[0] if args.blobs else results
     if not results:
         return NOT_RUNNING, "\n".join(notes + ["no expertd is running"])
-    return 0, "\n".join(["\n".join(_status_lines(s)) for s in results] + notes)
+    return 0, "\n".join(["\n".join(status_lines(s)) for s in results] + notes)
 
 
 def _not_running(args, message: str) -> tuple:

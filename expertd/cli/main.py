@@ -35,9 +35,10 @@ def _cmd_synth(args) -> int:
 
 def _cmd_convert(args) -> int:
     from expertd.tools.convert import convert
-    from expertd.tools.lazy import convert_lazy
 
     if args.lazy:
+        from expertd.tools.lazy import convert_lazy
+
         manifest = convert_lazy(args.model_dir, Path(args.blob_dir), progress=not args.quiet,
                                 layers=args.layers, revision=args.revision)
     elif str(args.model_dir).startswith(("http://", "https://")):
@@ -76,7 +77,10 @@ def _cmd_verify(args) -> int:
             bad += 1
             bar.write(str(fault), file=sys.stdout)  # above the bar, not through it
     manifest = check.manifest
-    what = (f"{check.experts} experts in {len(manifest.layers)} layers and "
+    experts = (f"{check.experts} experts" if check.records is None else
+               f"{check.present} experts present (of {check.experts}: a lazy directory)")
+    shards = f", {len(check.shards_checked)} whole shards" if check.shards_checked else ""
+    what = (f"{experts} in {len(manifest.layers)} layers{shards} and "
             f"{len(manifest.trunk)} trunk files")
     if bad:
         return answer(f"{check.dir}: {bad} problem{'s' if bad > 1 else ''} found checking "
@@ -186,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_verify)
 
-    from expertd.cli import inference, service
+    from expertd.cli import fetch, inference, service
 
+    fetch.add_subcommands(sub)
     inference.add_subcommands(sub)
     service.add_subcommands(sub)
     _set_formatter(parser)

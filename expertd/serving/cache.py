@@ -4,7 +4,7 @@ Demands are leased what is resident and filled what is not, or queued while rows
 fills run on the pread pool; background fills (warm-up, pins) use workers the demands leave
 free; prefetches fill the side rows, behind every demand in the pool. The serving loop hands
 requests in and gets answers out through ``send``; the decisions are the slot table's, the
-policy's, the lease book's and the side-row book's.
+policy's, the pin book's, the lease book's and the side-row book's.
 """
 
 import logging
@@ -15,9 +15,10 @@ import numpy as np
 
 from expertd.protocol import Op, reply_error, reply_ok
 from expertd.serving.leases import Demand, LeaseBook
-from expertd.serving.policy import LfuPolicy
+from expertd.serving.policy import DEFAULT_POLICY, KeySpace, PinBook, make_policy
 from expertd.serving.side import SIDE_HOLD, SideBook
 from expertd.serving.slots import SlotTable
+from expertd.serving.stats import CacheCounters, CacheStats
 from expertd.shm.layout import SlotState
 
 log = logging.getLogger("expertd")
@@ -38,16 +39,21 @@ class ExpertCache:
         side_hold: seconds a prefetch claim protects its side row at most (see SideBook).
         clock: monotonic seconds (the server's) that leases and side-row holds are timed by;
             fill throughput is timed in real seconds.
+        max_pins: most keys pinned by the pin file and clients together (None: no cap).
+        policy: the name of the cache policy (``expertd.serving.policy.POLICIES``).
     """
 
     def __init__(self, arena, pool, book: LeaseBook, workers: int, send, prefetch: str = "auto",
-                 top_k: int = 1, side_hold: float = SIDE_HOLD, clock=time.monotonic):
+                 top_k: int = 1, side_hold: float = SIDE_HOLD, clock=time.monotonic,
+                 max_pins: int | None = None, policy: str = DEFAULT_POLICY):
         g = arena.geometry
         self.clock = clock
-        # The slot table, the policy and the lease book span every row: a side row becomes a
-        # cache row by a role swap, never by a copy.
+        # The slot table, the policy, the pins and the lease book span every row: a side row
+        # becomes a cache row by a role swap, never by a copy.
         self.table = SlotTable(arena)
-        self.policy = LfuPolicy(g.total_rows, g.n_layers, g.n_experts, min_quota=top_k)
+        self.pins = PinBook(KeySpace(g.n_layers, g.n_experts), g.total_rows, cap=max_pins)
+        self.policy = make_policy(policy, g.total_rows, g.n_layers, g.n_experts, pins=self.pins,
+                                  min_quota=top_k)
         self.side = SideBook(g.cache_rows, g.side_rows, hold=side_hold)
         self.prefetch_mode = prefetch
         self.prefetch_rows: set = set()  # rows being filled for a prefetch
@@ -63,11 +69,7 @@ class ExpertCache:
         self.background_rows: set = set()  # rows being filled for warm-up or pins
         self.warm_total = self.warm_done = 0
         self.room_changed = False  # rows were freed: queued demands may fit now
-        self.counters = dict(demand_hits=0, client_hits=0, misses=0, bytes_read=0, fills=0,
-                             fill_errors=0, prefetch_requested=0, prefetch_ignored=0,
-                             prefetch_merged=0, prefetch_fills=0, prefetch_dropped=0,
-                             prefetch_shed=0,
-                             prefetch_hits=0, prefetch_wasted=0)
+        self.counters = CacheCounters()
         self.in_flight = 0
         self._busy_since = 0.0
         self._fill_seconds = 0.0
@@ -119,9 +121,9 @@ class ExpertCache:
             saved += first
         for row in absorbed:
             saved += self.side.take(row)
-        self.counters["demand_hits"] += len(d.experts) - len(need) - saved
-        self.counters["prefetch_hits"] += saved
-        self.counters["misses"] += len(need)
+        self.counters.demand_hits += len(d.experts) - len(need) - saved
+        self.counters.prefetch_hits += saved
+        self.counters.misses += len(need)
         d.misses, d.saved = len(need), saved
         if not waiting:
             self._answer(d)
@@ -156,9 +158,7 @@ class ExpertCache:
         """A client left or died: its leases, queued demands and pins go with it."""
         self.book.drop_owner(client.identity)
         self.side.forget(client.identity)
-        for key in client.pins:
-            self.policy.drop(key)
-        client.pins.clear()
+        self.pins.forget(client.identity)
         self.room_changed = True
 
     def expire(self, now: float) -> None:
@@ -169,12 +169,11 @@ class ExpertCache:
 
     def _fill(self, row: int, layer: int, expert: int, urgent: bool = True) -> None:
         if not self.side.side[row] and self.side.take(row):
-            self.counters["prefetch_wasted"] += 1  # read ahead, taken into the cache, never used
+            self.counters.prefetch_wasted += 1  # read ahead, taken into the cache, never used
         evicted = self.table.begin_fill(row, layer, expert)
-        if evicted is not None and evicted[1]:
-            self.policy.on_touched(*evicted)  # uses not harvested yet belong to the old key
-        if urgent:  # a prefetch is a guess: its key counts once a demand or a client uses it
-            self.policy.on_touched((layer, expert))
+        if evicted is not None:
+            self.policy.on_evicted(*evicted)
+        self.policy.on_filled((layer, expert), used=urgent)  # a prefetch's is a guess
         if self.in_flight == 0:
             self._busy_since = time.monotonic()
         self.in_flight += 1
@@ -189,17 +188,17 @@ class ExpertCache:
                 self._fill_seconds += time.monotonic() - self._busy_since
             self.table.end_fill(row, error is None)
             if error is None:
-                self.counters["bytes_read"] += self.stride
-                self.counters["fills"] += 1
+                self.counters.bytes_read += self.stride
+                self.counters.fills += 1
                 if row in self.prefetch_rows:
-                    self.counters["prefetch_fills"] += 1
+                    self.counters.prefetch_fills += 1
             else:
                 log.error("fill failed: %s", error[1])
-                self.counters["fill_errors"] += 1
+                self.counters.fill_errors += 1
                 self._cache_full = False  # the row is empty again, maybe a cache row
                 self.side.prefetched[row] = False  # nothing was read: nothing to waste
                 if row in self._saved_unread:
-                    self.counters["prefetch_hits"] -= 1  # nothing was read: nothing saved
+                    self.counters.prefetch_hits -= 1  # nothing was read: nothing saved
             self._saved_unread.discard(row)
             self.prefetch_rows.discard(row)
             if row in self.background_rows:
@@ -216,6 +215,22 @@ class ExpertCache:
         """Seconds during which at least one fill was in flight."""
         running = time.monotonic() - self._busy_since if self.in_flight else 0.0
         return self._fill_seconds + running
+
+    def stats(self) -> CacheStats:
+        c, busy = self.counters, self.fill_seconds()
+        hits = c.demand_hits + c.client_hits
+        # A prefetched row used is a saved miss: it counts beside hits and misses, in neither.
+        looked_up = hits + c.misses + c.prefetch_hits
+        return CacheStats(
+            rows_used=self.table.rows_used(~self.side.side), side_rows=2 * self.side.per_prefetch,
+            side_rows_used=self.table.rows_used(self.side.side), prefetch=self.prefetch_mode,
+            hits=hits, hit_rate=round(hits / max(1, looked_up), 4), fill_seconds=round(busy, 6),
+            fill_gbps=round(c.bytes_read / busy / 1e9, 3) if busy else 0.0,
+            pinned=self.pins.n_pinned_rows(self.cache_row_keys()), in_flight=self.in_flight)
+
+    def auto_pin(self, n: int) -> None:
+        """Pin the ``n`` hottest resident cache rows' keys (as the pins' cap leaves room)."""
+        self.pins.auto_pin(n, self.cache_row_keys(), self.policy.hottest)
 
     def add_background(self, keys, first: bool = False) -> None:
         """Fill ``keys`` when workers are free (``first``: before what already waits)."""
@@ -263,9 +278,9 @@ class ExpertCache:
             self.policy.on_touched(self.table.key(row), count)
             if self.side.side[row] or self.side.prefetched[row]:
                 saved = self._use_side(row) if self.side.side[row] else self.side.take(row)
-                self.counters["prefetch_hits"] += saved
+                self.counters.prefetch_hits += saved
                 count -= saved
-            self.counters["client_hits"] += count
+            self.counters.client_hits += count
         for row in sorted(self.side.pending):  # used before, no cache row was free then
             self._promote(row)
 
@@ -330,9 +345,9 @@ class ExpertCache:
             How many experts it started reading.
         """
         c = self.counters
-        c["prefetch_requested"] += len(experts) + len(claim)
+        c.prefetch_requested += len(experts) + len(claim)
         if self.prefetch_mode == "off":
-            c["prefetch_ignored"] += len(experts) + len(claim)
+            c.prefetch_ignored += len(experts) + len(claim)
             return 0
         now = self.clock()
         gen = self.side.next_generation(owner)
@@ -340,7 +355,7 @@ class ExpertCache:
             row, state = self.table.lookup(layer, e)
             if state == SlotState.EMPTY:
                 continue
-            c["prefetch_merged"] += 1
+            c.prefetch_merged += 1
             if self.side.side[row]:
                 self.side.claim(row, owner, gen, now)
         core = len(experts) if core is None else core
@@ -351,13 +366,13 @@ class ExpertCache:
                 want.append(e)
                 n_core += i < core
                 continue
-            c["prefetch_merged"] += 1
+            c.prefetch_merged += 1
             if self.side.side[row]:
                 self.side.claim(row, owner, gen, now)
         tail = len(want) - n_core
         if tail:
             keep = min(tail, max(0, self.workers - self.in_flight - n_core))
-            c["prefetch_shed"] += tail - keep
+            c.prefetch_shed += tail - keep
             want = want[:n_core + keep]
         if not want:
             return 0
@@ -374,9 +389,9 @@ class ExpertCache:
         empty = np.zeros_like(busy)
         empty[side] = states == SlotState.EMPTY
         rows = self.side.choose(len(want), now, busy, empty)
-        c["prefetch_dropped"] += len(want) - len(rows)
+        c.prefetch_dropped += len(want) - len(rows)
         for e, row in zip(want, rows):
-            c["prefetch_wasted"] += self.side.filled(row, owner, gen, now)
+            c.prefetch_wasted += self.side.filled(row, owner, gen, now)
             self._fill(row, layer, e, urgent=False)
             self.prefetch_rows.add(row)
         return len(rows)

@@ -1,4 +1,4 @@
-"""The client registry: who said hello, when each was last heard from, what each pinned.
+"""The client registry: who said hello, and when each was last heard from.
 
 A client is alive while it is heard from (any request, or a heartbeat carrying the token its
 hello got) within ``time_to_dead`` seconds; then it is dead, whatever its pid says (a reused
@@ -7,9 +7,10 @@ pid cannot keep a dead client's leases alive).
 
 import hmac
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from expertd.protocol import HEARTBEAT_TOKEN_BYTES
+from expertd.serving.stats import ClientStats
 
 
 @dataclass(eq=False)
@@ -18,7 +19,6 @@ class Client:
     pid: int
     token: bytes  # what its heartbeat socket must show
     last_seen: float
-    pins: set = field(default_factory=set)  # keys it pinned: they die with it
     prefetch_reads: int = 0  # experts read ahead because it asked (its share of bytes read)
     pool_bytes: int = 0  # its own expert memory, as its hello said
     steps: int = 0  # its forward steps and the host waits in them, as its heartbeat said
@@ -50,7 +50,8 @@ class ClientRegistry:
         return self._clients.get(identity)
 
     def hello(self, identity: bytes, pid: int, now: float, pool_bytes: int = 0) -> Client | None:
-        """Register a client (a second hello keeps its token and pins); None if full."""
+        """Register a client (a second hello keeps its token, and the daemon its pins); None if
+        full."""
         client = self._clients.get(identity)
         if client is None:
             if len(self._clients) >= self.max_clients:
@@ -60,10 +61,12 @@ class ClientRegistry:
         client.pid, client.last_seen, client.pool_bytes = pid, now, pool_bytes
         return client
 
-    def summary(self) -> list:
-        """Per client: its pid, its own expert memory and its host waits (for status)."""
-        return [dict(pid=c.pid, pool_bytes=c.pool_bytes, steps=c.steps, host_waits=c.host_waits)
-                for c in self._clients.values()]
+    def stats(self) -> ClientStats:
+        """How many clients, and per client its pid, its own expert memory and its host waits
+        (for status)."""
+        return ClientStats(len(self._clients), [
+            dict(pid=c.pid, pool_bytes=c.pool_bytes, steps=c.steps, host_waits=c.host_waits)
+            for c in self._clients.values()])
 
     def seen(self, identity: bytes, now: float) -> Client | None:
         """A request from ``identity``: it is alive. None if it never said hello."""

@@ -44,6 +44,52 @@ def load_hot_set(path: Path, policy) -> list:
         return []
 
 
+class HotSet:
+    """A daemon's warm restart: the state file its policy is saved to and its cache warmed
+    from, and the pin file's keys, pinned for good.
+
+    Args:
+        path: the state file.
+        pin_file: the pin file, or None.
+        n_experts: experts per layer of the model.
+        max_pins: most keys the cache may pin.
+        limit: most keys to warm the cache with (its rows).
+    Raises:
+        ValueError: naming the pin file, if it cannot be read, holds more than ``max_pins``
+            keys or names an expert the model does not have.
+    """
+
+    def __init__(self, path: Path, pin_file: Path | None, n_experts: list, max_pins: int,
+                 limit: int):
+        self.path = path
+        self.n_experts = n_experts
+        self.limit = limit
+        self.pins = read_pin_file(pin_file) if pin_file is not None else []
+        if len(set(self.pins)) > max_pins:
+            raise ValueError(f"{pin_file}: {len(set(self.pins))} experts to pin, but a cache of "
+                             f"{limit} rows can pin at most {max_pins}")
+        for layer, expert in self.pins:
+            if not self.valid(layer, expert):
+                raise ValueError(f"{pin_file}: no expert {expert} in layer {layer}")
+
+    def valid(self, layer, expert) -> bool:
+        return (type(layer) is int and type(expert) is int and 0 <= layer < len(self.n_experts)
+                and 0 <= expert < self.n_experts[layer])
+
+    def save(self, blob_dir: Path, policy) -> None:
+        """Raises OSError as :func:`save_hot_set`."""
+        save_hot_set(self.path, blob_dir, policy, self.limit)
+
+    def load(self, policy) -> list:
+        """Read the state back into ``policy`` and pin the pin file's keys in place of the
+        state's (one taken out of the file must not live on); the keys to warm the cache
+        with: the pinned ones, then the hottest saved ones."""
+        keys = load_hot_set(self.path, policy)
+        policy.pins.set_explicit(self.pins)
+        keys = list(dict.fromkeys(sorted(policy.pins.pinned_keys) + keys))
+        return [key for key in keys if self.valid(*key)][:self.limit]
+
+
 def parse_json(text: str):
     """``json.loads``, where JSON nested deeper than Python's stack ('[' * 5000) is a
     ValueError like any other malformed JSON, not a RecursionError."""

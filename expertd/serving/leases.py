@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from expertd.serving.stats import LeaseStats
+
 
 @dataclass(eq=False)
 class Demand:
@@ -86,9 +88,10 @@ class LeaseBook:
         """Whether ``owner`` may lease ``n`` more rows under its cap."""
         return self._held.get(owner, 0) + n <= self.client_cap
 
-    def owner_of(self, lease: int) -> bytes | None:
-        entry = self._leases.get(lease)
-        return None if entry is None else entry.owner
+    def stats(self) -> LeaseStats:
+        return LeaseStats(leases=len(self._leases), leased_rows=int(self.leased.sum()),
+                          queued=self.queued(), lease_expiries=self.expired,
+                          client_cap=self.client_cap)
 
     # ---- leases -------------------------------------------------------------------------
 

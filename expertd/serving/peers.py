@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from expertd.protocol import MAX_BODY, MAX_REQUEST_ID
+from expertd.serving.stats import PeerCounters
 from expertd.wire import GREETING_BYTES, LENGTH, MAGIC, decode, encode, message_length, send_some
 
 # The largest request: a body at its limit, the longest request id, the op, three lengths.
@@ -89,7 +90,7 @@ class Peers:
         self._named: dict = {}  # routing id -> Peer
         self._ready: deque = deque()  # peers with a whole message still in their inbox
         self._accept_again = 0.0
-        self.counters = dict(peers_refused=0, peers_dropped=0, peers_replaced=0)
+        self.counters = PeerCounters()
 
     @property
     def count(self) -> int:
@@ -172,7 +173,7 @@ class Peers:
                 return
             if len(self._peers) >= self.max_peers and not self._replace_one():
                 sock.close()
-                self.counters["peers_refused"] += 1
+                self.counters.peers_refused += 1
                 continue
             sock.setblocking(False)
             self.changes += 1
@@ -189,7 +190,7 @@ class Peers:
         if victim is None:
             return False
         self._drop(victim, counted=False)
-        self.counters["peers_replaced"] += 1
+        self.counters.peers_replaced += 1
         return True
 
     def _read(self, peer: Peer) -> None:
@@ -270,7 +271,7 @@ class Peers:
         """Close a peer: one that broke the wire's rules (``counted``), or one that left."""
         if peer.sock.fileno() < 0:
             return
-        self.counters["peers_dropped"] += counted
+        self.counters.peers_dropped += counted
         self.changes += 1
         self._peers.pop(peer.sock.fileno(), None)
         if peer.identity is not None and self._named.get(peer.identity) is peer:

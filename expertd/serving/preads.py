@@ -3,6 +3,9 @@
 Each worker reads a row and hashes it itself, so one row's checksum runs while the other
 workers' reads are in flight. ``os.preadv`` releases the GIL, and so does python-xxhash (4.1 and
 later) for inputs over 64 KiB, so eight workers hash in parallel rather than in turn.
+
+In a lazy directory (``expertd convert --lazy``) a fill whose row has not arrived yet goes to
+the remote workers (remote.py) first, and comes back to these workers once it is on the disk.
 """
 
 import os
@@ -17,6 +20,9 @@ from expertd.blobstore import BlobStore
 from expertd.errors import ChecksumError
 from expertd.manifest import reconvert
 from expertd.protocol import ErrorCode
+from expertd.remote import FetchSettings, RangeReader, remote_headers
+from expertd.rowfetch import RowFetcher
+from expertd.serving.remote import RemoteFills
 
 VERIFY_MODES = ("always", "first", "never")
 
@@ -35,11 +41,13 @@ class FillPool:
         workers: number of reader threads (at least 1).
         verify: "always" checks every fill against the manifest's checksum, "first" only an
             expert's first fill, "never" none.
+        fetch: how a lazy directory's absent rows are fetched (default: FetchSettings()).
     Raises:
         ValueError: ``workers`` below 1 or an unknown ``verify`` mode.
     """
 
-    def __init__(self, store: BlobStore, arena, workers: int, verify: str):
+    def __init__(self, store: BlobStore, arena, workers: int, verify: str,
+                 fetch: FetchSettings | None = None):
         if workers < 1:
             raise ValueError("workers must be at least 1")
         if verify not in VERIFY_MODES:
@@ -65,6 +73,14 @@ class FillPool:
         self._busy = 0
         self._closed = False
         self._accepting = True
+        # A lazy directory's: (layer, expert) -> [(row, urgent)] of fills waiting for the row.
+        self._remote_rows: dict = {}
+        self.remote = None
+        if store.lazy:
+            fetch = fetch or FetchSettings()
+            fetcher = RowFetcher(store.dir, store.manifest, store.records,
+                                 RangeReader(fetch, remote_headers(store.manifest.remote)))
+            self.remote = RemoteFills(fetcher, self._fetched, fetch.connections, fetch.coalesce)
         # Daemon threads: a read stuck in the kernel must not keep the process from exiting.
         self._threads = [threading.Thread(target=self._work, name=f"expertd-fill-{i}",
                                           daemon=True) for i in range(workers)]
@@ -86,9 +102,47 @@ class FillPool:
         """
         if not self._accepting:
             raise RuntimeError("the fill pool is closed; no fill can start")
+        if self.remote is not None and not self.store.present(layer, expert):
+            with self._lock:
+                self._remote_rows.setdefault((layer, expert), []).append((row, urgent))
+            self.remote.request(layer, expert, urgent)
+            return
         with self._lock:
             (self._urgent if urgent else self._later).append((row, layer, expert))
         self._tokens.put(True)
+
+    def _fetched(self, layer: int, expert: int, error: str | None) -> None:
+        """A remote worker's answer: the row is on the disk (read it as any other), or not."""
+        with self._lock:
+            if self._closed:
+                return
+            waiting = self._remote_rows.pop((layer, expert), [])
+            for row, urgent in waiting:
+                if error is None:
+                    (self._urgent if urgent else self._later).append((row, layer, expert))
+                else:
+                    self._done.put((row, layer, expert, (ErrorCode.IO, error)))
+            if error is not None and waiting:
+                try:
+                    os.write(self._wake_w, b"\0")
+                except BlockingIOError:
+                    pass  # the pipe is full of wake-ups already
+        if error is None:
+            for _ in waiting:
+                self._tokens.put(True)
+
+    def remote_stats(self) -> dict:
+        """A lazy directory's counters, as ``{"remote": {rows_present, bytes_fetched, ...}}``
+        (one key: the STATS map's size is bounded); empty otherwise."""
+        if self.remote is None:
+            return {}
+        fetcher, records = self.remote.fetcher, self.store.records
+        return {"remote": dict(source=self.store.manifest.remote.source,
+                               rows_present=records.count(),
+                               rows_total=sum(layer.num_experts for layer in self.store.layers),
+                               pending=self.remote.pending(), **fetcher.counters,
+                               **self.remote.counters,
+                               fetch_retries=fetcher.reader.counters["retries"])}
 
     def expedite(self, row: int) -> bool:
         """Make the queued non-urgent fill of ``row`` urgent (a demand now waits on it).
@@ -102,12 +156,14 @@ class FillPool:
                     self._later.remove(job)
                     self._urgent.append(job)
                     return True
-        return False
-
-    def queued(self) -> int:
-        """Fills queued and not started yet."""
-        with self._lock:
-            return len(self._urgent) + len(self._later)
+            key = next((k for k, waiting in self._remote_rows.items()
+                        if (row, False) in waiting), None)
+            if key is None:
+                return False
+            waiting = self._remote_rows[key]
+            waiting[waiting.index((row, False))] = (row, True)
+        self.remote.expedite(*key)
+        return True
 
     def _work(self) -> None:
         while True:
@@ -183,6 +239,8 @@ class FillPool:
             with self._lock:
                 return self._busy == 0  # closed before: only say whether reads remain
         self._accepting = False
+        if self.remote is not None:
+            self.remote.close(timeout=min(timeout, 1.0))
         with self._lock:
             self._urgent.clear()
             self._later.clear()

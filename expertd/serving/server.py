@@ -28,10 +28,11 @@ from expertd.protocol import (
 from expertd.serving.cache import ExpertCache
 from expertd.serving.clients import ClientRegistry
 from expertd.serving.config import ServerConfig, cache_limits
-from expertd.serving.hotset import load_hot_set, read_pin_file, save_hot_set
+from expertd.serving.hotset import HotSet
 from expertd.serving.leases import Demand, LeaseBook
 from expertd.serving.peers import MAX_CLIENTS, Peers
 from expertd.serving.preads import FillPool
+from expertd.serving.stats import DaemonInfo, ServerCounters, assemble
 from expertd.shm.layout import Arena, Geometry
 from expertd.units import size_text
 
@@ -77,12 +78,10 @@ class ExpertServer:
         self.capped = config.cache_bytes >= Geometry.smallest_budget(
             g.n_layers, g.n_experts, g.stride, side_rows=side, cache_rows=g.cache_rows + 1)
         self.max_pins, self.max_demand, client_cap = cache_limits(g.cache_rows)
-        # Checked before anything is created: more pins than PIN allows would leave demands
-        # too few rows, and they would wait forever.
-        self.pins = read_pin_file(config.pin_file) if config.pin_file is not None else []
-        if len(set(self.pins)) > self.max_pins:
-            raise ValueError(f"{config.pin_file}: {len(set(self.pins))} experts to pin, but a "
-                             f"cache of {g.cache_rows} rows can pin at most {self.max_pins}")
+        # The pin file is checked before anything is created: more pins than PIN allows would
+        # leave demands too few rows, and they would wait forever.
+        self.hot_set = HotSet(state_file, config.pin_file, self.n_experts, self.max_pins,
+                              g.cache_rows)
         self.arena = Arena.create(arena_name, g, os.getpid(), epoch)
         try:
             self.arena.populate()
@@ -91,8 +90,8 @@ class ExpertServer:
                              config.lease_timeout)
             self.cache = ExpertCache(self.arena, self.pool, book, config.workers, self._send,
                                      prefetch=config.prefetch, top_k=m.top_k,
-                                     side_hold=config.side_hold, clock=clock)
-            self.policy = self.cache.policy
+                                     side_hold=config.side_hold, clock=clock,
+                                     max_pins=self.max_pins)
             self.clients = ClientRegistry(config.client_timeout, MAX_CLIENTS)
             self._beats: dict = {}  # a heartbeat connection's routing id -> its client's
             self._quiet_until, self._unlogged = 0.0, 0  # bad requests: a log line a second
@@ -102,8 +101,7 @@ class ExpertServer:
             self._ticks = 0
             self.started = time.monotonic()
             self.running = True
-            self.counters = dict(bad_requests=0, demands=0, internal_errors=0, busy=0,
-                                 clients_timed_out=0, clients_disconnected=0)
+            self.counters = ServerCounters()
             self.peers = Peers(str(paths.socket))
             try:
                 self.peers.watch(self.pool.wake_fd, WAKE)
@@ -204,13 +202,13 @@ class ExpertServer:
             self._handle(identity, rid, op, req)
         except ProtocolError as exc:
             self._stats_body = None
-            self.counters["bad_requests"] += 1
+            self.counters.bad_requests += 1
             self._log_bad(identity, exc)
             self._send(identity, reply_error(rid, op_byte, ErrorCode(exc.code), str(exc)))
         except Exception:
             # A bug in a handler: say so in the log and to the client, and keep serving.
             self._stats_body = None
-            self.counters["internal_errors"] += 1
+            self.counters.internal_errors += 1
             log.exception("internal error handling a request from %s", identity.hex()[:12])
             self._send(identity, reply_error(rid, op_byte, ErrorCode.INTERNAL,
                                              "internal error in expertd (see its log)"))
@@ -281,11 +279,8 @@ class ExpertServer:
             elif op is Op.PIN:
                 self._pin(client, rid, req)
             elif op is Op.UNPIN:
-                for key in ((req.layer, e) for e in req.experts):
-                    if key in client.pins:
-                        client.pins.discard(key)
-                        self.policy.drop(key)
-                self._send(identity, reply_ok(rid, op, pinned=len(self.policy.pinned_keys)))
+                self.cache.pins.release(identity, [(req.layer, e) for e in req.experts])
+                self._send(identity, reply_ok(rid, op, pinned=len(self.cache.pins.pinned_keys)))
 
     def _check_range(self, req) -> None:
         if req.layer >= len(self.n_experts):
@@ -300,28 +295,25 @@ class ExpertServer:
                                 f"(0..{n - 1})", ErrorCode.OUT_OF_RANGE)
 
     def _demand(self, identity: bytes, rid: bytes, req) -> None:
-        self.counters["demands"] += 1
+        self.counters.demands += 1
         if len(req.experts) > self.max_demand:
             raise ProtocolError(f"{len(req.experts)} experts in one demand; at most "
                                 f"{self.max_demand} fit", ErrorCode.OUT_OF_RANGE)
         demand = Demand(identity, rid, req.layer, req.experts)
         if not self.cache.start(demand) and not self.cache.book.enqueue(demand):
-            self.counters["busy"] += 1
+            self.counters.busy += 1
             raise ProtocolError(f"{MAX_QUEUED_PER_CLIENT} demands of this client wait already; "
                                 "release leases first", ErrorCode.BUSY)
 
     def _pin(self, client, rid: bytes, req) -> None:
         """A client's pins hold while it lives; only the pin file pins for good."""
-        keys = [(req.layer, e) for e in req.experts if (req.layer, e) not in client.pins]
-        new = sum(not self.policy.is_pinned(key) for key in keys)
-        if self.policy.n_pinned_keys + new > self.max_pins:
+        pins = self.cache.pins
+        keys = pins.hold(client.identity, [(req.layer, e) for e in req.experts])
+        if keys is None:
             raise ProtocolError(f"at most {self.max_pins} experts can be pinned in this cache",
                                 ErrorCode.OUT_OF_RANGE)
-        for key in keys:
-            self.policy.hold(key)
-            client.pins.add(key)
         self.cache.add_background(keys, first=True)
-        self._send(client.identity, reply_ok(rid, Op.PIN, pinned=len(self.policy.pinned_keys)))
+        self._send(client.identity, reply_ok(rid, Op.PIN, pinned=len(pins.pinned_keys)))
 
     def _hello(self) -> dict:
         g = self.geometry
@@ -343,7 +335,7 @@ class ExpertServer:
         self._beats.pop(identity, None)
         client = self.clients.remove(identity)
         if client is not None:
-            self.counters["clients_disconnected"] += 1
+            self.counters.clients_disconnected += 1
             self._forget(client)
 
     def _forget(self, client) -> None:
@@ -368,80 +360,39 @@ class ExpertServer:
         for client in self.clients.dead(now):
             log.info("client pid %d timed out; reclaiming its %d leased rows", client.pid,
                      self.cache.book.held(client.identity))
-            self.counters["clients_timed_out"] += 1
+            self.counters.clients_timed_out += 1
             self._forget(client)
             self.peers.close_peer(client.identity)  # it was forgotten: it must say hello again
         self.cache.expire(now)
         self._ticks += 1
         if self.config.auto_pin and self._ticks % 10 == 0:
-            room = self.max_pins - self.policy.n_pinned_keys
-            self.policy.auto_pin(max(0, min(self.config.auto_pin, room)),
-                                 self.cache.cache_row_keys())
+            self.cache.auto_pin(self.config.auto_pin)
 
     def stats(self) -> dict:
-        c = {**self.counters, **self.cache.counters}
-        cache, book, g = self.cache, self.cache.book, self.geometry
-        hits = c["demand_hits"] + c["client_hits"]
-        busy = cache.fill_seconds()
-        row_keys = cache.cache_row_keys()
-        # A prefetched row used is a saved miss: it counts beside hits and misses, in neither.
-        looked_up = hits + c["misses"] + c["prefetch_hits"]
-        return dict(
+        """The STATS reply: who this daemon is, then each part's record (see stats.py)."""
+        g, store = self.geometry, self.store
+        info = DaemonInfo(
             endpoint=self.paths.endpoint, arena=self.arena.name, pid=os.getpid(),
-            blob_dir=str(self.store.dir), epoch=self.epoch, log=str(self.paths.log),
-            uptime_s=round(time.monotonic() - self.started, 3),
-            arena_bytes=g.total_size, arena_rows=g.cache_rows, stride=g.stride,
-            cache_capped=self.capped,
-            rows_used=cache.table.rows_used(~cache.side.side),
-            hits=hits, demand_hits=c["demand_hits"], client_hits=c["client_hits"],
-            misses=c["misses"], hit_rate=round(hits / max(1, looked_up), 4),
-            prefetch=cache.prefetch_mode, side_rows=2 * g.side_rows,
-            side_rows_used=cache.table.rows_used(cache.side.side),
-            **{k: c[k] for k in ("prefetch_requested", "prefetch_ignored", "prefetch_merged",
-                                 "prefetch_fills", "prefetch_dropped", "prefetch_shed",
-                                 "prefetch_hits", "prefetch_wasted")},
-            bytes_read=c["bytes_read"], fills=c["fills"], fill_errors=c["fill_errors"],
-            fill_seconds=round(busy, 6),
-            fill_gbps=round(c["bytes_read"] / busy / 1e9, 3) if busy else 0.0,
-            pinned=self.policy.n_pinned_rows(row_keys), clients=len(self.clients),
-            client_pools=self.clients.summary(),
-            leases=len(book), leased_rows=int(book.leased.sum()),
-            queued=book.queued(), lease_expiries=book.expired,
-            max_demand=self.max_demand, client_cap=book.client_cap,
-            bad_requests=c["bad_requests"], internal_errors=c["internal_errors"],
-            busy=c["busy"], clients_timed_out=c["clients_timed_out"],
-            clients_disconnected=c["clients_disconnected"], demands=c["demands"],
-            in_flight=cache.in_flight, io=self.store.io_mode, io_reason=self.store.io_reason,
+            blob_dir=str(store.dir), epoch=self.epoch, log=str(self.paths.log),
+            uptime_s=round(time.monotonic() - self.started, 3), arena_bytes=g.total_size,
+            arena_rows=g.cache_rows, stride=g.stride, cache_capped=self.capped,
+            max_demand=self.max_demand, io=store.io_mode, io_reason=store.io_reason,
             workers=self.config.workers, verify=self.config.verify,
-            implementation=native.IMPLEMENTATION, peers=self.peers.count,
-            **self.peers.counters)
-
-    def _valid_key(self, layer, expert) -> bool:
-        return (type(layer) is int and type(expert) is int and 0 <= layer < len(self.n_experts)
-                and 0 <= expert < self.n_experts[layer])
+            implementation=native.IMPLEMENTATION, peers=self.peers.count)
+        return {**assemble(info, self.counters, self.cache.counters, self.cache.stats(),
+                           self.cache.book.stats(), self.clients.stats(), self.peers.counters),
+                **self.pool.remote_stats()}
 
     # ---- warm restart ----------------------------------------------------------------------
 
     def _save_state(self) -> None:
         try:
-            save_hot_set(self.state_file, self.store.dir, self.policy, self.geometry.cache_rows)
+            self.hot_set.save(self.store.dir, self.cache.policy)
         except OSError as exc:
             log.warning("could not save the hot set to %s: %s", self.state_file, exc)
 
     def _load_state(self) -> None:
-        keys = load_hot_set(self.state_file, self.policy)
-        # Pins come from the pin file alone: one taken out of it must not live on in the state.
-        for key in self.policy.pinned_keys:
-            self.policy.unpin(key)
-        for key in self.pins:
-            if not self._valid_key(*key):
-                raise ValueError(f"{self.config.pin_file}: no expert {key[1]} in layer {key[0]}")
-            self.policy.pin(key)
-        for key in sorted(self.policy.pinned_keys)[self.max_pins:]:
-            log.warning("not pinning %s: the cache can pin at most %d", key, self.max_pins)
-            self.policy.unpin(key)
-        keys = list(dict.fromkeys(sorted(self.policy.pinned_keys) + keys))
-        keys = [key for key in keys if self._valid_key(*key)][:self.geometry.cache_rows]
+        keys = self.hot_set.load(self.cache.policy)
         if keys:
             log.info("warming %d experts from %s", len(keys), self.state_file)
         self.cache.warm_total = len(keys)

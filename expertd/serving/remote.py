@@ -1,0 +1,170 @@
+"""The daemon's remote workers: rows of a lazy directory fetched once, on their own threads.
+
+The fill pool hands over a fill whose row is not on the disk yet; the remote workers fetch it
+(see expertd/rowfetch.py: written durably, then marked present) and hand it back, and the
+pool's own workers then read it into the arena as any other row. Remote reads never hold a
+local worker, so rows already on the disk keep filling while the network is slow or gone.
+
+An expert is fetched once however many fills wait for it; demands go before prefetches; a
+worker takes up to ``coalesce`` queued adjacent experts of one layer into one fetch (one range
+request per segment).
+"""
+
+import logging
+import threading
+import time
+from collections import deque
+
+from expertd.rowfetch import RowFetcher
+from expertd.shardcheck import check_shards
+
+log = logging.getLogger("expertd")
+
+
+class RemoteFills:
+    """Fetches absent rows on ``connections`` threads; ``done(layer, expert, error)`` is called
+    from a worker thread when one is on the disk (error None) or failed (a one-line message).
+
+    Args:
+        fetcher: the :class:`~expertd.rowfetch.RowFetcher` of the blob directory.
+        done: the completion callback.
+        connections: worker threads, each with its own keep-alive connection.
+        coalesce: adjacent experts of a layer fetched together, at most.
+    """
+
+    def __init__(self, fetcher: RowFetcher, done, connections: int, coalesce: int):
+        self.fetcher = fetcher
+        self._done = done
+        self.coalesce = coalesce
+        self._lock = threading.Condition()
+        self._urgent: deque = deque()
+        self._later: deque = deque()
+        self._wanted: set = set()  # keys queued or being fetched
+        self._closed = False
+        self.counters = dict(fetch_errors=0, fetches=0, rows_refreshed=0, shards_checked=0,
+                             shard_faults=0)
+        self._rows = sum(layer.num_experts for layer in fetcher.manifest.layers)
+        self._checked = False  # the whole-file check runs once, when the last row arrives
+        self._threads = [threading.Thread(target=self._work, name=f"expertd-remote-{i}",
+                                          daemon=True) for i in range(connections)]
+        for thread in self._threads:
+            thread.start()
+
+    def request(self, layer: int, expert: int, urgent: bool) -> None:
+        """Fetch ``(layer, expert)`` unless it is wanted already (then a demand expedites it)."""
+        key = (layer, expert)
+        with self._lock:
+            if key in self._wanted:
+                if urgent and key in self._later:
+                    self._later.remove(key)
+                    self._urgent.append(key)
+                return
+            self._wanted.add(key)
+            (self._urgent if urgent else self._later).append(key)
+            self._lock.notify()
+
+    def expedite(self, layer: int, expert: int) -> None:
+        self.request(layer, expert, urgent=True)
+
+    def pending(self) -> int:
+        """Experts queued or being fetched."""
+        with self._lock:
+            return len(self._wanted)
+
+    def _take(self) -> list | None:
+        """The next run of adjacent experts of one layer, or None once closed."""
+        with self._lock:
+            while not self._closed and not (self._urgent or self._later):
+                self._lock.wait()
+            if self._closed:
+                return None
+            layer, expert = (self._urgent or self._later).popleft()
+            run = [expert]
+            for step in (1, -1):  # grow the run upwards, then downwards, from what is queued
+                nxt = expert + step
+                while len(run) < self.coalesce:
+                    key = (layer, nxt)
+                    queue = (self._urgent if key in self._urgent else
+                             self._later if key in self._later else None)
+                    if queue is None:
+                        break
+                    queue.remove(key)
+                    run.append(nxt)
+                    nxt += step
+            return layer, sorted(run)
+
+    def _work(self) -> None:
+        records = self.fetcher.records
+        while True:
+            job = self._take()
+            if job is None:
+                return
+            layer, run = job
+            # Another process (expertd fetch) may have brought some of them meanwhile.
+            arrived = [e for e in run if records.refresh(layer, e)]
+            todo = [e for e in run if e not in arrived]
+            errors = {}
+            if todo:
+                try:
+                    # A run with a hole (fetched by another process) is fetched in pieces.
+                    for first, count in _spans(todo):
+                        self.fetcher.fetch(layer, first, count)
+                except Exception as exc:  # every waiter must hear, whatever went wrong
+                    for e in todo:
+                        if not records.present(layer, e):
+                            errors[e] = self.fetcher.describe_failure(layer, e, exc)
+            if todo and not errors and not self._checked and records.count() == self._rows:
+                self._check_shards()
+            with self._lock:
+                self.counters["fetches"] += bool(todo)
+                self.counters["rows_refreshed"] += len(arrived)
+                self.counters["fetch_errors"] += len(errors)
+                for e in run:
+                    self._wanted.discard((layer, e))
+                closed = self._closed
+            if not closed:
+                for e in run:
+                    self._done(layer, e, errors.get(e))
+
+    def _check_shards(self) -> None:
+        """Every row has arrived: check each shard against its published sha256, once."""
+        with self._lock:
+            if self._checked:
+                return
+            self._checked = True
+        f = self.fetcher
+        try:
+            checked, faults = check_shards(f.dir, f.manifest, f.records)
+        except (OSError, ValueError) as exc:
+            log.error("could not check the shards of %s against their sha256: %s", f.dir, exc)
+            return
+        for _, message in faults:
+            log.error("%s; run expertd verify --blobs %s", message, f.dir)
+        with self._lock:
+            self.counters["shards_checked"] += len(checked)
+            self.counters["shard_faults"] += len(faults)
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the workers: queued fetches are dropped, none is reported any more."""
+        with self._lock:
+            self._closed = True
+            self._urgent.clear()
+            self._later.clear()
+            self._lock.notify_all()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:  # a fetch stuck in the network ends at its socket timeout
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self.fetcher.reader.close()
+        if not any(thread.is_alive() for thread in self._threads):
+            self.fetcher.close()
+
+
+def _spans(experts: list) -> list:
+    """Sorted experts as ``(first, count)`` runs of consecutive ids."""
+    spans = []
+    for e in experts:
+        if spans and spans[-1][0] + spans[-1][1] == e:
+            spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+        else:
+            spans.append((e, 1))
+    return spans
