@@ -60,7 +60,7 @@ def policy_hits(trace, capacity: int, group: int = 1, layered: bool = False, **o
     """Hits of ``LfuPolicy`` with demand fills; ``options`` go to its constructor.
 
     ``group`` > 1 takes the requests ``group`` at a time (one token's top_k experts of one layer)
-    as one demand, the way ``expertd/cache.py`` starts one: the victims of all its misses are
+    as one demand, the way ``expertd/serving/cache.py`` starts one: the victims of all its misses are
     chosen in one call with the demand's resident rows not eligible, so one miss cannot evict a
     row another of the same demand uses. ``group`` 1 is one request after the other.
     ``layered`` passes the demand's layer and missing experts, as the daemon does (per-layer

@@ -221,7 +221,7 @@ def section(results: list, seconds: float, zipf: dict) -> str:
         f"simulation: no daemon, no MLX). Trace `bench/out/learned/trace-{learned['trace']}.npz`: "
         f"{learned['requests']} requests, {learned['keys']} keys, run as demands of one token's "
         "top-k experts of one layer (the demand's resident keys never evicted by its own misses, "
-        "as `expertd/cache.py` does), filled on demand. Each cell: hit rate ÷ Belady's, **cold** "
+        "as `expertd/serving/cache.py` does), filled on demand. Each cell: hit rate ÷ Belady's, **cold** "
         f"(empty cache, whole stream) / **warm** (the first sequence, {learned['warm']} requests, "
         "fills the cache and is not counted, for the policy and Belady alike). Target ≥ "
         f"{TARGET} in every cell (higher is better). Decay grid of the daemon's `LfuPolicy`: "
@@ -232,7 +232,7 @@ def section(results: list, seconds: float, zipf: dict) -> str:
         f"- Best online policy here: {online['policy']} ({online['params']}), "
         f"{gain} against the default LFU (cold, 10/25/50/75%).",
         f"- {SHIPPED}: the daemon passes each demand's layer and missing experts "
-        "(`expertd/cache.py`), min quota = the model's top_k. Against plain LFU, cold / warm at "
+        "(`expertd/serving/cache.py`), min quota = the model's top_k. Against plain LFU, cold / warm at "
         f"10/25/50/75%: {shipped_gain(learned)} on `trace-{learned['trace']}.npz`"
         + "".join(f", {shipped_gain(o)} on `trace-{o['trace']}.npz`" for o in results[1:])
         + ". It keeps its decay (×0.5 every 8×rows): the per-token half-life decay of the "

@@ -76,7 +76,7 @@ class _Handler(BaseHTTPRequestHandler):
         start = int(range_match[1])
         end = min(int(range_match[2]) if range_match[2] else size - 1, size - 1)
         mode = self.server.take_fault()
-        self._log(path, (start, end), 500 if mode == "500" else 206)
+        self._log(path, (start, end), 500 if mode == "500" else 206, mode)
         if mode == "500":
             return self._reply(500, b"injected failure")
         if mode == "stall":
@@ -121,9 +121,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _log(self, path, span, status):
+    def _log(self, path, span, status, fault="none"):
         self.server.record({"method": self.command, "path": path,
-                            "range": list(span) if span else None, "status": status})
+                            "range": list(span) if span else None, "status": status,
+                            "fault": fault})
 
 
 class _Server(ThreadingHTTPServer):

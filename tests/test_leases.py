@@ -22,7 +22,7 @@ def demand(owner=A, experts=(0, 1)):
 
 
 def book_steps(call) -> tuple:
-    """``(lines of expertd/leases.py that call() ran, what it returned)``: the book's work,
+    """``(lines of expertd/serving/leases.py that call() ran, what it returned)``: the book's work,
     counted the same on an idle machine and a busy one (a loop over every lease or demand
     counts each pass)."""
     steps = 0

@@ -227,9 +227,10 @@ def test_fetch_resumes_after_a_sigkill_mid_transfer(served_model, tmp_path):
             # Let 2 runs through, then the next request hangs: the kill lands mid-transfer.
             server.fault("none")
             wait_until(lambda: present_count(out, manifest) >= 8, 60, "two runs of rows to arrive")
+            before = len(server.requests())
             server.fault("stall")
-            stalled = len(server.ranges())
-            wait_until(lambda: len(server.ranges()) > stalled, 60, "a request to hang")
+            wait_until(lambda: any(r["fault"] == "stall" for r in server.requests()[before:]),
+                       60, "a request to hang")
             proc.send_signal(signal.SIGKILL)
             proc.communicate(timeout=60)
         finally:

@@ -1,20 +1,8 @@
 """``expertd fetch``: complete a lazy blob directory (``expertd convert --lazy``) ahead of time."""
 
-import argparse
-import math
 from pathlib import Path
 
 from expertd.cli import argtypes
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text!r}")
-    return value
 
 
 def _cmd_fetch(args) -> int:
@@ -53,7 +41,7 @@ def add_subcommands(sub) -> None:
                    help="parallel range requests")
     p.add_argument("--coalesce", type=argtypes.positive_int, default=4,
                    help="adjacent experts fetched by one range request, at most")
-    p.add_argument("--timeout", type=_seconds, default=30.0,
+    p.add_argument("--timeout", type=argtypes.seconds, default=30.0,
                    help="seconds a connection may wait for the server before a retry")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_fetch)
