@@ -192,7 +192,8 @@ ONCE = {"test_cli", "test_service", "test_serve", "test_chat", "test_convert", "
         "test_side_book", "test_generate", "test_attack", "test_protocol_fuzz", "test_lifecycle",
         "test_daemon_fairness", "test_daemon_recovery", "test_fill_verify", "test_attack_pools",
         "test_flood", "test_client_flags", "test_client_lifecycle", "test_remote",
-        "test_remote_daemon", "test_remote_attack", "test_stats_record", "test_slot_layout"}
+        "test_remote_daemon", "test_remote_attack", "test_stats_record", "test_slot_layout",
+        "test_packaging"}
 
 
 def pytest_collection_modifyitems(items):
