@@ -10,39 +10,17 @@ import os
 PURE_PYTHON_FORCED = os.environ.get("EXPERTD_PURE_PYTHON", "") not in ("", "0")
 
 if PURE_PYTHON_FORCED:
-    from expertd._fallback import (
-        IMPLEMENTATION,
-        begin_write,
-        bump_hits,
-        copy_segments,
-        drain,
-        end_write,
-        remap,
-        validate,
-    )
+    from expertd import _fallback as _chosen
 else:
     try:
-        from expertd._native import (
-            IMPLEMENTATION,
-            begin_write,
-            bump_hits,
-            copy_segments,
-            drain,
-            end_write,
-            remap,
-            validate,
-        )
+        from expertd import _native as _chosen
     except ImportError:
-        from expertd._fallback import (
-            IMPLEMENTATION,
-            begin_write,
-            bump_hits,
-            copy_segments,
-            drain,
-            end_write,
-            remap,
-            validate,
-        )
+        from expertd import _fallback as _chosen
+
+IMPLEMENTATION = _chosen.IMPLEMENTATION
+remap, validate, drain = _chosen.remap, _chosen.validate, _chosen.drain
+copy_segments, bump_hits = _chosen.copy_segments, _chosen.bump_hits
+begin_write, end_write = _chosen.begin_write, _chosen.end_write
 
 __all__ = ["IMPLEMENTATION", "PURE_PYTHON_FORCED", "remap", "validate", "drain",
            "copy_segments", "bump_hits", "begin_write", "end_write"]

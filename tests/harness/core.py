@@ -108,3 +108,21 @@ def expected_bytes(blob_dir) -> dict:
                 for layer in store.layers for e in range(layer.num_experts)}
     finally:
         store.close()
+
+
+class Served:
+    """What a test asks of any daemon it started (a process or in this one): a context that
+    closes it, checking its teardown only when the test passed, and its STATS."""
+
+    blob_dir = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        # A failing test's own error says more than a teardown complaint would.
+        self.close(check=exc_type is None)
+
+    def stats(self, timeout: float = 5.0) -> dict:
+        return query_stats(self.blob_dir, timeout)
+

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from expertd.shm.layout import unlink_arena
 
-from .core import START_TIMEOUT, STOP_TIMEOUT, arena_owner, query_stats, try_stats, wait_until
+from .core import START_TIMEOUT, STOP_TIMEOUT, Served, arena_owner, try_stats, wait_until
 from .processes import stop_process
 
 
-class Daemon:
+class Daemon(Served):
     """A real ``expertd start --foreground`` process serving ``blob_dir``, ready when built.
 
     Use it as a context manager (``with Daemon(...) as d``) or call :meth:`close`. Attributes:
@@ -59,16 +59,6 @@ class Daemon:
         stats = try_stats(self.blob_dir)
         # Another daemon's answer (one being replaced) does not count.
         return stats if stats and stats["pid"] == self.pid else None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *exc):
-        # A failing test's own error says more than a teardown complaint would.
-        self.close(check=exc_type is None)
-
-    def stats(self, timeout: float = 5.0) -> dict:
-        return query_stats(self.blob_dir, timeout)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")

@@ -27,7 +27,7 @@ from expertd.runfile import (
 )
 from expertd.shm.layout import unlink_arena
 
-from .core import SEEN_ARENAS, STOP_TIMEOUT, query_stats, shm_exists
+from .core import SEEN_ARENAS, STOP_TIMEOUT, Served, shm_exists
 
 
 class FakeClock:
@@ -69,7 +69,7 @@ class _Captured(logging.Handler):
         self.lines.append(self.format(record))
 
 
-class InProcessDaemon:
+class InProcessDaemon(Served):
     """An ``ExpertServer`` serving ``blob_dir`` from a thread of this process, ready when built.
 
     The surface of :class:`~harness.daemon.Daemon` where a thread can offer it: ``blob_dir``,
@@ -140,16 +140,6 @@ class InProcessDaemon:
             self._ticked.notify_all()
 
     # ---- what tests ask ----------------------------------------------------------------------
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *exc):
-        # A failing test's own error says more than a teardown complaint would.
-        self.close(check=exc_type is None)
-
-    def stats(self, timeout: float = 5.0) -> dict:
-        return query_stats(self.blob_dir, timeout)
 
     def log_text(self) -> str:
         return "\n".join(self._log.lines)
