@@ -187,9 +187,11 @@ def _linux_segments() -> set:
 # the twin code is only the seqlock writes that test_daemon and test_side_rows repeat. The hot
 # paths the twins replace (remap, drain, copies, validation) are the client, parity, prefill and
 # prefetch tests', which both passes run.
-ONCE = {"test_cli", "test_service", "test_serve", "test_chat", "test_convert", "test_synth",
-        "test_blobstore", "test_verify", "test_pipeline", "test_policy", "test_leases",
-        "test_side_book", "test_generate", "test_attack", "test_protocol_fuzz", "test_lifecycle",
+ONCE = {"test_cli", "test_service", "test_serve", "test_chat", "test_convert_output",
+        "test_convert_refusals", "test_convert_atomicity", "test_synth", "test_blobstore",
+        "test_verify", "test_pipeline", "test_policy_ranking", "test_policy_pins",
+        "test_policy_quotas", "test_leases", "test_side_book", "test_generate", "test_attack",
+        "test_protocol_fuzz", "test_lifecycle_files", "test_lifecycle_start",
         "test_daemon_fairness", "test_daemon_recovery", "test_fill_verify", "test_attack_pools",
         "test_flood", "test_client_flags", "test_client_lifecycle", "test_remote",
         "test_remote_daemon", "test_remote_attack", "test_stats_record", "test_slot_layout",

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import termios
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import mlx_lm
 import numpy as np
 import pytest
 from conftest import FAMILY_MODES, TINY
-from harness import drawn, sigint_as_usual, terminal, wait_until
+from harness import EXPERTD, drawn, sigint_as_usual, terminal, wait_until
 from mlx.utils import tree_flatten
 
 from expertd.tools.synth import SynthConfig, synthesize
@@ -161,7 +160,6 @@ def test_tokenizer_round_trips_text(models):
 
 # ---- issue 16: atomic output, a missing parent refused, a bar on a terminal --------------------
 
-EXPERTD = str(Path(sys.executable).with_name("expertd"))
 SMALL = ("synth", "--layers", "2", "--experts", "4", "--top-k", "2", "--out")
 
 

@@ -29,7 +29,7 @@ def test_clean_directory(blob_dir):
     assert run.stdout.splitlines() == [
         f"{blob_dir}: all {EXPERTS} experts in {TINY['layers']} layers and "
         f"{len(manifest.trunk)} trunk files match their checksums"]
-    assert run.stderr == ""  # no progress bar into a pipe (test_convert checks a terminal's)
+    assert run.stderr == ""  # no progress bar into a pipe (test_convert_output checks a terminal's)
     quiet = expertd("verify", "-q", "--blobs", blob_dir)
     assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, run.stdout, "")
 

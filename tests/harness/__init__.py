@@ -8,7 +8,11 @@
 - ``daemon``: ``Daemon``, a real ``expertd start --foreground`` process, for what needs one
   (kills, SIGSTOP, permissions, restarts, the command line, the daemon's memory);
 - ``processes``: the command line, client processes (``daemon_helpers.py``), ``stop_process``
-  (the one SIGTERM-then-SIGKILL stopper) and a pseudo-terminal.
+  (the one SIGTERM-then-SIGKILL stopper) and a pseudo-terminal;
+- ``policy``: the cache-policy tests' helpers (``test_policy_*``): a policy filled row by row,
+  its frequencies, auto-pins as the cache asks for them, the victim order by a full sort;
+- ``prefetching``: the PREFETCH attack tests' helpers (``test_prefetch_attack_*``): a PREFETCH
+  answered in order, STATS once quiet, the invariants of a quiet daemon's arena.
 """
 
 from .core import (
@@ -28,8 +32,11 @@ from .core import (
 )
 from .daemon import Daemon, kill_serving_daemon, running_daemon
 from .inprocess import FakeClock, InProcessDaemon, server_config
+from .policy import A, B, all_rows, auto_pin, filled, frequencies, frequency, n_explicit, reference_order
+from .prefetching import check_arena, prefetch, quiet
 from .processes import (
     CLIENT_SCRIPT,
+    EXPERTD,
     drawn,
     expertd_cli,
     finish_client,
@@ -42,10 +49,11 @@ from .processes import (
 from .raw import RawClient, read_replies
 
 __all__ = [
-    "CLIENT_SCRIPT", "SEEN_ARENAS", "SMALL_CACHE_GB", "START_TIMEOUT", "STOP_TIMEOUT",
-    "TINY_CACHE_GB", "Daemon", "FakeClock", "InProcessDaemon", "RawClient", "arena_owner",
-    "drawn", "expected_bytes", "expertd_cli", "finish_client", "kill_serving_daemon",
-    "query_stats", "read_json_line", "read_replies", "running_daemon", "server_config",
-    "shm_exists", "shm_mode", "sigint_as_usual", "spawn_client", "stop_process", "terminal",
-    "try_stats", "validate", "wait_until",
+    "A", "B", "CLIENT_SCRIPT", "EXPERTD", "SEEN_ARENAS", "SMALL_CACHE_GB", "START_TIMEOUT",
+    "STOP_TIMEOUT", "TINY_CACHE_GB", "Daemon", "FakeClock", "InProcessDaemon", "RawClient",
+    "all_rows", "arena_owner", "auto_pin", "check_arena", "drawn", "expected_bytes", "expertd_cli",
+    "filled", "finish_client", "frequencies", "frequency", "kill_serving_daemon", "n_explicit",
+    "prefetch", "query_stats", "quiet", "read_json_line", "read_replies", "reference_order",
+    "running_daemon", "server_config", "shm_exists", "shm_mode", "sigint_as_usual", "spawn_client",
+    "stop_process", "terminal", "try_stats", "validate", "wait_until",
 ]

@@ -16,6 +16,7 @@ from pathlib import Path
 from .core import STOP_TIMEOUT
 
 CLIENT_SCRIPT = Path(__file__).resolve().parent.parent / "daemon_helpers.py"
+EXPERTD = str(Path(sys.executable).with_name("expertd"))  # the installed command, for its own argv[0]
 
 
 def expertd_cli(*args, timeout: float = 60.0) -> subprocess.CompletedProcess:

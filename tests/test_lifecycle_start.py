@@ -1,0 +1,268 @@
+"""Starting real daemons: stale runtime files of dead daemons removed and live ones spared,
+--cache-gb and the geometry, honest start-up failures, and what an attack found (two starts
+at once, pins from the pin file alone, a FIFO at the state file, careless flags)."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from harness import TINY_CACHE_GB as CACHE_GB  # 10 rows of the tiny model
+from harness import (
+    expertd_cli,
+    kill_serving_daemon,
+    query_stats,
+    running_daemon,
+    shm_exists,
+    wait_until,
+)
+
+from expertd.cli.lifecycle import serving_pid
+from expertd.paths import daemon_paths
+from expertd.runfile import read_run_info, serving_epoch, sweep_runtime_dir
+from expertd.shm.layout import Geometry, unlink_arena
+
+# ---- stale files: the dead daemon's own, and other dead daemons' ------------------------------
+
+@pytest.mark.timeout(120)
+def test_start_removes_dead_daemons_files_and_spares_live_ones(models, isolated_env, tmp_path):
+    live_blobs = models.blobs()
+    dead_blobs, new_blobs = tmp_path / "dead", tmp_path / "new"
+    shutil.copytree(live_blobs, dead_blobs)
+    shutil.copytree(live_blobs, new_blobs)
+    live, dead = daemon_paths(live_blobs), daemon_paths(dead_blobs)
+    run_dir = live.lock.parent
+    two_days_ago = time.time() - 2 * 86400
+    orphan = {run_dir / f"0123456789abcdef.{s}" for s in ("sock", "pid", "err", "log", "log.1")}
+    for path in orphan:
+        path.write_text("old")
+        os.utime(path, (two_days_ago, two_days_ago))
+    recent_log = run_dir / "fedcba9876543210.log"
+    recent_log.write_text("a crash of this morning")
+    unrelated = run_dir / "notes.txt"
+    unrelated.write_text("not ours to judge")
+    with running_daemon(live_blobs, isolated_env, "--cache-gb", CACHE_GB) as a:
+        live_files = sorted(run_dir.glob(f"{live.ident}.*"))
+        with running_daemon(dead_blobs, isolated_env, "--cache-gb", CACHE_GB) as b:
+            b.kill()
+            assert shm_exists(b.arena) and dead.socket.exists() and dead.runfile.exists()
+            try:
+                started = expertd_cli("start", "--blobs", new_blobs, "--cache-gb", CACHE_GB)
+                assert started.returncode == 0, started.stderr
+                assert not shm_exists(b.arena), "the dead daemon's arena is still there"
+                for path in (dead.socket, dead.runfile, dead.pidfile, dead.lock, *orphan):
+                    assert not path.exists(), f"{path} was not removed"
+                assert recent_log.exists(), "a dead daemon's recent log should be kept a day"
+                assert unrelated.exists()
+                # The live daemon lost nothing and still serves.
+                assert sorted(run_dir.glob(f"{live.ident}.*")) == live_files
+                assert query_stats(live_blobs)["pid"] == a.pid and shm_exists(a.arena)
+                assert serving_epoch(live) == read_run_info(live).epoch
+                assert expertd_cli("stop", "--blobs", new_blobs).returncode == 0
+            finally:
+                kill_serving_daemon(new_blobs)
+    # Now nobody serves anything: a sweep leaves only the recent logs (and the unrelated file).
+    new = daemon_paths(new_blobs)
+    assert sweep_runtime_dir(run_dir) >= 2
+    assert sorted(p.name for p in run_dir.iterdir() if re.fullmatch(r"[0-9a-f]{16}\..*", p.name)
+                  ) == sorted([new.log.name, recent_log.name])
+
+
+# ---- --cache-gb and the geometry ----------------------------------------------------------------
+
+@pytest.mark.timeout(90)
+def test_cache_gb_is_validated_and_the_smallest_budget_named(models, isolated_env):
+    blobs = models.blobs()
+    for bad in ("nan", "inf", "-inf", "0", "-1"):
+        refused = expertd_cli("start", "--blobs", blobs, f"--cache-gb={bad}", timeout=30)
+        assert refused.returncode == 1, refused
+        assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+        assert "finite number of GiB above 0" in refused.stderr
+    small = expertd_cli("start", "--blobs", blobs, "--cache-gb", "0.0001", timeout=30)
+    assert small.returncode == 1 and small.stderr.count("\n") == 1, small
+    least = re.search(r"smallest cache that serves it is ([0-9.]+ [MG])iB", small.stderr)
+    assert least, small.stderr
+    assert "8 rows" in small.stderr  # 2 x top_k for the tiny model (top_k = 4)
+    try:
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", least.group(1))
+        assert started.returncode == 0, started.stderr
+        assert query_stats(blobs)["arena_rows"] == 8
+    finally:
+        kill_serving_daemon(blobs)
+
+
+def test_a_budget_short_of_the_side_rows_says_so():
+    stride, side = 16384, 4
+    least = Geometry.smallest_budget(3, 16, stride, side_rows=side)
+    assert Geometry.for_budget(3, 16, stride, least, side_rows=side).cache_rows == 1
+    budget = least - 1  # room for several rows, but not for one beside the side rows
+    assert budget > 4 * stride
+    with pytest.raises(ValueError) as err:
+        Geometry.for_budget(3, 16, stride, budget, side_rows=side)
+    message = str(err.value)
+    assert "holds no expert row" not in message
+    assert "2 x 4 prefetch side rows" in message and f"at least {least} bytes" in message
+    for rows in (2, 8, 20):
+        budget = Geometry.smallest_budget(3, 16, stride, side_rows=side, cache_rows=rows)
+        assert Geometry.for_budget(3, 16, stride, budget, side_rows=side).cache_rows == rows
+        assert Geometry.for_budget(3, 16, stride, budget - 1, side_rows=side).cache_rows == rows - 1
+
+
+def test_default_side_rows_are_twice_top_k_only_in_a_big_enough_arena():
+    """Two read-ahead widths per generation when the cache keeps 16 times as many rows beside
+    them; top_k when the arena is small, or the model has too few experts to fill it."""
+    stride, top_k = 16384, 4
+    for rows, want in ((127, 4), (128, 8), (2000, 8)):
+        budget = Geometry.smallest_budget(8, 512, stride, side_rows=8, cache_rows=rows)
+        assert Geometry.default_side_rows(8, 512, stride, budget, top_k) == want, rows
+    budget = Geometry.smallest_budget(3, 16, stride, side_rows=8, cache_rows=2000)
+    assert Geometry.default_side_rows(3, 16, stride, budget, top_k) == top_k  # 48 experts
+    assert Geometry.default_side_rows(3, 16, stride, 1000, top_k) == top_k  # no room at all
+
+
+# ---- start-up failures ---------------------------------------------------------------------------
+
+BLOCK_BEFORE_STATE = """
+import sys
+if "--foreground" in sys.argv:
+    import expertd.serving.server as server
+    load_state = server.ExpertServer._load_state
+
+    def blocked(self):
+        open({fifo!r}).read()
+        load_state(self)
+
+    server.ExpertServer._load_state = blocked
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_start_shows_only_its_own_error_and_leaves_nothing(models, isolated_env,
+                                                                     tmp_path):
+    blobs = models.blobs()
+    paths = daemon_paths(blobs)
+    pins = tmp_path / "pins.json"
+    pins.write_text(json.dumps([[0, e] for e in range(9)]))  # more than the cache may pin
+    first = expertd_cli("start", "--blobs", blobs, "--cache-gb", CACHE_GB,
+                        "--pin-file", pins, timeout=30)
+    assert first.returncode == 1
+    assert "9 experts to pin" in first.stderr and "exited with status 1" in first.stderr
+    assert f"log: {paths.log}" in first.stderr and "Traceback" not in first.stderr
+    assert "start-up failed" in paths.log.read_text()
+
+    # A start blocked after its arena exists, then killed: SIGKILL, as the OOM killer would,
+    # then SIGTERM through `expertd stop`. The daemon child blocks on a FIFO nobody writes,
+    # just before it reads its hot set: a sitecustomize on the child's path puts the FIFO there.
+    fifo = tmp_path / "block.fifo"
+    os.mkfifo(fifo, 0o600)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(BLOCK_BEFORE_STATE.format(fifo=str(fifo)))
+    child_env = {**os.environ, "PYTHONPATH": str(hook)}
+    for how, expected in (("kill", "was killed by SIGKILL"), ("stop", "exited with status 143")):
+        starter = subprocess.Popen(
+            [sys.executable, "-m", "expertd", "start", "--blobs", str(blobs), "--cache-gb",
+             CACHE_GB], env=child_env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            info = wait_until(lambda: read_run_info(paths), 30, "the run file")
+            assert not info.ready and serving_epoch(paths) == 0
+            wait_until(lambda: shm_exists(info.arena), 30, "the arena")
+            if how == "kill":
+                os.kill(info.pid, signal.SIGKILL)
+            else:
+                assert expertd_cli("stop", "--blobs", blobs).returncode == 0
+            _, err = starter.communicate(timeout=30)
+        finally:
+            if starter.poll() is None:
+                kill_serving_daemon(blobs)
+                starter.kill()
+                starter.communicate()
+            unlink_arena(info.arena)
+        assert starter.returncode == 1
+        assert expected in err and f"log: {paths.log}" in err, err
+        assert "9 experts to pin" not in err, "an earlier run's error was shown"
+        assert not shm_exists(info.arena), "the failed start left its arena"
+        for path in (paths.socket, paths.runfile, paths.pidfile):
+            assert not path.exists(), f"the failed start left {path}"
+        assert serving_pid(paths) is None
+
+
+# ---- what an attack found ---------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_two_starts_at_once_leave_one_daemon_that_stop_stops(models, isolated_env):
+    blobs = models.blobs()
+    cmd = [sys.executable, "-m", "expertd", "start", "--blobs", str(blobs), "--cache-gb",
+           CACHE_GB]
+    try:
+        starts = [subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        results = [(p.wait(60), *p.communicate()) for p in starts]
+        codes = sorted(code for code, _, _ in results)
+        assert codes == [0, 1], results
+        loser = next(err for code, _, err in results if code == 1)
+        assert "already serves" in loser and "Traceback" not in loser
+        stopped = expertd_cli("stop", "--blobs", blobs, timeout=30)
+        assert stopped.returncode == 0, stopped.stderr
+        assert serving_pid(daemon_paths(blobs)) is None  # nobody took over after the stop
+    finally:
+        kill_serving_daemon(blobs)
+
+
+@pytest.mark.timeout(120)
+def test_pins_come_from_the_pin_file_alone_not_from_an_old_state(models, isolated_env, tmp_path):
+    blobs = models.blobs()
+    pins = tmp_path / "pins.json"
+    pins.write_text("[[0, 1]]")
+    state = tmp_path / "hot.json"
+    try:
+        for flags, pinned in ((["--pin-file", pins], 1), ([], 0)):
+            got = expertd_cli("start", "--blobs", blobs, "--cache-gb", CACHE_GB, "--state-file",
+                              state, *flags)
+            assert got.returncode == 0, got.stderr
+            wait_until(lambda: query_stats(blobs)["in_flight"] == 0, 10, "warm-up to end")
+            assert query_stats(blobs)["pinned"] == pinned
+            assert expertd_cli("stop", "--blobs", blobs).returncode == 0
+    finally:
+        kill_serving_daemon(blobs)
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_or_foreign_file_at_the_state_file_is_ignored(models, isolated_env, tmp_path):
+    blobs = models.blobs()
+    fifo = tmp_path / "hot.json"
+    os.mkfifo(fifo, 0o600)
+    try:
+        got = expertd_cli("start", "--blobs", blobs, "--cache-gb", CACHE_GB, "--state-file",
+                          fifo, timeout=30)
+        assert got.returncode == 0, got.stderr  # did not hang reading it
+        assert expertd_cli("stop", "--blobs", blobs).returncode == 0
+    finally:
+        kill_serving_daemon(blobs)
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"policy": {}, "hot": [[0, 1]]}))
+    os.chown(foreign, 65534, 65534)  # as root: a file another user planted
+    from expertd.runfile import read_private
+
+    with pytest.raises(PermissionError):
+        read_private(foreign)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cache-gb", "1e308"], "more memory than any machine has"),
+    (["--cache-gb", CACHE_GB, "--workers", "100000"], "--workers must be between 1 and"),
+    (["--cache-gb", CACHE_GB, "--pin-file", "/nonexistent/pins.json"], "cannot read the pin"),
+    (["--cache-gb", CACHE_GB, "--pin-file", "{bad}"], "the pin file is not JSON"),
+])
+def test_start_refuses_careless_flags_in_one_line(models, isolated_env, tmp_path, flags, message):
+    flags = [str(tmp_path / "bad.json") if f == "{bad}" else f for f in flags]
+    (tmp_path / "bad.json").write_text("{not json")
+    got = expertd_cli("start", "--blobs", models.blobs(), *flags, timeout=30)
+    assert got.returncode == 1 and message in got.stderr, got.stderr
+    assert "Traceback" not in got.stderr and len(got.stderr.strip().splitlines()) == 1
