@@ -1,7 +1,12 @@
-"""Two pipeline ranks (mlx.launch --backend ring, one expertd each) vs one process, same model and
-the same total cache: decode tok/s and the bytes each daemon read from the SSD.
+"""Two pipeline ranks (mlx.launch, one expertd each) vs one process, same model and the same
+total cache: decode tok/s and the bytes each daemon read from the SSD.
 
     python bench/pipeline.py [--rounds 2] [--tokens 48] [--arena 0.5]
+    python bench/pipeline.py --model qwen3-30b [--layers 24] [--backend nccl]   # on GPUs
+
+``--model qwen3-30b`` takes Qwen3-30B-A3B's expert shapes (128 experts, top-8, hidden 2048).
+``--backend ring`` runs both ranks over loopback (on one GPU, both share it); ``nccl`` gives each
+rank its own GPU, as mlx.launch does. NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 
 Each rank has its own runtime directory and a blob directory of its layer range only (``expertd
 convert --layers``), as two hosts would; the one process has the whole model's directory and
@@ -21,10 +26,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MEDIUM, OUT, ensure_model, stop_daemon
+from common import MEDIUM, OUT, QWEN3_30B_LIKE, ensure_model, stop_daemon
 
 PY = sys.executable
-LAUNCH = str(Path(PY).with_name("mlx.launch"))
+# mlx.launch: the script beside this interpreter, or its module where MLX was installed without
+# scripts (the GPU machine's --target install).
+LAUNCH = ([str(Path(PY).with_name("mlx.launch"))] if Path(PY).with_name("mlx.launch").exists()
+          else [PY, "-c", "import sys; from mlx._distributed_utils.launch import main; "
+                "sys.exit(main())"])
+MODELS = {"medium": MEDIUM, "qwen3-30b": dict(QWEN3_30B_LIKE, experts=128)}
+os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the daemons, mlx.launch and the ranks
 PROMPT = "Once upon a time"
 
 
@@ -61,7 +72,8 @@ def one_process(blob_dir: Path, cache_gb: float, tokens: int, work: Path) -> dic
         shutil.rmtree(env["XDG_RUNTIME_DIR"], ignore_errors=True)
 
 
-def two_ranks(stages: list, cache_gb: float, tokens: int, work: Path, port: int) -> dict:
+def two_ranks(stages: list, cache_gb: float, tokens: int, work: Path, port: int,
+              backend: str) -> dict:
     runtimes = [tempfile.mkdtemp(prefix="xdb", dir="/tmp") for _ in stages]
     daemons = [start_daemon(stage, cache_gb / 2, dict(os.environ, XDG_RUNTIME_DIR=runtime))
                for stage, runtime in zip(stages, runtimes)]
@@ -75,7 +87,7 @@ def two_ranks(stages: list, cache_gb: float, tokens: int, work: Path, port: int)
         script = work / "rank.sh"
         script.write_text("".join(f'[ "$MLX_RANK" = {r} ] && export XDG_RUNTIME_DIR={rt}\n'
                                   for r, rt in enumerate(runtimes)) + command + "\n")
-        run = subprocess.run([LAUNCH, "-n", "2", "--backend", "ring", "-p", str(port), "--",
+        run = subprocess.run([*LAUNCH, "-n", "2", "--backend", backend, "-p", str(port), "--",
                               "sh", str(script)], capture_output=True, text=True)
         if not out.exists():
             raise RuntimeError(f"the two ranks failed:\n{run.stderr}")
@@ -87,12 +99,12 @@ def two_ranks(stages: list, cache_gb: float, tokens: int, work: Path, port: int)
             shutil.rmtree(runtime, ignore_errors=True)
 
 
-def stage_dirs(model_dir: Path, ranges: list) -> list:
+def stage_dirs(name: str, model_dir: Path, ranges: list) -> list:
     from expertd.tools.convert import convert
 
     stages = []
     for rank, spec in enumerate(ranges):
-        out = OUT / "blobs" / f"medium-stage{rank}"
+        out = OUT / "blobs" / f"{name}-stage{rank}"
         if out.exists():
             shutil.rmtree(out)
         convert(model_dir, out, progress=False, layers=spec)
@@ -108,22 +120,28 @@ def main() -> int:
     parser.add_argument("--arena", type=float, default=0.5,
                         help="total cache as a fraction of the model's experts")
     parser.add_argument("--port", type=int, default=38411)
+    parser.add_argument("--model", choices=sorted(MODELS), default="medium")
+    parser.add_argument("--layers", type=int, help="transformer layers (default: the model's)")
+    parser.add_argument("--backend", choices=("ring", "nccl"), default="ring")
     args = parser.parse_args()
 
     from expertd.manifest import Manifest
 
-    model_dir, blob_dir = ensure_model("medium", MEDIUM)
-    layers = MEDIUM["layers"]
+    spec = dict(MODELS[args.model])
+    spec["layers"] = args.layers or spec["layers"]
+    name = args.model if args.layers is None else f"{args.model}-{spec['layers']}"
+    model_dir, blob_dir = ensure_model(name, spec)
+    layers = spec["layers"]
     # mlx-lm's split over 2 ranks: rank 0 runs the last half, rank 1 the first.
     ranges = [f"{layers // 2}:{layers}", f"0:{layers // 2}"]
-    stages = stage_dirs(model_dir, ranges)
+    stages = stage_dirs(name, model_dir, ranges)
     manifest = Manifest.load(blob_dir)
     cache_gb = args.arena * manifest.total_expert_bytes / 2**30
     work = Path(tempfile.mkdtemp(prefix="xdpipe"))
     one, two = [], []
     for _ in range(args.rounds):  # alternating, so drift on a shared machine hits both
         one.append(one_process(blob_dir, cache_gb, args.tokens, work))
-        two.append(two_ranks(stages, cache_gb, args.tokens, work, args.port))
+        two.append(two_ranks(stages, cache_gb, args.tokens, work, args.port, args.backend))
     shutil.rmtree(work, ignore_errors=True)
     same = all(t["tokens"] == one[0]["tokens"] for t in one + two)
     tps1 = statistics.median(r["generation_tps"] for r in one)
@@ -133,8 +151,11 @@ def main() -> int:
     per_rank = [statistics.median(r["ranks"][k]["bytes_read"] for r in two) / mib
                 for k in range(2)]
     stage_mib = [Manifest.load(s).total_expert_bytes / mib for s in stages]
-    print(f"| medium qwen3_moe ({layers} layers x {MEDIUM['experts']} experts, top-"
-          f"{MEDIUM['top_k']}), cache {args.arena:.0%} of the experts in all, {args.tokens} "
+    import mlx.core as mx
+
+    print(f"| {args.model} qwen3_moe ({layers} layers x {spec['experts']} experts, top-"
+          f"{spec['top_k']}) on {mx.default_device()}, {args.backend}, cache {args.arena:.0%} of "
+          f"the experts in all, {args.tokens} "
           f"tokens, median of {args.rounds} | one process: {tps1:.2f} tok/s, "
           f"{bytes1:.1f} MiB read | two ranks: {tps2:.2f} tok/s ({tps2 / tps1:.2f}x), read "
           f"{per_rank[0]:.1f} MiB (rank 0, layers {ranges[0]}, of {stage_mib[0]:.0f} MiB) + "
