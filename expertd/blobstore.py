@@ -97,7 +97,7 @@ class BlobStore:
                 self.records = PresentRecords(self.dir, self.manifest.layers, writable="auto")
             for layer in self.manifest.layers:
                 path = self.dir / layer.file
-                _check_blob_file(path, layer, self.stride)
+                check_blob_file(path, layer, self.stride)
                 fd, mode, reason = open_for_reads(path, direct)
                 self._fds.append(fd)
                 modes.append((mode, reason))
@@ -192,7 +192,12 @@ class BlobStore:
             self.records.close()
 
 
-def _check_blob_file(path: Path, layer, stride: int) -> None:
+def check_blob_file(path: Path, layer, stride: int) -> None:
+    """A layer's blob file exists at its full size (a lazy one's too: sparse, but full size).
+
+    Raises:
+        BlobStoreError: missing or of another size, naming the file.
+    """
     if not path.is_file():
         raise BlobStoreError(f"{path}: blob file of layer {layer.index} is missing")
     size = path.stat().st_size
@@ -307,6 +312,12 @@ class DirectoryCheck:
             self.records.close()  # read into memory: the descriptors are not needed
         self.present = self.experts if self.records is None else self.records.count()
         self.shards_checked: list = []
+        self.shard_faults = self.other_faults = 0
+        self.note = None  # a lazy directory's: why no shard can be checked against a sha256
+        if self.records is not None:
+            from .shardcheck import unchecked_note
+
+            self.note = unchecked_note(self.manifest)
         self.total_bytes = (self.manifest.total_expert_bytes
                             + sum(f.size for f in self.manifest.trunk))
 
@@ -317,20 +328,38 @@ class DirectoryCheck:
             advance: called with a number of bytes as they are checked (a progress bar).
         """
         for layer in self.manifest.layers:
-            yield from self._layer_faults(layer, advance)
-        yield from trunk_faults(self.dir, self.manifest, advance)
+            for fault in self._layer_faults(layer, advance):
+                self.other_faults += 1
+                yield fault
+        for fault in trunk_faults(self.dir, self.manifest, advance):
+            self.other_faults += 1
+            yield fault
         if self.records is not None:
             from .shardcheck import check_shards
 
             self.shards_checked, faults = check_shards(self.dir, self.manifest, self.records)
             for shard, message in faults:
+                self.shard_faults += 1
                 yield Fault(self.dir / shard, None, None, message)
+
+    def advice(self) -> str:
+        """What repairs the faults found: a lazy directory is not made from a MODEL_DIR, and
+        rows that fail their shard's sha256 are fetched again by expertd fetch; a damaged
+        file or row of it is made again by a new lazy conversion of its source."""
+        if self.records is None:
+            return reconvert(self.dir)
+        fetch = f"expertd fetch --blobs {self.dir} (twice: it marks the rows absent first)"
+        if not self.other_faults:
+            return f"run {fetch}"
+        again = f"re-run expertd convert {self.manifest.remote.source} NEW_DIR --lazy"
+        return f"{again}; for a shard that fails its sha256, {fetch}" if self.shard_faults \
+            else again
 
     def _layer_faults(self, layer, advance) -> Iterator[Fault]:
         stride = self.manifest.stride
         path = self.dir / layer.file
         try:
-            _check_blob_file(path, layer, stride)
+            check_blob_file(path, layer, stride)
         except BlobStoreError as exc:
             yield Fault(path, layer.index, None, str(exc))
             if not path.is_file():

@@ -3,10 +3,11 @@
 Each blob file ``layer-NNN.blob`` of a lazy directory has a record file ``layer-NNN.blob.rows``
 beside it: 16 bytes per expert, ``<QQ``: the row's xxh3_64 checksum and a tag, the xxh3_64 of
 (expert, checksum) under a fixed seed. All zeros (as created, sparse) means absent. A row is
-marked present only after its bytes are on the disk (written, then fdatasync'd), and the
-record is written in one 16-byte ``pwrite`` (then fdatasync'd too): a crash leaves either the
-old record or the new one, and a torn record fails its tag, so it reads as absent and the row
-is fetched again. Never a row marked present with wrong bytes.
+marked present only after its bytes are on the disk (written, then flushed by
+:func:`~expertd.durable.durable_sync`), and the record is written in one 16-byte ``pwrite``
+(then flushed too): a crash leaves either the old record or the new one, and a torn record
+fails its tag, so it reads as absent and the row is fetched again. Never a row marked present
+with wrong bytes.
 """
 
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from expertd.durable import durable_sync
 from expertd.errors import BlobStoreError
 
 RECORD = struct.Struct("<QQ")
@@ -35,7 +37,7 @@ def create_records(blob_dir: Path, layer) -> None:
     """Write an empty (all absent) record file for ``layer``: sparse, no row present."""
     with open(record_path(blob_dir, layer), "xb") as f:
         f.truncate(layer.num_experts * RECORD.size)
-        os.fsync(f.fileno())
+        durable_sync(f.fileno())
 
 
 class PresentRecords:
@@ -106,14 +108,15 @@ class PresentRecords:
         checksums of experts ``first, first + 1, ...``.
 
         Call only once their rows are durable in the blob file. Each record is one 16-byte
-        write at a 16-byte boundary; the file is fdatasync'd once, after all of them.
+        write at a 16-byte boundary; the file is flushed (:func:`durable_sync`) once, after all
+        of them.
         """
         fd = self._fds[layer]
         for first, checksums in runs:
             raw = b"".join(RECORD.pack(c, _tag(first + i, c)) for i, c in enumerate(checksums))
             if os.pwrite(fd, raw, first * RECORD.size) != len(raw):
                 raise OSError(f"short write of the present record of layer {layer}")
-        os.fdatasync(fd)
+        durable_sync(fd)
         for first, checksums in runs:
             for i, c in enumerate(checksums):
                 self.checksums[layer][first + i] = c

@@ -4,7 +4,8 @@ One call fetches a run of adjacent experts of one layer: per segment one range r
 run's slices of a stacked tensor are adjacent in the shard), ranges that touch merged into one.
 The rows are assembled as ``expertd convert`` assembles them (segments at their offsets, zero
 padding), so their checksums are the ones a full conversion records. Order: the rows are
-written and fdatasync'd, then their present records (see present.py).
+written and flushed (:func:`~expertd.durable.durable_sync`), then their present records (see
+present.py).
 """
 
 import os
@@ -13,6 +14,7 @@ from typing import NamedTuple
 
 import xxhash
 
+from expertd.durable import durable_sync
 from expertd.errors import BlobStoreError, RemoteError
 from expertd.manifest import Manifest
 from expertd.present import PresentRecords
@@ -74,10 +76,10 @@ class RowFetcher:
         self.store(layer, [(first, self.download(self.manifest.layers[layer], first, count))])
 
     def store(self, layer: int, runs: list) -> None:
-        """Write ``[(first, rows)]`` runs of ``layer`` (from :meth:`download`), one fdatasync
-        of the blob file for all, then their present records (one fdatasync). What was
-        written but not marked when a failure stops it reads as absent, and is fetched
-        again."""
+        """Write ``[(first, rows)]`` runs of ``layer`` (from :meth:`download`), one flush
+        (:func:`durable_sync`) of the blob file for all, then their present records (one
+        flush). What was written but not marked when a failure stops it reads as absent, and
+        is fetched again."""
         info = self.manifest.layers[layer]
         stride = self.manifest.stride
         fd = self._fds[layer]
@@ -90,7 +92,7 @@ class RowFetcher:
             marks.append((first, [xxhash.xxh3_64_intdigest(view[k * stride:k * stride +
                                                                  info.expert_bytes])
                                   for k in range(count)]))
-        os.fdatasync(fd)
+        durable_sync(fd)
         if hasattr(os, "posix_fadvise"):  # the arena is the one copy in memory
             for first, rows in runs:
                 os.posix_fadvise(fd, first * stride, len(rows.data), os.POSIX_FADV_DONTNEED)
@@ -112,7 +114,10 @@ class RowFetcher:
                   for seg, (file, start) in zip(info.segments, info.sources)]
         requests = merge_ranges(wanted)
         for file, start, length, parts in requests:
-            data = memoryview(self.reader.read(files[file].url, start, length))
+            # The size convert recorded: an answer from a file of another size (replaced
+            # since) fails, rather than bytes at the old offsets being stored as the expert.
+            data = memoryview(self.reader.read(files[file].url, start, length,
+                                               size=files[file].size))
             for offset, _, seg in parts:
                 for k in range(count):
                     at = offset + k * seg.nbytes

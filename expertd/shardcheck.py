@@ -60,9 +60,59 @@ def shard_sha256(blob_dir: Path, manifest, records, shard: str) -> str | None:
     return digest.hexdigest() if pos == remote.size else None
 
 
-def check_shards(blob_dir: Path, manifest, records) -> tuple:
+def unchecked_note(manifest) -> str | None:
+    """Why no shard of a lazy directory can be checked whole, in one line; None if some can.
+
+    A plain base URL publishes no sha256, and a pipeline stage's trunk holds only its own
+    layers' weights, so nothing can be rebuilt: said once (by fetch, verify) rather than the
+    check silently skipped.
+    """
+    if manifest.stage is not None:
+        return ("a pipeline stage's directory (--layers): its shards cannot be rebuilt whole, "
+                "so no row is checked against a published sha256")
+    if all(f.sha256 is None for f in manifest.remote.files.values()):
+        return (f"{manifest.remote.source} publishes no sha256 of its shards: the rows are "
+                "checked against the checksums recorded when they arrived only")
+    return None
+
+
+def withdraw_shard(blob_dir: Path, manifest, records, shard: str) -> int:
+    """Mark absent, durably, every row of the layers whose experts ``shard`` holds.
+
+    A shard that fails its sha256 has a wrong byte in some row, and no row's own checksum
+    can say which (it was recorded from the bytes as they arrived). Absent, the rows are
+    fetched again (by expertd fetch, or the daemon on demand), and a daemon serving the
+    directory sees its records change and stops serving the rows it holds (see
+    expertd/serving/remote.py). ``records`` must be writable; they are read again.
+
+    Returns:
+        The rows marked absent.
+    """
+    from .durable import durable_sync
+    from .present import RECORD, record_path
+
+    withdrawn = 0
+    for layer in manifest.layers:
+        if not any(f == shard for f, _ in layer.sources):
+            continue
+        fd = os.open(record_path(blob_dir, layer), os.O_WRONLY)
+        try:
+            os.pwrite(fd, bytes(layer.num_experts * RECORD.size), 0)
+            durable_sync(fd)
+        finally:
+            os.close(fd)
+        for e in range(layer.num_experts):
+            records.refresh(layer.index, e)
+        withdrawn += layer.num_experts
+    return withdrawn
+
+
+def check_shards(blob_dir: Path, manifest, records, withdraw: bool = False) -> tuple:
     """Check every complete shard that has a published sha256.
 
+    Args:
+        withdraw: mark the rows of a shard that fails absent (:func:`withdraw_shard`), so
+            that they are fetched again rather than served on; ``records`` writable then.
     Returns:
         ``(checked, faults)``: the shards whose sha256 matched, and ``[(shard, message)]``
         for those whose did not.
@@ -76,8 +126,12 @@ def check_shards(blob_dir: Path, manifest, records) -> tuple:
             continue
         if got == remote.sha256:
             checked.append(shard)
-        else:
-            faults.append((shard, f"{remote.url}: the rows that arrived do not rebuild the "
-                           f"file its server published (sha256 {got[:12]}..., expected "
-                           f"{remote.sha256[:12]}...)"))
+            continue
+        message = (f"{remote.url}: the rows that arrived do not rebuild the file its server "
+                   f"published (sha256 {got[:12]}..., expected {remote.sha256[:12]}...)")
+        if withdraw:
+            n = withdraw_shard(blob_dir, manifest, records, shard)
+            message += (f"; its {n} rows were marked absent: run expertd fetch --blobs "
+                        f"{blob_dir} to fetch them again")
+        faults.append((shard, message))
     return checked, faults

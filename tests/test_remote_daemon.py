@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 from client_helpers import ROWS_ALL, ROWS_MEDIUM, client_flags, compare_runs, run_together
 from conftest import flip_byte
-from harness import SMALL_CACHE_GB, Daemon, RawClient, expected_bytes, expertd_cli
+from harness import SMALL_CACHE_GB, Daemon, RawClient, expected_bytes, expertd_cli, wait_until
 from range_server import RangeServer, RangeServerProcess
 from test_client_concurrency import MAX_TOKENS, PROMPT_LEN, solo_tokens
 from test_client_parity import check_runs
@@ -208,6 +208,10 @@ def test_the_daemon_checks_a_shards_sha256_once_every_row_arrived(qwen, isolated
                     experts = range(first, first + 4)
                     assert client.fetch(layer.index, experts) == \
                         [want[(layer.index, e)] for e in experts]
+            # The check runs on its own thread, after the last row's demand was answered.
+            wait_until(lambda: (daemon.stats()["remote"]["shards_checked"]
+                                + daemon.stats()["remote"]["shard_faults"]) > 0, 10,
+                       "the shard check")
             remote = daemon.stats()["remote"]
     assert remote["rows_present"] == remote["rows_total"]
     assert remote["shards_checked"] == 1 and remote["shard_faults"] == 0

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from expertd.shardcheck import HEADERS_DIR
 
 from .convert import HF_PATTERNS, list_trunk, plan_tensors, select_stage
 from .destination import check_destination, write_blob_dir
+from .fetch import DownloadPool
 from .safetensors import SafetensorsWriter, header_length, parse_header
 
 INDEX = "model.safetensors.index.json"
@@ -245,13 +245,20 @@ def trunk_chunks(tensors: list, chunk: int = TRUNK_CHUNK) -> list:
 
 def in_order(fn, items, workers: int):
     """``fn(item)`` for each item on ``workers`` threads, yielded in order, with at most
-    2 x ``workers`` results held at once."""
-    with ThreadPoolExecutor(workers, thread_name_prefix="expertd-trunk") as pool:
-        pending = deque()
+    2 x ``workers`` results held at once.
+
+    The threads are a :class:`~expertd.tools.fetch.DownloadPool`'s: stopped early (Ctrl-C, a
+    failure), the queued downloads are cancelled and those in the network are not waited
+    for, so convert --lazy exits at once (and removes its partial directory)."""
+    pool = DownloadPool(workers, "expertd-trunk")
+    pending = deque()
+    try:
         for item in items:
             pending.append(pool.submit(fn, item))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+    finally:
+        pool.abandon(pending)
 

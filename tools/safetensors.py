@@ -70,9 +70,7 @@ def parse_header(raw: bytes, size: int, path) -> dict:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        if dtype not in DTYPE_SIZES:
-            raise ValueError(f"{path}: tensor {name} has unknown dtype {dtype}")
+        dtype, shape, (begin, end) = _entry(info, name, path)
         if end - begin != prod(shape) * DTYPE_SIZES[dtype] or base + end > size:
             raise ValueError(f"{path}: tensor {name} has inconsistent offsets")
         tensors[name] = TensorInfo(name, dtype, shape, path, base + begin, end - begin)
@@ -124,3 +122,27 @@ class SafetensorsWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+
+
+def _entry(info, name: str, path) -> tuple:
+    """``(dtype, shape, (begin, end))`` of one header entry, checked for type: a header from
+    a remote server (convert --lazy) is anyone's JSON, and a malformed entry must be the
+    one-line ValueError of a bad header, never a TypeError or KeyError from deep inside.
+
+    Raises:
+        ValueError: not an object with a known dtype, a list of sizes and two offsets.
+    """
+    def count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(info, dict):
+        raise ValueError(f"{path}: tensor {name}'s header entry is not a JSON object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise ValueError(f"{path}: tensor {name} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(count(d) for d in shape):
+        raise ValueError(f"{path}: tensor {name}'s shape is not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise ValueError(f"{path}: tensor {name}'s data_offsets are not two offsets")
+    return dtype, tuple(shape), tuple(offsets)

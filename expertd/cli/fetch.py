@@ -16,7 +16,7 @@ def _cmd_fetch(args) -> int:
     done = fetch_missing(Path(args.blobs), None if args.all else args.layers,
                          progress=not args.quiet, settings=settings)
     checked = (f"; {done['shards_checked']} shards match their published sha256"
-               if done["shards_checked"] else "")
+               if done["shards_checked"] else f" ({done['note']})" if done["note"] else "")
     return answer(f"{args.blobs}: fetched {done['rows_fetched']} rows "
                   f"({size_text(done['bytes_fetched'])} in {done['fetch_requests']} requests); "
                   f"{done['rows_present']}/{done['rows_total']} rows present{checked}", 0)

@@ -66,7 +66,6 @@ def _cmd_verify(args) -> int:
     from tqdm import tqdm
 
     from expertd.blobstore import DirectoryCheck
-    from expertd.manifest import reconvert
 
     check = DirectoryCheck(Path(args.blobs))
     bad = 0
@@ -82,10 +81,11 @@ def _cmd_verify(args) -> int:
     shards = f", {len(check.shards_checked)} whole shards" if check.shards_checked else ""
     what = (f"{experts} in {len(manifest.layers)} layers{shards} and "
             f"{len(manifest.trunk)} trunk files")
+    note = f" ({check.note})" if check.note else ""  # said once: why no sha256 was checked
     if bad:
         return answer(f"{check.dir}: {bad} problem{'s' if bad > 1 else ''} found checking "
-                      f"{what}; {reconvert(check.dir)}", 1)
-    return answer(f"{check.dir}: all {what} match their checksums", 0)
+                      f"{what}; {check.advice()}{note}", 1)
+    return answer(f"{check.dir}: all {what} match their checksums{note}", 0)
 
 
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):

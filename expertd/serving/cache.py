@@ -71,6 +71,7 @@ class ExpertCache:
         self.room_changed = False  # rows were freed: queued demands may fit now
         self.counters = CacheCounters()
         self.in_flight = 0
+        self._withdrawing: set = set()  # keys to empty once neither leased nor filling
         self._busy_since = 0.0
         self._fill_seconds = 0.0
 
@@ -210,6 +211,28 @@ class ExpertCache:
             # Rows that were filling are eligible again: demands queued behind them may fit.
             self.room_changed = True
             self.top_up_background()
+
+    def withdraw(self, keys) -> None:
+        """Stop serving ``keys``, rows of a lazy directory marked absent again (their shard
+        failed its sha256, see FillPool.withdrawn): a resident copy is emptied (a seqlock
+        write, so a client's copy of the slot table sees it go), and the next demand fetches
+        the row anew. A row leased or filling now is emptied at a later call, once it is
+        neither."""
+        for layer, expert in list(self._withdrawing) + list(keys):
+            self._withdrawing.discard((layer, expert))
+            row, state = self.table.lookup(layer, expert)
+            if state == SlotState.EMPTY:
+                continue
+            if state == SlotState.FILLING or self.book.leased[row]:
+                self._withdrawing.add((layer, expert))
+                continue
+            evicted = self.table.begin_fill(row, layer, expert)
+            if evicted is not None:
+                self.policy.on_evicted(*evicted)
+            self.table.end_fill(row, False)
+            self._cache_full = False  # the row is empty again, maybe a cache row
+            self.side.prefetched[row] = False
+            self.room_changed = True
 
     def fill_seconds(self) -> float:
         """Seconds during which at least one fill was in flight."""

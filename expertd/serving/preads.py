@@ -131,6 +131,13 @@ class FillPool:
             for _ in waiting:
                 self._tokens.put(True)
 
+    def withdrawn(self, layer: int | None = None) -> list:
+        """A lazy directory's rows marked absent since the last call (a shard failed its
+        sha256): ``[(layer, expert)]`` whose copies in the arena must not be served on (see
+        RemoteFills.withdrawn; ``layer``: look at that layer's records only). For the
+        serving thread."""
+        return [] if self.remote is None else self.remote.withdrawn(layer)
+
     def remote_stats(self) -> dict:
         """A lazy directory's counters, as ``{"remote": {rows_present, bytes_fetched, ...}}``
         (one key: the STATS map's size is bounded); empty otherwise."""

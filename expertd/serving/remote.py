@@ -11,12 +11,16 @@ request per segment).
 """
 
 import logging
+import os
 import threading
 import time
 from collections import deque
 
+from expertd.present import record_path
 from expertd.rowfetch import RowFetcher
 from expertd.shardcheck import check_shards
+
+WATCH_INTERVAL = 1.0  # seconds between two looks at the record files' modification times
 
 log = logging.getLogger("expertd")
 
@@ -45,6 +49,11 @@ class RemoteFills:
                              shard_faults=0)
         self._rows = sum(layer.num_experts for layer in fetcher.manifest.layers)
         self._checked = False  # the whole-file check runs once, when the last row arrives
+        # Rows marked absent again (a shard failed its sha256, here or in expertd fetch):
+        # the keys not handed to withdrawn() yet, and the record files' last seen mtimes.
+        self._withdrawn: list = []
+        self._mtimes = [None] * len(fetcher.manifest.layers)
+        self._next_watch = 0.0
         self._threads = [threading.Thread(target=self._work, name=f"expertd-remote-{i}",
                                           daemon=True) for i in range(connections)]
         for thread in self._threads:
@@ -113,8 +122,7 @@ class RemoteFills:
                     for e in todo:
                         if not records.present(layer, e):
                             errors[e] = self.fetcher.describe_failure(layer, e, exc)
-            if todo and not errors and not self._checked and records.count() == self._rows:
-                self._check_shards()
+            last = todo and not errors and not self._checked and records.count() == self._rows
             with self._lock:
                 self.counters["fetches"] += bool(todo)
                 self.counters["rows_refreshed"] += len(arrived)
@@ -125,24 +133,82 @@ class RemoteFills:
             if not closed:
                 for e in run:
                     self._done(layer, e, errors.get(e))
+            if last:
+                self._start_check()
 
-    def _check_shards(self) -> None:
-        """Every row has arrived: check each shard against its published sha256, once."""
+    def _start_check(self) -> None:
+        """Every row has arrived: check the shards, once, on a thread of its own.
+
+        The check hashes every shard rebuilt from the disk (the whole model: hundreds of GB
+        for the checkpoints this is for), so it runs after the waiters of the last run heard
+        (done() above) and off the remote workers, which go on serving other fetches.
+        """
         with self._lock:
-            if self._checked:
+            if self._checked or self._closed:
                 return
             self._checked = True
+        threading.Thread(target=self._check_shards, name="expertd-shardcheck",
+                         daemon=True).start()
+
+    def _check_shards(self) -> None:
+        """Check each shard against its published sha256 (see :meth:`_start_check`)."""
         f = self.fetcher
         try:
-            checked, faults = check_shards(f.dir, f.manifest, f.records)
+            # A shard that fails has its rows marked absent: withdrawn() hands the cache
+            # those it holds, and they are fetched again on their next demand. (withdraw is
+            # passed by position: a test stands a slower check(*args) in for it.)
+            checked, faults = check_shards(f.dir, f.manifest, f.records, True)
         except (OSError, ValueError) as exc:
             log.error("could not check the shards of %s against their sha256: %s", f.dir, exc)
             return
         for _, message in faults:
-            log.error("%s; run expertd verify --blobs %s", message, f.dir)
+            log.error("%s", message)
         with self._lock:
             self.counters["shards_checked"] += len(checked)
             self.counters["shard_faults"] += len(faults)
+            if faults:
+                self._checked = False  # checked again once the rows have arrived again
+                bad = {shard for shard, _ in faults}
+                self._withdrawn += [(layer.index, e) for layer in f.manifest.layers
+                                    if any(file in bad for file, _ in layer.sources)
+                                    for e in range(layer.num_experts)]
+
+    def withdrawn(self, layer: int | None = None) -> list:
+        """``(layer, expert)`` of rows that were present and are absent now: their bytes
+        failed a shard's sha256 (this daemon's check, or expertd fetch's in another process),
+        so a copy in the arena must not be served any more. For the serving thread: each
+        tick (every record file looked at, once a second at most) and before each demand
+        (its ``layer``'s only: a stat). Only a layer whose record file changed (its mtime)
+        is read again."""
+        f = self.fetcher
+        layers = f.manifest.layers
+        if layer is not None:
+            layers = [layers[layer]]
+        else:
+            now = time.monotonic()
+            if now < self._next_watch:
+                return []
+            self._next_watch = now + WATCH_INTERVAL
+        records, found = f.records, []
+        for info in layers:
+            try:
+                mtime = os.stat(record_path(f.dir, info)).st_mtime_ns
+            except OSError:
+                continue
+            if mtime == self._mtimes[info.index]:
+                continue
+            self._mtimes[info.index] = mtime
+            # A row marked present by this daemon is on the disk before it is in memory, so
+            # present in memory and absent on the disk is a row marked absent since.
+            found += [(info.index, e) for e in range(info.num_experts)
+                      if records.present(info.index, e) and not records.refresh(info.index, e)]
+        with self._lock:
+            found += self._withdrawn
+            self._withdrawn = []
+        if found:
+            log.warning("%d rows of %s were marked absent (a shard failed its sha256): not "
+                        "served any more, fetched again on demand", len(found), f.dir)
+        return found
 
     def close(self, timeout: float = 1.0) -> None:
         """Stop the workers: queued fetches are dropped, none is reported any more."""

@@ -299,6 +299,9 @@ class ExpertServer:
         if len(req.experts) > self.max_demand:
             raise ProtocolError(f"{len(req.experts)} experts in one demand; at most "
                                 f"{self.max_demand} fit", ErrorCode.OUT_OF_RANGE)
+        # A lazy directory's rows marked absent since (their shard failed its sha256, maybe
+        # in expertd fetch a moment ago) are not leased from the arena: a stat, then nothing.
+        self.cache.withdraw(self.pool.withdrawn(req.layer))
         demand = Demand(identity, rid, req.layer, req.experts)
         if not self.cache.start(demand) and not self.cache.book.enqueue(demand):
             self.counters.busy += 1
@@ -357,6 +360,7 @@ class ExpertServer:
 
     def _tick(self, now: float) -> None:
         self.cache.harvest_hits()
+        self.cache.withdraw(self.pool.withdrawn())  # rows of a shard that failed its sha256
         for client in self.clients.dead(now):
             log.info("client pid %d timed out; reclaiming its %d leased rows", client.pid,
                      self.cache.book.held(client.identity))
