@@ -88,7 +88,8 @@ def two_ranks(stages: list, cache_gb: float, tokens: int, work: Path, port: int,
         script.write_text("".join(f'[ "$MLX_RANK" = {r} ] && export XDG_RUNTIME_DIR={rt}\n'
                                   for r, rt in enumerate(runtimes)) + command + "\n")
         run = subprocess.run([*LAUNCH, "-n", "2", "--backend", backend, "-p", str(port), "--",
-                              "sh", str(script)], capture_output=True, text=True)
+                              "sh", str(script)], stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True)
         if not out.exists():
             raise RuntimeError(f"the two ranks failed:\n{run.stderr}")
         return json.loads(out.read_text())

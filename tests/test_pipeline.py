@@ -52,7 +52,8 @@ def launch(tmp_path: Path, command: str, timeout: float = 240) -> subprocess.Com
                f'XDG_STATE_HOME={tmp_path}/state$MLX_RANK exec {command}')
     return subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "-p",
                            str(free_port_pair()), "--", "sh", "-c", wrapped],
-                          capture_output=True, text=True, timeout=timeout)
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def resident(model_dir: Path):
@@ -104,8 +105,9 @@ def serve_pipeline(tmp_path: Path) -> str:
                f'XDG_STATE_HOME={tmp_path}/state$MLX_RANK exec {command}')
     proc = subprocess.Popen([str(LAUNCH), "-n", "2", "--backend", "ring", "-p",
                              str(free_port_pair()), "--", "sh", "-c", wrapped],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=sigint_as_usual)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=sigint_as_usual)
     try:
         line = proc.stdout.readline()  # rank 0's "expertd serve: ... on http://..." line
         assert f":{http_port}/v1" in line, (line, proc.stderr.read() if proc.poll() else "")
@@ -119,10 +121,12 @@ def serve_pipeline(tmp_path: Path) -> str:
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
+            left = subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:24,args", "-g",
+                                   str(proc.pid)], capture_output=True, text=True).stdout
             os.killpg(proc.pid, signal.SIGKILL)
             err = proc.communicate()[1]
-            raise AssertionError(f"the ranks did not stop on Ctrl-C; they wrote:\n{err[-4000:]}") \
-                from None
+            raise AssertionError(f"the ranks did not stop on Ctrl-C; still running:\n{left}\n"
+                                 f"they wrote:\n{err[-4000:]}") from None
         return text
     finally:
         if proc.poll() is None:
