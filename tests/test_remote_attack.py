@@ -53,6 +53,8 @@ class _Hostile(_Handler):
             self.wfile.write(bytes(b ^ 0x5A for b in data))
             return
         self.wfile.flush()
+        with srv.hostile_lock:
+            srv.trickling += 1  # what a test waits for: an answer is under way
         try:
             for i in range(len(data)):
                 if srv.trickle_stop.is_set():
@@ -72,12 +74,17 @@ class HostileServer(RangeServer):
         s.RequestHandlerClass = _Hostile
         s.hostile_lock = threading.Lock()
         s.hostile, s.left, s.delay, s.min_len = "none", -1, 0.2, 0
+        s.trickling = 0  # trickled answers begun
         s.trickle_stop = threading.Event()
 
     def lie(self, kind: str, times: int = -1, delay: float = 0.2, min_len: int = 0) -> None:
         s = self._server
         with s.hostile_lock:
             s.hostile, s.left, s.delay, s.min_len = kind, times, delay, min_len
+
+    def trickling(self) -> int:
+        with self._server.hostile_lock:
+            return self._server.trickling
 
     def close(self) -> None:
         self._server.trickle_stop.set()
@@ -162,14 +169,11 @@ def test_sigterm_stops_the_daemon_while_a_fetch_trickles(tiny, isolated_env, tmp
             with RawClient(out) as client:
                 server.lie("trickle", delay=0.2)
                 client.conn.send(Op.DEMAND, {"layer": 2, "experts": [9]})
-                wait_until(lambda: daemon.stats()["remote"]["pending"] == 1, 10, "the fetch")
-                time.sleep(1)
-                started = time.monotonic()
-                daemon.stop()
-                took = time.monotonic() - started
+                wait_until(lambda: server.trickling() == 1, 30, "the fetch's answer to begin")
+                status = daemon.stop()  # SIGTERM, and SIGKILL if it does not stop
         finally:
             daemon.close(check=False)
-    assert took < 9, f"SIGTERM took {took:.1f} s (SIGKILLed at the harness's 10 s)"
+    assert status == 0, f"SIGTERM did not stop the daemon (exit status {status})"
 
 
 def test_four_trickling_fetches_do_not_starve_every_other_absent_row(tiny, isolated_env,
@@ -182,49 +186,50 @@ def test_four_trickling_fetches_do_not_starve_every_other_absent_row(tiny, isola
     with HostileServer(model_dir) as server:
         out = tmp_path / "lazy"
         convert_lazy(server.url, out, progress=False)
-        with Daemon(out, isolated_env, "--cache-gb", SMALL_CACHE_GB) as daemon, \
+        with Daemon(out, isolated_env, "--cache-gb", SMALL_CACHE_GB), \
                 RawClient(out) as slow, RawClient(out) as other:
             server.lie("trickle", times=4, delay=0.5)
             for layer, expert in [(0, 2), (0, 9), (1, 2), (2, 2)]:
                 slow.conn.send(Op.DEMAND, {"layer": layer, "experts": [expert]})
-            wait_until(lambda: daemon.stats()["remote"]["pending"] == 4, 10, "4 fetches")
-            time.sleep(0.5)
+            wait_until(lambda: server.trickling() == 4, 30, "4 trickling answers")
             rid = other.conn.send(Op.DEMAND, {"layer": 1, "experts": [12]})
-            try:
-                reply = other.conn.wait(rid, 8)
+            try:  # without a bound on a request, it waits for all 4 (hours at a real size)
+                reply = other.conn.wait(rid, 120)
             except Exception as exc:
-                pytest.fail(f"a demand the server answers at once waited 8 s behind four "
+                pytest.fail(f"a demand the server answers at once waited 120 s behind four "
                             f"trickling fetches ({type(exc).__name__})")
             assert other.row_bytes(reply["rows"][0], 1) == want[(1, 12)]
             server._server.trickle_stop.set()
 
 
 def test_ctrl_c_of_fetch_is_prompt_while_the_server_hangs(tiny, tmp_path):
-    """expertd fetch --timeout 2 against a server that never answers: Ctrl-C waits for every
-    download already submitted to run its whole retry schedule (4 attempts x 2 s + backoff,
-    two rounds: about 20 s; with the default --timeout 30, minutes). Expected: Ctrl-C exits
-    within a couple of seconds, keeping what arrived (cancel the pending futures, do not wait
-    for the ones in the network)."""
+    """expertd fetch against a server that never answers: Ctrl-C waited for every download
+    already submitted to run its whole retry schedule (4 attempts x 30 s + backoff: minutes).
+    Expected: Ctrl-C exits without waiting for them, keeping what arrived (cancel the pending
+    futures, do not wait for the ones in the network)."""
     model_dir, _ = tiny
     with RangeServer(model_dir) as server:
         out = tmp_path / "lazy"
         convert_lazy(server.url, out, progress=False)
+        before = len(server.requests)
         server.fault("stall")
         proc = subprocess.Popen([sys.executable, "-m", "expertd", "fetch", "--blobs", str(out),
-                                 "-q", "--timeout", "2"], stdin=subprocess.DEVNULL,
+                                 "-q"], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            time.sleep(1.5)
-            started = time.monotonic()
+            wait_until(lambda: any(r["fault"] == "stall" for r in server.requests[before:]),
+                       60, "a download to hang")
             proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=60)
-            took = time.monotonic() - started
+            # With --timeout 30 and its retries, waiting out the downloads takes minutes.
+            try:
+                proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail("Ctrl-C of expertd fetch waited for the hung downloads")
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
             server.fault("none")
-    assert took < 4, f"Ctrl-C of expertd fetch took {took:.1f} s"
 
 
 def test_ctrl_c_of_convert_lazy_is_prompt_while_the_trunk_trickles(tiny, tmp_path):
@@ -239,21 +244,18 @@ def test_ctrl_c_of_convert_lazy_is_prompt_while_the_trunk_trickles(tiny, tmp_pat
                                  str(out), "--lazy", "-q"], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            wait_until(lambda: (tmp_path / ".lazy.partial" / "trunk").is_dir(), 30,
-                       "the trunk's download")
-            time.sleep(1)
-            started = time.monotonic()
+            wait_until(lambda: server.trickling() >= 1, 30, "the trunk's download")
             proc.send_signal(signal.SIGINT)
-            try:
-                proc.communicate(timeout=10)
+            try:  # the trunk trickles for hours
+                proc.communicate(timeout=60)
+                exited = True
             except subprocess.TimeoutExpired:
-                pass
-            took = time.monotonic() - started
+                exited = False
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    assert took < 5, f"Ctrl-C of convert --lazy took {took:.1f} s (or never exited)"
+    assert exited, "Ctrl-C of convert --lazy waited for the trickling download"
     assert not out.exists()
 
 
@@ -323,9 +325,10 @@ def test_the_demand_that_brings_the_last_row_does_not_wait_for_the_shard_hash(ti
         for file in manifest.remote.files.values():
             object.__setattr__(file, "sha256", digest)
         real = remote_mod.check_shards
+        release = threading.Event()  # the whole-shard hash, held until the waiters heard
 
         def slow_check(*args):
-            time.sleep(2)
+            release.wait(60)
             return real(*args)
 
         monkeypatch.setattr(remote_mod, "check_shards", slow_check)
@@ -334,15 +337,15 @@ def test_the_demand_that_brings_the_last_row_does_not_wait_for_the_shard_hash(ti
         heard = threading.Event()
         fills = remote_mod.RemoteFills(fetcher, lambda *_: heard.set(), 1, 4)
         try:
-            started = time.monotonic()
             fills.request(last.index, last.num_experts - 1, urgent=True)
-            assert heard.wait(30)
-            took = time.monotonic() - started
+            heard_first = heard.wait(30)  # while the check is held
+            release.set()
             wait_until(lambda: fills.counters["shards_checked"] == 1, 30, "the shard check")
         finally:
+            release.set()
             fills.close(timeout=5)
             records.close()
-    assert took < 1, f"the last row's demand waited {took:.1f} s for the shard check"
+    assert heard_first, "the last row's demand waited for the shard check"
 
 
 def test_rows_can_be_stored_where_python_has_no_fdatasync(tiny, tmp_path, monkeypatch):
@@ -409,13 +412,21 @@ def test_an_endless_small_file_does_not_grow_convert_without_bound(tmp_path):
                              str(tmp_path / "lazy"), "--lazy", "-q"], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     peak = 0
-    try:
-        deadline = time.monotonic() + 4
-        while time.monotonic() < deadline and proc.poll() is None:
+
+    def grown_or_gone() -> bool:
+        """The kernel's own peak (VmHWM) past the bar, or the process gone (a zombie has
+        none left to read: the last reading stands)."""
+        nonlocal peak
+        try:
             with open(f"/proc/{proc.pid}/status") as f:
-                rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
-            peak = max(peak, rss // 1024)
-            time.sleep(0.2)
+                hwm = next((int(line.split()[1]) for line in f if line.startswith("VmHWM")), 0)
+        except FileNotFoundError:
+            hwm = 0
+        peak = max(peak, hwm // 1024)
+        return peak >= 400 or proc.poll() is not None
+
+    try:
+        wait_until(grown_or_gone, 60, "convert --lazy to refuse the endless file")
     finally:
         if proc.poll() is None:
             proc.kill()
