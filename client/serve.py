@@ -379,7 +379,8 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
                   "Ctrl-C", file=out, flush=True)
             if distributed:
                 httpd.serve_forever()  # until a signal ends the process
-            _serve_until_signal(httpd)
+            else:
+                _serve_until_signal(httpd)
         finally:
             if httpd is not None:
                 httpd.server_close()

@@ -9,6 +9,7 @@ from the blob rows, each other tensor from the trunk) and hashed: a match proves
 
 import hashlib
 import os
+import time
 from pathlib import Path
 
 from .tools.safetensors import parse_header, read_header
@@ -104,7 +105,17 @@ def withdraw_shard(blob_dir: Path, manifest, records, shard: str) -> int:
         for e in range(layer.num_experts):
             records.refresh(layer.index, e)
         withdrawn += layer.num_experts
+    if withdrawn:  # what a daemon serving the directory watches (RemoteFills.withdrawn)
+        marker = withdrawn_marker(blob_dir)
+        marker.parent.mkdir(exist_ok=True)
+        marker.write_text(f"{time.time_ns()}\n")
     return withdrawn
+
+
+def withdrawn_marker(blob_dir) -> Path:
+    """The file rewritten each time rows are marked absent again: a daemon stats it, not the
+    record files, which its own fetches rewrite all the time."""
+    return Path(blob_dir) / "remote" / "withdrawn"
 
 
 def check_shards(blob_dir: Path, manifest, records, withdraw: bool = False) -> tuple:

@@ -107,6 +107,20 @@ def test_holds_explicit_and_auto_pins_are_separate():
     assert pins.n_capped == 2 and n_explicit(policy) == 1
 
 
+def test_holding_a_key_only_auto_pinned_counts_against_the_cap():
+    """An auto-pin is not counted by the cap; held, the same key is: a hold that would take
+    the counted pins past the cap is refused, whatever else pins the key."""
+    keys = KeySpace(2, 8)
+    policy = LfuPolicy(4, 2, 8, pins=PinBook(keys, 4, cap=1))
+    pins, rows = policy.pins, np.arange(4, dtype=np.int64)
+    for expert, count in enumerate([4, 3, 2, 1]):
+        policy.on_touched((0, expert), count)
+    assert auto_pin(policy, 1, rows) == [(0, 0)]
+    assert pins.hold(A, [(0, 1)]) == [(0, 1)]  # the cap's one place
+    assert pins.hold(B, [(0, 0)]) is None  # auto-pinned, yet a second counted pin
+    assert pins.n_capped == 1
+
+
 def test_the_cap_bounds_explicit_pins_and_holds_and_leaves_auto_pins_the_rest():
     keys = KeySpace(2, 8)
     policy = LfuPolicy(4, 2, 8, pins=PinBook(keys, 4, cap=2))

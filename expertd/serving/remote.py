@@ -16,11 +16,11 @@ import threading
 import time
 from collections import deque
 
-from expertd.present import record_path
+from expertd.remote import runs
 from expertd.rowfetch import RowFetcher
-from expertd.shardcheck import check_shards
+from expertd.shardcheck import check_shards, withdrawn_marker
 
-WATCH_INTERVAL = 1.0  # seconds between two looks at the record files' modification times
+WATCH_INTERVAL = 1.0  # seconds between two looks at the withdrawn marker, at most, on ticks
 
 log = logging.getLogger("expertd")
 
@@ -52,7 +52,7 @@ class RemoteFills:
         # Rows marked absent again (a shard failed its sha256, here or in expertd fetch):
         # the keys not handed to withdrawn() yet, and the record files' last seen mtimes.
         self._withdrawn: list = []
-        self._mtimes = [None] * len(fetcher.manifest.layers)
+        self._marker = _mtime(withdrawn_marker(fetcher.dir))  # as it was at start
         self._next_watch = 0.0
         self._threads = [threading.Thread(target=self._work, name=f"expertd-remote-{i}",
                                           daemon=True) for i in range(connections)]
@@ -116,8 +116,8 @@ class RemoteFills:
             if todo:
                 try:
                     # A run with a hole (fetched by another process) is fetched in pieces.
-                    for first, count in _spans(todo):
-                        self.fetcher.fetch(layer, first, count)
+                    for piece in runs(todo, len(todo)):
+                        self.fetcher.fetch(layer, piece[0], len(piece))
                 except Exception as exc:  # every waiter must hear, whatever went wrong
                     for e in todo:
                         if not records.present(layer, e):
@@ -176,31 +176,24 @@ class RemoteFills:
     def withdrawn(self, layer: int | None = None) -> list:
         """``(layer, expert)`` of rows that were present and are absent now: their bytes
         failed a shard's sha256 (this daemon's check, or expertd fetch's in another process),
-        so a copy in the arena must not be served any more. For the serving thread: each
-        tick (every record file looked at, once a second at most) and before each demand
-        (its ``layer``'s only: a stat). Only a layer whose record file changed (its mtime)
-        is read again."""
+        so a copy in the arena must not be served any more. For the serving thread: on ticks
+        (once a second at most) and before each demand (``layer`` given: looked at now). One
+        stat of the withdrawn marker (shardcheck.withdrawn_marker), not of the record files
+        this daemon's own fetches rewrite; the records are read again only when it changed."""
         f = self.fetcher
-        layers = f.manifest.layers
-        if layer is not None:
-            layers = [layers[layer]]
-        else:
+        if layer is None:
             now = time.monotonic()
             if now < self._next_watch:
                 return []
             self._next_watch = now + WATCH_INTERVAL
         records, found = f.records, []
-        for info in layers:
-            try:
-                mtime = os.stat(record_path(f.dir, info)).st_mtime_ns
-            except OSError:
-                continue
-            if mtime == self._mtimes[info.index]:
-                continue
-            self._mtimes[info.index] = mtime
+        marker = _mtime(withdrawn_marker(f.dir))
+        if marker != self._marker:
+            self._marker = marker
             # A row marked present by this daemon is on the disk before it is in memory, so
             # present in memory and absent on the disk is a row marked absent since.
-            found += [(info.index, e) for e in range(info.num_experts)
+            found += [(info.index, e) for info in f.manifest.layers
+                      for e in range(info.num_experts)
                       if records.present(info.index, e) and not records.refresh(info.index, e)]
         with self._lock:
             found += self._withdrawn
@@ -225,12 +218,8 @@ class RemoteFills:
             self.fetcher.close()
 
 
-def _spans(experts: list) -> list:
-    """Sorted experts as ``(first, count)`` runs of consecutive ids."""
-    spans = []
-    for e in experts:
-        if spans and spans[-1][0] + spans[-1][1] == e:
-            spans[-1] = (spans[-1][0], spans[-1][1] + 1)
-        else:
-            spans.append((e, 1))
-    return spans
+def _mtime(path) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return None

@@ -127,8 +127,10 @@ class PinBook:
         """
         mine = self._held_by.get(owner, set())
         new = {flat: key for key in keys if (flat := self.keys.flat(key)) not in mine}
-        unpinned = sum(not self.pinned[flat] for flat in new)
-        if self.cap is not None and self.n_capped + unpinned > self.cap:
+        # Keys the cap does not count yet: an auto-pin alone is not counted, and holding
+        # one makes it count.
+        uncounted = sum(not (self._explicit[flat] or self._holds[flat]) for flat in new)
+        if self.cap is not None and self.n_capped + uncounted > self.cap:
             return None
         if new:
             mine = self._held_by.setdefault(owner, mine)
