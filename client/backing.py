@@ -68,6 +68,15 @@ class HostRows:
     def write(self, rows: np.ndarray, experts: np.ndarray, read) -> None:
         read(experts, self.host, self.bases, rows)
 
+    def put(self, rows: np.ndarray, arrays: list) -> None:
+        """Rows from arrays already on the device (one per segment, a row each): copied by
+        the host into the shared buffer (the caller settled what reads ``rows``)."""
+        mx.eval(arrays)
+        for array, base, nb in zip(arrays, self.bases.tolist(), self.nbytes.tolist()):
+            data = np.array(array.view(mx.uint8)).reshape(len(rows), nb)
+            for r, row in zip(rows.tolist(), data):
+                self.host[base + r * nb:base + (r + 1) * nb] = row
+
     def staged_write(self, rows: np.ndarray, read):
         """The part of a write that may run on another thread (all of it, here), and what
         finishes it on the caller's (nothing)."""
@@ -128,6 +137,13 @@ class DeviceRows:
             read(experts[start:start + self.batch], host, bases,
                  np.arange(len(part), dtype=np.int32))
             self._scatter(part, bases, host)
+
+    def put(self, rows: np.ndarray, arrays: list) -> None:
+        """Rows from arrays already on the device (one per segment, a row each), scattered in
+        place (the caller evaluated whatever reads the pool: nothing holds it)."""
+        at = mx.array(rows.astype(np.int32))
+        for array, new in zip(self.arrays, arrays):
+            array[at] = new
 
     def staged_write(self, rows: np.ndarray, read):
         """The host copy may run on another thread; the scatter is issued on the caller's

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from .switch import compute, grouped
+from .pull import HostPuller, check_first_pull, decode_status
+from .switch import compute, grouped, grouped_parts
 
 DECODE_IDS = 64  # a call routing at most this many (token, slot) pairs is decoding
 REPORT_EVERY = 16  # calls between reports of a layer's pooled experts to the daemon's LFU
@@ -44,6 +45,7 @@ class StreamedLayer:
     previous: "StreamedLayer | None" = None
     copier: object = None  # copier.Copier shared by the model's layers
     _used: set = field(default_factory=set)
+    _rows_cache: dict = field(default_factory=dict)
     _calls: int = 0
 
     def forward(self, module, x, indices):
@@ -81,7 +83,13 @@ class StreamedLayer:
             if self.incoming is not None:
                 self.incoming.record(ranked[:n_core], unique, ranked)
         fetched = None
-        if len(unique) <= pool.rows:
+        if session.puller is not None:
+            # Rows missing from the pool are pulled from the arena by the device (leased
+            # while pulled, a group at a time on the puller's stream, each group computing
+            # while the next is pulled); the prompt's most routed ones then join the pool.
+            out = self._pulled_call(module, x, idx, unique)
+            fetched = time.perf_counter()
+        elif len(unique) <= pool.rows:
             rows = pool.place(unique, self.read_rows)
             fetched = time.perf_counter()
             # A pool with a row for every expert holds each at its index: the router's ids
@@ -110,16 +118,93 @@ class StreamedLayer:
         return out
 
     def _speculative(self, module, x, indices, steps):
-        """No host wait: ids remapped on the device (not at all in a pool with a row for every
-        expert, each at its own index), a missing expert computed with a placeholder row (its
-        own empty row, or row 0); the step's end checks the ids (unless nothing can miss)."""
-        pool = self.pool
+        """No host wait. With a puller, its one primitive assembles the pairs' rows (pool hits
+        and arena misses) and mlx-lm's computation runs on them; else ids are remapped on the
+        device (not at all in a pool with a row for every expert, each at its own index) and
+        a missing expert computes with a placeholder row. The step's end checks the statuses
+        or the ids (unless nothing can miss)."""
+        pool, session = self.pool, self.session
         if pool.ahead is not None:
-            pool.commit_ahead(self.session.epoch)
+            pool.commit_ahead(session.epoch)
+        puller = session.puller
+        if puller is not None and not pool.complete and self._checked(puller, indices):
+            arrays, status = session.puller.assemble(self.index, indices, pool)
+            if steps.records is not None:
+                steps.records.append((self, indices, status, arrays))
+            return compute(module, self.segments, arrays, x, self._pair_rows(indices))
         rows = indices if pool.identity else pool.table()[indices]
         if steps.records is not None:
-            steps.records.append((self, indices))
+            steps.records.append((self, indices, None, None))
         return compute(module, self.segments, pool.arrays, x, rows)
+
+    def _checked(self, puller, indices) -> bool:
+        """Metal's first pull of each layer is compared with the host copy (it runs on a
+        user's Mac, where nothing else tested it); a mismatch stops pulling in this process."""
+        if puller.name != "metal" or self.index in puller.checked:
+            return True
+        puller.checked.add(self.index)
+        if check_first_pull(puller, HostPuller(puller.view, puller.layers), self.index,
+                            indices, self.pool):
+            return True
+        self.session.drop_puller()
+        return False
+
+    def _pair_rows(self, indices):
+        """``0..n-1`` shaped as the router's ids: pair i computes with assembled row i."""
+        key = (indices.shape, indices.dtype)
+        rows = self._rows_cache.get(key)
+        if rows is None:
+            rows = mx.arange(indices.size, dtype=indices.dtype).reshape(indices.shape)
+            mx.eval(rows)
+            self._rows_cache[key] = rows
+        return rows
+
+    def after_pull(self, status: np.ndarray, arrays: list) -> None:
+        """The bookkeeping of a step's pulled call: pool hits counted, pulled experts that
+        keep coming back promoted into the pool (a device copy), use reported."""
+        pool = self.pool
+        rows, experts, _ = decode_status(status)
+        hit = np.unique(rows[rows >= 0])
+        pool.counters["hits"] += len(hit)
+        pool.touch(hit)
+        missed = experts >= 0
+        pool.counters["pulled"] += int(missed.sum())
+        pulled, first = np.unique(experts[missed], return_index=True)
+        if len(pulled):
+            positions = np.flatnonzero(missed)[first]
+            self.session.counters["promoted"] += pool.promote(pulled.astype(np.int32), arrays,
+                                                              positions)
+        self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))
+
+    def _pulled_call(self, module, x, idx: np.ndarray, unique: np.ndarray):
+        """A call whose missing experts are pulled from the arena: the pool's hits compute on
+        the pool, the misses on pulled rows, a group at a time (``grouped_parts``)."""
+        pool, session = self.pool, self.session
+        present = pool.row_of[unique] >= 0
+        hits, misses = unique[present], unique[~present]
+        size = max(1, session.max_group)
+        pulled = []
+
+        def parts():
+            if len(hits):
+                rows = pool.row_of[hits]
+                pool.touch(rows)
+                pool.counters["hits"] += len(hits)
+                yield pool.arrays, hits, rows, True
+            for start in range(0, len(misses), size):
+                chunk = misses[start:start + size]
+                arrays = session.pull_rows(self.index, chunk)
+                pool.counters["pulled"] += len(chunk)
+                pulled.append((chunk, arrays))
+                yield arrays, chunk, np.arange(len(chunk), dtype=np.int32), False
+
+        out = grouped_parts(module, self.segments, x, idx, parts(), self.num_experts,
+                            lambda rows, y: pool.computing(rows, y))
+        counts = np.bincount(idx.reshape(-1), minlength=self.num_experts)
+        for chunk, arrays in pulled:
+            session.counters["promoted"] += pool.promote(
+                chunk, arrays, np.arange(len(chunk)), weights=counts[chunk])
+        return out
 
     def after_speculation(self, ids: np.ndarray) -> None:
         """The bookkeeping of a speculative call that hit, from its ids at the step's end."""

@@ -25,7 +25,7 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
          max_group: int | None = None, prefetch: str = "auto",
          copy_ahead_bytes: int | None = None, pipeline_group=None,
          guess_width: int | None = None, pool_backing: str | None = None,
-         speculate: str = "auto", fill_pools: bool | None = None):
+         speculate: str = "auto", fill_pools: bool | None = None, pull: str = "auto"):
     """Build the model of ``blob_dir`` with mlx-lm's classes, experts served by expertd.
 
     Args:
@@ -59,6 +59,12 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
             MoE layer, its ids are checked at its end and a step that missed a pool is replayed
             exactly; auto stops while replays are frequent and tries again later; "on":
             always where a replay can be exact; "off": one host wait per MoE layer.
+        pull: who reads an expert missing from a pool out of the daemon's arena: "auto"
+            (default) the device itself where it can (CUDA with the ``cuda`` extra, Metal),
+            with no host wait in a decode step; else the host, a layer at a time; "device"
+            (an error where the device cannot); "host" (the host copy behind the device's
+            interface, one wait per layer: what the CPU tests run); "off" (the per-layer
+            path).
         fill_pools: move every expert into the pools at load, so that nothing can miss and
             decode steps need no check at all. Default: when every pool has a row for every
             expert on a discrete GPU (where the pools are the GPU's own memory, as a resident
@@ -83,7 +89,8 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
     if guess_width is not None and (isinstance(guess_width, bool) or not isinstance(guess_width, int)
                                     or guess_width < 1):
         raise ValueError(f"guess_width must be a whole number of at least 1, not {guess_width!r}")
-    session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group)
+    session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group,
+                      pull=pull)
     session.copy_ahead_bytes = (COPY_AHEAD_MIN_BYTES if copy_ahead_bytes is None
                                 else max(0, int(copy_ahead_bytes)))
     if guess_width is not None:

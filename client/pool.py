@@ -34,7 +34,9 @@ class Ahead:
 
 
 # What each pool counts (session.all_counters says what each means).
-POOL_COUNTERS = ("hits", "moved", "ahead", "ahead_used", "ahead_unused", "settled")
+POOL_COUNTERS = ("hits", "moved", "ahead", "ahead_used", "ahead_unused", "settled",
+                 "pulled", "promoted")
+PROMOTE_AFTER = 2  # pulls (decayed) after which a pulled expert may take a pool row
 
 
 class ExpertPool:
@@ -63,6 +65,8 @@ class ExpertPool:
         # ids are then the rows, and a call needs no remap at all.
         self.identity = self.rows == num_experts
         self._table = None  # the expert -> row table on the device (see table())
+        self._pull_table = None  # the same with -1 for a missing expert (see pull_table())
+        self.pulls = np.zeros(num_experts, np.int64)  # times each expert was pulled, decayed
         self._complete = None  # cached `complete`, dropped whenever a row changes
         self.counters = dict.fromkeys(POOL_COUNTERS, 0)
         self._touches = 0
@@ -86,6 +90,51 @@ class ExpertPool:
         if self._table is None:
             self._table = mx.array(np.maximum(self.row_of, 0))
         return self._table
+
+    def pull_table(self):
+        """The expert -> row table on the device, -1 for an expert missing from the pool (the
+        pull kernel reads it from the arena). Rebuilt only after the pool changed."""
+        if self._pull_table is None:
+            self._pull_table = mx.array(self.row_of)
+        return self._pull_table
+
+    def promote(self, experts: np.ndarray, arrays: list, positions: np.ndarray,
+                weights: np.ndarray | None = None) -> int:
+        """Take pulled ``experts`` (distinct, missing from the pool) into pool rows, their
+        bytes at ``positions`` of the evaluated ``arrays``: those pulled at least
+        PROMOTE_AFTER times (decayed) whose count beats the coldest row they would replace.
+        ``weights``: uses to count for each (default one).
+        Returns how many moved (a device copy each, no host copy)."""
+        self.pulls[experts] += 1 if weights is None else weights
+        order = np.argsort(-self.pulls[experts], kind="stable")
+        take, victims = [], []
+        banned = np.zeros(self.rows, bool)
+        for i in order.tolist():
+            e = int(experts[i])
+            if self.pulls[e] < PROMOTE_AFTER:
+                break
+            if self.identity:
+                row = e
+            else:
+                score = np.where(self.expert_of < 0, -1, self.uses)
+                score = np.where(banned, np.iinfo(np.int64).max, score)
+                row = int(np.argmin(score))
+                if score[row] >= self.pulls[e]:
+                    break
+            banned[row] = True
+            take.append(i)
+            victims.append(row)
+        if not take:
+            return 0
+        victims = np.array(victims, np.int32)
+        self._evict(victims)
+        at = mx.array(positions[take].astype(np.int32))
+        self.backing.put(victims, [a[at] for a in arrays])
+        self._assign(experts[take].astype(np.int32), victims)
+        self.uses[victims] = self.pulls[experts[take]]
+        self.pulls[experts[take]] = 0
+        self.counters["promoted"] += len(take)
+        return len(take)
 
     # ---- the call's rows -------------------------------------------------------------------
 
@@ -121,6 +170,7 @@ class ExpertPool:
         self._touches += len(rows)
         if self._touches >= DECAY_EVERY * self.rows:
             self.uses >>= 1
+            self.pulls >>= 1
             self._touches = 0
 
     def begin_call(self) -> None:
@@ -227,13 +277,13 @@ class ExpertPool:
         self.row_of[:] = -1
         self.expert_of[:] = -1
         self.uses[:] = 0
-        self._table = self._complete = None
+        self._table = self._complete = self._pull_table = None
 
     # ---- internals -------------------------------------------------------------------------
 
     def _evict(self, victims: np.ndarray) -> None:
         self.settle(victims)
-        self._table = self._complete = None
+        self._table = self._complete = self._pull_table = None
         old = self.expert_of[victims]
         self.row_of[old[old >= 0]] = -1
         self.expert_of[victims] = -1
@@ -243,7 +293,7 @@ class ExpertPool:
         self.uses[victims] = 0
 
     def _assign(self, experts: np.ndarray, rows: np.ndarray) -> None:
-        self._table = self._complete = None
+        self._table = self._complete = self._pull_table = None
         self.row_of[experts] = rows
         self.expert_of[rows] = experts
 
@@ -295,6 +345,10 @@ def plan_rows(layers, top_k: int, pool_gb: float | None, backing: str) -> list:
         if free is None:
             return [min(layer.num_experts, 2 * s) for layer, s in zip(layers, smallest)]
         share = free // 2 // len(layers)
+        # A model larger than half the free memory gets the smallest pools that work (its
+        # misses are pulled from the arena), never an error.
+        return [max(s, min(layer.num_experts, max(0, share - ALIGN * len(layer.segments))
+                           // layer.expert_bytes)) for layer, s in zip(layers, smallest)]
     else:
         if isinstance(pool_gb, bool) or not pool_gb > 0:
             raise ValueError(f"pool_gb must be a positive number of GiB, not {pool_gb!r}")

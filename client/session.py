@@ -13,6 +13,7 @@ import sys
 import time
 import weakref
 
+import mlx.core as mx
 import numpy as np
 
 from expertd.client.arena_view import ArenaView
@@ -21,6 +22,9 @@ from expertd.client.heartbeat import Heartbeat
 from expertd.client.interrupts import HeldInterrupts
 from expertd.client.links import Links, weak_method
 from expertd.client.pool import POOL_COUNTERS
+from expertd.client.predict import check_choice
+from expertd.client.pull import PULL_MODES, StepEpoch, make_puller
+from expertd.client.switch import MLX_DTYPES
 from expertd.client.requester import DaemonDied, Requester
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning
@@ -28,6 +32,7 @@ from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
 from expertd.protocol import GUESS_WIDTH, PROTOCOL_VERSION, Op
 from expertd.runfile import serving_epoch
+from expertd.shm.layout import EPOCH_DTYPE
 
 # How long a read waits for rows someone else is filling before it demands them itself. The
 # demand merges onto the same fill, and moves a prefetch's low-priority read to the front.
@@ -44,12 +49,17 @@ class Session:
         reconnect_timeout: how long to wait for a restarted daemon after the old one died.
         max_group: most experts moved from the arena at once (default: 64 or 4 x top-k,
             within what the daemon leases at once).
+        pull: who reads a layer's missing rows from the arena during a step (one of
+            ``pull.PULL_MODES``): "auto", the device where it can (CUDA, Metal), else the
+            per-layer host path; "device" (an error where it cannot); "host", the host copy
+            behind the same interface (the CPU twin the tests run); "off", the per-layer path.
     Raises:
         DaemonNotRunning: no daemon serves the directory (the message says how to start one).
         DaemonError: the daemon serves another blob directory or speaks another protocol.
     """
 
-    def __init__(self, blob_dir, reconnect_timeout: float = 60.0, max_group: int | None = None):
+    def __init__(self, blob_dir, reconnect_timeout: float = 60.0, max_group: int | None = None,
+                 pull: str = "off"):
         # The socket and the threads, held apart from the session: a model dropped without
         # close() (or left at exit) still has them shut, in order, by the finalizer.
         self._links = Links()
@@ -61,7 +71,8 @@ class Session:
         self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0,
                              late_leases=0, prefetch_asked=0, misses=0, prefetch_saved=0,
                              hits_reported=0, steps=0, host_waits=0, speculative_steps=0,
-                             unchecked_steps=0, replays=0)
+                             unchecked_steps=0, replays=0, replays_absent=0,
+                             replays_epoch=0, pulled_steps=0, promoted=0)
         # Where the main thread's time goes per MoE layer call (see layer.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
                            copier_wait_s=0.0, prestage_s=0.0, layers=0)
@@ -73,6 +84,12 @@ class Session:
         self.guess_width = GUESS_WIDTH  # see client.predict
         self.timeline = None  # a list to record (layer, t0, t_sync, t_fetched, t_done) per call
         self.conn = self.view = self.requester = self._heartbeat = None
+        self.pull_mode = check_choice("pull", pull, PULL_MODES)
+        self.puller = self.step_epoch = None  # made at each attach (see pull.py)
+        self._pull_layers = {
+            layer.index: [(MLX_DTYPES[seg.dtype], tuple(seg.shape), seg.nbytes)
+                          for seg in layer.segments] for layer in self.manifest.layers}
+        self._pulled_before = dict(rows_pulled=0, bytes_pulled=0, pull_s=0.0, pulls=0)
         self.max_group = None
         self.closed = False
         self._segment_tables = [
@@ -128,6 +145,7 @@ class Session:
                     self.max_group = min(hello["max_demand"], self.requested_group,
                                          self.manifest.max_experts)
                 self.demand_limit = hello["max_demand"]
+                self._attach_puller(view, hello.get("epoch_slot", -1))
                 attached = True
         except BaseException:
             if not attached:
@@ -137,6 +155,38 @@ class Session:
                     view.close()
                 conn.close()
             raise
+
+    def _attach_puller(self, view, slot: int) -> None:
+        """The puller and the step's epoch record of this attach: none without a record (the
+        daemon gives out EPOCH_SLOTS), the per-layer host path then."""
+        if self.pull_mode == "off" or slot is None or slot < 0:
+            return
+        puller = make_puller(self.pull_mode, view, self._pull_layers)
+        if puller is None:
+            return
+        g = view.arena.geometry
+        self.step_epoch = StepEpoch(view.raw, g.epochs_offset + slot * EPOCH_DTYPE.itemsize)
+        self.puller = puller
+
+    def drop_puller(self, why: str | None = None) -> None:
+        """Stop pulling for the rest of this process (``why`` is printed once)."""
+        if why:
+            print(f"expertd: {why}", file=sys.stderr, flush=True)
+        self.pull_mode = "off"
+        self._close_puller()
+
+    def _close_puller(self) -> None:
+        puller, self.puller, self.step_epoch = self.puller, None, None
+        if puller is not None:
+            for key in self._pulled_before:
+                self._pulled_before[key] += puller.counters[key]
+            puller.close()
+
+    def pull_counters(self) -> dict:
+        """Rows and bytes pulled from the arena (every attach so far), and the seconds the
+        timed pulls (a prompt's) took."""
+        now = self.puller.counters if self.puller is not None else {}
+        return {k: v + now.get(k, 0) for k, v in self._pulled_before.items()}
 
     def announce_pools(self) -> None:
         """Tell the daemon this client's expert memory (its pools), for status: a second
@@ -162,6 +212,7 @@ class Session:
         # Detached first: should an interrupt cut what follows short, the next call still
         # attaches again (closing twice is harmless). The old mapping stays valid until nothing
         # references it: a copy ahead in flight may still read it.
+        self._close_puller()
         self.conn = self.view = self._heartbeat = None
         self._links.detach(goodbye=False)
         if self.requester is not None:
@@ -301,6 +352,47 @@ class Session:
             finally:
                 # Whatever happened (KeyboardInterrupt while waiting included), nothing stays
                 # leased.
+                requester.release_all()
+
+    def pull_rows(self, layer: int, experts: np.ndarray):
+        """``experts`` (distinct int32) of ``layer`` pulled from the arena by the device, as
+        arrays of one row each per segment (in order). The daemon leases them (filling the
+        absent ones) while the pull runs on the puller's stream; the pull is waited for, not
+        the computation on the default stream. Survives a daemon restart."""
+        self.check_alive()
+        parts = []
+        start = 0
+        while start < len(experts):
+            chunk = experts[start:start + self.demand_limit]
+            try:
+                parts.append(self._pull_chunk(layer, chunk))
+                start += len(chunk)
+            except DaemonDied as exc:
+                self._reconnect(str(exc))
+            if self.puller is None:
+                raise DaemonError("the device stopped pulling from the arena")
+        if len(parts) == 1:
+            return parts[0]
+        return [mx.concatenate([p[s] for p in parts]) for s in range(len(parts[0]))]
+
+    def _pull_chunk(self, layer: int, experts: np.ndarray) -> list:
+        requester, puller = self.requester, self.puller
+        with requester.lock, HeldInterrupts() as held:
+            try:
+                while True:
+                    started = time.perf_counter()
+                    slots, versions = requester.demand(layer, experts, held)
+                    pulled = time.perf_counter()
+                    arrays, status = puller.rows(layer, np.asarray(slots, np.int32))
+                    mx.eval(arrays, status)
+                    self.timing["fill_wait_s"] += pulled - started
+                    puller.counters["pull_s"] += time.perf_counter() - pulled
+                    if self.view.unchanged(np.asarray(slots, np.int32),
+                                           np.asarray(versions, np.uint64)):
+                        return arrays
+                    self.counters["retries"] += 1  # the lease lapsed: lease them again
+                    requester.release_leases()
+            finally:
                 requester.release_all()
 
     def fetch(self, layer: int, experts, dest: np.ndarray | None = None) -> np.ndarray:

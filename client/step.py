@@ -27,6 +27,7 @@ from expertd.serving.config import SPECULATE_MODES
 
 from .layer import DECODE_IDS
 from .predict import check_choice
+from .pull import ABSENT, decode_status
 
 WINDOW = 16  # speculative steps per verdict
 MAX_REPLAYS = 4  # replays in a window above which auto stops speculating (a replay costs a
@@ -139,16 +140,30 @@ class Steps:
         cache = kwargs.get("cache", args[0] if args else None)
         if not self._speculate(inputs, cache):
             return forward(inputs, *args, **kwargs)
-        logits, records = self._without_waits(forward, inputs, args, kwargs, [])
-        flat = mx.concatenate([idx.reshape(-1) for _, idx in records])
-        mx.eval(logits, flat)  # the step's one wait
+        session = self.session
+        epoch = session.step_epoch if session.puller is not None else None
+        if epoch is not None:
+            epoch.begin()  # published before any kernel of the step reads the slot table
+        lost = False
+        try:
+            logits, records = self._without_waits(forward, inputs, args, kwargs, [])
+            ids = [idx.reshape(-1) for _, idx, status, _ in records if status is None]
+            statuses = [status for _, _, status, _ in records if status is not None]
+            flat = [mx.concatenate(part) for part in (ids, statuses) if part]
+            mx.eval(logits, *flat)  # the step's one wait
+        finally:
+            if epoch is not None:
+                lost = epoch.end()  # every read of the step is done
         counters["host_waits"] += 1
         counters["speculative_steps"] += 1
-        missed = self._check(records, np.array(flat))
-        self.speculation.record(missed)
-        if not missed:
+        counters["pulled_steps"] += bool(statuses)
+        cause = "epoch" if lost else self._check(records, *(np.array(f) for f in flat))
+        self.speculation.record(cause is not None)
+        if cause is None:
             return logits
         counters["replays"] += 1
+        if cause != "pool":
+            counters[f"replays_{cause}"] += 1
         for c in cache or []:
             c.trim(self._tokens(inputs))
         return forward(inputs, *args, **kwargs)
@@ -173,15 +188,30 @@ class Steps:
             return False
         return cache is None or replayable(cache, tokens)
 
-    def _check(self, records: list, flat: np.ndarray) -> bool:
-        """True if any layer's ids of the speculative step missed its pool; else the host's
-        bookkeeping of the step (pool use counts, reports to the daemon) from those ids."""
-        per_layer, at = [], 0
-        for layer, idx in records:
-            per_layer.append((layer, flat[at:at + idx.size]))
-            at += idx.size
-        if any((layer.pool.row_of[ids] < 0).any() for layer, ids in per_layer):
-            return True  # the replay does the bookkeeping, on the per-layer path
-        for layer, ids in per_layer:
-            layer.after_speculation(ids)
-        return False
+    def _check(self, records: list, *flat: np.ndarray) -> str | None:
+        """Why the speculative step must be replayed ("pool": an id missed its pool without a
+        puller; "absent": a pulled expert had no ready row in the arena), or None after the
+        host's bookkeeping of the step (pool use counts, promotions, reports to the daemon)."""
+        plain = [r for r in records if r[2] is None]
+        pulled = [r for r in records if r[2] is not None]
+        flat = list(flat)
+        per_layer = []
+        for group, kind in ((plain, "ids"), (pulled, "status")):
+            if not group:
+                continue
+            values, at = flat.pop(0), 0
+            for layer, idx, status, arrays in group:
+                n = idx.size
+                per_layer.append((layer, kind, values[at:at + n], arrays))
+                at += n
+        for layer, kind, values, _ in per_layer:
+            if kind == "ids" and (layer.pool.row_of[values] < 0).any():
+                return "pool"  # the replay does the bookkeeping, on the per-layer path
+            if kind == "status" and (decode_status(values)[2] == ABSENT).any():
+                return "absent"
+        for layer, kind, values, arrays in per_layer:
+            if kind == "ids":
+                layer.after_speculation(values)
+            else:
+                layer.after_pull(values, arrays)
+        return None

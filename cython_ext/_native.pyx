@@ -29,6 +29,11 @@ cdef extern from *:
     static inline void xd_add_relaxed(void *p, unsigned long long v) {
         __atomic_fetch_add((unsigned long long *)p, v, __ATOMIC_RELAXED);
     }
+    static inline void xd_store_seq_cst(void *p, unsigned long long v) {
+        __atomic_store_n((unsigned long long *)p, v, __ATOMIC_SEQ_CST);
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    }
+    static inline void xd_fence_seq_cst(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
     static inline void xd_fence_acquire(void) { __atomic_thread_fence(__ATOMIC_ACQUIRE); }
     static inline void xd_fence_release(void) { __atomic_thread_fence(__ATOMIC_RELEASE); }
     static inline double xd_now(void) {
@@ -56,6 +61,8 @@ cdef extern from *:
     void xd_store_release(void *p, unsigned long long v) nogil
     void xd_store_relaxed(void *p, unsigned long long v) nogil
     void xd_add_relaxed(void *p, unsigned long long v) nogil
+    void xd_store_seq_cst(void *p, unsigned long long v) nogil
+    void xd_fence_seq_cst() nogil
     void xd_fence_acquire() nogil
     void xd_fence_release() nogil
     double xd_now() nogil
@@ -269,3 +276,16 @@ def end_write(uint8_t[::1] arena, Py_ssize_t slots_offset, Py_ssize_t row):
     cdef uint8_t* rec = _slot(&arena[0], slots_offset, row)
     cdef unsigned long long v = xd_load_relaxed(rec + OFF_VERSION)
     xd_store_release(rec + OFF_VERSION, v + 1 if (v & 1) else v + 2)
+
+
+def publish_u64(uint8_t[::1] arena, Py_ssize_t offset, unsigned long long value):
+    """Store ``value`` at ``offset`` and fence (sequentially consistent): a client's step
+    published before any read of the step, or the daemon's unmapping before it reads the steps.
+    """
+    xd_store_seq_cst(&arena[offset], value)
+
+
+def read_u64(uint8_t[::1] arena, Py_ssize_t offset):
+    """Load the u64 at ``offset`` after a full fence (acquire and after every earlier store)."""
+    xd_fence_seq_cst()
+    return xd_load_acquire(&arena[offset])

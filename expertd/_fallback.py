@@ -138,3 +138,11 @@ def begin_write(arena, slots_offset, row):
 def end_write(arena, slots_offset, row):
     rec = _slots(arena, slots_offset)[row:row + 1]
     rec["version"] += 1 if int(rec["version"][0]) & 1 else 2
+
+
+def publish_u64(arena, offset, value):
+    arena[offset:offset + 8].view("<u8")[0] = value
+
+
+def read_u64(arena, offset):
+    return int(arena[offset:offset + 8].view("<u8")[0])

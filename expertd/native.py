@@ -21,6 +21,7 @@ IMPLEMENTATION = _chosen.IMPLEMENTATION
 remap, validate, drain = _chosen.remap, _chosen.validate, _chosen.drain
 copy_segments, bump_hits = _chosen.copy_segments, _chosen.bump_hits
 begin_write, end_write = _chosen.begin_write, _chosen.end_write
+publish_u64, read_u64 = _chosen.publish_u64, _chosen.read_u64
 
 __all__ = ["IMPLEMENTATION", "PURE_PYTHON_FORCED", "remap", "validate", "drain",
-           "copy_segments", "bump_hits", "begin_write", "end_write"]
+           "copy_segments", "bump_hits", "begin_write", "end_write", "publish_u64", "read_u64"]

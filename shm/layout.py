@@ -1,8 +1,14 @@
 """Shared-memory arena layout: header, slot index, slot table and rows.
 
 ```
-[ header 4 KiB ][ slot_of: int32[layers * experts] ][ slots: SLOT_DTYPE[rows] ][ pad ][ rows ]
+[ header 4 KiB ][ epochs: EPOCH_DTYPE[EPOCH_SLOTS] ][ slot_of: int32[layers * experts] ]
+[ slots: SLOT_DTYPE[rows] ][ pad ][ rows ]
 ```
+``epochs`` is the reclamation table of device reads (DESIGN.md, "Epochs"): the daemon gives each
+attached client one record; the client publishes in ``step`` the step it is in (odd while a step
+that reads arena rows from a device runs, even between steps) and the daemon writes the step it
+revoked into ``lost`` (a client that stayed in one step longer than the lease bound). Only the
+record's client writes ``step``; only the daemon writes ``lost`` and ``pid``.
 ``slot_of[layer * experts + expert]`` is the row that holds an expert, or -1. Each slot record
 carries a seqlock ``version`` (odd while the daemon rewrites the row), the (layer, expert) key it
 holds, its state and a hit counter that clients bump for the daemon's LFU. Only the daemon writes
@@ -26,7 +32,7 @@ import posix_ipc
 from ..errors import DaemonError
 
 ARENA_MAGIC = 0x3144505845545845  # "EXTEXPD1" little-endian
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER_SIZE = 4096
 ROW_ALIGN = 16384
 SHM_DIR = "/dev/shm"  # Linux: the tmpfs behind POSIX shared memory
@@ -48,7 +54,8 @@ HEADER_DTYPE = np.dtype(
         ("rows_offset", "<u8"),
         ("total_size", "<u8"),
         ("serving", "<u4"),
-        ("reserved", "<u4"),
+        ("epoch_slots", "<u4"),
+        ("epochs_offset", "<u8"),
     ]
 )
 
@@ -63,6 +70,16 @@ SLOT_DTYPE = np.dtype(
     ]
 )
 assert SLOT_DTYPE.itemsize == 32  # the native extension's copy: cython_ext/_native.pyx
+
+EPOCH_DTYPE = np.dtype(
+    [
+        ("step", "<u8"),  # the client's step: odd while inside a device-reading step
+        ("lost", "<u8"),  # a step of the client's that the daemon revoked (0: none)
+        ("pid", "<u8"),  # the client's pid while the record is given out, else 0
+        ("pad", "<u8"),
+    ]
+)
+EPOCH_SLOTS = 256  # clients that may read rows from a device at once; others copy on the host
 
 
 class SlotState(enum.IntEnum):
@@ -100,8 +117,12 @@ class Geometry:
         return self.cache_rows + 2 * self.side_rows
 
     @property
-    def slot_of_offset(self) -> int:
+    def epochs_offset(self) -> int:
         return HEADER_SIZE
+
+    @property
+    def slot_of_offset(self) -> int:
+        return HEADER_SIZE + EPOCH_DTYPE.itemsize * EPOCH_SLOTS
 
     @property
     def slots_offset(self) -> int:
@@ -257,6 +278,8 @@ class Arena:
         self.slot_of = self.raw[g.slot_of_offset:g.slot_of_offset + 4 * n_index].view("<i4")
         self.slots = self.raw[g.slots_offset:g.slots_offset + SLOT_DTYPE.itemsize * g.total_rows
                               ].view(SLOT_DTYPE)
+        self.epochs = self.raw[g.epochs_offset:g.epochs_offset + EPOCH_DTYPE.itemsize * EPOCH_SLOTS
+                               ].view(EPOCH_DTYPE)
         self.rows_offset = g.rows_offset
 
     @classmethod
@@ -278,6 +301,7 @@ class Arena:
         arena = cls(name, shm, geometry, owner=True)
         arena.slot_of[:] = -1
         arena.slots[:] = 0
+        arena.epochs[:] = 0
         h = arena.header
         g = geometry
         for key, value in (
@@ -286,6 +310,7 @@ class Arena:
             ("cache_rows", g.cache_rows), ("side_rows", g.side_rows), ("stride", g.stride),
             ("slot_of_offset", g.slot_of_offset), ("slots_offset", g.slots_offset),
             ("rows_offset", g.rows_offset), ("total_size", g.total_size), ("serving", 1),
+            ("epoch_slots", EPOCH_SLOTS), ("epochs_offset", g.epochs_offset),
         ):
             h[key] = value
         h["magic"] = ARENA_MAGIC  # last: a reader that sees the magic sees a whole header
@@ -361,7 +386,7 @@ class Arena:
 
     def close(self) -> None:
         """Unmap; views handed out earlier must be gone."""
-        self.header = self.slot_of = self.slots = self.raw = None
+        self.header = self.slot_of = self.slots = self.epochs = self.raw = None
         self.buffer.release()
         try:
             self._mmap.close()

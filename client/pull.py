@@ -1,0 +1,505 @@
+"""Arena rows pulled by the device: a layer's missing experts come from the arena with no host wait.
+
+A *puller* gives a streamed layer the rows its router chose, in one primitive:
+:meth:`assemble` takes the router's ids and the pool's expert -> row table (both on the device)
+and returns fresh arrays of one row per (token, slot) pair, hits copied from the pool and misses
+read from the daemon's arena, plus a status per pair (``>= 0``: the pool row it came from;
+``PULLED``: read from the arena; ``ABSENT``: the arena had no ready row, the pair's bytes are
+garbage and its step is replayed). mlx-lm's ``gather_qmm`` / ``gather_mm`` then run on those
+arrays with ids ``0..n-1``, so the layer costs one primitive more than resident mlx-lm, whether or
+not it missed. :meth:`rows` pulls given arena rows (by slot) for a prompt's groups and for
+promotions into the pool.
+
+Backings, one per platform, behind that interface:
+
+- :class:`CudaPuller`: the arena mapping is registered once per attach with ``cudaHostRegister``
+  (NVIDIA's ``cuda-python``, the ``cuda`` extra: the maintained binding of the runtime MLX's CUDA
+  backend links against, rather than ctypes declarations of our own), and an
+  ``mx.fast.cuda_kernel`` reads the slot table and the rows through the registered pointer.
+- :class:`MetalPuller`: the arena is adopted as an MLX array without a copy
+  (``mx.asarray(..., copy=False)``, 16 KiB-aligned memory, MLX >= 0.32.4) and an
+  ``mx.fast.metal_kernel`` does the same work. Its first pull of each layer is compared with a
+  host copy; a mismatch switches the process to :class:`HostPuller` with one warning.
+- :class:`HostPuller`: the host copy (the native extension's or its pure-Python twin's
+  seqlock-checked copy) after one wait for the router's ids: what the CPU runs, and what CI
+  tests the rest of the path with.
+
+What keeps a pulled row still while a device reads it is the step's epoch (:class:`StepEpoch`,
+DESIGN.md "Epochs"): the daemon refills no row evicted during a step before the step ends, and a
+step held past the lease bound loses its epoch and is replayed. A device never waits for a row.
+"""
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+from expertd import native
+from expertd.shm.layout import EPOCH_DTYPE, SLOT_DTYPE, SlotState
+
+# A pair's status: its pool row (>= 0), or for expert e: -1 - 2e read from the arena (pulled),
+# -2 - 2e the arena had no ready row (absent: the step is replayed). One int32 array per layer
+# tells the step's end everything, with no copy of the router's ids.
+PULLED, ABSENT = 0, 1  # kinds of a negative status
+
+
+def decode_status(status: np.ndarray) -> tuple:
+    """``(rows, experts, kinds)`` of a status array: the pool row of each hit (-1 elsewhere),
+    the expert of each miss (-1 for hits), and PULLED / ABSENT per miss (-1 for hits)."""
+    status = np.asarray(status, np.int64)
+    miss = status < 0
+    code = -status - 1
+    experts = np.where(miss, code // 2, -1)
+    kinds = np.where(miss, code % 2, -1)
+    return np.where(miss, -1, status), experts, kinds
+
+
+def encode_miss(experts: np.ndarray, kinds: np.ndarray) -> np.ndarray:
+    return (-1 - 2 * experts.astype(np.int64) - kinds).astype(np.int32)
+THREADS = 256  # threads per block (CUDA) / threadgroup (Metal)
+CHUNKS = 64  # blocks sharing one row's copy: enough to keep PCIe (or the fabric) busy
+
+PULL_MODES = ("auto", "device", "host", "off")
+
+# Parameters every kernel reads from one int64 array (index -> meaning); the segments' offsets
+# within a row and sizes follow, two per segment.
+P_LAYER, P_EXPERTS, P_SLOT_OF, P_SLOTS, P_ROWS, P_STRIDE, P_BASE = range(7)
+N_FIXED = 7
+
+_SLOT_VERSION = SLOT_DTYPE.fields["version"][1]
+_SLOT_LAYER = SLOT_DTYPE.fields["layer"][1]
+_SLOT_EXPERT = SLOT_DTYPE.fields["expert"][1]
+_SLOT_STATE = SLOT_DTYPE.fields["state"][1]
+
+
+class StepEpoch:
+    """This client's record in the arena's epoch table: the step it is in.
+
+    Args:
+        raw: the arena mapping (uint8 array).
+        offset: where the record starts (``epochs_offset + slot * EPOCH_DTYPE.itemsize``).
+    """
+
+    def __init__(self, raw: np.ndarray, offset: int):
+        self._raw, self._step_at = raw, offset + EPOCH_DTYPE.fields["step"][1]
+        self._lost_at = offset + EPOCH_DTYPE.fields["lost"][1]
+        self.step = native.read_u64(raw, self._step_at)
+        if self.step & 1:  # a record given out mid-step (never by a daemon that zeroes it)
+            self.step += 1
+
+    @property
+    def inside(self) -> bool:
+        return bool(self.step & 1)
+
+    def begin(self) -> None:
+        """Enter a step: published (and fenced) before any read of the slot table."""
+        if not self.step & 1:
+            self.step += 1
+            native.publish_u64(self._raw, self._step_at, self.step)
+
+    def end(self) -> bool:
+        """Leave the step, after every read of it is done. True if the daemon revoked it (the
+        step's rows may have been refilled while read: it must be replayed)."""
+        if not self.step & 1:
+            return False
+        lost = native.read_u64(self._raw, self._lost_at) == self.step
+        self.step += 1
+        native.publish_u64(self._raw, self._step_at, self.step)
+        return lost
+
+
+def kernel_params(view, layer: int, base: int) -> np.ndarray:
+    """The int64 parameters a pull kernel reads for ``layer`` of the arena ``view`` mapped at
+    ``base`` (a device address, or 0 where the arena is an input array of its own)."""
+    g = view.arena.geometry
+    offsets, nbytes = view.segment_table(layer)
+    fixed = [layer, g.n_experts, g.slot_of_offset, g.slots_offset, g.rows_offset, g.stride, base]
+    pairs = np.stack([offsets, nbytes], axis=1).ravel()
+    return np.concatenate([np.array(fixed, np.int64), pairs.astype(np.int64)])
+
+
+def vector_copy(view, layer: int) -> bool:
+    """16-byte loads are safe for ``layer``: every segment's offset and size is a multiple of
+    16 (rows start 16 KiB-aligned, MLX buffers at least 16-aligned)."""
+    offsets, nbytes = view.segment_table(layer)
+    return bool(((offsets % 16) == 0).all() and ((nbytes % 16) == 0).all())
+
+
+def _lookup_source(kind: str) -> str:
+    """Resolve one pair (``p``) to its source: a pool row, an arena slot, or nothing; the
+    first thread of each block, on either kernel language. ``kind`` names the shared int."""
+    return f"""
+    I64 e = (I64)ids[p];
+    I64 nexp = params[{P_EXPERTS}];
+    int row = (e >= 0 && e < nexp) ? table[e] : -1;
+    {kind}[0] = 2;
+    {kind}[1] = row;
+    if (row >= 0) {{
+      {kind}[0] = 0;
+    }} else if (e >= 0 && e < nexp) {{
+      I64 layer = params[{P_LAYER}];
+      int slot = ((ARENA int*)(arena + params[{P_SLOT_OF}]))[layer * nexp + e];
+      if (slot >= 0) {{
+        ARENA unsigned char* rec = arena + params[{P_SLOTS}] + (I64)slot * {SLOT_DTYPE.itemsize};
+        U64 version = *((ARENA U64*)(rec + {_SLOT_VERSION}));
+        int rl = *((ARENA int*)(rec + {_SLOT_LAYER}));
+        int rx = *((ARENA int*)(rec + {_SLOT_EXPERT}));
+        unsigned int st = *((ARENA unsigned int*)(rec + {_SLOT_STATE}));
+        if (!(version & (U64)1) && rl == (int)layer && rx == (int)e && st == {int(SlotState.READY)}u) {{
+          {kind}[0] = 1;
+          {kind}[1] = slot;
+        }}
+      }}
+    }}
+    if (chunk == 0) {{
+      int code = (e >= 0 && e < nexp) ? (int)e : 0;
+      status[p] = {kind}[0] == 0 ? row : ({kind}[0] == 1 ? -1 - 2 * code : -2 - 2 * code);
+    }}"""
+
+
+def _copy_source(n_segments: int, vector: bool, unit: str) -> str:
+    """Copy each segment of the resolved row into the outputs (grid-strided over the row's
+    blocks); hits from the pool, misses from the arena."""
+    width = 16 if vector else 1
+    lines = []
+    for s in range(n_segments):
+        lines.append(f"""
+    {{
+      I64 nb = params[{N_FIXED} + 2 * {s} + 1];
+      I64 off = params[{N_FIXED} + 2 * {s}];
+      SRC unsigned char* src = from_pool
+          ? ((SRC unsigned char*)pool{s}) + where * nb
+          : arena + params[{P_ROWS}] + where * params[{P_STRIDE}] + off;
+      DST unsigned char* dst = ((DST unsigned char*)out{s}) + (I64)p * nb;
+      I64 units = nb / {width};
+      for (I64 i = first; i < units; i += step) {{
+        ((DST {unit}*)dst)[i] = ((SRC {unit}*)src)[i];
+      }}
+    }}""")
+    return "".join(lines)
+
+
+def cuda_source(n_segments: int, vector: bool) -> str:
+    """The body of the CUDA pull kernel (``mx.fast.cuda_kernel`` writes its signature)."""
+    unit = "uint4" if vector else "unsigned char"
+    return f"""
+  #define ARENA volatile const
+  #define SRC const
+  #define DST
+  #define I64 long long
+  #define U64 unsigned long long
+  const int p = blockIdx.y;
+  const int chunk = blockIdx.x;
+  __shared__ long long found[2];
+  const unsigned char* arena = (const unsigned char*)(uintptr_t)params[{P_BASE}];
+  if (threadIdx.x == 0) {{
+    long long* kind = found;
+{_lookup_source("kind")}
+  }}
+  __syncthreads();
+  if (found[0] == 2) return;
+  const bool from_pool = found[0] == 0;
+  const I64 where = found[1];
+  const I64 first = (I64)chunk * blockDim.x + threadIdx.x;
+  const I64 step = (I64)gridDim.x * blockDim.x;
+{_copy_source(n_segments, vector, unit)}
+"""
+
+
+def metal_source(n_segments: int, vector: bool) -> str:
+    """The body of the Metal pull kernel (``mx.fast.metal_kernel`` writes its signature)."""
+    unit = "uint4" if vector else "uchar"
+    return f"""
+  #define ARENA device const
+  #define SRC device const
+  #define DST device
+  #define I64 long
+  #define U64 unsigned long
+  const int p = threadgroup_position_in_grid.y;
+  const int chunk = threadgroup_position_in_grid.x;
+  threadgroup long found[2];
+  device const unsigned char* arena = (device const unsigned char*)arena_rows;
+  if (thread_position_in_threadgroup.x == 0) {{
+    threadgroup long* kind = found;
+{_lookup_source("kind")}
+  }}
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (found[0] == 2) return;
+  const bool from_pool = found[0] == 0;
+  const long where = found[1];
+  const long first = (long)chunk * threads_per_threadgroup.x + thread_position_in_threadgroup.x;
+  const long step = (long)threadgroups_per_grid.x * threads_per_threadgroup.x;
+{_copy_source(n_segments, vector, unit)}
+"""
+
+
+def input_names(n_segments: int, arena_input: str | None) -> list:
+    names = ["ids", "table", "params"] + [f"pool{s}" for s in range(n_segments)]
+    return names + [arena_input] if arena_input else names
+
+
+def output_names(n_segments: int) -> list:
+    return [f"out{s}" for s in range(n_segments)] + ["status"]
+
+
+class Puller:
+    """What every backing shares: the view, the segment shapes, and the counters.
+
+    Args:
+        view: the :class:`~expertd.client.arena_view.ArenaView` of the attached arena.
+        layers: per manifest layer, its segments as ``(mlx dtype, per-expert shape, nbytes)``.
+    """
+
+    name = "host"
+    on_device = False  # True: assemble waits for nothing on the host
+
+    def __init__(self, view, layers: dict):
+        self.view = view
+        self.layers = layers
+        self.counters = dict(pulls=0, rows_pulled=0, bytes_pulled=0, pull_s=0.0)
+
+    def close(self) -> None:
+        pass
+
+    def _outputs(self, layer: int, n: int):
+        segs = self.layers[layer]
+        return [(n, *shape) for _, shape, _ in segs] + [(n,)], \
+            [dtype for dtype, _, _ in segs] + [mx.int32]
+
+    def count(self, layer: int, rows: int) -> None:
+        self.counters["rows_pulled"] += rows
+        self.counters["bytes_pulled"] += rows * sum(nb for _, _, nb in self.layers[layer])
+
+
+class HostPuller(Puller):
+    """The host copy: one wait for the ids, then the seqlock-checked copy of the missing rows
+    (the native extension, or its pure-Python twin) joined with the pool's rows."""
+
+    def assemble(self, layer: int, ids, pool):
+        flat = np.array(ids).reshape(-1).astype(np.int64)  # the wait a device pull avoids
+        rows = pool.row_of[flat]
+        status = rows.astype(np.int32)
+        miss = rows < 0
+        segs = self.layers[layer]
+        pulled = [np.zeros((len(flat), nb), np.uint8) for _, _, nb in segs]
+        if miss.any():
+            want = np.unique(flat[miss]).astype(np.int32)
+            got = self._copy(layer, want)
+            pulled_ok = 0
+            for i in np.flatnonzero(miss).tolist():
+                parts = got[int(np.searchsorted(want, flat[i]))]
+                status[i] = encode_miss(flat[i:i + 1], np.array([parts is None]))[0]
+                for s, part in enumerate(parts or ()):
+                    pulled[s][i] = part
+                pulled_ok += parts is not None
+            self.count(layer, pulled_ok)
+        base = mx.array(np.maximum(rows, 0).astype(np.int32))
+        take = mx.array(miss)
+        arrays = []
+        for s, (dtype, shape, _) in enumerate(segs):
+            mask = take.reshape((-1,) + (1,) * len(shape))
+            rows_in = mx.array(pulled[s]).view(dtype).reshape((len(flat), *shape))
+            arrays.append(mx.where(mask, rows_in, pool.arrays[s][base]))
+        return arrays, mx.array(status)
+
+    def rows(self, layer: int, slots: np.ndarray):
+        """The rows at arena ``slots`` (ready, held still by a lease) as arrays per segment."""
+        offsets, nbytes = self.view.segment_table(layer)
+        n = len(slots)
+        from .backing import buffer_bytes, segment_bases
+
+        bases = segment_bases(n, nbytes)
+        host = np.empty(buffer_bytes(n, nbytes), np.uint8)
+        self.view.copy(layer, np.ascontiguousarray(slots, np.int32), host, bases,
+                       np.arange(n, dtype=np.int32))
+        self.count(layer, n)
+        arrays = [mx.array(host[b:b + n * nb]).view(dtype).reshape((n, *shape))
+                  for (dtype, shape, nb), b in zip(self.layers[layer], bases.tolist())]
+        return arrays, mx.array(encode_miss(self.view.experts_at(slots),
+                                            np.zeros(n, np.int64)))
+
+    def _copy(self, layer: int, experts: np.ndarray) -> list:
+        """Per expert, its segments' bytes (uint8 arrays) copied from a ready row that did not
+        change meanwhile, or None."""
+        view = self.view
+        found = view.lookup(layer, experts)
+        offsets, nbytes = view.segment_table(layer)
+        from .backing import buffer_bytes, segment_bases
+
+        n = len(experts)
+        bases = segment_bases(n, nbytes)
+        host = np.zeros(buffer_bytes(n, nbytes), np.uint8)
+        ok = found.slots >= 0
+        if ok.any():
+            at = np.flatnonzero(ok).astype(np.int32)
+            view.copy(layer, found.slots[at], host, bases, at)
+            for i in at.tolist():  # seqlock: a row rewritten while copied is not taken
+                if not view.unchanged(found.slots[i:i + 1], found.versions[i:i + 1]):
+                    ok[i] = False
+        return [[host[b + i * nb:b + (i + 1) * nb] for b, nb in zip(bases.tolist(),
+                                                                    nbytes.tolist())]
+                if ok[i] else None for i in range(n)]
+
+
+class _KernelPuller(Puller):
+    """A device puller: one kernel per (segment count, copy width), shared by every layer."""
+
+    on_device = True
+    arena_input = None  # the name of an input holding the arena itself (Metal), else None
+
+    def __init__(self, view, layers: dict):
+        super().__init__(view, layers)
+        self._kernels: dict = {}
+        self._params: dict = {}
+        self._vector: dict = {}
+        self.stream = mx.new_stream(mx.gpu)  # prompt pulls overlap the default stream's compute
+
+    def params(self, layer: int):
+        p = self._params.get(layer)
+        if p is None:
+            p = self._params[layer] = mx.array(kernel_params(self.view, layer, self.base))
+            self._vector[layer] = vector_copy(self.view, layer)
+        return p
+
+    def kernel(self, n_segments: int, vector: bool):
+        key = (n_segments, vector)
+        k = self._kernels.get(key)
+        if k is None:
+            k = self._kernels[key] = self.make_kernel(n_segments, vector)
+        return k
+
+    def _launch(self, layer: int, ids, table, sources: list, n: int, stream=None):
+        params = self.params(layer)
+        segs = self.layers[layer]
+        shapes, dtypes = self._outputs(layer, n)
+        inputs = [ids, table, params, *sources] + self.extra_inputs()
+        kernel = self.kernel(len(segs), self._vector[layer])
+        out = kernel(inputs=inputs, output_shapes=shapes, output_dtypes=dtypes,
+                     grid=(CHUNKS * THREADS, n, 1), threadgroup=(THREADS, 1, 1),
+                     stream=stream)
+        return list(out[:-1]), out[-1]
+
+    def extra_inputs(self) -> list:
+        return []
+
+    def assemble(self, layer: int, ids, pool):
+        return self._launch(layer, ids.reshape(-1), pool.pull_table(), pool.arrays, ids.size)
+
+    def rows(self, layer: int, slots: np.ndarray):
+        """Rows at arena ``slots`` (held by a lease), on the pull stream: each slot's expert is
+        looked up like a router's miss (an empty pool table), so a row that changed is caught."""
+        experts = self.view.experts_at(slots)
+        n = len(experts)
+        table = mx.full((self.view.arena.geometry.n_experts,), -1, mx.int32)
+        dummies = [mx.zeros((1, *shape), dtype) for dtype, shape, _ in self.layers[layer]]
+        arrays, status = self._launch(layer, mx.array(experts), table, dummies, n, self.stream)
+        self.count(layer, n)
+        return arrays, status
+
+
+class CudaPuller(_KernelPuller):
+    """Pulls through the arena mapping registered with the CUDA runtime (cuda-python)."""
+
+    name = "cuda"
+
+    def __init__(self, view, layers: dict):
+        from cuda.bindings import runtime as cudart
+
+        self._rt = cudart
+        raw = view.raw
+        self._host = int(raw.ctypes.data)
+        self._size = int(raw.nbytes)
+        err, = cudart.cudaHostRegister(self._host, self._size,
+                                       cudart.cudaHostRegisterMapped)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaHostRegister of the arena ({self._size} bytes) failed: "
+                               f"{err}")
+        err, device = cudart.cudaHostGetDevicePointer(self._host, 0)
+        if err != cudart.cudaError_t.cudaSuccess:
+            cudart.cudaHostUnregister(self._host)
+            raise RuntimeError(f"cudaHostGetDevicePointer failed: {err}")
+        self.base = int(device)
+        super().__init__(view, layers)
+
+    def make_kernel(self, n_segments: int, vector: bool):
+        return mx.fast.cuda_kernel(
+            name=f"expertd_pull_{n_segments}_{int(vector)}",
+            input_names=input_names(n_segments, None), output_names=output_names(n_segments),
+            source=cuda_source(n_segments, vector))
+
+    def close(self) -> None:
+        if self._host:
+            mx.synchronize()  # no kernel may still read the mapping
+            self._rt.cudaHostUnregister(self._host)
+            self._host = 0
+
+
+class MetalPuller(_KernelPuller):
+    """Pulls through the arena adopted as an MLX array (Apple Silicon's unified memory)."""
+
+    name = "metal"
+    arena_input = "arena_rows"
+    base = 0
+
+    def __init__(self, view, layers: dict):
+        limit = mx.metal.device_info().get("max_buffer_length", 0)
+        if view.raw.nbytes > limit:
+            raise RuntimeError(f"the arena ({view.raw.nbytes} bytes) is larger than Metal's "
+                               f"largest buffer ({limit} bytes)")
+        self._arena = mx.asarray(view.raw, copy=False)  # adopted, not copied (16 KiB aligned)
+        super().__init__(view, layers)
+        self.checked: set = set()  # layers whose first pull matched the host copy
+
+    def extra_inputs(self) -> list:
+        return [self._arena]
+
+    def make_kernel(self, n_segments: int, vector: bool):
+        return mx.fast.metal_kernel(
+            name=f"expertd_pull_{n_segments}_{int(vector)}",
+            input_names=input_names(n_segments, self.arena_input),
+            output_names=output_names(n_segments), source=metal_source(n_segments, vector))
+
+
+def check_first_pull(puller, host: HostPuller, layer: int, ids, pool) -> bool:
+    """Compare a device pull of ``layer`` with the host copy of the same rows (once per layer
+    and process): False, after a warning, if they differ."""
+    arrays, status = puller.assemble(layer, ids, pool)
+    want, want_status = host.assemble(layer, ids, pool)
+    mx.eval(arrays, status, want, want_status)
+    same = np.array_equal(np.array(status), np.array(want_status))
+    ok = decode_status(np.array(status))[2] != ABSENT
+    for a, b in zip(arrays, want):
+        same = same and bool(mx.array_equal(a[mx.array(np.flatnonzero(ok))],
+                                            b[mx.array(np.flatnonzero(ok))]).item())
+    if not same:
+        print(f"expertd: the {puller.name} pull of layer {layer} differs from the host copy; "
+              "this process copies rows on the host from now on", file=sys.stderr, flush=True)
+    return same
+
+
+def make_puller(mode: str, view, layers: dict):
+    """The puller for ``mode`` (one of PULL_MODES) on this platform, or None for the per-layer
+    host path. ``auto``: the device's own where it can read the arena (CUDA with cuda-python,
+    Metal), else None; ``device``: the same, or an error saying why not."""
+    if mode == "off":
+        return None
+    if mode == "host":
+        return HostPuller(view, layers)
+    why = None
+    if mx.default_device() != mx.gpu:
+        why = "MLX runs on the CPU"
+    elif mx.metal.is_available():
+        try:
+            return MetalPuller(view, layers)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            why = str(exc)
+    else:
+        try:
+            return CudaPuller(view, layers)
+        except ImportError:
+            why = "cuda-python is not installed (pip install 'expertd[cuda]')"
+        except RuntimeError as exc:
+            why = str(exc)
+    if mode == "device":
+        raise RuntimeError(f"the device cannot pull from the arena: {why}")
+    return None
