@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .pull import HostPuller, check_first_pull, decode_status
-from .switch import compute, grouped, grouped_parts
+from .switch import compute, grouped
 
 DECODE_IDS = 64  # a call routing at most this many (token, slot) pairs is decoding
 REPORT_EVERY = 16  # calls between reports of a layer's pooled experts to the daemon's LFU
@@ -87,7 +87,7 @@ class StreamedLayer:
             # Rows missing from the pool are pulled from the arena by the device (leased
             # while pulled, a group at a time on the puller's stream, each group computing
             # while the next is pulled); the prompt's most routed ones then join the pool.
-            out = self._pulled_call(module, x, idx, unique)
+            out = self._pulled_call(module, x, indices, idx, unique)
             fetched = time.perf_counter()
         elif len(unique) <= pool.rows:
             rows = pool.place(unique, self.read_rows)
@@ -176,34 +176,25 @@ class StreamedLayer:
                                                               positions)
         self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))
 
-    def _pulled_call(self, module, x, idx: np.ndarray, unique: np.ndarray):
-        """A call whose missing experts are pulled from the arena: the pool's hits compute on
-        the pool, the misses on pulled rows, a group at a time (``grouped_parts``)."""
+    def _pulled_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):
+        """A call whose missing experts are pulled from the arena: one stack of the call's
+        experts in id order (pool hits copied on the device, misses pulled, under a lease) and
+        mlx-lm's one call on it, shaped as resident's (the same pairs, the same sort order):
+        exact on every backend, where computing groups apart is not on CUDA. The prompt's most
+        routed pulls then join the pool."""
         pool, session = self.pool, self.session
         present = pool.row_of[unique] >= 0
-        hits, misses = unique[present], unique[~present]
-        size = max(1, session.max_group)
-        pulled = []
-
-        def parts():
-            if len(hits):
-                rows = pool.row_of[hits]
-                pool.touch(rows)
-                pool.counters["hits"] += len(hits)
-                yield pool.arrays, hits, rows, True
-            for start in range(0, len(misses), size):
-                chunk = misses[start:start + size]
-                arrays = session.pull_rows(self.index, chunk)
-                pool.counters["pulled"] += len(chunk)
-                pulled.append((chunk, arrays))
-                yield arrays, chunk, np.arange(len(chunk), dtype=np.int32), False
-
-        out = grouped_parts(module, self.segments, x, idx, parts(), self.num_experts,
-                            lambda rows, y: pool.computing(rows, y))
-        counts = np.bincount(idx.reshape(-1), minlength=self.num_experts)
-        for chunk, arrays in pulled:
+        pool.touch(pool.row_of[unique[present]])
+        pool.counters["hits"] += int(present.sum())
+        pool.counters["pulled"] += int((~present).sum())
+        stack = session.assemble_rows(self.index, unique, pool)
+        local = np.searchsorted(unique, idx).astype(idx.dtype)
+        out = compute(module, self.segments, stack, x, mx.array(local))
+        if (~present).any():
+            counts = np.bincount(idx.reshape(-1), minlength=self.num_experts)
+            missing = unique[~present]
             session.counters["promoted"] += pool.promote(
-                chunk, arrays, np.arange(len(chunk)), weights=counts[chunk])
+                missing, stack, np.flatnonzero(~present), weights=counts[missing])
         return out
 
     def after_speculation(self, ids: np.ndarray) -> None:

@@ -57,7 +57,7 @@ def decode_status(status: np.ndarray) -> tuple:
 def encode_miss(experts: np.ndarray, kinds: np.ndarray) -> np.ndarray:
     return (-1 - 2 * experts.astype(np.int64) - kinds).astype(np.int32)
 THREADS = 256  # threads per block (CUDA) / threadgroup (Metal)
-CHUNKS = 64  # blocks sharing one row's copy: enough to keep PCIe (or the fabric) busy
+CHUNKS = 128  # blocks sharing one row's copy: enough loads in flight to keep PCIe busy
 
 PULL_MODES = ("auto", "device", "host", "off")
 
@@ -172,8 +172,15 @@ def _copy_source(n_segments: int, vector: bool, unit: str) -> str:
           : arena + params[{P_ROWS}] + where * params[{P_STRIDE}] + off;
       DST unsigned char* dst = ((DST unsigned char*)out{s}) + (I64)p * nb;
       I64 units = nb / {width};
-      for (I64 i = first; i < units; i += step) {{
-        ((DST {unit}*)dst)[i] = ((SRC {unit}*)src)[i];
+      SRC {unit}* from = (SRC {unit}*)src;
+      DST {unit}* to = (DST {unit}*)dst;
+      I64 i = first;
+      for (; i + 3 * step < units; i += 4 * step) {{  // four loads in flight per thread
+        {unit} a = from[i], b = from[i + step], c = from[i + 2 * step], d = from[i + 3 * step];
+        to[i] = a; to[i + step] = b; to[i + 2 * step] = c; to[i + 3 * step] = d;
+      }}
+      for (; i < units; i += step) {{
+        to[i] = from[i];
       }}
     }}""")
     return "".join(lines)

@@ -23,9 +23,9 @@ from expertd.client.interrupts import HeldInterrupts
 from expertd.client.links import Links, weak_method
 from expertd.client.pool import POOL_COUNTERS
 from expertd.client.predict import check_choice
-from expertd.client.pull import PULL_MODES, StepEpoch, make_puller
-from expertd.client.switch import MLX_DTYPES
+from expertd.client.pull import ABSENT, PULL_MODES, StepEpoch, decode_status, make_puller
 from expertd.client.requester import DaemonDied, Requester
+from expertd.client.switch import MLX_DTYPES
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.manifest import Manifest
@@ -354,18 +354,17 @@ class Session:
                 # leased.
                 requester.release_all()
 
-    def pull_rows(self, layer: int, experts: np.ndarray):
-        """``experts`` (distinct int32) of ``layer`` pulled from the arena by the device, as
-        arrays of one row each per segment (in order). The daemon leases them (filling the
-        absent ones) while the pull runs on the puller's stream; the pull is waited for, not
-        the computation on the default stream. Survives a daemon restart."""
+    def assemble_rows(self, layer: int, experts: np.ndarray, pool) -> list:
+        """One stack of ``experts`` (distinct, sorted int32) of ``layer``, a row each in order,
+        per segment: those in ``pool`` copied from it, the rest pulled from the arena while
+        the daemon leases them (filling the absent ones). Waits for the pull, not for the
+        computation running on the device. Survives a daemon restart."""
         self.check_alive()
-        parts = []
-        start = 0
+        parts, start = [], 0
         while start < len(experts):
             chunk = experts[start:start + self.demand_limit]
             try:
-                parts.append(self._pull_chunk(layer, chunk))
+                parts.append(self._assemble_chunk(layer, chunk, pool))
                 start += len(chunk)
             except DaemonDied as exc:
                 self._reconnect(str(exc))
@@ -375,25 +374,43 @@ class Session:
             return parts[0]
         return [mx.concatenate([p[s] for p in parts]) for s in range(len(parts[0]))]
 
-    def _pull_chunk(self, layer: int, experts: np.ndarray) -> list:
+    def _assemble_chunk(self, layer: int, experts: np.ndarray, pool) -> list:
         requester, puller = self.requester, self.puller
+        missing = experts[pool.row_of[experts] < 0]
         with requester.lock, HeldInterrupts() as held:
             try:
                 while True:
                     started = time.perf_counter()
-                    slots, versions = requester.demand(layer, experts, held)
+                    if len(missing):
+                        requester.demand(layer, missing, held)
                     pulled = time.perf_counter()
-                    arrays, status = puller.rows(layer, np.asarray(slots, np.int32))
+                    arrays, status = puller.assemble(layer, mx.array(experts), pool)
                     mx.eval(arrays, status)
                     self.timing["fill_wait_s"] += pulled - started
                     puller.counters["pull_s"] += time.perf_counter() - pulled
-                    if self.view.unchanged(np.asarray(slots, np.int32),
-                                           np.asarray(versions, np.uint64)):
+                    if not (decode_status(np.array(status))[2] == ABSENT).any():
                         return arrays
-                    self.counters["retries"] += 1  # the lease lapsed: lease them again
+                    # A leased row changed (our lease lapsed): lease them again.
+                    self.counters["retries"] += 1
                     requester.release_leases()
             finally:
                 requester.release_all()
+
+    def demand_absent(self, layer: int, experts: np.ndarray) -> None:
+        """Have the daemon read ``experts`` of ``layer`` into its arena (a step found them
+        absent), waiting for the reads; nothing stays leased."""
+        self.check_alive()
+        requester = self.requester
+        with requester.lock, HeldInterrupts() as held:
+            try:
+                for start in range(0, len(experts), self.demand_limit):
+                    requester.demand(layer, experts[start:start + self.demand_limit], held)
+                    requester.release_all()
+            except DaemonDied as exc:
+                self._reconnect(str(exc))
+            finally:
+                if self.requester is requester:
+                    requester.release_all()
 
     def fetch(self, layer: int, experts, dest: np.ndarray | None = None) -> np.ndarray:
         """Read ``experts`` of ``layer`` into ``dest`` (a buffer of :meth:`staging_bytes`,

@@ -140,7 +140,32 @@ class Steps:
         cache = kwargs.get("cache", args[0] if args else None)
         if not self._speculate(inputs, cache):
             return forward(inputs, *args, **kwargs)
-        session = self.session
+        tokens = self._tokens(inputs)
+        for attempt in range(2):
+            logits, cause, absent = self._speculative_step(forward, inputs, args, kwargs)
+            # A pull that found its expert absent from the arena is a read from the disk the
+            # step had to wait for anyway, not a wrong guess: it does not count against
+            # speculating, and the step runs again without waits once the daemon has read it.
+            if cause != "absent":
+                self.speculation.record(cause is not None)
+            if cause is None:
+                return logits
+            counters["replays"] += 1
+            if cause != "pool":
+                counters[f"replays_{cause}"] += 1
+            for c in cache or []:
+                c.trim(tokens)
+            if cause != "absent" or attempt:
+                break
+            for layer, experts in absent:
+                self.session.demand_absent(layer.index, experts)
+        return forward(inputs, *args, **kwargs)
+
+    def _speculative_step(self, forward, inputs, args: tuple, kwargs: dict) -> tuple:
+        """One step without waits: ``(logits, cause, absent)``; ``cause`` is None, or why the
+        step must be replayed (see :meth:`_check`), ``absent`` the (layer, experts) the arena
+        lacked."""
+        session, counters = self.session, self.session.counters
         epoch = session.step_epoch if session.puller is not None else None
         if epoch is not None:
             epoch.begin()  # published before any kernel of the step reads the slot table
@@ -157,16 +182,9 @@ class Steps:
         counters["host_waits"] += 1
         counters["speculative_steps"] += 1
         counters["pulled_steps"] += bool(statuses)
-        cause = "epoch" if lost else self._check(records, *(np.array(f) for f in flat))
-        self.speculation.record(cause is not None)
-        if cause is None:
-            return logits
-        counters["replays"] += 1
-        if cause != "pool":
-            counters[f"replays_{cause}"] += 1
-        for c in cache or []:
-            c.trim(self._tokens(inputs))
-        return forward(inputs, *args, **kwargs)
+        absent = []
+        cause = "epoch" if lost else self._check(records, absent, *(np.array(f) for f in flat))
+        return logits, cause, absent
 
     def _without_waits(self, forward, inputs, args: tuple, kwargs: dict, records):
         """The forward with every layer on its speculative path; ``records`` (a list, or None
@@ -188,7 +206,7 @@ class Steps:
             return False
         return cache is None or replayable(cache, tokens)
 
-    def _check(self, records: list, *flat: np.ndarray) -> str | None:
+    def _check(self, records: list, absent: list, *flat: np.ndarray) -> str | None:
         """Why the speculative step must be replayed ("pool": an id missed its pool without a
         puller; "absent": a pulled expert had no ready row in the arena), or None after the
         host's bookkeeping of the step (pool use counts, promotions, reports to the daemon)."""
@@ -200,15 +218,19 @@ class Steps:
             if not group:
                 continue
             values, at = flat.pop(0), 0
-            for layer, idx, status, arrays in group:
+            for layer, idx, _, arrays in group:
                 n = idx.size
                 per_layer.append((layer, kind, values[at:at + n], arrays))
                 at += n
         for layer, kind, values, _ in per_layer:
             if kind == "ids" and (layer.pool.row_of[values] < 0).any():
                 return "pool"  # the replay does the bookkeeping, on the per-layer path
-            if kind == "status" and (decode_status(values)[2] == ABSENT).any():
-                return "absent"
+            if kind == "status":
+                _, experts, kinds = decode_status(values)
+                if (kinds == ABSENT).any():
+                    absent.append((layer, np.unique(experts[kinds == ABSENT]).astype(np.int32)))
+        if absent:
+            return "absent"
         for layer, kind, values, arrays in per_layer:
             if kind == "ids":
                 layer.after_speculation(values)

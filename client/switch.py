@@ -95,43 +95,6 @@ def grouped(module, segments: list, arrays: list, x, idx: np.ndarray, unique: np
     return out.reshape(*idx.shape, out.shape[-1])
 
 
-def grouped_parts(module, segments: list, x, idx: np.ndarray, parts, num_experts: int, done):
-    """A call computed in groups whose rows come from different stacks: ``parts`` yields
-    ``(arrays, experts, rows, pooled)`` per group (distinct sorted experts, their rows in
-    ``arrays``; ``pooled``: the arrays are the pool's, and ``done(rows, y)`` records the
-    output reading them). Exact for the reason :func:`grouped` is; each group computes
-    (``mx.async_eval``) while the next one's rows are fetched."""
-    k = idx.shape[-1]
-    flat = idx.reshape(-1)
-    order = np.argsort(flat, kind="stable")
-    ids = flat[order]
-    dim = x.shape[-1]
-    tokens = mx.broadcast_to(x, (*idx.shape[:-1], dim)).reshape(-1, dim)
-    batched = flat.size >= 64 and flat.size // num_experts >= 4
-    done_pairs, parts_out = [], []
-    for arrays, experts, rows, pooled in parts:
-        take = np.isin(ids, experts)
-        pairs = order[take]
-        local = rows[np.searchsorted(experts, ids[take])]
-        n = len(pairs)
-        want = max(64, 4 * arrays[0].shape[0]) if batched else 0
-        if n < want:  # as in grouped: the batched kernel's shape, copies dropped below
-            pairs = np.concatenate([pairs, np.full(want - n, pairs[-1])])
-            local = np.concatenate([local, np.full(want - n, local[-1])])
-        y = compute(module, segments, arrays, tokens[mx.array(pairs // k)],
-                    mx.array(local.astype(idx.dtype)[:, None]))
-        mx.async_eval(y)
-        if pooled:
-            done(rows, y)
-        done_pairs.append(pairs[:n])
-        parts_out.append(y[:n, 0])
-    order = np.concatenate(done_pairs)
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(len(order))
-    out = mx.concatenate(parts_out)[mx.array(inverse)]
-    return out.reshape(*idx.shape, out.shape[-1])
-
-
 _CLASSES: dict = {}
 
 

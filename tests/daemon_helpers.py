@@ -8,6 +8,7 @@ and so that ``EXPERTD_PURE_PYTHON`` can be set before it imports ``expertd.nativ
 - ``prefetch BLOBS SECONDS SEED --out FILE``: PREFETCH, then lock-free reads and demands;
 - ``hold BLOBS LAYER EXPERTS wait|nowait``: one demand held while heartbeating, until killed;
 - ``hoard BLOBS COUNT PINS``: COUNT one-expert leases and the PINS held, until killed;
+- ``step BLOBS STEP``: STEP published in its epoch record (inside a step if odd), until killed;
 - ``parity`` / ``generate``: an mlx-lm model through ``expertd.client.load`` (JSON to ``--out``).
 """
 
@@ -207,6 +208,22 @@ def hoard_worker(args) -> None:
             time.sleep(client.hello["heartbeat_interval"] / 2)
 
 
+def step_worker(args) -> None:
+    """Publish ``step`` in the epoch record the hello gave, as a client entering a step of
+    device reads does; print the record; then heartbeat until killed."""
+    from expertd import native
+    from expertd.shm.layout import EPOCH_DTYPE
+
+    with RawClient(args.blobs) as client:
+        slot = client.hello["epoch_slot"]
+        offset = client.arena.geometry.epochs_offset + slot * EPOCH_DTYPE.itemsize
+        native.publish_u64(client.raw, offset + EPOCH_DTYPE.fields["step"][1], args.step)
+        print(json.dumps({"slot": slot, "pid": os.getpid()}), flush=True)
+        while True:
+            client.heartbeat()
+            time.sleep(client.hello["heartbeat_interval"] / 2)
+
+
 def parity_client(args) -> dict:
     """Streamed against resident logits (``client_helpers.compare_runs``)."""
     import mlx_lm
@@ -302,6 +319,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("count", type=int)
     p.add_argument("pins", help='JSON [[layer, [experts]], ...]')
     p.set_defaults(func=hoard_worker)
+    p = sub.add_parser("step", help="stay inside one step (its epoch record) until killed")
+    p.add_argument("blobs")
+    p.add_argument("step", type=int)
+    p.set_defaults(func=step_worker)
     p = sub.add_parser("parity", help="compare streamed and resident logits")
     p.add_argument("--blobs", required=True)
     p.add_argument("--model", required=True)
@@ -327,7 +348,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     result = args.func(args)
-    if result is None:  # hold, hoard: killed by the test, never here in practice
+    if result is None:  # hold, hoard, step: killed by the test, never here in practice
         return 0
     if getattr(args, "out", None):
         tmp = Path(args.out).with_suffix(".tmp")

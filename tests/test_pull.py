@@ -26,14 +26,24 @@ def test_status_codes_round_trip():
     assert got_kinds.tolist() == [-1, -1, PULLED, ABSENT, PULLED, ABSENT]
 
 
+def device_pulls() -> bool:
+    """The device can pull here (a GPU run of the suite): the device pullers are tested too."""
+    return mx.default_device() == mx.gpu
+
+
+PULLS = ["host"] + (["device"] if device_pulls() else [])
+
+
+@pytest.mark.parametrize("pull", PULLS)
 @pytest.mark.parametrize("family,mode,bits", [("qwen3_moe", "affine", 4)])
 @pytest.mark.parametrize("arena_rows", [ROWS_ALL, ROWS_TINY])
-def test_pulled_steps_are_exact(models, isolated_env, tmp_path, family, mode, bits, arena_rows):
+def test_pulled_steps_are_exact(models, isolated_env, tmp_path, family, mode, bits, arena_rows,
+                                pull):
     model_dir, blob_dir = routed_model(models, family, mode, bits)
     with Daemon(blob_dir, isolated_env,
                 *client_flags(blob_dir, arena_rows, tmp_path / "s.json")):
         model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off",
-                        pool_backing="device", pull="host", speculate="on")
+                        pool_backing="device", pull=pull, speculate="on")
         session = model.expertd_session
         try:
             assert session.puller is not None and session.step_epoch is not None

@@ -17,13 +17,14 @@ EXPECTED = [
     "prefetch_ignored", "prefetch_merged", "prefetch_fills", "prefetch_dropped", "prefetch_shed",
     "prefetch_hits", "prefetch_wasted", "bytes_read", "fills", "fill_errors", "fill_seconds",
     "fill_gbps", "pinned", "clients", "client_pools", "leases", "leased_rows", "queued",
-    "lease_expiries", "max_demand", "client_cap", "bad_requests", "internal_errors", "busy",
+    "lease_expiries", "max_demand", "client_cap", "deferred_fills", "epochs_lost",
+    "epoch_clients", "epoch_wait_max_s", "bad_requests", "internal_errors", "busy",
     "clients_timed_out", "clients_disconnected", "demands", "in_flight", "io", "io_reason",
     "workers", "verify", "implementation", "peers", "peers_refused", "peers_dropped",
     "peers_replaced",
 ]
 RECORDS = (stats.DaemonInfo, stats.ServerCounters, stats.CacheCounters, stats.CacheStats,
-           stats.LeaseStats, stats.ClientStats, stats.PeerCounters)
+           stats.LeaseStats, stats.EpochStats, stats.ClientStats, stats.PeerCounters)
 
 
 def blank(record):

@@ -237,6 +237,9 @@ def status_lines(s: dict) -> list:
           f"{c.get('steps', 0)} steps, "
           f"{c.get('host_waits', 0) / max(1, c.get('steps', 0)):.2f} host waits a step"
           for c in s.get("client_pools", [])],
+        f"  epochs       {s.get('epoch_clients', 0)} records given out, "
+        f"{s.get('deferred_fills', 0)} refills waited for a step to end (longest "
+        f"{s.get('epoch_wait_max_s', 0.0):.3f} s), {s.get('epochs_lost', 0)} epochs lost",
         f"  log          {s['log']}",
     ]
 

@@ -2,9 +2,11 @@
 
 Demands are leased what is resident and filled what is not, or queued while rows are short;
 fills run on the pread pool; background fills (warm-up, pins) use workers the demands leave
-free; prefetches fill the side rows, behind every demand in the pool. The serving loop hands
-requests in and gets answers out through ``send``; the decisions are the slot table's, the
-policy's, the pin book's, the lease book's and the side-row book's.
+free; prefetches fill the side rows, behind every demand in the pool; the refill of a row
+evicted while a client was inside a step waits for that step to end (epoch_fills.py). The
+serving loop hands requests in and gets answers out through ``send``; the decisions are the
+slot table's, the policy's, the pin book's, the lease book's, the side-row book's and the
+epoch book's.
 """
 
 import logging
@@ -14,6 +16,7 @@ from collections import deque
 import numpy as np
 
 from expertd.protocol import Op, reply_error, reply_ok
+from expertd.serving.epoch_fills import EpochFills
 from expertd.serving.leases import Demand, LeaseBook
 from expertd.serving.policy import DEFAULT_POLICY, KeySpace, PinBook, make_policy
 from expertd.serving.side import SIDE_HOLD, SideBook
@@ -25,7 +28,7 @@ from expertd.shm.layout import SlotState
 log = logging.getLogger("expertd")
 
 
-class ExpertCache(SideRowFills):
+class ExpertCache(SideRowFills, EpochFills):
     """Rows of the arena and the fills, leases and demands around them.
 
     Args:
@@ -42,11 +45,14 @@ class ExpertCache(SideRowFills):
             fill throughput is timed in real seconds.
         max_pins: most keys pinned by the pin file and clients together (None: no cap).
         policy: the name of the cache policy (``expertd.serving.policy.POLICIES``).
+        epoch_hold: seconds a client may stay in one step while a refill waits for it, before
+            it loses its epoch (the lease bound; see EpochBook).
     """
 
     def __init__(self, arena, pool, book: LeaseBook, workers: int, send, prefetch: str = "auto",
                  top_k: int = 1, side_hold: float = SIDE_HOLD, clock=time.monotonic,
-                 max_pins: int | None = None, policy: str = DEFAULT_POLICY):
+                 max_pins: int | None = None, policy: str = DEFAULT_POLICY,
+                 epoch_hold: float = 30.0):
         g = arena.geometry
         self.clock = clock
         # The slot table, the policy, the pins and the lease book span every row: a side row
@@ -75,6 +81,7 @@ class ExpertCache(SideRowFills):
         self._withdrawing: set = set()  # keys to empty once neither leased nor filling
         self._busy_since = 0.0
         self._fill_seconds = 0.0
+        self._init_epochs(arena, epoch_hold)
 
     # ---- demands ---------------------------------------------------------------------------
 
@@ -117,7 +124,7 @@ class ExpertCache(SideRowFills):
         for row in side_used:
             first = self._use_side(row)
             if row in self.prefetch_rows:
-                self.pool.expedite(row)  # a demand waits on it now: it goes first
+                self._expedite(row)  # a demand waits on it now: it goes first
                 if first:  # counted now, taken back should the read fail
                     self._saved_unread.add(row)
             saved += first
@@ -161,6 +168,7 @@ class ExpertCache(SideRowFills):
         self.book.drop_owner(client.identity)
         self.side.forget(client.identity)
         self.pins.forget(client.identity)
+        self.detach_client(client.identity)
         self.room_changed = True
 
     def expire(self, now: float) -> None:
@@ -176,6 +184,11 @@ class ExpertCache(SideRowFills):
         if evicted is not None:
             self.policy.on_evicted(*evicted)
         self.policy.on_filled((layer, expert), used=urgent)  # a prefetch's is a guess
+        # Held back while a client that may read the evicted expert is inside a step.
+        self._hold_or_submit(row, layer, expert, urgent, evicted is not None)
+
+    def _submit(self, row: int, layer: int, expert: int, urgent: bool) -> None:
+        """Start the read of a begun fill: from here it counts ``in_flight``."""
         if self.in_flight == 0:
             self._busy_since = time.monotonic()
         self.in_flight += 1
@@ -230,6 +243,7 @@ class ExpertCache(SideRowFills):
             evicted = self.table.begin_fill(row, layer, expert)
             if evicted is not None:
                 self.policy.on_evicted(*evicted)
+            self._must_wait(row, True)  # its refill, whenever, waits for steps begun before
             self.table.end_fill(row, False)
             self._cache_full = False  # the row is empty again, maybe a cache row
             self.side.prefetched[row] = False

@@ -39,6 +39,7 @@ from expertd.units import size_text
 log = logging.getLogger("expertd")
 
 TICK = 0.1
+EPOCH_POLL = 0.001  # the loop's poll while a refill waits for a client's step to end
 SHUTDOWN_GRACE = 5.0
 MAX_QUEUED_PER_CLIENT = 32
 RECV_BATCH = 256  # requests handled between two looks at completed fills
@@ -91,7 +92,7 @@ class ExpertServer:
             self.cache = ExpertCache(self.arena, self.pool, book, config.workers, self._send,
                                      prefetch=config.prefetch, top_k=m.top_k,
                                      side_hold=config.side_hold, clock=clock,
-                                     max_pins=self.max_pins)
+                                     max_pins=self.max_pins, epoch_hold=config.lease_timeout)
             self.clients = ClientRegistry(config.client_timeout, MAX_CLIENTS)
             self._beats: dict = {}  # a heartbeat connection's routing id -> its client's
             self._quiet_until, self._unlogged = 0.0, 0  # bad requests: a log line a second
@@ -132,7 +133,8 @@ class ExpertServer:
     def _serve_loop(self) -> None:
         next_tick = next_save = self.clock()
         while self.running:
-            woken, messages = self.peers.poll(TICK, RECV_BATCH)
+            # Nothing wakes the loop when a step ends: while a refill waits for one, poll fast.
+            woken, messages = self.peers.poll(EPOCH_POLL if self.cache.held else TICK, RECV_BATCH)
             self._stats_body = None
             if woken:
                 self.cache.completions()
@@ -145,6 +147,7 @@ class ExpertServer:
             if self.cache.room_changed:
                 self.cache.retry_queued(self.clients.__contains__)
             now = self.clock()
+            self.cache.check_epochs(now)
             if now >= next_tick:
                 next_tick = now + TICK
                 self._tick(now)
@@ -163,6 +166,7 @@ class ExpertServer:
             for d in self.cache.book.pending():
                 self._send(d.owner, reply_error(d.rid, bytes([Op.DEMAND]),
                                                 ErrorCode.SHUTTING_DOWN, "expertd is stopping"))
+            self.cache.drop_held()  # no read started for them: nothing to wait for
             deadline = time.monotonic() + SHUTDOWN_GRACE  # real seconds: reads take real time
             while self.cache.in_flight and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -247,7 +251,8 @@ class ExpertServer:
                 raise ProtocolError(f"{self.clients.max_clients} clients are connected "
                                     "already; try again later", ErrorCode.BUSY)
             self.peers.trust(identity)
-            self._send(identity, reply_ok(rid, op, token=client.token, **self._hello()))
+            slot = self.cache.attach_client(identity, req.pid)  # a second hello keeps its own
+            self._send(identity, reply_ok(rid, op, token=client.token, epoch_slot=slot, **self._hello()))
             return
         if op is Op.STATS:
             asker = self.clients.get(identity)
@@ -384,7 +389,8 @@ class ExpertServer:
             workers=self.config.workers, verify=self.config.verify,
             implementation=native.IMPLEMENTATION, peers=self.peers.count)
         return {**assemble(info, self.counters, self.cache.counters, self.cache.stats(),
-                           self.cache.book.stats(), self.clients.stats(), self.peers.counters),
+                           self.cache.book.stats(), self.cache.epochs.stats(),
+                           self.clients.stats(), self.peers.counters),
                 **self.pool.remote_stats()}
 
     # ---- warm restart ----------------------------------------------------------------------

@@ -20,6 +20,8 @@ STATS_KEYS = (
     # clients and their leases (ClientStats, LeaseStats)
     "clients", "client_pools", "leases", "leased_rows", "queued", "lease_expiries",
     "max_demand", "client_cap",
+    # reclamation by epochs (EpochStats)
+    "deferred_fills", "epochs_lost", "epoch_clients", "epoch_wait_max_s",
     # requests (ServerCounters)
     "bad_requests", "internal_errors", "busy", "clients_timed_out", "clients_disconnected",
     "demands",
@@ -110,6 +112,16 @@ class LeaseStats:
     queued: int  # demands waiting for room
     lease_expiries: int  # leases revoked for being held too long, so far
     client_cap: int
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    """The epoch book: refills that waited for clients' steps to end (DESIGN.md, "Epochs")."""
+
+    deferred_fills: int  # refills of evicted rows held back for a step, so far
+    epochs_lost: int  # records whose step outlasted the lease bound while a row waited
+    epoch_clients: int  # clients holding an epoch record now
+    epoch_wait_max_s: float  # the longest a held refill waited, in seconds
 
 
 @dataclass(frozen=True)

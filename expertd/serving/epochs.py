@@ -1,0 +1,174 @@
+"""The epoch book: which client holds which record of the arena's epoch table, and which evicted
+rows wait for a step to end before they may be refilled.
+
+Pure logic, no I/O, like the lease and side-row books: the serving loop reads the records'
+steps from shared memory (after a full fence, see ``ExpertCache._retire``) and writes the
+``lost`` field of the records this book gives up on. DESIGN.md, "Epochs": a client publishes in
+its record the step it is in, odd while its device may read arena rows; a row unmapped while a
+client was inside a step is refilled only once that client's step has changed. A client that
+stays in one step longer than ``max_hold`` seconds (the lease bound) loses its epoch: the
+daemon stops waiting for it, and the client replays that step when it sees ``lost`` equal to
+it. A client that goes away frees its record, and its blocks with it.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from expertd.serving.stats import EpochStats
+from expertd.shm.layout import EPOCH_SLOTS
+
+
+@dataclass(eq=False)
+class Retired:
+    """A row unmapped while records were inside a step: its refill waits for them."""
+
+    row: int
+    since: float  # when it was first retired (for the longest wait)
+    waits: dict = field(default_factory=dict)  # record -> (the odd step it showed, since when)
+
+
+class EpochBook:
+    """Records given out, and rows whose refill waits for steps to end.
+
+    Args:
+        max_hold: seconds a record may stay in one odd step, seen from a row it blocks, before
+            it loses its epoch.
+        slots: records in the table (``EPOCH_SLOTS`` in the arena).
+    Raises:
+        ValueError: on a hold that is not positive or fewer than one record.
+    """
+
+    def __init__(self, max_hold: float, slots: int = EPOCH_SLOTS):
+        if not max_hold > 0:
+            raise ValueError("max_hold must be a positive number of seconds")
+        if slots < 1:
+            raise ValueError("slots must be at least 1")
+        self.max_hold = max_hold
+        self.slots = slots
+        self._owner_of: dict = {}  # record -> owner
+        self._record: dict = {}  # owner -> record
+        # Freed records go to the back: a record is given out again as late as possible, so
+        # that a client forgotten while stopped, which may still write its old record once
+        # resumed, most likely writes one nobody holds.
+        self._free: deque = deque(range(slots))
+        self._rows: dict = {}  # row -> Retired, in retire order
+        self._blocks: dict = {}  # record -> rows it blocks
+        self._lost: dict = {}  # record -> the step it lost (no row waits for that step again)
+        self.deferred = 0
+        self.lost = 0
+        self.longest_wait = 0.0
+
+    # ---- records ------------------------------------------------------------------------
+
+    def attach(self, owner: bytes) -> int:
+        """``owner``'s record: the one it has, else a free one; -1 when every record is taken."""
+        record = self._record.get(owner)
+        if record is not None:
+            return record
+        if not self._free:
+            return -1
+        record = self._free.popleft()
+        self._record[owner] = record
+        self._owner_of[record] = owner
+        return record
+
+    def record(self, owner: bytes) -> int:
+        """``owner``'s record, or -1 if it has none."""
+        return self._record.get(owner, -1)
+
+    def attached(self) -> list:
+        """Records given out now, in order."""
+        return sorted(self._owner_of)
+
+    def detach(self, owner: bytes) -> int:
+        """``owner`` went away: its record is free again and blocks nothing (the rows it was the
+        last to block come out of the next :meth:`poll`). Returns the record, or -1 if it had
+        none."""
+        record = self._record.pop(owner, None)
+        if record is None:
+            return -1
+        del self._owner_of[record]
+        self._free.append(record)
+        self._lost.pop(record, None)
+        for row in self._blocks.pop(record, ()):
+            self._rows[row].waits.pop(record, None)
+        return record
+
+    # ---- rows -----------------------------------------------------------------------------
+
+    def retire(self, row: int, steps: dict, now: float) -> bool:
+        """``row`` was just unmapped (its expert evicted) while clients may be inside a step.
+
+        Args:
+            steps: record -> its step, read after the unmapping was made visible; records not
+                given out are ignored.
+        Returns:
+            True if the row's refill must wait (see :meth:`poll`): an attached record showed
+            an odd step it has not lost.
+        """
+        waits = {r: int(s) for r, s in steps.items()
+                 if int(s) & 1 and r in self._owner_of and self._lost.get(r) != int(s)}
+        if not waits:
+            return row in self._rows
+        entry = self._rows.get(row)
+        if entry is None:
+            entry = self._rows[row] = Retired(row, now)
+            self.deferred += 1
+        for record, step in waits.items():
+            if entry.waits.get(record, (None,))[0] != step:
+                entry.waits[record] = (step, now)
+            self._blocks.setdefault(record, set()).add(row)
+        return True
+
+    def waiting(self) -> int:
+        """Rows whose refill waits now (or that a detach freed since the last poll)."""
+        return len(self._rows)
+
+    def blocked(self, row: int) -> bool:
+        """Whether ``row``'s refill waits for a step to end."""
+        return row in self._rows
+
+    def blocking(self) -> list:
+        """Records that some row waits for: the only steps :meth:`poll` needs."""
+        return sorted(r for r, rows in self._blocks.items() if rows)
+
+    def poll(self, steps: dict, now: float) -> tuple:
+        """What changed since the rows were retired.
+
+        Args:
+            steps: record -> its step now, for the records of :meth:`blocking` (one missing is
+                taken as unchanged).
+        Returns:
+            ``(freed rows, lost)``: the rows no record blocks any more, in retire order, and
+            ``[(record, step)]`` of the records that lost their epoch now (they stayed in
+            that step longer than ``max_hold`` seconds after a row waited for them): the
+            caller writes each step into its record's ``lost``.
+        """
+        if not self._rows:
+            return [], []
+        lost = []
+        for entry in self._rows.values():
+            for record, (step, since) in entry.waits.items():
+                if (now - since > self.max_hold and int(steps.get(record, step)) == step
+                        and self._lost.get(record) != step):
+                    self._lost[record] = step
+                    lost.append((record, step))
+        self.lost += len(lost)
+        freed = []
+        for row, entry in list(self._rows.items()):
+            for record, (step, _) in list(entry.waits.items()):
+                if int(steps.get(record, step)) != step or self._lost.get(record) == step:
+                    del entry.waits[record]
+                    self._blocks[record].discard(row)
+            if not entry.waits:
+                del self._rows[row]
+                freed.append(row)
+                self.longest_wait = max(self.longest_wait, now - entry.since)
+        for record in [r for r, rows in self._blocks.items() if not rows]:
+            del self._blocks[record]
+        return freed, lost
+
+    def stats(self) -> EpochStats:
+        return EpochStats(deferred_fills=self.deferred, epochs_lost=self.lost,
+                          epoch_clients=len(self._owner_of),
+                          epoch_wait_max_s=round(self.longest_wait, 6))
