@@ -169,6 +169,7 @@ class StreamedLayer:
         pool.touch(hit)
         missed = experts >= 0
         pool.counters["pulled"] += int(missed.sum())
+        self.session.count_pulled(self.index, int(missed.sum()))
         pulled, first = np.unique(experts[missed], return_index=True)
         if len(pulled):
             positions = np.flatnonzero(missed)[first]
@@ -188,13 +189,12 @@ class StreamedLayer:
         pool.counters["hits"] += int(present.sum())
         pool.counters["pulled"] += int((~present).sum())
         stack = session.assemble_rows(self.index, unique, pool)
-        local = np.searchsorted(unique, idx).astype(idx.dtype)
-        out = compute(module, self.segments, stack, x, mx.array(local))
+        out = compute(module, self.segments, stack, x, indices)
         if (~present).any():
             counts = np.bincount(idx.reshape(-1), minlength=self.num_experts)
             missing = unique[~present]
-            session.counters["promoted"] += pool.promote(
-                missing, stack, np.flatnonzero(~present), weights=counts[missing])
+            session.counters["promoted"] += pool.promote(missing, stack, missing,
+                                                         weights=counts[missing])
         return out
 
     def after_speculation(self, ids: np.ndarray) -> None:

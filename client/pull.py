@@ -284,9 +284,11 @@ class HostPuller(Puller):
 
     def assemble(self, layer: int, ids, pool):
         flat = np.array(ids).reshape(-1).astype(np.int64)  # the wait a device pull avoids
-        rows = pool.row_of[flat]
-        status = rows.astype(np.int32)
-        miss = rows < 0
+        wanted = flat >= 0  # a negative id: a row nobody reads, left unset
+        rows = np.where(wanted, pool.row_of[np.maximum(flat, 0)], -1)
+        status = np.where(wanted, rows, encode_miss(np.zeros_like(flat), np.ones_like(flat)))
+        status = status.astype(np.int32)
+        miss = (rows < 0) & wanted
         segs = self.layers[layer]
         pulled = [np.zeros((len(flat), nb), np.uint8) for _, _, nb in segs]
         if miss.any():
@@ -299,7 +301,6 @@ class HostPuller(Puller):
                 for s, part in enumerate(parts or ()):
                     pulled[s][i] = part
                 pulled_ok += parts is not None
-            self.count(layer, pulled_ok)
         base = mx.array(np.maximum(rows, 0).astype(np.int32))
         take = mx.array(miss)
         arrays = []

@@ -41,6 +41,16 @@ DRAIN_TIMEOUT = 0.05
 __all__ = ["DaemonDied", "Session"]
 
 
+class Stack:
+    """Rows already assembled on the device, as a pull's source (``row_of`` as a pool's)."""
+
+    def __init__(self, arrays: list, row_of: np.ndarray):
+        self.arrays, self.row_of = arrays, row_of
+
+    def pull_table(self):
+        return mx.array(self.row_of)
+
+
 class Session:
     """One client's connection to the expertd serving ``blob_dir``.
 
@@ -181,6 +191,11 @@ class Session:
             for key in self._pulled_before:
                 self._pulled_before[key] += puller.counters[key]
             puller.close()
+
+    def count_pulled(self, layer: int, rows: int) -> None:
+        """``rows`` of ``layer`` were pulled in a step (known from its statuses)."""
+        if self.puller is not None:
+            self.puller.count(layer, rows)
 
     def pull_counters(self) -> dict:
         """Rows and bytes pulled from the arena (every attach so far), and the seconds the
@@ -355,46 +370,48 @@ class Session:
                 requester.release_all()
 
     def assemble_rows(self, layer: int, experts: np.ndarray, pool) -> list:
-        """One stack of ``experts`` (distinct, sorted int32) of ``layer``, a row each in order,
-        per segment: those in ``pool`` copied from it, the rest pulled from the arena while
-        the daemon leases them (filling the absent ones). Waits for the pull, not for the
-        computation running on the device. Survives a daemon restart."""
-        self.check_alive()
-        parts, start = [], 0
-        while start < len(experts):
-            chunk = experts[start:start + self.demand_limit]
-            try:
-                parts.append(self._assemble_chunk(layer, chunk, pool))
-                start += len(chunk)
-            except DaemonDied as exc:
-                self._reconnect(str(exc))
-            if self.puller is None:
-                raise DaemonError("the device stopped pulling from the arena")
-        if len(parts) == 1:
-            return parts[0]
-        return [mx.concatenate([p[s] for p in parts]) for s in range(len(parts[0]))]
-
-    def _assemble_chunk(self, layer: int, experts: np.ndarray, pool) -> list:
-        requester, puller = self.requester, self.puller
+        """A stack of every expert of ``layer`` (one row each, at its own index) in which the
+        rows of ``experts`` (distinct int32) hold their bytes: those in ``pool`` copied from
+        it, the rest pulled from the arena inside an epoch once the daemon has read them, as
+        many at a time as it leases at once (each later pass copies the stack so far on the
+        device). The call computes on it exactly as resident mlx-lm does (the same shapes,
+        the same ids); the other rows are never read. Waits for the pulls, not for the
+        computation."""
+        n = self.manifest.layers[layer].num_experts
         missing = experts[pool.row_of[experts] < 0]
-        with requester.lock, HeldInterrupts() as held:
+        source, done = pool, experts[pool.row_of[experts] >= 0]
+        chunks = [missing[i:i + self.demand_limit]
+                  for i in range(0, len(missing), self.demand_limit)] or [missing]
+        for chunk in chunks:
+            want = np.full(n, -1, np.int32)
+            want[done] = done
+            want[chunk] = chunk
+            source = Stack(self._assemble_pass(layer, chunk, want, source),
+                           np.where(want >= 0, np.arange(n), -1).astype(np.int32))
+            done = np.union1d(done, chunk).astype(np.int32)
+        return source.arrays
+
+    def _assemble_pass(self, layer: int, chunk: np.ndarray, want: np.ndarray, source) -> list:
+        wanted = np.flatnonzero(want >= 0)
+        for _ in range(4):
+            self.demand_absent(layer, chunk)
+            puller, epoch = self.puller, self.step_epoch
+            if puller is None:
+                raise DaemonError("the device stopped pulling from the arena")
+            started = time.perf_counter()
+            epoch.begin()
             try:
-                while True:
-                    started = time.perf_counter()
-                    if len(missing):
-                        requester.demand(layer, missing, held)
-                    pulled = time.perf_counter()
-                    arrays, status = puller.assemble(layer, mx.array(experts), pool)
-                    mx.eval(arrays, status)
-                    self.timing["fill_wait_s"] += pulled - started
-                    puller.counters["pull_s"] += time.perf_counter() - pulled
-                    if not (decode_status(np.array(status))[2] == ABSENT).any():
-                        return arrays
-                    # A leased row changed (our lease lapsed): lease them again.
-                    self.counters["retries"] += 1
-                    requester.release_leases()
+                arrays, status = puller.assemble(layer, mx.array(want), source)
+                mx.eval(arrays, status)
             finally:
-                requester.release_all()
+                lost = epoch.end()
+            puller.counters["pull_s"] += time.perf_counter() - started
+            kinds = decode_status(np.array(status)[wanted])[2]
+            if not lost and not (kinds == ABSENT).any():
+                puller.count(layer, len(chunk))
+                return arrays
+            self.counters["retries"] += 1  # evicted between the read and the pull: again
+        raise DaemonError(f"layer {layer}: the arena kept losing the prompt's experts")
 
     def demand_absent(self, layer: int, experts: np.ndarray) -> None:
         """Have the daemon read ``experts`` of ``layer`` into its arena (a step found them
