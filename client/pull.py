@@ -56,8 +56,12 @@ def decode_status(status: np.ndarray) -> tuple:
 
 def encode_miss(experts: np.ndarray, kinds: np.ndarray) -> np.ndarray:
     return (-1 - 2 * experts.astype(np.int64) - kinds).astype(np.int32)
-THREADS = 256  # threads per block (CUDA) / threadgroup (Metal)
-CHUNKS = 128  # blocks sharing one row's copy: enough loads in flight to keep PCIe busy
+
+
+THREADS = 512  # threads per block (CUDA) / threadgroup (Metal)
+# Blocks per row: each looks its row up over PCIe first, so few, large ones (on the H200,
+# bench/pull_probe.py: 4 x 512 threads 36 GB/s, 128 x 256 8 GB/s, 512 x 256 1.3 GB/s).
+CHUNKS = 4
 
 PULL_MODES = ("auto", "device", "host", "off")
 

@@ -8,12 +8,37 @@ bit for bit, while pools hold a few rows and the daemon's arena all or few exper
 import mlx.core as mx
 import numpy as np
 import pytest
-from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, routed_model
+from client_helpers import (
+    ROWS_ALL,
+    ROWS_MEDIUM,
+    ROWS_TINY,
+    client_flags,
+    compare_runs,
+    pool_gb,
+    routed_model,
+)
+from conftest import FAMILY_MODES
 from harness import Daemon
 from test_step import Lockstep, resident_model
 
+from expertd import native
 from expertd.client import load
-from expertd.client.pull import ABSENT, PULLED, decode_status, encode_miss
+from expertd.client.pull import (
+    ABSENT,
+    PULLED,
+    cuda_source,
+    decode_status,
+    encode_miss,
+    input_names,
+    kernel_params,
+    make_puller,
+    metal_source,
+    output_names,
+    vector_copy,
+)
+from expertd.client.session import Session
+from expertd.manifest import Manifest
+from expertd.shm.layout import SLOT_DTYPE
 
 
 def test_status_codes_round_trip():
@@ -54,6 +79,124 @@ def test_pulled_steps_are_exact(models, isolated_env, tmp_path, family, mode, bi
             assert c["pulled_steps"] > 0
             assert session.pull_counters()["rows_pulled"] > 0
             assert c["replays"] == c["replays_absent"] + c["replays_epoch"]
-            print(dict(c), session.pull_counters(), session.pool_counters())
+        finally:
+            session.close()
+
+
+@pytest.mark.parametrize("family_mode", FAMILY_MODES, ids=[f"{f}-{m}{b}" for f, m, b in
+                                                          FAMILY_MODES])
+def test_every_family_at_the_smallest_pools(models, isolated_env, tmp_path, family_mode):
+    """Pools of top-k rows a layer (the smallest that works), an arena of a few rows: prompts
+    of 1, 17 and 300 tokens and 20 decode steps, logits bit-identical to resident mlx-lm."""
+    family, mode, bits = family_mode
+    model_dir, blob_dir = routed_model(models, family, mode, bits)
+    top_k = Manifest.load(blob_dir).top_k
+    with Daemon(blob_dir, isolated_env,
+                *client_flags(blob_dir, ROWS_MEDIUM, tmp_path / "s.json")):
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, top_k), prefetch="off",
+                        pool_backing="device", pull="host", speculate="on")
+        session = model.expertd_session
+        try:
+            assert all(pool.rows == top_k for pool in session.pools)
+            runs = compare_runs(resident_model(model_dir), model,
+                                resident_model(model_dir).args.vocab_size)
+            for run in runs:
+                assert run["mismatch"] is None, f"prompt {run['length']}: step {run['mismatch']}"
+            assert session.counters["pulled_steps"] > 0
+        finally:
+            session.close()
+
+
+def test_two_clients_evicting_each_others_rows(models, isolated_env, tmp_path):
+    """Two clients pulling from an arena of a few rows, each exact while the other's demands
+    evict the rows it pulls from."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_TINY, tmp_path / "s.json")):
+        clients = [load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off",
+                        pool_backing="device", pull="host", speculate="on")[0]
+                   for _ in range(2)]
+        try:
+            runs = [Lockstep(resident, m, prompt_len=5 + 4 * i) for i, m in enumerate(clients)]
+            for _ in range(8):
+                for run in runs:
+                    run.step()
+            stats = clients[0].expertd_session.stats()
+            assert stats["fills"] > ROWS_TINY  # the rows were refilled under both clients
+        finally:
+            for m in clients:
+                m.expertd_session.close()
+
+
+def test_a_lost_epoch_replays_the_step_exactly(models, isolated_env, tmp_path, monkeypatch):
+    """The daemon revokes a step (writes it into the client's ``lost``, as it does for a step
+    held past the lease bound): the step's logits never leave the model, the step is replayed
+    and the result is resident mlx-lm's."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off",
+                        pool_backing="device", pull="host", speculate="on")
+        session = model.expertd_session
+        try:
+            run = Lockstep(resident_model(model_dir), model, prompt_len=5)
+            for _ in range(3):
+                run.step()
+            puller = session.puller
+            assemble = puller.assemble
+            revoke = [True]
+
+            def revoked(layer, ids, pool):
+                epoch = session.step_epoch
+                if epoch.inside and revoke:  # as the daemon's EpochBook does to a step held
+                    native.publish_u64(epoch._raw, epoch._lost_at, epoch.step)  # too long
+                    revoke.clear()
+                return assemble(layer, ids, pool)
+
+            monkeypatch.setattr(puller, "assemble", revoked)
+            before = session.counters["replays_epoch"]
+            run.step()
+            assert session.counters["replays_epoch"] == before + 1
+            monkeypatch.setattr(puller, "assemble", assemble)
+            run.step()
+            assert session.counters["replays_epoch"] == before + 1
+        finally:
+            session.close()
+
+
+def test_kernel_arguments():
+    """The CUDA and Metal kernels' names, inputs, outputs and sources, built here (neither runs
+    on this machine): one input per pool segment, one output per segment and the statuses,
+    the arena's slot layout and the status codes written into both sources."""
+    assert input_names(3, None) == ["ids", "table", "params", "pool0", "pool1", "pool2"]
+    assert input_names(1, "arena_rows")[-1] == "arena_rows"
+    assert output_names(2) == ["out0", "out1", "status"]
+    for source in (cuda_source(3, True), metal_source(3, True)):
+        for name in ("pool0", "pool2", "out0", "out2", "status", "params"):
+            assert name in source
+        assert f"* {SLOT_DTYPE.itemsize}" in source  # the slot record's size
+        assert "-1 - 2 * code" in source and "-2 - 2 * code" in source
+    assert "uint4" in cuda_source(1, True) and "uint4" not in cuda_source(1, False)
+    assert "threadgroup_position_in_grid" in metal_source(1, False)
+    assert "blockIdx" in cuda_source(1, False)
+
+
+def test_kernel_params_follow_the_arena(models, isolated_env, tmp_path):
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        session = Session(blob_dir, pull="host")
+        try:
+            view = session.view
+            g = view.arena.geometry
+            params = kernel_params(view, 1, 12345)
+            offsets, nbytes = view.segment_table(1)
+            assert params[:7].tolist() == [1, g.n_experts, g.slot_of_offset, g.slots_offset,
+                                           g.rows_offset, g.stride, 12345]
+            assert params[7::2].tolist() == offsets.tolist()
+            assert params[8::2].tolist() == nbytes.tolist()
+            assert vector_copy(view, 1) == all(x % 16 == 0 for x in (*offsets, *nbytes))
+            # On this CPU, auto keeps the per-layer host path, and device says why it cannot.
+            assert make_puller("auto", view, {}) is None
+            with pytest.raises(RuntimeError, match="cannot pull"):
+                make_puller("device", view, {})
         finally:
             session.close()
