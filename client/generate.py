@@ -98,7 +98,9 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
         **{k: counters[k] for k in ("fast_hits", "demanded", "pool_hits", "pool_moved",
                                     "ahead_used", "steps",
                                     "host_waits", "speculative_steps", "unchecked_steps",
-                                    "replays")},
+                                    "replays", "replays_absent", "replays_epoch",
+                                    "pulled_rows", "pulled_bytes", "pull_s",
+                                    "pull_timed_bytes")},
         pool_bytes=session.pool_bytes, timing=dict(session.timing),
         prediction=session.prediction(),
     )
@@ -111,6 +113,14 @@ def summary_line(s: dict) -> str:
     if s.get("steps"):
         line += (f" | {s['host_waits'] / s['steps']:.2f} host waits a step, "
                  f"{s['replays']} replayed")
+        causes = [f"{s[k]} {k[8:]}" for k in ("replays_absent", "replays_epoch") if s.get(k)]
+        if causes:
+            line += f" ({', '.join(causes)})"
+    if s.get("pulled_rows"):
+        rate = (f", prompt pulls at {s['pull_timed_bytes'] / s['pull_s'] / 1e9:.1f} GB/s"
+                if s.get("pull_s") else "")
+        line += (f" | pulled {s['pulled_rows'] / max(1, s['steps']):.1f} rows "
+                 f"({s['pulled_bytes'] / max(1, s['steps']) / 2**20:.1f} MiB) a step{rate}")
     scored = [p for p in s.get("prediction", []) if p and p["guessed"]]
     if scored:
         right = sum(p["right"] for p in scored) / sum(p["guessed"] for p in scored)

@@ -267,7 +267,7 @@ class Puller:
     def __init__(self, view, layers: dict):
         self.view = view
         self.layers = layers
-        self.counters = dict(pulls=0, rows_pulled=0, bytes_pulled=0, pull_s=0.0)
+        self.counters = dict(pulls=0, rows_pulled=0, bytes_pulled=0, pull_s=0.0, timed_bytes=0)
 
     def close(self) -> None:
         pass

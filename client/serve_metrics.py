@@ -113,6 +113,10 @@ CLIENT_METRICS = [
     ("steps", "forward steps its model ran (one decode step per token of each batch)"),
     ("host_waits", "times those steps waited for the device's routing (1 per warm decode step)"),
     ("replays", "speculative steps run again, exactly, because an expert missed its pools"),
+    ("replays_absent", "of those, because a pulled expert was absent from the arena"),
+    ("replays_epoch", "of those, because the daemon revoked the step's epoch (held too long)"),
+    ("pulled_rows", "expert rows its device pulled from the arena (no host copy)"),
+    ("pulled_bytes", "bytes its device pulled from the arena"),
 ]
 
 

@@ -99,7 +99,8 @@ class Session:
         self._pull_layers = {
             layer.index: [(MLX_DTYPES[seg.dtype], tuple(seg.shape), seg.nbytes)
                           for seg in layer.segments] for layer in self.manifest.layers}
-        self._pulled_before = dict(rows_pulled=0, bytes_pulled=0, pull_s=0.0, pulls=0)
+        self._pulled_before = dict(rows_pulled=0, bytes_pulled=0, pull_s=0.0, pulls=0,
+                                  timed_bytes=0)
         self.max_group = None
         self.closed = False
         self._segment_tables = [
@@ -408,7 +409,9 @@ class Session:
             puller.counters["pull_s"] += time.perf_counter() - started
             kinds = decode_status(np.array(status)[wanted])[2]
             if not lost and not (kinds == ABSENT).any():
+                before = puller.counters["bytes_pulled"]
                 puller.count(layer, len(chunk))
+                puller.counters["timed_bytes"] += puller.counters["bytes_pulled"] - before
                 return arrays
             self.counters["retries"] += 1  # evicted between the read and the pull: again
         raise DaemonError(f"layer {layer}: the arena kept losing the prompt's experts")
@@ -491,7 +494,10 @@ class Session:
         ``ahead_used`` / ``ahead_unused`` of those; ``settled``: computations evaluated early
         so that their rows could be rewritten)."""
         pools = self.pool_counters()
+        pulled = self.pull_counters()
         return {**self.counters, "pool_hits": pools["hits"], "pool_moved": pools["moved"],
+                "pulled_rows": pulled["rows_pulled"], "pulled_bytes": pulled["bytes_pulled"],
+                "pull_s": pulled["pull_s"], "pull_timed_bytes": pulled["timed_bytes"],
                 **{k: pools[k] for k in ("ahead", "ahead_used", "ahead_unused", "settled")}}
 
     def prediction(self) -> list:
