@@ -97,6 +97,22 @@ class PresentRecords:
     def checksum(self, layer: int, expert: int) -> int:
         return int(self.checksums[layer][expert])
 
+    def arrived(self, layer: int) -> int:
+        """Read ``layer``'s record file again and take the rows another process (expertd
+        fetch beside the daemon) marked present since: how many. Never the other way: a row
+        present here and absent on the disk was withdrawn, which the withdrawn marker's
+        watcher finds and reports (refresh)."""
+        raw = os.pread(self._fds[layer], len(self.present_rows[layer]) * RECORD.size, 0)
+        new = 0
+        with self._lock:
+            rows, sums = self.present_rows[layer], self.checksums[layer]
+            for expert, (checksum, tag) in enumerate(RECORD.iter_unpack(raw)):
+                if not rows[expert] and tag != 0 and tag == _tag(expert, checksum):
+                    sums[expert] = checksum
+                    rows[expert] = True
+                    new += 1
+        return new
+
     def refresh(self, layer: int, expert: int) -> bool:
         """Read one record again from the disk (another process may have fetched the row);
         whether the row is present now."""

@@ -215,3 +215,27 @@ def test_the_daemon_checks_a_shards_sha256_once_every_row_arrived(qwen, isolated
             remote = daemon.stats()["remote"]
     assert remote["rows_present"] == remote["rows_total"]
     assert remote["shards_checked"] == 1 and remote["shard_faults"] == 0
+
+
+def test_status_counts_rows_fetched_beside_the_daemon(qwen, isolated_env, tmp_path):
+    """``expertd fetch --all`` in another process while the daemon serves: the daemon's count
+    of present rows (status, STATS) follows the disk within a tick, and rows fetched there are
+    read from the disk, not fetched again."""
+    with RangeServer(qwen.model_dir) as server:
+        out = tmp_path / "lazy"
+        manifest = convert_lazy(server.url, out, progress=False)
+        total = sum(layer.num_experts for layer in manifest.layers)
+        with Daemon(out, isolated_env, *client_flags(out, ROWS_ALL, tmp_path / "s")) as daemon:
+            client = RawClient(out)
+            client.fetch(0, [0, 1])
+            assert daemon.stats()["remote"]["rows_present"] == 2
+            fetched = expertd_cli("fetch", "--blobs", out, "--all", "-q")
+            assert fetched.returncode == 0, fetched.stderr
+            wait_until(lambda: daemon.stats()["remote"]["rows_present"] == total, 30,
+                       "the daemon to count the rows expertd fetch brought")
+            status = expertd_cli("status", "--blobs", out)
+            assert f"remote       {total}/{total} rows present" in status.stdout
+            before = len(server.ranges())
+            client.fetch(1, [2, 3])
+            assert len(server.ranges()) == before  # read from the disk, not fetched again
+            assert daemon.stats()["remote"]["rows_arrived"] == total - 2

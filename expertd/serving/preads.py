@@ -131,6 +131,11 @@ class FillPool:
             for _ in waiting:
                 self._tokens.put(True)
 
+    def arrivals(self) -> int:
+        """A lazy directory's rows marked present by another process since the last call
+        (see RemoteFills.arrivals); 0 otherwise."""
+        return 0 if self.remote is None else self.remote.arrivals()
+
     def withdrawn(self, layer: int | None = None) -> list:
         """A lazy directory's rows marked absent since the last call (a shard failed its
         sha256): ``[(layer, expert)]`` whose copies in the arena must not be served on (see

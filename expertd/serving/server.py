@@ -366,6 +366,7 @@ class ExpertServer:
     def _tick(self, now: float) -> None:
         self.cache.harvest_hits()
         self.cache.withdraw(self.pool.withdrawn())  # rows of a shard that failed its sha256
+        self.pool.arrivals()  # rows expertd fetch brought beside us: status counts them
         for client in self.clients.dead(now):
             log.info("client pid %d timed out; reclaiming its %d leased rows", client.pid,
                      self.cache.book.held(client.identity))
