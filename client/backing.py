@@ -50,6 +50,7 @@ class HostRows:
 
     def __init__(self, rows: int, segments: list):
         self.rows = rows
+        self.segment_specs = segments
         self.nbytes = np.array([nb for _, _, nb in segments], dtype=np.intp)
         self.bases = segment_bases(rows, self.nbytes)
         self.buffer = mx.zeros((buffer_bytes(rows, self.nbytes),), dtype=mx.uint8)
@@ -81,6 +82,35 @@ class HostRows:
         """The part of a write that may run on another thread (all of it, here), and what
         finishes it on the caller's (nothing)."""
         return (lambda: read(self.host, self.bases, rows)), None
+
+
+class Stage(HostRows):
+    """Rows for every expert of a layer shape, outside the pools (unified memory): a prompt's
+    call computes on it in one piece. One per model and shape: the output computed on it
+    last is evaluated before it is written again."""
+
+    def __init__(self, rows: int, segments: list):
+        super().__init__(rows, segments)
+        self._reader = None
+
+    def reading(self, output) -> None:
+        self._reader = output
+
+    def claim(self) -> None:
+        """Before a write: the last computation on the stage is done (normally the router's
+        sync of the next layer evaluated it already: nothing is waited for)."""
+        if self._reader is not None:
+            mx.eval(self._reader)
+            self._reader = None
+
+    def copy_from(self, pool: "HostRows", rows: np.ndarray, positions: np.ndarray) -> None:
+        """Rows ``rows`` of ``pool`` (same shapes) into this stage's ``positions``."""
+        self.claim()
+        for base, pbase, nb in zip(self.bases.tolist(), pool.bases.tolist(),
+                                   self.nbytes.tolist()):
+            dst = self.host[base:base + self.rows * nb].reshape(self.rows, nb)
+            src = pool.host[pbase:pbase + pool.rows * nb].reshape(pool.rows, nb)
+            dst[positions] = src[rows]
 
 
 class Staging:

@@ -89,6 +89,12 @@ class StreamedLayer:
             # while the next is pulled); the prompt's most routed ones then join the pool.
             out = self._pulled_call(module, x, indices, idx, unique)
             fetched = time.perf_counter()
+        elif len(unique) > pool.rows and pool.backing.whole_array_writes is False:
+            # Unified memory, a call routing to more experts than the pool holds (a prompt):
+            # its rows are staged outside the pool, at their experts' own indices, and the
+            # call runs as resident's does, in one piece (not in groups of half the pool).
+            out = self._staged_call(module, x, indices, idx, unique)
+            fetched = time.perf_counter()
         elif len(unique) <= pool.rows:
             rows = pool.place(unique, self.read_rows)
             fetched = time.perf_counter()
@@ -176,6 +182,26 @@ class StreamedLayer:
             self.session.counters["promoted"] += pool.promote(pulled.astype(np.int32), arrays,
                                                               positions)
         self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))
+
+    def _staged_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):
+        """A call on a stage with a row for every expert (session.stage: one buffer for the
+        model's layers of this shape, rewritten by the next such call only once this one's
+        output was evaluated): pool hits copied from the pool, misses read from the arena
+        straight into their rows. Exact as resident: the same shapes, the router's own ids."""
+        pool = self.pool
+        stage = self.session.stage(self.num_experts, pool.backing)
+        present = pool.row_of[unique] >= 0
+        hits, misses = unique[present], unique[~present]
+        if len(hits):
+            stage.copy_from(pool.backing, pool.row_of[hits], hits)
+            pool.touch(pool.row_of[hits])
+            pool.counters["hits"] += len(hits)
+        if len(misses):
+            self.read_rows(misses, stage.host, stage.bases, misses)
+            pool.counters["staged"] += len(misses)
+        out = compute(module, self.segments, stage.arrays, x, indices)
+        stage.reading(out)
+        return out
 
     def _pulled_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):
         """A call whose missing experts are pulled from the arena: one stack of the call's

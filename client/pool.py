@@ -35,7 +35,7 @@ class Ahead:
 
 # What each pool counts (session.all_counters says what each means).
 POOL_COUNTERS = ("hits", "moved", "ahead", "ahead_used", "ahead_unused", "settled",
-                 "pulled", "promoted")
+                 "pulled", "promoted", "staged")
 PROMOTE_AFTER = 2  # pulls (decayed) after which a pulled expert may take a pool row
 
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from expertd.client.arena_view import ArenaView
-from expertd.client.backing import buffer_bytes, segment_bases
+from expertd.client.backing import Stage, buffer_bytes, segment_bases
 from expertd.client.heartbeat import Heartbeat
 from expertd.client.interrupts import HeldInterrupts
 from expertd.client.links import Links, weak_method
@@ -96,6 +96,7 @@ class Session:
         self.conn = self.view = self.requester = self._heartbeat = None
         self.pull_mode = check_choice("pull", pull, PULL_MODES)
         self.puller = self.step_epoch = None  # made at each attach (see pull.py)
+        self._stages: dict = {}  # (rows, segment sizes) -> backing.Stage
         self._pull_layers = {
             layer.index: [(MLX_DTYPES[seg.dtype], tuple(seg.shape), seg.nbytes)
                           for seg in layer.segments] for layer in self.manifest.layers}
@@ -192,6 +193,16 @@ class Session:
             for key in self._pulled_before:
                 self._pulled_before[key] += puller.counters[key]
             puller.close()
+
+    def stage(self, rows: int, like):
+        """The model's stage for layers of ``rows`` experts shaped as the pool backing ``like``
+        (see backing.Stage), made on first use; claimed for a write."""
+        key = (rows, tuple(like.nbytes.tolist()))
+        stage = self._stages.get(key)
+        if stage is None:
+            stage = self._stages[key] = Stage(rows, like.segment_specs)
+        stage.claim()
+        return stage
 
     def count_pulled(self, layer: int, rows: int) -> None:
         """``rows`` of ``layer`` were pulled in a step (known from its statuses)."""

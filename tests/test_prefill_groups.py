@@ -15,6 +15,7 @@ from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, prompt_id
 from conftest import FAMILY_MODES
 from harness import Daemon
 
+from expertd.client import layer as layer_module
 from expertd.client import load, switch
 from expertd.manifest import Manifest
 
@@ -88,7 +89,10 @@ def test_grouped_prefill_is_exact_and_computes_each_pair_once(models, isolated_e
     monkeypatch.setattr(switch, "compute", counting_compute)
     pool_rows = 4  # every layer of 16 experts needs several groups for a long prompt
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, rows, tmp_path / "s.json")):
-        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, pool_rows))
+        # Groups run on device pools without a puller (a discrete GPU with pull off); unified
+        # memory stages a prompt's call whole (test below).
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, pool_rows), pool_backing="device",
+                        pull="off")
         assert [p.rows for p in model.expertd_session.pools] == [pool_rows] * len(
             manifest.layers)
         try:
@@ -121,3 +125,44 @@ def test_grouped_prefill_is_exact_and_computes_each_pair_once(models, isolated_e
             assert padded, "no group was padded: the padding path went untested"
         finally:
             model.expertd_session.close()
+
+
+@pytest.mark.parametrize("rows", [ROWS_TINY, ROWS_ALL], ids=["8rows", "all-rows"])
+@pytest.mark.parametrize("family_mode", FAMILY_MODES, ids=FAMILY_IDS)
+def test_a_prompt_on_unified_memory_runs_in_one_call_a_layer(models, isolated_env, tmp_path,
+                                                             monkeypatch, family_mode, rows):
+    """Host pools of top-k rows (unified memory's default size) and prompts that route to more
+    experts than that: each layer's call runs once, on the stage (rows outside the pool, at the
+    experts' own indices), with the router's own ids; every position's logits are resident's."""
+    model_dir, blob_dir = routed_model(models, *family_mode)
+    manifest = Manifest.load(blob_dir)
+    resident = mlx_lm.load(str(model_dir))[0]
+    calls = []
+    compute = switch.compute
+
+    def counting_compute(module, segments, arrays, x, rows_):
+        calls.append((module.__dict__["_expertd"].index, arrays[0].shape[0]))
+        return compute(module, segments, arrays, x, rows_)
+
+    monkeypatch.setattr(layer_module, "compute", counting_compute)
+    pool_rows = manifest.top_k
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, rows, tmp_path / "s.json")):
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, pool_rows), pool_backing="host")
+        session = model.expertd_session
+        try:
+            hits = []
+            for length in (17, 300):
+                ids = mx.array([prompt_ids(length, resident.args.vocab_size)])
+                mx.eval(model(ids[:, :1]))  # one token: its experts move into the pools
+                before = session.pool_counters()["hits"]
+                calls.clear()
+                got, ref = model(ids), resident(ids)
+                mx.eval(got, ref)
+                assert mx.array_equal(got, ref).item(), f"{length} tokens: logits differ"
+                staged = [c for c in calls if c[1] == manifest.layers[c[0]].num_experts]
+                assert len(staged) == len(calls) == len(manifest.layers)
+                hits.append(session.pool_counters()["hits"] - before)
+            assert session.pool_counters()["staged"] > 0
+            assert all(hits), "no expert of a prompt came from a pool: that copy went untested"
+        finally:
+            session.close()
