@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from .pool import PROMOTE_AFTER
 from .pull import HostPuller, check_first_pull, decode_status
 from .switch import compute, grouped
 
@@ -219,8 +220,10 @@ class StreamedLayer:
         if (~present).any():
             counts = np.bincount(idx.reshape(-1), minlength=self.num_experts)
             missing = unique[~present]
-            session.counters["promoted"] += pool.promote(missing, stack, missing,
-                                                         weights=counts[missing])
+            # A prompt's counts would outweigh every decode use for long: a prompt's expert
+            # counts as recurring, no more.
+            session.counters["promoted"] += pool.promote(
+                missing, stack, missing, weights=np.minimum(counts[missing], PROMOTE_AFTER))
         return out
 
     def after_speculation(self, ids: np.ndarray) -> None:

@@ -64,6 +64,7 @@ THREADS = 512  # threads per block (CUDA) / threadgroup (Metal)
 CHUNKS = 4
 
 PULL_MODES = ("auto", "device", "host", "off")
+U64 = 2**64 - 1
 
 # Parameters every kernel reads from one int64 array (index -> meaning); the segments' offsets
 # within a row and sizes follow, two per segment.
@@ -87,28 +88,52 @@ class StepEpoch:
     def __init__(self, raw: np.ndarray, offset: int):
         self._raw, self._step_at = raw, offset + EPOCH_DTYPE.fields["step"][1]
         self._lost_at = offset + EPOCH_DTYPE.fields["lost"][1]
-        self.step = native.read_u64(raw, self._step_at)
+        self._pid_at = offset + EPOCH_DTYPE.fields["pid"][1]
+        # What the record holds while it is ours: the pid the daemon wrote when it gave it
+        # out (before the hello's reply) and the last step published in it.
+        self._pid = native.read_u64(raw, self._pid_at)
+        self._published = self.step = native.read_u64(raw, self._step_at)
         if self.step & 1:  # a record given out mid-step (never by a daemon that zeroes it)
-            self.step += 1
+            self.step = (self.step + 1) & U64
+        self.disowned = False  # the record stopped being ours (see :meth:`owned`)
 
     @property
     def inside(self) -> bool:
         return bool(self.step & 1)
 
+    def owned(self) -> bool:
+        """The record is still this client's. A client forgotten by the daemon (stopped longer
+        than the client timeout) finds its record zeroed or given to another client: the daemon
+        protects none of its reads, and it must not write the record any more."""
+        return (not self.disowned and native.read_u64(self._raw, self._pid_at) == self._pid != 0
+                and native.read_u64(self._raw, self._step_at) == self._published)
+
+    def _publish(self, step: int) -> None:
+        native.publish_u64(self._raw, self._step_at, step)
+        self._published = step
+
     def begin(self) -> None:
-        """Enter a step: published (and fenced) before any read of the slot table."""
+        """Enter a step: published (and fenced) before any read of the slot table. A record
+        that is no longer ours is left alone; the step's end then says it was lost."""
         if not self.step & 1:
-            self.step += 1
-            native.publish_u64(self._raw, self._step_at, self.step)
+            self.step = (self.step + 1) & U64  # a hostile 2**64 - 1 wraps, as the record does
+            if self.owned():
+                self._publish(self.step)
+            else:
+                self.disowned = True
 
     def end(self) -> bool:
-        """Leave the step, after every read of it is done. True if the daemon revoked it (the
-        step's rows may have been refilled while read: it must be replayed)."""
+        """Leave the step, after every read of it is done. True if the daemon revoked it or
+        stopped protecting it (its record went free or to another client meanwhile): the
+        step's rows may have been refilled while read, and it must be replayed."""
         if not self.step & 1:
             return False
         lost = native.read_u64(self._raw, self._lost_at) == self.step
-        self.step += 1
-        native.publish_u64(self._raw, self._step_at, self.step)
+        self.step = (self.step + 1) & U64
+        if self.owned():
+            self._publish(self.step)
+        else:
+            self.disowned, lost = True, True
         return lost
 
 

@@ -318,6 +318,12 @@ class Session:
             self._reconnect(f"expertd serving {self.paths.blob_dir} is gone")
         elif self._heartbeat is not None and self._heartbeat.lost:
             self._reconnect(f"expertd (pid {self.daemon_pid}) serving {self.paths.blob_dir} died")
+        elif (self.step_epoch is not None and not self.step_epoch.inside
+              and not self.step_epoch.owned()):
+            # Forgotten (stopped longer than the client timeout): the epoch record is free or
+            # another client's, so no step would be protected. A pulling step sends no request
+            # that would tell us; say hello again before the next one.
+            self._reconnect(f"expertd (pid {self.daemon_pid}) forgot this client")
 
     # ---- reading rows ----------------------------------------------------------------------
 
