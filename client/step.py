@@ -18,6 +18,7 @@ activations leave the rank during the step), and sessions that replay too often
 (:class:`Speculation`, judged from the observed replay rate).
 """
 
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -40,9 +41,17 @@ def check_speculate(mode: str) -> str:
     return check_choice("speculate", mode, SPECULATE_MODES)
 
 
+TIMING_WEIGHT = 0.2  # of a new measurement in the step times' moving averages
+MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
+
+
 @dataclass
 class Speculation:
-    """Whether steps should speculate, from how often they were replayed (pure logic)."""
+    """Whether steps should speculate (pure logic): auto stops when replays are frequent, or
+    when they cost more than the waits speculation saves, judged from measured times: a
+    speculative step costs ``spec_s`` and, replayed, a per-layer step ``layer_s`` more; a
+    per-layer step costs ``layer_s``. Speculating pays while ``spec_s + rate * layer_s <
+    layer_s``. On a backend where the per-layer waits cost little (a CPU), that rate is low."""
 
     mode: str = "auto"
     active: bool = True
@@ -51,6 +60,26 @@ class Speculation:
     idle_steps: int = 0
     retry_after: int = RETRY_AFTER
     stopped: int = 0  # times auto stopped speculating
+    spec_s: float = 0.0  # moving average of a speculative decode step's seconds
+    layer_s: float = 0.0  # moving average of a per-layer decode step's seconds
+    stopped_by_cost: int = 0  # of ``stopped``, times the measured costs decided
+
+    def timed(self, speculative: bool, seconds: float) -> None:
+        """A decode step's seconds: speculative (its one wait included), or per layer."""
+        old = self.spec_s if speculative else self.layer_s
+        new = seconds if not old else old + TIMING_WEIGHT * (seconds - old)
+        if speculative:
+            self.spec_s = new
+        else:
+            self.layer_s = new
+
+    def pays(self) -> bool:
+        """Speculating at this window's replay rate costs less than waiting per layer (True
+        while either cost is unmeasured)."""
+        if not (self.spec_s and self.layer_s) or self.window_steps < MIN_WINDOW:
+            return True
+        rate = self.window_replays / self.window_steps
+        return self.spec_s + rate * self.layer_s < self.layer_s
 
     def __post_init__(self):
         self.active = check_speculate(self.mode) != "off"
@@ -66,7 +95,9 @@ class Speculation:
     def record(self, replayed: bool) -> None:
         self.window_steps += 1
         self.window_replays += replayed
-        if self.window_replays > MAX_REPLAYS and self.mode == "auto":
+        costly = replayed and not self.pays()
+        if (self.window_replays > MAX_REPLAYS or costly) and self.mode == "auto":
+            self.stopped_by_cost += costly and self.window_replays <= MAX_REPLAYS
             if self.stopped:
                 self.retry_after = min(2 * self.retry_after, MAX_RETRY_AFTER)
             self.active = False
@@ -139,10 +170,15 @@ class Steps:
             return logits
         cache = kwargs.get("cache", args[0] if args else None)
         if not self._speculate(inputs, cache):
+            if (self.speculation.mode == "auto" and self.layers and not self.pipeline
+                    and inputs.size * self._top_k <= DECODE_IDS):
+                return self._per_layer(forward, inputs, args, kwargs)  # measured while paused
             return forward(inputs, *args, **kwargs)
         tokens = self._tokens(inputs)
         for attempt in range(2):
+            started = time.perf_counter()
             logits, cause, absent = self._speculative_step(forward, inputs, args, kwargs)
+            self.speculation.timed(True, time.perf_counter() - started)
             # A pull that found its expert absent from the arena is a read from the disk the
             # step had to wait for anyway, not a wrong guess: it does not count against
             # speculating, and the step runs again without waits once the daemon has read it.
@@ -159,7 +195,16 @@ class Steps:
                 break
             for layer, experts in absent:
                 self.session.demand_absent(layer.index, experts)
-        return forward(inputs, *args, **kwargs)
+        return self._per_layer(forward, inputs, args, kwargs)
+
+    def _per_layer(self, forward, inputs, args: tuple, kwargs: dict):
+        """A decode step waiting in every MoE layer, timed for the speculation's verdict (its
+        logits evaluated, as a speculative step's are)."""
+        started = time.perf_counter()
+        logits = forward(inputs, *args, **kwargs)
+        mx.eval(logits)
+        self.speculation.timed(False, time.perf_counter() - started)
+        return logits
 
     def _speculative_step(self, forward, inputs, args: tuple, kwargs: dict) -> tuple:
         """One step without waits: ``(logits, cause, absent)``; ``cause`` is None, or why the

@@ -60,8 +60,10 @@ def warm(models, isolated_env, tmp_path):
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     with Daemon(blob_dir, isolated_env,
                 *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")) as daemon:
+        # "on": these tests follow the mechanism; auto's verdict (it stops on this CPU when a
+        # replay costs more than the waits it saves) has tests of its own.
         model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 16), prefetch="off",
-                        fill_pools=True)
+                        fill_pools=True, speculate="on")
         model.daemon = daemon
         try:
             assert all(pool.complete for pool in model.expertd_session.pools)
@@ -208,6 +210,28 @@ def test_auto_stops_speculating_when_replays_are_frequent_and_tries_again():
     assert on.wanted() and not off.wanted()
     with pytest.raises(ValueError, match="speculate must be one of"):
         Speculation("sometimes")
+
+
+def test_auto_weighs_replays_against_the_waits_they_save():
+    """Measured costs decide before the replay count does: where a replay costs a whole
+    per-layer step and speculating saves little (a CPU), one replay in a few steps stops it;
+    where it saves most of a step (a GPU), the same rate keeps it."""
+    cheap_waits = Speculation("auto")
+    cheap_waits.timed(True, 1.0)
+    cheap_waits.timed(False, 1.1)  # waiting per layer costs 10% more than one wait
+    for replayed in (False, False, False, True):  # 25% replays: 1.0 + 0.25 * 1.1 > 1.1
+        cheap_waits.record(replayed)
+    assert not cheap_waits.active and cheap_waits.stopped_by_cost == 1
+    costly_waits = Speculation("auto")
+    costly_waits.timed(True, 1.0)
+    costly_waits.timed(False, 4.0)  # per-layer waits quadruple a step: 1.0 + 0.25 * 4 < 4
+    for replayed in (False, False, False, True):
+        costly_waits.record(replayed)
+    assert costly_waits.active and costly_waits.pays()
+    unmeasured = Speculation("auto")
+    for replayed in (False, False, False, True):
+        unmeasured.record(replayed)
+    assert unmeasured.active  # the replay count alone, as before
 
 
 def test_a_session_that_misses_often_stops_speculating(models, isolated_env, tmp_path):
