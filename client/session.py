@@ -296,7 +296,10 @@ class Session:
         return serving_epoch(self.paths) == self.epoch and view is not None and view.serving
 
     def _heartbeat_report(self) -> dict:
-        return {"steps": self.counters["steps"], "host_waits": self.counters["host_waits"]}
+        pulled = self.pull_counters()
+        return {"steps": self.counters["steps"], "host_waits": self.counters["host_waits"],
+                "replays": self.counters["replays"], "pulled_rows": pulled["rows_pulled"],
+                "pulled_bytes": pulled["bytes_pulled"]}
 
     def _reap(self) -> bool:
         requester = self.requester

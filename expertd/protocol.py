@@ -89,6 +89,12 @@ class Heartbeat:
     token: bytes
     steps: int = 0  # the client's forward steps so far, and its host waits in them (status)
     host_waits: int = 0
+    replays: int = 0  # its steps replayed, and the expert rows and bytes its device pulled
+    pulled_rows: int = 0
+    pulled_bytes: int = 0
+
+
+HEARTBEAT_COUNTS = ("steps", "host_waits", "replays", "pulled_rows", "pulled_bytes")
 
 
 @dataclass(frozen=True)
@@ -186,7 +192,7 @@ def parse_request(frames: list):
         req = Heartbeat(_bytes(body, "client", CLIENT_ID_BYTES),
                         _bytes(body, "token", HEARTBEAT_TOKEN_BYTES),
                         *(_int(body, key) if key in body else 0
-                          for key in ("steps", "host_waits")))
+                          for key in HEARTBEAT_COUNTS))
     else:
         req = Empty()
     return rid, op, req

@@ -5,6 +5,8 @@ arrays, the same step check and replay. Each step's logits are compared with res
 bit for bit, while pools hold a few rows and the daemon's arena all or few experts.
 """
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ from client_helpers import (
     routed_model,
 )
 from conftest import FAMILY_MODES
-from harness import Daemon
+from harness import Daemon, expertd_cli, wait_until
 from test_step import Lockstep, resident_model
 
 from expertd import native
@@ -66,7 +68,7 @@ def test_pulled_steps_are_exact(models, isolated_env, tmp_path, family, mode, bi
                                 pull):
     model_dir, blob_dir = routed_model(models, family, mode, bits)
     with Daemon(blob_dir, isolated_env,
-                *client_flags(blob_dir, arena_rows, tmp_path / "s.json")):
+                *client_flags(blob_dir, arena_rows, tmp_path / "s.json")) as daemon:
         model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off",
                         pool_backing="device", pull=pull, speculate="on")
         session = model.expertd_session
@@ -79,6 +81,19 @@ def test_pulled_steps_are_exact(models, isolated_env, tmp_path, family, mode, bi
             assert c["pulled_steps"] > 0
             assert session.pull_counters()["rows_pulled"] > 0
             assert c["replays"] == c["replays_absent"] + c["replays_epoch"]
+            # The heartbeat carries them to status: rows and bytes pulled, steps replayed.
+            pulled = session.pull_counters()
+
+            def reported():
+                mine = [p for p in daemon.stats()["client_pools"] if p["pid"] == os.getpid()]
+                return mine and mine[0].get("pulled_rows") == pulled["rows_pulled"] and mine[0]
+
+            mine = wait_until(reported, 30, "the heartbeat to report the pulls")
+            assert mine["pulled_bytes"] == pulled["bytes_pulled"]
+            assert mine["replays"] == c["replays"]
+            status = expertd_cli("status", "--blobs", blob_dir)
+            shown = (f"{c['replays']} replayed, pulled " if c["replays"] else "a step, pulled ")
+            assert shown in status.stdout, status.stdout
         finally:
             session.close()
 

@@ -236,6 +236,10 @@ def status_lines(s: dict) -> list:
         *[f"    pid {c['pid']:<8} pools {c['pool_bytes'] / 2**20:.1f} MiB, "
           f"{c.get('steps', 0)} steps, "
           f"{c.get('host_waits', 0) / max(1, c.get('steps', 0)):.2f} host waits a step"
+          + (f", {c.get('replays', 0)} replayed" if c.get("replays") else "")
+          + (f", pulled {c['pulled_rows'] / max(1, c.get('steps', 0)):.1f} rows "
+             f"({c['pulled_bytes'] / max(1, c.get('steps', 0)) / 2**20:.2f} MiB) a step"
+             if c.get("pulled_rows") else "")
           for c in s.get("client_pools", [])],
         f"  epochs       {s.get('epoch_clients', 0)} records given out, "
         f"{s.get('deferred_fills', 0)} refills waited for a step to end (longest "

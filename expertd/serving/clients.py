@@ -23,6 +23,7 @@ class Client:
     pool_bytes: int = 0  # its own expert memory, as its hello said
     steps: int = 0  # its forward steps and the host waits in them, as its heartbeat said
     host_waits: int = 0
+    counts: dict | None = None  # the rest of its heartbeat's counts (replays, rows pulled)
 
 
 class ClientRegistry:
@@ -65,7 +66,8 @@ class ClientRegistry:
         """How many clients, and per client its pid, its own expert memory and its host waits
         (for status)."""
         return ClientStats(len(self._clients), [
-            dict(pid=c.pid, pool_bytes=c.pool_bytes, steps=c.steps, host_waits=c.host_waits)
+            dict(pid=c.pid, pool_bytes=c.pool_bytes, steps=c.steps, host_waits=c.host_waits,
+                 **(c.counts or {}))
             for c in self._clients.values()])
 
     def seen(self, identity: bytes, now: float) -> Client | None:
@@ -76,12 +78,13 @@ class ClientRegistry:
         return client
 
     def heartbeat(self, identity: bytes, token: bytes, now: float, steps: int = 0,
-                  host_waits: int = 0) -> bool:
+                  host_waits: int = 0, **counts: int) -> bool:
         """A heartbeat naming ``identity``; counts only with that client's token."""
         client = self._clients.get(identity)
         if client is None or not hmac.compare_digest(client.token, token):
             return False
         client.last_seen, client.steps, client.host_waits = now, steps, host_waits
+        client.counts = counts or None
         return True
 
     def remove(self, identity: bytes) -> Client | None:

@@ -231,7 +231,9 @@ class ExpertServer:
         now = self.clock()
         if op is Op.HEARTBEAT:
             known = self.clients.heartbeat(req.client, req.token, now, req.steps,
-                                           req.host_waits)
+                                           req.host_waits, replays=req.replays,
+                                           pulled_rows=req.pulled_rows,
+                                           pulled_bytes=req.pulled_bytes)
             if known and identity != req.client and identity not in self._beats:
                 # A client's heartbeat connection: one each, the newest (the heartbeat thread
                 # connects again when it loses one), so a client holds two trusted at most.
