@@ -515,7 +515,9 @@ class Session:
         so that their rows could be rewritten)."""
         pools = self.pool_counters()
         pulled = self.pull_counters()
-        return {**self.counters, "pool_hits": pools["hits"], "pool_moved": pools["moved"],
+        # A prompt's rows staged outside the pool were copied from the arena as moved ones are.
+        return {**self.counters, "pool_hits": pools["hits"],
+                "pool_moved": pools["moved"] + pools["staged"],
                 "pulled_rows": pulled["rows_pulled"], "pulled_bytes": pulled["bytes_pulled"],
                 "pull_s": pulled["pull_s"], "pull_timed_bytes": pulled["timed_bytes"],
                 **{k: pools[k] for k in ("ahead", "ahead_used", "ahead_unused", "settled")}}
@@ -531,12 +533,12 @@ class Session:
         bytes read for it (its misses and the prefetches it asked for)."""
         c = self.counters
         pools = self.pool_counters()
-        used = pools["hits"] + pools["moved"]
+        used = pools["hits"] + pools["moved"] + pools["staged"] + pools["pulled"]
         prefetched = self.stats().get("client_prefetch_reads", 0)
         return dict(used=used, misses=c["misses"], hits=used - c["misses"],
                     hit_rate=(used - c["misses"]) / used if used else 0.0,
                     prefetch_reads=prefetched, pool_bytes=self.pool_bytes,
-                    moved=pools["moved"],
+                    moved=pools["moved"] + pools["staged"],
                     bytes_read=(c["misses"] + prefetched) * self.manifest.stride)
 
     def stats(self) -> dict:

@@ -45,7 +45,8 @@ def _cmd_generate(args) -> int:
                        min_p=args.min_p, top_k=args.top_k, system_prompt=args.system_prompt,
                        chat_template=not args.ignore_chat_template, out=out,
                        pipeline_group=group, pool_gb=args.pool_gb,
-                       speculate=args.speculate, kv=kv, extra_eos_tokens=args.extra_eos_token)
+                       speculate=args.speculate, kv=kv, extra_eos_tokens=args.extra_eos_token,
+                       pull=args.pull)
     if group is not None:
         from expertd.client.pipeline import gather_usage
 
@@ -107,6 +108,7 @@ def add_kv_flags(p) -> None:
 def add_prefetch_flag(p, help_text: str) -> None:
     """The client's --prefetch and --pool-gb, the same on every subcommand that loads the
     model."""
+    from expertd.client.pull import PULL_MODES
     from expertd.serving.config import PREFETCH_MODES, SPECULATE_MODES
 
     p.add_argument("--prefetch", choices=PREFETCH_MODES, default="auto", help=help_text)
@@ -121,6 +123,12 @@ def add_prefetch_flag(p, help_text: str) -> None:
                    "check the routed experts at the step's end and replay exactly a step that "
                    "missed its pools; auto (default) stops while replays are frequent, off "
                    "waits in every MoE layer")
+    p.add_argument("--pull", choices=PULL_MODES, default="auto",
+                   help="who reads an expert missing from a pool out of the daemon's cache: "
+                   "auto (default) the GPU itself where it can (CUDA with the cuda extra, "
+                   "Metal), with no host wait in a decode step, else the host a layer at a "
+                   "time; device (an error where the GPU cannot); host (host copies, one wait "
+                   "a layer); off (the per-layer path)")
 
 
 def _cmd_demo(args) -> int:
@@ -191,6 +199,7 @@ def _cmd_serve(args) -> int:
 
     status = serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,
                    options=serve_options(args), pool_gb=args.pool_gb, speculate=args.speculate,
+                   pull=args.pull,
                    pipeline_group=_pipeline_group() if args.pipeline else None)
     # Everything is closed (the daemon got its goodbye): skip the C++ static destructors. With
     # MLX 0.32 on Linux they abort ("terminate called without an active exception") once
@@ -212,7 +221,7 @@ def _cmd_chat(args) -> int:
     return chat(Path(args.blobs), system_prompt=args.system_prompt, max_tokens=args.max_tokens,
                 temp=args.temp, top_p=args.top_p, seed=args.seed, max_kv_size=args.max_kv_size,
                 prefill_step_size=args.prefill_step_size, prefetch=args.prefetch,
-                pool_gb=args.pool_gb, speculate=args.speculate)
+                pool_gb=args.pool_gb, speculate=args.speculate, pull=args.pull)
 
 
 def add_serving_subcommands(sub) -> None:
