@@ -199,6 +199,28 @@ def take_lock(lock: Path, patience: float = 0.0) -> int | None:
         os.close(fd)  # unlinked under us: lock the new file instead
 
 
+def leftover(paths) -> dict | None:
+    """What a daemon killed without its clean-up left for ``paths`` (its arena holds its
+    whole ``--cache-gb`` of memory until removed): ``{"arena", "path", "bytes", "socket"}``,
+    or None. Only meaningful while nobody holds the lock (see :func:`lock_held`)."""
+    import posix_ipc
+
+    info = read_run_info(paths)
+    if info is None:
+        return None
+    try:
+        shm = posix_ipc.SharedMemory(info.arena)
+    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+        return None
+    try:
+        size = os.fstat(shm.fd).st_size
+    finally:
+        shm.close_fd()
+    path = f"/dev/shm/{info.arena}" if os.path.isdir("/dev/shm") else info.arena
+    return {"arena": info.arena, "path": path, "bytes": size, "pid": info.pid,
+            "socket": str(paths.socket) if paths.socket.exists() else None}
+
+
 def remove_leftovers(paths, everything: bool = False) -> list:
     """Remove what a dead daemon left: its arena (named by its run file), socket, run file,
     pid file; with ``everything``, also its start log, its lock, and its logs unless one was

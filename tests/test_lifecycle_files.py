@@ -85,6 +85,29 @@ def test_a_reused_pid_does_not_make_a_dead_daemon_look_alive(models, isolated_en
         assert shm_exists(d.arena)  # for the next start to remove (the harness does here)
 
 
+def test_a_killed_daemons_arena_is_named_by_status_and_removed_by_stop(models, isolated_env):
+    """SIGKILL leaves the whole arena in shared memory: status says where and how big, in
+    text and JSON, and how to remove it; stop removes it and the run files; then neither
+    finds anything."""
+    blobs = models.blobs()
+    paths = daemon_paths(blobs)
+    with running_daemon(blobs, isolated_env, "--cache-gb", CACHE_GB) as d:
+        size = posix_ipc.SharedMemory(d.arena).size
+        d.kill()
+        text = expertd_cli("status", "--blobs", blobs)
+        assert text.returncode != 0
+        assert f"its arena /dev/shm/{d.arena}" in text.stderr, text.stderr
+        assert f"expertd stop --blobs {paths.blob_dir}" in text.stderr
+        left = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)["leftover"]
+        assert left["arena"] == d.arena and left["bytes"] == size and left["pid"] == d.pid
+        stopped = expertd_cli("stop", "--blobs", blobs)
+        assert stopped.returncode == 0 and f"arena {d.arena}" in stopped.stdout, stopped.stdout
+        assert not shm_exists(d.arena) and not paths.runfile.exists()
+        again = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)
+        assert again["leftover"] is None
+        assert "nothing to stop" in expertd_cli("stop", "--blobs", blobs).stdout
+
+
 # ---- private writes ---------------------------------------------------------------------------
 
 @pytest.mark.timeout(60)

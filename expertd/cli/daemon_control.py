@@ -187,12 +187,16 @@ def _cmd_start(args) -> int:
 
 
 def _cmd_stop(args) -> int:
-    from expertd.cli.lifecycle import stop
+    from expertd.cli.lifecycle import remove_dead, stop
 
     try:
         pid = stop(Path(args.blobs), timeout=args.timeout)
     except DaemonNotRunning as exc:
-        print(f"{exc}; nothing to stop")
+        removed = remove_dead(Path(args.blobs))
+        if removed:
+            print(f"{exc}; removed what a killed one left: {', '.join(removed)}")
+        else:
+            print(f"{exc}; nothing to stop")
         return 0
     print(f"stopped expertd pid {pid}")
     return 0
@@ -304,10 +308,25 @@ def snapshot(args) -> tuple:
 
 
 def _not_running(args, message: str) -> tuple:
-    """Status's answer for ``--blobs`` when no daemon serves it."""
+    """Status's answer for ``--blobs`` when no daemon serves it, naming what a killed daemon
+    left behind (``leftover`` in JSON: its arena's path and size, or null)."""
+    from expertd.paths import daemon_paths
+    from expertd.runfile import leftover, lock_held
+
     blob_dir = str(Path(args.blobs).expanduser().resolve())
-    down = {"running": False, "blob_dir": blob_dir, "log": log_location(blob_dir)}
-    return NOT_RUNNING, down if args.json else f"{message}\n  log: {down['log']}"
+    paths = daemon_paths(blob_dir)
+    left = None if lock_held(paths.lock) else leftover(paths)
+    down = {"running": False, "blob_dir": blob_dir, "log": log_location(blob_dir),
+            "leftover": left}
+    if args.json:
+        return NOT_RUNNING, down
+    text = f"{message}\n  log: {down['log']}"
+    if left:
+        text += (f"\n  left behind by a killed expertd (pid {left['pid']}): its arena "
+                 f"{left['path']} ({size_text(left['bytes'])} of memory held by nothing)"
+                 f"{', its socket' if left['socket'] else ''} and run files; remove them "
+                 f"with: expertd stop --blobs {blob_dir}")
+    return NOT_RUNNING, text
 
 
 def _cmd_status(args) -> int:

@@ -219,6 +219,19 @@ def _clean_after(paths) -> None:
         os.close(fd)
 
 
+def remove_dead(blob_dir) -> list:
+    """Remove what a daemon killed without its clean-up left for ``blob_dir`` (its arena,
+    socket and run files), if no daemon serves it: descriptions of what went."""
+    paths = daemon_paths(blob_dir)
+    fd = take_lock(paths.lock, LOCK_PATIENCE)
+    if fd is None:
+        return []  # a daemon serves it (or starts): nothing is a leftover
+    try:
+        return remove_leftovers(paths)
+    finally:
+        os.close(fd)
+
+
 def stop(blob_dir, timeout: float = 10.0) -> int:
     """SIGTERM the daemon of ``blob_dir`` and wait for it; SIGKILL and clean up past ``timeout``.
 
