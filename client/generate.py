@@ -30,7 +30,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
              top_k: int = 0, system_prompt: str | None = None,
              chat_template: bool = True, pipeline_group=None, pool_gb: float | None = None,
              speculate: str = "auto", kv: KVOptions = KVOptions(),
-             extra_eos_tokens=(), pull: str = "auto") -> dict:
+             extra_eos_tokens=(), pull: str = "auto",
+             reconnect_timeout: float | None = None) -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
 
     Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``), the KV cache (``kv``), the extra
@@ -54,7 +55,9 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
     from expertd.client import load
 
     model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
-                            pool_gb=pool_gb, speculate=speculate, pull=pull)
+                            pool_gb=pool_gb, speculate=speculate, pull=pull,
+                            **({} if reconnect_timeout is None
+                               else {"reconnect_timeout": reconnect_timeout}))
     session = model.expertd_session
     try:  # the session says goodbye whatever happens, a bad EOS token or Ctrl-C included
         for token in extra_eos_tokens:

@@ -5,7 +5,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from expertd.blobstore import check_trunk
-from expertd.cli.argtypes import check_gib, check_seconds
+from expertd.cli.argtypes import check_gib, check_wait
 from expertd.errors import BlobStoreError
 
 from .backing import Staging
@@ -35,7 +35,8 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
             GPU (CUDA), every expert that fits in half of its free memory; on unified memory
             (Metal, the CPU), the smallest pool that works twice over (2 x top-k rows a
             layer). A budget below the smallest pool (top-k rows a layer) is refused.
-        reconnect_timeout: seconds to wait for a daemon that died to come back.
+        reconnect_timeout: seconds to wait for a daemon that died to come back (0: fail at
+            once).
         max_group: most experts moved from the daemon's arena at once (default: 64 or
             4 x top-k, within what the daemon allows).
         prefetch: "auto" (default): each MoE layer guesses the next layer's experts at its own
@@ -80,7 +81,7 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
         PipelineError: the family cannot be split, or ``blob_dir`` lacks this rank's layers.
         ValueError: a pool budget below the smallest that works, or a bad argument.
     """
-    check_seconds("reconnect_timeout", reconnect_timeout)
+    check_wait("reconnect_timeout", reconnect_timeout)
     if pool_gb is not None:
         check_gib("pool_gb", pool_gb)
     check_mode(prefetch)

@@ -300,6 +300,7 @@ def _bind(host: str, port: int, handler_factory, **state) -> ExpertdHTTPServer:
 
 def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "auto",
           pool_gb: float | None = None, speculate: str = "auto", pull: str = "auto",
+          reconnect_timeout: float | None = None,
           options: dict | None = None, out=sys.stdout, pipeline_group=None) -> int:
     """Serve the model of ``blob_dir`` over HTTP until SIGINT or SIGTERM.
 
@@ -338,7 +339,8 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     # DaemonWatch): a server outlives daemon restarts.
     model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
                             pool_gb=pool_gb, speculate=speculate, pull=pull,
-                            reconnect_timeout=RECONNECT_TIMEOUT)
+                            reconnect_timeout=RECONNECT_TIMEOUT if reconnect_timeout is None
+                            else reconnect_timeout)
     cli_args.pipeline = pipeline_group is not None
     session = model.expertd_session
     try:

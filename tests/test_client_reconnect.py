@@ -16,7 +16,7 @@ from client_helpers import (
     prompt_ids,
     read_tokens,
 )
-from harness import finish_client, spawn_client, stop_process, wait_until
+from harness import expertd_cli, finish_client, spawn_client, stop_process, wait_until
 
 PROMPT_LEN = 17
 MAX_TOKENS = 40
@@ -292,3 +292,31 @@ def test_a_daemon_gone_between_its_hello_and_the_arena_map_is_waited_through(
         with ExitStack() as stack:  # every daemon is stopped, even if one's close fails
             for daemon in daemons:
                 stack.callback(daemon.close)
+
+
+def test_reconnect_timeout_zero_fails_at_once(qwen, isolated_env, tmp_path):
+    """``reconnect_timeout=0`` (``--reconnect-timeout 0``): a step after the daemon died
+    raises at once, saying so, instead of waiting for it; a bad value is one line."""
+    import mlx.core as mx
+
+    from expertd.client import load
+    from expertd.errors import DaemonNotRunning
+
+    _, blob_dir, _, _ = qwen
+    daemon = client_daemon(blob_dir, isolated_env, tmp_path, ROWS_ALL)
+    model = None
+    try:
+        model, _ = load(blob_dir, reconnect_timeout=0, prefetch="off")
+        mx.eval(model(mx.array([prompt_ids(5, model.args.vocab_size)])))
+        daemon.kill()
+        with pytest.raises(DaemonNotRunning, match="within 0 s|no expertd serves"):
+            mx.eval(model(mx.array([[7]])))
+    finally:
+        if model is not None:
+            model.expertd_session.close()
+        daemon.close()
+    with pytest.raises(ValueError, match="reconnect_timeout must be"):
+        load(blob_dir, reconnect_timeout=-1)
+    bad = expertd_cli("generate", "--blobs", blob_dir, "--prompt", "x", "--reconnect-timeout",
+                      "soon")
+    assert bad.returncode == 2 and "--reconnect-timeout: must be a number of seconds" in bad.stderr

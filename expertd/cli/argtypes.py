@@ -113,6 +113,25 @@ def _checked(name: str, value, what: str, hi: float) -> float:
 seconds = _ranged(float, SECONDS, lambda v: 0 < v <= MAX_SECONDS,
                   "A timeout or interval: seconds above 0, at most a day (status/stop --timeout, "
                   "--client-timeout, --lease-timeout, --heartbeat, --watch).", show="{:g}".format)
+wait_seconds = _ranged(float, f"a number of seconds from 0 to {MAX_SECONDS:g} (a day)",
+                      lambda v: 0 <= v <= MAX_SECONDS,
+                      "A wait: seconds from 0 (do not wait) to a day (--reconnect-timeout).",
+                      show="{:g}".format)
+
+
+def check_wait(name: str, value) -> float:
+    """A wait given to the Python API: seconds in [0, a day] (0: do not wait).
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value <= MAX_SECONDS):
+        raise ValueError(f"{name} must be a number of seconds from 0 to {MAX_SECONDS:g}, not "
+                         f"{value!r}")
+    return float(value)
+
+
 gib = _ranged(float, GIB, lambda v: 0 < v <= MAX_GIB,
               "A memory budget in GiB above 0, bounded as --cache-gb is (--pool-gb).")
 

@@ -46,7 +46,7 @@ def _cmd_generate(args) -> int:
                        chat_template=not args.ignore_chat_template, out=out,
                        pipeline_group=group, pool_gb=args.pool_gb,
                        speculate=args.speculate, kv=kv, extra_eos_tokens=args.extra_eos_token,
-                       pull=args.pull)
+                       pull=args.pull, reconnect_timeout=args.reconnect_timeout)
     if group is not None:
         from expertd.client.pipeline import gather_usage
 
@@ -123,6 +123,10 @@ def add_prefetch_flag(p, help_text: str) -> None:
                    "check the routed experts at the step's end and replay exactly a step that "
                    "missed its pools; auto (default) stops while replays are frequent, off "
                    "waits in every MoE layer")
+    p.add_argument("--reconnect-timeout", type=argtypes.wait_seconds, default=None,
+                   metavar="S", help="seconds to wait for the daemon when it dies or restarts, "
+                   "announced when the wait starts; 0 fails at once (default: 60; serve: a "
+                   "day, answering 503 meanwhile)")
     p.add_argument("--pull", choices=PULL_MODES, default="auto",
                    help="who reads an expert missing from a pool out of the daemon's cache: "
                    "auto (default) the GPU itself where it can (CUDA with the cuda extra, "
@@ -199,7 +203,7 @@ def _cmd_serve(args) -> int:
 
     status = serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,
                    options=serve_options(args), pool_gb=args.pool_gb, speculate=args.speculate,
-                   pull=args.pull,
+                   pull=args.pull, reconnect_timeout=args.reconnect_timeout,
                    pipeline_group=_pipeline_group() if args.pipeline else None)
     # Everything is closed (the daemon got its goodbye): skip the C++ static destructors. With
     # MLX 0.32 on Linux they abort ("terminate called without an active exception") once
@@ -221,7 +225,8 @@ def _cmd_chat(args) -> int:
     return chat(Path(args.blobs), system_prompt=args.system_prompt, max_tokens=args.max_tokens,
                 temp=args.temp, top_p=args.top_p, seed=args.seed, max_kv_size=args.max_kv_size,
                 prefill_step_size=args.prefill_step_size, prefetch=args.prefetch,
-                pool_gb=args.pool_gb, speculate=args.speculate, pull=args.pull)
+                pool_gb=args.pool_gb, speculate=args.speculate, pull=args.pull,
+                reconnect_timeout=args.reconnect_timeout)
 
 
 def add_serving_subcommands(sub) -> None:
