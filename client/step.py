@@ -85,6 +85,9 @@ class Speculation:
         self.active = check_speculate(self.mode) != "off"
 
     def wanted(self) -> bool:
+        if self.mode == "auto" and self.active and self.spec_s and not self.layer_s \
+                and self.window_steps == WINDOW // 2:
+            return False  # one step waiting per layer: what speculating is weighed against
         if self.mode != "auto" or self.active:
             return self.active
         self.idle_steps += 1
@@ -95,7 +98,9 @@ class Speculation:
     def record(self, replayed: bool) -> None:
         self.window_steps += 1
         self.window_replays += replayed
-        costly = replayed and not self.pays()
+        # Weighed on a replay, and at a window's end: a speculative step that costs as much as
+        # waiting per layer (a CPU, where both cost compute) does not pay even without replays.
+        costly = (replayed or self.window_steps >= WINDOW) and not self.pays()
         if (self.window_replays > MAX_REPLAYS or costly) and self.mode == "auto":
             self.stopped_by_cost += costly and self.window_replays <= MAX_REPLAYS
             if self.stopped:

@@ -210,10 +210,12 @@ def leftover(paths) -> dict | None:
         return None
     try:
         shm = posix_ipc.SharedMemory(info.arena)
-    except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+    except (posix_ipc.Error, OSError):  # gone (or another user's: not ours to report)
         return None
     try:
         size = os.fstat(shm.fd).st_size
+    except OSError:
+        return None
     finally:
         shm.close_fd()
     path = f"/dev/shm/{info.arena}" if os.path.isdir("/dev/shm") else info.arena

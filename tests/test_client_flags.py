@@ -155,10 +155,10 @@ def test_serve_messages_name_what_is_wrong(capsys):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(reconnect_timeout="abc"), "reconnect_timeout must be a number of seconds above 0"),
+    (dict(reconnect_timeout="abc"), "reconnect_timeout must be a number of seconds from 0"),
     (dict(reconnect_timeout=float("nan")), "reconnect_timeout must be a number of seconds"),
-    (dict(reconnect_timeout=-1), "reconnect_timeout must be a number of seconds above 0"),
-    (dict(reconnect_timeout=True), "reconnect_timeout must be a number of seconds above 0"),
+    (dict(reconnect_timeout=-1), "reconnect_timeout must be a number of seconds from 0"),
+    (dict(reconnect_timeout=True), "reconnect_timeout must be a number of seconds from 0"),
     (dict(pool_gb=float("inf")), "pool_gb must be a number of GiB above 0, at most 1048576"),
     (dict(pool_gb="1"), "pool_gb must be a number of GiB above 0"),
     (dict(pool_gb=0), "pool_gb must be a number of GiB above 0"),

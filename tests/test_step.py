@@ -109,9 +109,10 @@ def test_a_warm_decode_step_waits_for_the_host_once(warm):
     assert d["replays"] < 12
     # The heartbeat carries the counts to the daemon's status.
     mine = counters(session)
-    wait_until(lambda: {"pid": os.getpid(), "pool_bytes": session.pool_bytes,
-                        "steps": mine["steps"], "host_waits": mine["host_waits"]}
-               in model.daemon.stats()["client_pools"], 10, "the heartbeat's counts")
+    want = {"pid": os.getpid(), "pool_bytes": session.pool_bytes, "steps": mine["steps"],
+            "host_waits": mine["host_waits"], "replays": mine["replays"]}
+    wait_until(lambda: any(want.items() <= c.items() for c in model.daemon.stats()["client_pools"]),
+               10, "the heartbeat's counts")
     status = expertd_cli("status", "--blobs", session.paths.blob_dir).stdout
     assert f"{mine['steps']} steps, {mine['host_waits'] / mine['steps']:.2f} host waits" in status
 
@@ -232,6 +233,20 @@ def test_auto_weighs_replays_against_the_waits_they_save():
     for replayed in (False, False, False, True):
         unmeasured.record(replayed)
     assert unmeasured.active  # the replay count alone, as before
+    # Never replayed, but a speculative step costs what a per-layer one does: the window's end
+    # stops it. The per-layer cost is measured by one probe step half way into the window.
+    level = Speculation("auto")
+    level.timed(True, 1.0)
+    wanted = []
+    for _ in range(WINDOW):
+        wanted.append(level.wanted())
+        if wanted[-1]:
+            level.record(False)
+        else:
+            level.timed(False, 1.0)  # the probe: a step waiting in every layer
+    assert wanted.count(False) == 1 and wanted.index(False) == WINDOW // 2
+    level.record(False)
+    assert not level.active and level.stopped_by_cost == 1
 
 
 def test_a_session_that_misses_often_stops_speculating(models, isolated_env, tmp_path):
