@@ -107,6 +107,9 @@ def test_a_killed_prefetcher_leaves_nothing(models, isolated_env):
         finally:
             stop_process(proc)
         wait_until(lambda: d.stats()["clients_disconnected"] == 1, 10.0, "its connection closed")
+        # Its fills finish (one worker: on a loaded machine some are still queued when its
+        # connection closes, and a side row being filled is not handed out).
+        wait_until(lambda: d.stats()["in_flight"] == 0, 10.0, "its fills to finish")
         with RawClient(blobs) as other:
             # Two generations of the next client take all eight rows.
             prefetch(other, 2, [0, 1, 2, 3])
