@@ -84,13 +84,22 @@ def spawn(args, speculate: str, limit: int | None) -> dict:
             (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
 
     if limit is not None:
-        CGROUP.mkdir(exist_ok=True)
+        if CGROUP.exists():  # a fresh group: limits are refused out of order otherwise
+            CGROUP.rmdir()
+        CGROUP.mkdir()
         (CGROUP / "memory.limit_in_bytes").write_text(str(limit))
         try:
             (CGROUP / "memory.memsw.limit_in_bytes").write_text(str(limit))
         except OSError:
             pass  # no swap accounting: the limit alone holds
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, preexec_fn=enter)
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, preexec_fn=enter)
+    finally:
+        if limit is not None and CGROUP.exists():
+            try:
+                CGROUP.rmdir()  # nothing of the bench stays behind
+            except OSError:
+                pass
     if done.returncode:
         raise RuntimeError(f"the streamed client failed ({done.returncode}): "
                            f"{done.stderr[-2000:]}")
