@@ -4,11 +4,13 @@ A *puller* gives a streamed layer the rows its router chose, in one primitive:
 :meth:`assemble` takes the router's ids and the pool's expert -> row table (both on the device)
 and returns fresh arrays of one row per (token, slot) pair, hits copied from the pool and misses
 read from the daemon's arena, plus a status per pair (``>= 0``: the pool row it came from;
-``PULLED``: read from the arena; ``ABSENT``: the arena had no ready row, the pair's bytes are
-garbage and its step is replayed). mlx-lm's ``gather_qmm`` / ``gather_mm`` then run on those
-arrays with ids ``0..n-1``, so the layer costs one primitive more than resident mlx-lm, whether or
-not it missed. :meth:`rows` pulls given arena rows (by slot) for a prompt's groups and for
-promotions into the pool.
+``-1 - 2e``: expert ``e`` read from the arena (PULLED); ``-2 - 2e``: the arena had no ready row
+for it (ABSENT), the pair's bytes are garbage and its step runs again). mlx-lm's ``gather_qmm``
+/ ``gather_mm`` then run on those arrays with ids ``0..n-1``, so the layer costs one primitive
+more than resident mlx-lm, whether or not it missed. A prompt's layer assembles a stack with a
+row for every expert the same way (Session.assemble_rows: ids in place, -1 for a row nobody
+reads), and mlx-lm's call runs on it with the router's own ids. :meth:`rows` pulls given arena
+rows (by slot), for benchmarks.
 
 Backings, one per platform, behind that interface:
 
