@@ -123,6 +123,20 @@ class Remote:
                           for name, f in sorted(self.files.items())}}
 
 
+def _not_blobs(blob_dir: Path, path: Path) -> str:
+    """Why ``blob_dir`` is not a blob directory, said for what it is."""
+    if blob_dir.exists() and not blob_dir.is_dir():
+        return f"{blob_dir} is a file, not a directory: give the blob directory"
+    if not blob_dir.exists():
+        return (f"{blob_dir} does not exist: give a blob directory (make one with: expertd "
+                "convert MODEL_DIR BLOB_DIR)")
+    if (blob_dir / "config.json").is_file() and any(blob_dir.glob("*.safetensors")):
+        return (f"{blob_dir} is an mlx-lm checkpoint, not a blob directory: run expertd "
+                f"convert first (expertd convert {blob_dir} BLOB_DIR), then use BLOB_DIR")
+    return (f"{blob_dir} is not a blob directory: {path} is missing (create one with: "
+            "expertd convert MODEL_DIR BLOB_DIR)")
+
+
 @dataclass(frozen=True)
 class Manifest:
     model_type: str
@@ -176,8 +190,7 @@ class Manifest:
         """
         path = Path(blob_dir) / "manifest.json"
         if not path.is_file():
-            raise BlobStoreError(f"{blob_dir} is not a blob directory: {path} is missing "
-                                 "(create one with: expertd convert MODEL_DIR BLOB_DIR)")
+            raise BlobStoreError(_not_blobs(Path(blob_dir), path))
         try:
             text = path.read_bytes()
         except OSError as exc:

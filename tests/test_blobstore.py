@@ -3,12 +3,14 @@
 import json
 import mmap
 import os
+import re
 import shutil
 from contextlib import closing
 from pathlib import Path
 
 import pytest
 from conftest import TINY, flip_byte, lm_head_offset, mounted
+from harness import expertd_cli
 
 from expertd.blobstore import BlobStore
 from expertd.errors import BlobStoreError, ChecksumError
@@ -66,6 +68,23 @@ def test_missing_manifest(blob_dir):
         BlobStore(blob_dir)
     assert str(blob_dir / "manifest.json") in str(info.value)
     assert "expertd convert" in str(info.value)  # says how to make one
+
+
+def test_wrong_targets_are_named_for_what_they_are(models, tmp_path):
+    """A file, a path that does not exist, and an mlx-lm checkpoint given where a blob
+    directory belongs: each refused with what it is and what to do, on the command line too."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    checkpoint = models.model()
+    cases = [(a_file, "is a file, not a directory"), (tmp_path / "nowhere", "does not exist"),
+             (checkpoint, f"is an mlx-lm checkpoint, not a blob directory: run expertd convert "
+                          f"first (expertd convert {checkpoint} BLOB_DIR)")]
+    for target, message in cases:
+        with pytest.raises(BlobStoreError, match=re.escape(message)):
+            BlobStore(target)
+        start = expertd_cli("start", "--blobs", target)
+        assert start.returncode != 0 and message in start.stderr, start.stderr
+        assert start.stderr.count("\n") == 1 and "Traceback" not in start.stderr
 
 
 def test_missing_trunk(blob_dir):
