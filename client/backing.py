@@ -74,9 +74,8 @@ class HostRows:
         the host into the shared buffer (the caller settled what reads ``rows``)."""
         mx.eval(arrays)
         for array, base, nb in zip(arrays, self.bases.tolist(), self.nbytes.tolist()):
-            data = np.array(array.view(mx.uint8)).reshape(len(rows), nb)
-            for r, row in zip(rows.tolist(), data):
-                self.host[base + r * nb:base + (r + 1) * nb] = row
+            dst = self.host[base:base + self.rows * nb].reshape(self.rows, nb)
+            dst[rows] = np.array(array.view(mx.uint8)).reshape(len(rows), nb)
 
     def staged_write(self, rows: np.ndarray, read):
         """The part of a write that may run on another thread (all of it, here), and what

@@ -85,9 +85,9 @@ class StreamedLayer:
                 self.incoming.record(ranked[:n_core], unique, ranked)
         fetched = None
         if session.puller is not None:
-            # Rows missing from the pool are pulled from the arena by the device (leased
-            # while pulled, a group at a time on the puller's stream, each group computing
-            # while the next is pulled); the prompt's most routed ones then join the pool.
+            # Rows missing from the pool are pulled from the arena by the device into one
+            # stack with a row for every expert (inside an epoch, once the daemon has read
+            # them); the prompt's recurring ones then join the pool.
             out = self._pulled_call(module, x, indices, idx, unique)
             fetched = time.perf_counter()
         elif len(unique) > pool.rows and pool.backing.whole_array_writes is False:
@@ -135,7 +135,7 @@ class StreamedLayer:
             pool.commit_ahead(session.epoch)
         puller = session.puller
         if puller is not None and not pool.complete and self._checked(puller, indices):
-            arrays, status = session.puller.assemble(self.index, indices, pool)
+            arrays, status = puller.assemble(self.index, indices, pool)
             if steps.records is not None:
                 steps.records.append((self, indices, status, arrays))
             return compute(module, self.segments, arrays, x, self._pair_rows(indices))
@@ -179,9 +179,7 @@ class StreamedLayer:
         self.session.count_pulled(self.index, int(missed.sum()))
         pulled, first = np.unique(experts[missed], return_index=True)
         if len(pulled):
-            positions = np.flatnonzero(missed)[first]
-            self.session.counters["promoted"] += pool.promote(pulled.astype(np.int32), arrays,
-                                                              positions)
+            pool.promote(pulled.astype(np.int32), arrays, np.flatnonzero(missed)[first])
         self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))
 
     def _staged_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):
@@ -205,11 +203,10 @@ class StreamedLayer:
         return out
 
     def _pulled_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):
-        """A call whose missing experts are pulled from the arena: one stack of the call's
-        experts in id order (pool hits copied on the device, misses pulled, under a lease) and
-        mlx-lm's one call on it, shaped as resident's (the same pairs, the same sort order):
-        exact on every backend, where computing groups apart is not on CUDA. The prompt's most
-        routed pulls then join the pool."""
+        """A call whose missing experts are pulled from the arena: one stack with a row for
+        every expert (Session.assemble_rows: pool hits copied on the device, misses pulled) and
+        mlx-lm's one call on it with the router's own ids, as resident: exact on every backend,
+        where computing groups apart is not on CUDA. The prompt's pulls then join the pool."""
         pool, session = self.pool, self.session
         present = pool.row_of[unique] >= 0
         pool.touch(pool.row_of[unique[present]])
@@ -222,8 +219,8 @@ class StreamedLayer:
             missing = unique[~present]
             # A prompt's counts would outweigh every decode use for long: a prompt's expert
             # counts as recurring, no more.
-            session.counters["promoted"] += pool.promote(
-                missing, stack, missing, weights=np.minimum(counts[missing], PROMOTE_AFTER))
+            pool.promote(missing, stack, missing,
+                         weights=np.minimum(counts[missing], PROMOTE_AFTER))
         return out
 
     def after_speculation(self, ids: np.ndarray) -> None:

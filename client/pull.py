@@ -9,8 +9,7 @@ for it (ABSENT), the pair's bytes are garbage and its step runs again). mlx-lm's
 / ``gather_mm`` then run on those arrays with ids ``0..n-1``, so the layer costs one primitive
 more than resident mlx-lm, whether or not it missed. A prompt's layer assembles a stack with a
 row for every expert the same way (Session.assemble_rows: ids in place, -1 for a row nobody
-reads), and mlx-lm's call runs on it with the router's own ids. :meth:`rows` pulls given arena
-rows (by slot), for benchmarks.
+reads), and mlx-lm's call runs on it with the router's own ids.
 
 Backings, one per platform, behind that interface:
 
@@ -38,6 +37,8 @@ import numpy as np
 
 from expertd import native
 from expertd.shm.layout import EPOCH_DTYPE, SLOT_DTYPE, SlotState
+
+from .backing import buffer_bytes, segment_bases
 
 # A pair's status: its pool row (>= 0), or for expert e: -1 - 2e read from the arena (pulled),
 # -2 - 2e the arena had no ready row (absent: the step is replayed). One int32 array per layer
@@ -289,12 +290,11 @@ class Puller:
     """
 
     name = "host"
-    on_device = False  # True: assemble waits for nothing on the host
 
     def __init__(self, view, layers: dict):
         self.view = view
         self.layers = layers
-        self.counters = dict(pulls=0, rows_pulled=0, bytes_pulled=0, pull_s=0.0, timed_bytes=0)
+        self.counters = dict(rows_pulled=0, bytes_pulled=0, pull_s=0.0, timed_bytes=0)
 
     def close(self) -> None:
         pass
@@ -304,9 +304,12 @@ class Puller:
         return [(n, *shape) for _, shape, _ in segs] + [(n,)], \
             [dtype for dtype, _, _ in segs] + [mx.int32]
 
-    def count(self, layer: int, rows: int) -> None:
+    def count(self, layer: int, rows: int) -> int:
+        """``rows`` of ``layer`` pulled: counted; their bytes."""
+        nbytes = rows * sum(nb for _, _, nb in self.layers[layer])
         self.counters["rows_pulled"] += rows
-        self.counters["bytes_pulled"] += rows * sum(nb for _, _, nb in self.layers[layer])
+        self.counters["bytes_pulled"] += nbytes
+        return nbytes
 
 
 class HostPuller(Puller):
@@ -341,30 +344,12 @@ class HostPuller(Puller):
             arrays.append(mx.where(mask, rows_in, pool.arrays[s][base]))
         return arrays, mx.array(status)
 
-    def rows(self, layer: int, slots: np.ndarray):
-        """The rows at arena ``slots`` (ready, held still by a lease) as arrays per segment."""
-        offsets, nbytes = self.view.segment_table(layer)
-        n = len(slots)
-        from .backing import buffer_bytes, segment_bases
-
-        bases = segment_bases(n, nbytes)
-        host = np.empty(buffer_bytes(n, nbytes), np.uint8)
-        self.view.copy(layer, np.ascontiguousarray(slots, np.int32), host, bases,
-                       np.arange(n, dtype=np.int32))
-        self.count(layer, n)
-        arrays = [mx.array(host[b:b + n * nb]).view(dtype).reshape((n, *shape))
-                  for (dtype, shape, nb), b in zip(self.layers[layer], bases.tolist())]
-        return arrays, mx.array(encode_miss(self.view.experts_at(slots),
-                                            np.zeros(n, np.int64)))
-
     def _copy(self, layer: int, experts: np.ndarray) -> list:
         """Per expert, its segments' bytes (uint8 arrays) copied from a ready row that did not
         change meanwhile, or None."""
         view = self.view
         found = view.lookup(layer, experts)
         offsets, nbytes = view.segment_table(layer)
-        from .backing import buffer_bytes, segment_bases
-
         n = len(experts)
         bases = segment_bases(n, nbytes)
         host = np.zeros(buffer_bytes(n, nbytes), np.uint8)
@@ -372,9 +357,9 @@ class HostPuller(Puller):
         if ok.any():
             at = np.flatnonzero(ok).astype(np.int32)
             view.copy(layer, found.slots[at], host, bases, at)
-            for i in at.tolist():  # seqlock: a row rewritten while copied is not taken
-                if not view.unchanged(found.slots[i:i + 1], found.versions[i:i + 1]):
-                    ok[i] = False
+            if not view.unchanged(found.slots[at], found.versions[at]):  # seqlock: which?
+                for i in at.tolist():  # a row rewritten while copied is not taken
+                    ok[i] = view.unchanged(found.slots[i:i + 1], found.versions[i:i + 1])
         return [[host[b + i * nb:b + (i + 1) * nb] for b, nb in zip(bases.tolist(),
                                                                     nbytes.tolist())]
                 if ok[i] else None for i in range(n)]
@@ -383,7 +368,6 @@ class HostPuller(Puller):
 class _KernelPuller(Puller):
     """A device puller: one kernel per (segment count, copy width), shared by every layer."""
 
-    on_device = True
     arena_input = None  # the name of an input holding the arena itself (Metal), else None
 
     def __init__(self, view, layers: dict):
@@ -391,7 +375,6 @@ class _KernelPuller(Puller):
         self._kernels: dict = {}
         self._params: dict = {}
         self._vector: dict = {}
-        self.stream = mx.new_stream(mx.gpu)  # prompt pulls overlap the default stream's compute
 
     def params(self, layer: int):
         p = self._params.get(layer)
@@ -407,15 +390,14 @@ class _KernelPuller(Puller):
             k = self._kernels[key] = self.make_kernel(n_segments, vector)
         return k
 
-    def _launch(self, layer: int, ids, table, sources: list, n: int, stream=None):
+    def _launch(self, layer: int, ids, table, sources: list, n: int):
         params = self.params(layer)
         segs = self.layers[layer]
         shapes, dtypes = self._outputs(layer, n)
         inputs = [ids, table, params, *sources] + self.extra_inputs()
         kernel = self.kernel(len(segs), self._vector[layer])
         out = kernel(inputs=inputs, output_shapes=shapes, output_dtypes=dtypes,
-                     grid=(CHUNKS * THREADS, n, 1), threadgroup=(THREADS, 1, 1),
-                     stream=stream)
+                     grid=(CHUNKS * THREADS, n, 1), threadgroup=(THREADS, 1, 1))
         return list(out[:-1]), out[-1]
 
     def extra_inputs(self) -> list:
@@ -423,17 +405,6 @@ class _KernelPuller(Puller):
 
     def assemble(self, layer: int, ids, pool):
         return self._launch(layer, ids.reshape(-1), pool.pull_table(), pool.arrays, ids.size)
-
-    def rows(self, layer: int, slots: np.ndarray):
-        """Rows at arena ``slots`` (held by a lease), on the pull stream: each slot's expert is
-        looked up like a router's miss (an empty pool table), so a row that changed is caught."""
-        experts = self.view.experts_at(slots)
-        n = len(experts)
-        table = mx.full((self.view.arena.geometry.n_experts,), -1, mx.int32)
-        dummies = [mx.zeros((1, *shape), dtype) for dtype, shape, _ in self.layers[layer]]
-        arrays, status = self._launch(layer, mx.array(experts), table, dummies, n, self.stream)
-        self.count(layer, n)
-        return arrays, status
 
 
 class CudaPuller(_KernelPuller):

@@ -82,7 +82,7 @@ class Session:
                              late_leases=0, prefetch_asked=0, misses=0, prefetch_saved=0,
                              hits_reported=0, steps=0, host_waits=0, speculative_steps=0,
                              unchecked_steps=0, replays=0, replays_absent=0,
-                             replays_epoch=0, pulled_steps=0, promoted=0)
+                             replays_epoch=0, pulled_steps=0)
         # Where the main thread's time goes per MoE layer call (see layer.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
                            copier_wait_s=0.0, prestage_s=0.0, layers=0)
@@ -100,8 +100,7 @@ class Session:
         self._pull_layers = {
             layer.index: [(MLX_DTYPES[seg.dtype], tuple(seg.shape), seg.nbytes)
                           for seg in layer.segments] for layer in self.manifest.layers}
-        self._pulled_before = dict(rows_pulled=0, bytes_pulled=0, pull_s=0.0, pulls=0,
-                                  timed_bytes=0)
+        self._pulled_before = dict(rows_pulled=0, bytes_pulled=0, pull_s=0.0, timed_bytes=0)
         self.max_group = None
         self.closed = False
         self._segment_tables = [
@@ -180,10 +179,8 @@ class Session:
         self.step_epoch = StepEpoch(view.raw, g.epochs_offset + slot * EPOCH_DTYPE.itemsize)
         self.puller = puller
 
-    def drop_puller(self, why: str | None = None) -> None:
-        """Stop pulling for the rest of this process (``why`` is printed once)."""
-        if why:
-            print(f"expertd: {why}", file=sys.stderr, flush=True)
+    def drop_puller(self) -> None:
+        """Stop pulling for the rest of this process (pull.check_first_pull said why)."""
         self.pull_mode = "off"
         self._close_puller()
 
@@ -429,9 +426,7 @@ class Session:
             puller.counters["pull_s"] += time.perf_counter() - started
             kinds = decode_status(np.array(status)[wanted])[2]
             if not lost and not (kinds == ABSENT).any():
-                before = puller.counters["bytes_pulled"]
-                puller.count(layer, len(chunk))
-                puller.counters["timed_bytes"] += puller.counters["bytes_pulled"] - before
+                puller.counters["timed_bytes"] += puller.count(layer, len(chunk))
                 return arrays
             self.counters["retries"] += 1  # evicted between the read and the pull: again
         raise DaemonError(f"layer {layer}: the arena kept losing the prompt's experts")
