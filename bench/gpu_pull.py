@@ -27,12 +27,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ROOT, daemon, ensure_model, write_section
-from gpu_pools import QWEN3_30B_SHAPES, TINY, side_by_side
+from gpu_pools import PROMPT, QWEN3_30B_SHAPES, TINY, side_by_side
 from overlap import arena_gb
 
 CAPPED = 0.25
 TTFT_TOKENS = 512
 SECTION = "## GPU: device pulls (issue 24)"
+SPLIT = ("step_build_s", "step_wait_s", "step_book_s")
 BARS = dict(warm=0.95, pooled=0.8, capped=0.8, ttft=2.0, rate=0.7, replays=0.01)
 
 
@@ -45,17 +46,20 @@ def window_counts(session, before: dict) -> dict:
                 replays_epoch=c["replays_epoch"] - before["re"],
                 rows_pulled=pulled["rows_pulled"] - before["rows"],
                 bytes_pulled=pulled["bytes_pulled"] - before["bytes"],
-                bytes_read=session.stats()["bytes_read"] - before["read"])
+                bytes_read=session.stats()["bytes_read"] - before["read"],
+                **{k: session.timing[k] - before[k] for k in SPLIT})
 
 
 def mark(session) -> dict:
     c, p = session.counters, session.pull_counters()
     return dict(steps=c["steps"], hw=c["host_waits"], replays=c["replays"],
                 ra=c["replays_absent"], re=c["replays_epoch"], rows=p["rows_pulled"],
-                bytes=p["bytes_pulled"], read=session.stats()["bytes_read"])
+                bytes=p["bytes_pulled"], read=session.stats()["bytes_read"],
+                **{k: session.timing[k] for k in SPLIT})
 
 
-def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, args) -> dict:
+def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, args,
+             overlap: bool | None = None) -> dict:
     import mlx.core as mx
 
     from expertd.client import load
@@ -64,6 +68,8 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
         streamed, _ = load(blob_dir, pool_gb=pool_gb, pull=pull, prefetch="off"
                            if pull != "off" else "auto")
         session = streamed.expertd_session
+        if overlap is not None:
+            session.steps.overlap = overlap
         try:
             puller = session.puller.name if session.puller is not None else "none"
             if cache_gb >= args.all_gb:  # the arena holds every expert: read them all first
@@ -92,51 +98,101 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
                 per_step={k: v / steps for k, v in counts.items() if k != "steps"}, **counts)
 
 
+def resident_split(model, tokenizer, steps: int = 32) -> dict:
+    """Resident mlx-lm's decode step, built and then evaluated apart (ms each): what a step
+    that waits at its end pays where mlx-lm's loop overlaps building with computing."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    y = model(mx.array([tokenizer.encode(PROMPT)]), cache=cache)[:, -1].argmax(-1)
+    mx.eval(y)
+    build = wait = 0.0
+    for _ in range(steps):
+        t = time.perf_counter()
+        logits = model(y[:, None], cache=cache)
+        t1 = time.perf_counter()
+        y = logits[:, -1].argmax(-1)
+        mx.eval(y)
+        build, wait = build + t1 - t, wait + time.perf_counter() - t1
+    return dict(build_ms=1e3 * build / steps, wait_ms=1e3 * wait / steps)
+
+
+GRIDS = ((4, 512), (8, 512), (16, 512), (4, 1024), (8, 1024), (32, 256))
+
+
+def _median_eval(make, repeat: int = 20) -> float:
+    """Median seconds of ``mx.eval`` of what ``make()`` builds (built outside the timing)."""
+    import mlx.core as mx
+
+    mx.eval(make())  # compiled, warm
+    times = []
+    for _ in range(repeat):
+        out = make()
+        t = time.perf_counter()
+        mx.eval(out)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _pinned_gbps(nbytes: int) -> float:
+    """A pinned host-to-device copy of ``nbytes`` (torch, the reference only)."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times) / 1e9
+
+
 def pull_rate(blob_dir, cache_gb) -> dict:
-    """8 rows of layer 0 pulled by the kernel, against a pinned copy of the same bytes."""
+    """8 rows pulled by the kernel from the registered arena, against a pinned copy of the same
+    bytes: one layer's pull under its own evaluation, and every layer's under one (as in a step,
+    where no pull waits for its own evaluation), for each grid of GRIDS."""
     import mlx.core as mx
     import numpy as np
 
-    from expertd.client.session import Session
+    from expertd.client import pull
+    from expertd.client.session import Session, Stack
 
-    out = {}
+    out = dict(grids={})
+    chosen = (pull.CHUNKS, pull.THREADS)
     with daemon(blob_dir, cache_gb):
         session = Session(blob_dir, pull="device")
         try:
             experts = np.arange(8, dtype=np.int32)
-            from expertd.client.session import Stack
-
-            session.demand_absent(0, experts)  # resident now
+            layers = [la.index for la in session.manifest.layers]
+            for layer in layers:
+                session.demand_absent(layer, experts)  # resident now
             puller = session.puller
             n = session.manifest.layers[0].num_experts
             empty = Stack([mx.zeros((1, *shape), dtype) for dtype, shape, _ in puller.layers[0]],
                           np.full(n, -1, np.int32))
             ids = mx.array(experts)
-            mx.eval(ids, empty.arrays, puller.assemble(0, ids, empty))  # the kernel compiled
-            times = []
-            for _ in range(20):
-                arrays, status = puller.assemble(0, ids, empty)
-                t = time.perf_counter()
-                mx.eval(arrays, status)
-                times.append(time.perf_counter() - t)
-            nbytes = sum(a.nbytes for a in arrays)
-            out["kernel_gbps"] = nbytes / statistics.median(times) / 1e9
-            out["bytes"] = nbytes
+            mx.eval(ids, empty.arrays)
+            one = _median_eval(lambda: puller.assemble(0, ids, empty))
+            every = _median_eval(lambda: [puller.assemble(la, ids, empty) for la in layers])
+            nbytes = sum(a.nbytes for a in puller.assemble(0, ids, empty)[0])
+            out.update(kernel_gbps=nbytes / one / 1e9, bytes=nbytes, layers=len(layers),
+                       step_gbps=len(layers) * nbytes / every / 1e9, grid=list(chosen))
+            try:
+                for chunks, threads in GRIDS:
+                    pull.CHUNKS, pull.THREADS = chunks, threads
+                    t = _median_eval(lambda: [puller.assemble(la, ids, empty) for la in layers])
+                    out["grids"][f"{chunks}x{threads}"] = len(layers) * nbytes / t / 1e9
+            finally:
+                pull.CHUNKS, pull.THREADS = chosen
         finally:
             session.close()
     try:
-        import torch
-
-        host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-        dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        times = []
-        for _ in range(20):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            dev.copy_(host, non_blocking=True)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        out["pinned_gbps"] = nbytes / statistics.median(times) / 1e9
+        out["pinned_gbps"] = _pinned_gbps(nbytes)
+        out["step_pinned_gbps"] = _pinned_gbps(len(layers) * nbytes)
     except Exception as exc:  # the reference is optional: say why it is missing
         out["pinned_error"] = repr(exc)
     return out
@@ -173,6 +229,9 @@ def run(args) -> dict:
         elif case == "pooled":
             cases.append(one_case("pools 25%, arena all", blob_dir, resident, tokenizer, ids,
                                   all_gb, pool_gb, "auto", args))
+        elif case == "pooled-serial":  # the checked step's layers not started as built
+            cases.append(one_case("pools 25%, arena all, serial", blob_dir, resident, tokenizer,
+                                  ids, all_gb, pool_gb, "auto", args, overlap=False))
         elif case == "pooled-off":
             cases.append(one_case("pools 25%, arena all, pull off", blob_dir, resident,
                                   tokenizer, ids, all_gb, pool_gb, "off", args))
@@ -180,7 +239,8 @@ def run(args) -> dict:
             cases.append(one_case("pools 25%, arena 25%", blob_dir, resident, tokenizer, ids,
                                   capped_gb, pool_gb, "auto", args))
     out = dict(model=spec, device=str(mx.default_device()), mlx=mx.__version__,
-               rounds=args.rounds, tokens=args.tokens, cases=cases)
+               rounds=args.rounds, tokens=args.tokens, cases=cases,
+               resident_split=resident_split(resident, tokenizer))
     if "rate" in args.cases:
         out["rate"] = pull_rate(blob_dir, all_gb)
     if "capped" in args.cases:
@@ -219,15 +279,33 @@ def table(r: dict) -> str:
             f"| {c['case']} | {c['puller']} | {ratio:.2f} ({', '.join(f'{x:.2f}' for x in c['ratios'])}) "
             f"| {c['ttft_ratio']:.2f} | {p['host_waits']:.2f} | {p['replays']:.3f} | "
             f"{p['rows_pulled']:.1f} | {p['bytes_pulled'] / 1e6:.1f} | {target} | {verdict} |")
+    split = r.get("resident_split")
+    if split:
+        lines.append(f"\nResident mlx-lm's decode step built then evaluated apart: build "
+                     f"{split['build_ms']:.2f} ms, evaluation {split['wait_ms']:.2f} ms.")
+        for c in r["cases"]:
+            p = c["per_step"]
+            if "step_build_s" in p and p["step_wait_s"]:
+                lines.append(f"- {c['case']}: a checked step's build {1e3 * p['step_build_s']:.2f}"
+                             f" ms, wait {1e3 * p['step_wait_s']:.2f} ms, bookkeeping "
+                             f"{1e3 * p['step_book_s']:.2f} ms (per model call)")
     rate = r.get("rate")
     if rate:
-        pinned = rate.get("pinned_gbps")
-        k = rate["kernel_gbps"]
-        ratio = f"{k / pinned:.2f}" if pinned else "no pinned reference"
-        ok = pinned and k / pinned >= BARS["rate"]
-        lines.append(f"\nPull rate, {rate['bytes'] / 1e6:.1f} MB (8 rows): kernel {k:.1f} GB/s, "
-                     f"pinned copy {pinned or float('nan'):.1f} GB/s: {ratio} (target ≥ "
-                     f"{BARS['rate']}: {'pass' if ok else 'FAIL'})")
+        pinned, step_pinned = rate.get("pinned_gbps"), rate.get("step_pinned_gbps")
+        k, ks = rate["kernel_gbps"], rate["step_gbps"]
+        ok = step_pinned and ks / step_pinned >= BARS["rate"]
+        lines.append(
+            f"\nPull rate, 8 rows of {rate['bytes'] / 1e6:.1f} MB a layer, grid "
+            f"{rate['grid'][0]} x {rate['grid'][1]}:\n"
+            f"- in a step ({rate['layers']} layers' pulls under one evaluation): kernel "
+            f"{ks:.1f} GB/s, pinned copy of the same bytes {step_pinned or float('nan'):.1f} "
+            f"GB/s: {ks / step_pinned if step_pinned else float('nan'):.2f} (target ≥ "
+            f"{BARS['rate']}: {'pass' if ok else 'FAIL'})\n"
+            f"- one layer's pull under its own evaluation: kernel {k:.1f} GB/s, pinned "
+            f"{pinned or float('nan'):.1f} GB/s: {k / pinned if pinned else float('nan'):.2f}")
+        if rate.get("grids"):
+            lines.append("- in a step, by grid (blocks per row x threads): " + ", ".join(
+                f"{g} {v:.1f}" for g, v in rate["grids"].items()) + " GB/s")
     return "\n".join(lines) + "\n"
 
 
@@ -237,7 +315,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--temp", type=float, default=0.0)
-    parser.add_argument("--cases", default="warm,pooled,pooled-off,capped,rate")
+    parser.add_argument("--cases", default="warm,pooled,pooled-serial,pooled-off,capped,rate")
     parser.add_argument("--out", type=Path, default=ROOT / "gpu_pull.json")
     parser.add_argument("--results", action="store_true", help="write into bench/RESULTS.md")
     args = parser.parse_args()

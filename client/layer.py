@@ -138,11 +138,12 @@ class StreamedLayer:
             arrays, status = puller.assemble(self.index, indices, pool)
             if steps.records is not None:
                 steps.records.append((self, indices, status, arrays))
-            return compute(module, self.segments, arrays, x, self._pair_rows(indices))
+            return steps.started(compute(module, self.segments, arrays, x,
+                                         self._pair_rows(indices)))
         rows = indices if pool.identity else pool.table()[indices]
         if steps.records is not None:
             steps.records.append((self, indices, None, None))
-        return compute(module, self.segments, pool.arrays, x, rows)
+        return steps.started(compute(module, self.segments, pool.arrays, x, rows))
 
     def _checked(self, puller, indices) -> bool:
         """Metal's first pull of each layer is compared with the host copy (it runs on a

@@ -85,7 +85,9 @@ class Session:
                              replays_epoch=0, pulled_steps=0)
         # Where the main thread's time goes per MoE layer call (see layer.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
-                           copier_wait_s=0.0, prestage_s=0.0, layers=0)
+                           copier_wait_s=0.0, prestage_s=0.0, layers=0,
+                           # a speculative step's building, its one wait, its bookkeeping
+                           step_build_s=0.0, step_wait_s=0.0, step_book_s=0.0)
         self.guessers: list = []  # predict.Guesser per MoE layer (set by the loader)
         self.pools: list = []  # pool.ExpertPool per streamed MoE layer (set by the loader)
         self.steps = None  # step.Steps of the model (set by the loader)

@@ -41,6 +41,7 @@ def check_speculate(mode: str) -> str:
     return check_choice("speculate", mode, SPECULATE_MODES)
 
 
+OVERLAP = True  # a checked step's layers start computing as they are built (Steps.started)
 TIMING_WEIGHT = 0.2  # of a new measurement in the step times' moving averages
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
 
@@ -156,6 +157,7 @@ class Steps:
         self.pipeline = pipeline
         self.active = False  # the running step is speculative
         self.records: list = []  # (layer, lazy ids) of the running speculative step
+        self.overlap = OVERLAP
         self._top_k = session.manifest.top_k
 
     def run(self, forward, inputs, args: tuple, kwargs: dict):
@@ -220,20 +222,27 @@ class Steps:
         if epoch is not None:
             epoch.begin()  # published before any kernel of the step reads the slot table
         lost = False
+        started = time.perf_counter()
         try:
             logits, records = self._without_waits(forward, inputs, args, kwargs, [])
             ids = [idx.reshape(-1) for _, idx, status, _ in records if status is None]
             statuses = [status for _, _, status, _ in records if status is not None]
             flat = [mx.concatenate(part) for part in (ids, statuses) if part]
+            built = time.perf_counter()
             mx.eval(logits, *flat)  # the step's one wait
         finally:
             if epoch is not None:
                 lost = epoch.end()  # every read of the step is done
+        waited = time.perf_counter()
         counters["host_waits"] += 1
         counters["speculative_steps"] += 1
         counters["pulled_steps"] += bool(statuses)
         absent = []
         cause = "epoch" if lost else self._check(records, absent, *(np.array(f) for f in flat))
+        timing = session.timing
+        timing["step_build_s"] += built - started
+        timing["step_wait_s"] += waited - built
+        timing["step_book_s"] += time.perf_counter() - waited
         return logits, cause, absent
 
     def _without_waits(self, forward, inputs, args: tuple, kwargs: dict, records):
@@ -244,6 +253,14 @@ class Steps:
             return forward(inputs, *args, **kwargs), records
         finally:
             self.active, self.records = False, []
+
+    def started(self, out):
+        """A checked step's layer output, set computing while the host builds the next layer
+        (the step waits once, at its end: without this the device would idle while the whole
+        step is built). An unchecked step's stays lazy, as resident mlx-lm's."""
+        if self.overlap and self.records is not None:
+            mx.async_eval(out)
+        return out
 
     def _tokens(self, inputs) -> int:
         return inputs.shape[1] if inputs.ndim > 1 else inputs.shape[0]
