@@ -63,13 +63,16 @@ def snapshot(session) -> dict:
                 bytes_read=session.stats()["bytes_read"])
 
 
-def decode(model, tokenizer, tokens: int, temp: float, session=None) -> dict:
+def decode(model, tokenizer, tokens: int, temp: float, session=None, own_loop=False) -> dict:
     """Decode PROMPT (greedy at ``temp`` 0, else sampled from a fixed seed): mlx-lm's generation
     tok/s, the tokens, and for a streamed model what its session did between the first and the
     last token (the decode window)."""
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
+
+    if own_loop:  # expertd generate's loop: the next step built before this one is checked
+        from expertd.client.decode import stream_generate
 
     mx.random.seed(0)  # the same samples for both models (their logits are the same)
     out, start, last = [], None, None
@@ -100,7 +103,8 @@ def side_by_side(resident, streamed, tokenizer, ids, args) -> dict:
     runs = dict(res_tps=[], st_tps=[], res_ttft=[], st_ttft=[], windows=[])
     for _ in range(args.rounds):
         a = decode(resident, tokenizer, args.tokens, args.temp)
-        b = decode(streamed, tokenizer, args.tokens, args.temp, session)
+        b = decode(streamed, tokenizer, args.tokens, args.temp, session,
+                   getattr(args, "own_loop", False))
         (ta, ka), (tb, kb) = first_token(resident, ids), first_token(streamed, ids)
         if a["tokens"] != b["tokens"] or ka != kb:
             raise AssertionError("streamed tokens differ from resident ones")

@@ -59,7 +59,7 @@ def mark(session) -> dict:
 
 
 def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, args,
-             overlap: bool | None = None) -> dict:
+             ) -> dict:
     import mlx.core as mx
 
     from expertd.client import load
@@ -68,8 +68,6 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
         streamed, _ = load(blob_dir, pool_gb=pool_gb, pull=pull, prefetch="off"
                            if pull != "off" else "auto")
         session = streamed.expertd_session
-        if overlap is not None:
-            session.steps.overlap = overlap
         try:
             puller = session.puller.name if session.puller is not None else "none"
             if cache_gb >= args.all_gb:  # the arena holds every expert: read them all first
@@ -229,9 +227,11 @@ def run(args) -> dict:
         elif case == "pooled":
             cases.append(one_case("pools 25%, arena all", blob_dir, resident, tokenizer, ids,
                                   all_gb, pool_gb, "auto", args))
-        elif case == "pooled-serial":  # the checked step's layers not started as built
-            cases.append(one_case("pools 25%, arena all, serial", blob_dir, resident, tokenizer,
-                                  ids, all_gb, pool_gb, "auto", args, overlap=False))
+        elif case == "pooled-own":  # decoded by expertd's own loop (client/decode.py)
+            args.own_loop = True
+            cases.append(one_case("pools 25%, arena all, expertd's loop", blob_dir, resident,
+                                  tokenizer, ids, all_gb, pool_gb, "auto", args))
+            args.own_loop = False
         elif case == "pooled-off":
             cases.append(one_case("pools 25%, arena all, pull off", blob_dir, resident,
                                   tokenizer, ids, all_gb, pool_gb, "off", args))
@@ -315,7 +315,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--temp", type=float, default=0.0)
-    parser.add_argument("--cases", default="warm,pooled,pooled-serial,pooled-off,capped,rate")
+    parser.add_argument("--cases", default="warm,pooled,pooled-own,pooled-off,capped,rate")
     parser.add_argument("--out", type=Path, default=ROOT / "gpu_pull.json")
     parser.add_argument("--results", action="store_true", help="write into bench/RESULTS.md")
     args = parser.parse_args()

@@ -49,10 +49,11 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
         ValueError: an extra EOS token that the tokenizer does not have.
     """
     import mlx.core as mx
-    from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     from expertd.client import load
+
+    from .decode import stream_generate
 
     model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
                             pool_gb=pool_gb, speculate=speculate, pull=pull,

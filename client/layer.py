@@ -138,12 +138,11 @@ class StreamedLayer:
             arrays, status = puller.assemble(self.index, indices, pool)
             if steps.records is not None:
                 steps.records.append((self, indices, status, arrays))
-            return steps.started(compute(module, self.segments, arrays, x,
-                                         self._pair_rows(indices)))
+            return compute(module, self.segments, arrays, x, self._pair_rows(indices))
         rows = indices if pool.identity else pool.table()[indices]
         if steps.records is not None:
             steps.records.append((self, indices, None, None))
-        return steps.started(compute(module, self.segments, pool.arrays, x, rows))
+        return compute(module, self.segments, pool.arrays, x, rows)
 
     def _checked(self, puller, indices) -> bool:
         """Metal's first pull of each layer is compared with the host copy (it runs on a
@@ -167,9 +166,10 @@ class StreamedLayer:
             self._rows_cache[key] = rows
         return rows
 
-    def after_pull(self, status: np.ndarray, arrays: list) -> None:
+    def after_pull(self, status: np.ndarray, arrays: list, promote: bool = True) -> None:
         """The bookkeeping of a step's pulled call: pool hits counted, pulled experts that
-        keep coming back promoted into the pool (a device copy), use reported."""
+        keep coming back promoted into the pool (a device copy; without ``promote`` only
+        counted, to be promoted by a later step), use reported."""
         pool = self.pool
         rows, experts, _ = decode_status(status)
         hit = np.unique(rows[rows >= 0])
@@ -179,8 +179,10 @@ class StreamedLayer:
         pool.counters["pulled"] += int(missed.sum())
         self.session.count_pulled(self.index, int(missed.sum()))
         pulled, first = np.unique(experts[missed], return_index=True)
-        if len(pulled):
+        if len(pulled) and promote:
             pool.promote(pulled.astype(np.int32), arrays, np.flatnonzero(missed)[first])
+        elif len(pulled):
+            pool.pulls[pulled] += 1
         self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))
 
     def _staged_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):

@@ -129,10 +129,20 @@ class StepEpoch:
         """Leave the step, after every read of it is done. True if the daemon revoked it or
         stopped protecting it (its record went free or to another client meanwhile): the
         step's rows may have been refilled while read, and it must be replayed."""
+        return self.check(self.step, more=False)
+
+    def check(self, launched: int, more: bool) -> bool:
+        """A step launched while the record showed ``launched`` is done (every read of it).
+        With ``more``, another step is still in flight (a pipelining client): the record
+        advances by two and stays odd, which tells the daemon this one is done (see
+        expertd.serving.epochs); else it leaves the step (even). True if that step was lost:
+        the daemon gave up on a step it showed at or after ``launched`` (the loss covers
+        every step then in flight), or the record is no longer ours."""
         if not self.step & 1:
             return False
-        lost = native.read_u64(self._raw, self._lost_at) == self.step
-        self.step = (self.step + 1) & U64
+        gave_up = native.read_u64(self._raw, self._lost_at)
+        lost = bool(gave_up & 1) and (gave_up - launched) & U64 <= (self.step - launched) & U64
+        self.step = (self.step + (2 if more else 1)) & U64
         if self.owned():
             self._publish(self.step)
         else:

@@ -41,7 +41,6 @@ def check_speculate(mode: str) -> str:
     return check_choice("speculate", mode, SPECULATE_MODES)
 
 
-OVERLAP = True  # a checked step's layers start computing as they are built (Steps.started)
 TIMING_WEIGHT = 0.2  # of a new measurement in the step times' moving averages
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
 
@@ -132,6 +131,16 @@ def replayable(cache, tokens: int) -> bool:
     return True
 
 
+@dataclass
+class Launched:
+    """A decode step built and computing, its check still to come (:meth:`Steps.launch`)."""
+
+    logits: object
+    records: list | None  # (layer, ids, status, arrays) to check; None: nothing to check
+    flat: list  # the lazy ids / statuses the check reads
+    launched: int | None  # the epoch record's step when launched (None: no device pulls)
+
+
 class StepGuard:
     """Mixin placed in front of the mlx-lm model class: each call is one checked step."""
 
@@ -157,7 +166,8 @@ class Steps:
         self.pipeline = pipeline
         self.active = False  # the running step is speculative
         self.records: list = []  # (layer, lazy ids) of the running speculative step
-        self.overlap = OVERLAP
+        self._settled = None  # when the last pipelined step was checked, another in flight
+        self._planned = None  # plan()'s decision for the next launch
         self._top_k = session.manifest.top_k
 
     def run(self, forward, inputs, args: tuple, kwargs: dict):
@@ -203,6 +213,108 @@ class Steps:
             for layer, experts in absent:
                 self.session.demand_absent(layer.index, experts)
         return self._per_layer(forward, inputs, args, kwargs)
+
+    # ---- pipelined steps (client/decode.py): the next step is built before this one's check
+
+    def launch(self, forward, inputs, args: tuple, kwargs: dict) -> Launched:
+        """Build a decode step without waiting; its check comes later (:meth:`settle`), once the
+        host has built the next step on its lazy token, as resident mlx-lm overlaps building
+        with computing. A step that cannot speculate runs as :meth:`run` runs it (nothing
+        left to check). At most two launched steps are unsettled at a time."""
+        self.session.check_alive()
+        counters = self.session.counters
+        counters["steps"] += 1
+        if (self.speculation.mode != "off" and self.layers
+                and all(layer.pool.complete for layer in self.layers)):
+            counters["unchecked_steps"] += 1
+            return Launched(self._without_waits(forward, inputs, args, kwargs, None)[0],
+                            None, [], None)
+        cache = kwargs.get("cache", args[0] if args else None)
+        planned, self._planned = self._planned, None
+        if not (self.plan(inputs, cache) if planned is None else planned):
+            return Launched(self._per_layer(forward, inputs, args, kwargs), None, [], None)
+        epoch = self.session.step_epoch if self.session.puller is not None else None
+        launched = None
+        if epoch is not None:
+            epoch.begin()  # a no-op while the step before is in flight: the record stays odd
+            launched = epoch.step
+        try:
+            logits, records = self._without_waits(forward, inputs, args, kwargs, [])
+        except BaseException:
+            if epoch is not None:
+                mx.synchronize()  # no read of a step built in part may outlive its epoch
+                epoch.end()
+            raise
+        ids = [idx.reshape(-1) for _, idx, status, _ in records if status is None]
+        statuses = [status for _, _, status, _ in records if status is not None]
+        flat = [mx.concatenate(part) for part in (ids, statuses) if part]
+        mx.async_eval(*flat)
+        return Launched(logits, records, flat, launched)
+
+    def plan(self, inputs, cache) -> bool:
+        """Whether the next :meth:`launch` on ``inputs`` will speculate (decided now, once). A
+        step that will not waits per layer and may demand rows from the daemon: the step
+        before it must be settled first, or the daemon's refills for those demands would wait
+        for this client's own epoch."""
+        if self.layers and all(layer.pool.complete for layer in self.layers):
+            return True  # unchecked: nothing is demanded
+        # Two steps in flight: a bad one and the one built on its token are trimmed together.
+        self._planned = self._speculate(inputs, cache, depth=2)
+        return self._planned
+
+    def settle(self, step: Launched, after: Launched | None = None) -> str | None:
+        """Check a launched step (the wait for its ids or statuses): None when its logits are
+        exact, its bookkeeping done; else why it must be replayed, with ``after`` (the step
+        launched on its token) abandoned and then the experts the arena lacked demanded (the
+        daemon may have to evict for them, and ``after``'s epoch would hold those rows). With
+        ``after`` pulling, the epoch record advances by two and stays odd, and pulled experts
+        are counted but not promoted (a promotion rewrites a pool the step in flight reads)."""
+        if step.records is None:
+            return None
+        more = after is not None and after.launched is not None
+        session, counters = self.session, self.session.counters
+        epoch = session.step_epoch if step.launched is not None else None
+        lost = False
+        waited = time.perf_counter()
+        try:
+            mx.eval(*step.flat)
+        finally:
+            if epoch is not None:
+                lost = epoch.check(step.launched, more)
+        counters["host_waits"] += 1
+        counters["speculative_steps"] += 1
+        counters["pulled_steps"] += step.launched is not None
+        checked = time.perf_counter()
+        if self._settled is not None:  # a pipelined step's cost: from one check to the next
+            self.speculation.timed(True, checked - self._settled)
+        self._settled = checked if more else None
+        absent = []
+        cause = "epoch" if lost else self._check(step.records, absent,
+                                                 *(np.array(f) for f in step.flat),
+                                                 promote=not more)
+        session.timing["step_wait_s"] += checked - waited
+        session.timing["step_book_s"] += time.perf_counter() - checked
+        if cause != "absent":
+            self.speculation.record(cause is not None)
+        if cause is not None:
+            self._settled = None
+            if after is not None:
+                self.abandon(after)
+            counters["replays"] += 1
+            if cause != "pool":
+                counters[f"replays_{cause}"] += 1
+            for layer, experts in absent:
+                session.demand_absent(layer.index, experts)
+        return cause
+
+    def abandon(self, step: Launched) -> None:
+        """A launched step that will never be used (built on a bad step's token): its reads
+        end before its epoch does, with nothing else in flight."""
+        if step.records is None:
+            return
+        mx.eval(*step.flat)
+        if step.launched is not None:
+            self.session.step_epoch.check(step.launched, more=False)
 
     def _per_layer(self, forward, inputs, args: tuple, kwargs: dict):
         """A decode step waiting in every MoE layer, timed for the speculation's verdict (its
@@ -254,26 +366,19 @@ class Steps:
         finally:
             self.active, self.records = False, []
 
-    def started(self, out):
-        """A checked step's layer output, set computing while the host builds the next layer
-        (the step waits once, at its end: without this the device would idle while the whole
-        step is built). An unchecked step's stays lazy, as resident mlx-lm's."""
-        if self.overlap and self.records is not None:
-            mx.async_eval(out)
-        return out
-
     def _tokens(self, inputs) -> int:
         return inputs.shape[1] if inputs.ndim > 1 else inputs.shape[0]
 
-    def _speculate(self, inputs, cache) -> bool:
+    def _speculate(self, inputs, cache, depth: int = 1) -> bool:
         if self.pipeline or not self.layers or not self.speculation.wanted():
             return False
         tokens = self._tokens(inputs)
         if inputs.size * self._top_k > DECODE_IDS:  # a prompt: its layers may not fit their pools
             return False
-        return cache is None or replayable(cache, tokens)
+        return cache is None or replayable(cache, depth * tokens)
 
-    def _check(self, records: list, absent: list, *flat: np.ndarray) -> str | None:
+    def _check(self, records: list, absent: list, *flat: np.ndarray,
+               promote: bool = True) -> str | None:
         """Why the speculative step must be replayed ("pool": an id missed its pool without a
         puller; "absent": a pulled expert had no ready row in the arena), or None after the
         host's bookkeeping of the step (pool use counts, promotions, reports to the daemon)."""
@@ -302,5 +407,5 @@ class Steps:
             if kind == "ids":
                 layer.after_speculation(values)
             else:
-                layer.after_pull(values, arrays)
+                layer.after_pull(values, arrays, promote)
         return None

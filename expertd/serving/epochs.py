@@ -5,10 +5,15 @@ Pure logic, no I/O, like the lease and side-row books: the serving loop reads th
 steps from shared memory (after a full fence, see ``ExpertCache._retire``) and writes the
 ``lost`` field of the records this book gives up on. DESIGN.md, "Epochs": a client publishes in
 its record the step it is in, odd while its device may read arena rows; a row unmapped while a
-client was inside a step is refilled only once that client's step has changed. A client that
-stays in one step longer than ``max_hold`` seconds (the lease bound) loses its epoch: the
-daemon stops waiting for it, and the client replays that step when it sees ``lost`` equal to
-it. A client that goes away frees its record, and its blocks with it.
+client showed step ``s`` (odd) is refilled only once that client can no longer read it: its
+record shows an even step (nothing in flight), or an odd one at least ``PIPELINE_ADVANCE`` past
+``s``. A client that pipelines its steps (the next one launched before the last is checked,
+never more than two in flight) advances its record by two at each check and stays odd; any
+step it had in flight when it showed ``s`` is checked by ``s + 4``. A serial client goes odd,
+even, odd, so nothing changes for it. A client whose record has not moved that far within
+``max_hold`` seconds (the lease bound) loses its epoch: the daemon stops waiting for it and
+writes the step it shows into ``lost``; the client replays every step it launched at or
+before that one. A client that goes away frees its record, and its blocks with it.
 """
 
 from collections import deque
@@ -16,6 +21,21 @@ from dataclasses import dataclass, field
 
 from expertd.serving.stats import EpochStats
 from expertd.shm.layout import EPOCH_SLOTS
+
+U64 = 2**64 - 1
+PIPELINE_ADVANCE = 4  # two checks of a client with two steps in flight
+
+
+def released(step: int, now: int) -> bool:
+    """Whether a record that showed odd ``step`` when a row was retired can no longer read the
+    row, now that it shows ``now`` (modulo 2**64, as the record wraps)."""
+    return not now & 1 or (now - step) & U64 >= PIPELINE_ADVANCE
+
+
+def lost_covers(lost: int, step: int) -> bool:
+    """Whether a loss at ``lost`` gives up on reads made while the record showed ``step``:
+    the steps in flight at ``step`` are checked by ``step + 4``."""
+    return lost & 1 == 1 and (lost - step) & U64 < PIPELINE_ADVANCE
 
 
 @dataclass(eq=False)
@@ -140,8 +160,8 @@ class EpochBook:
                 taken as unchanged).
         Returns:
             ``(freed rows, lost)``: the rows no record blocks any more, in retire order, and
-            ``[(record, step)]`` of the records that lost their epoch now (they stayed in
-            that step longer than ``max_hold`` seconds after a row waited for them): the
+            ``[(record, step)]`` of the records that lost their epoch now (a row waited for
+            them longer than ``max_hold`` seconds, and they show the step written): the
             caller writes each step into its record's ``lost``.
         """
         if not self._rows:
@@ -149,15 +169,17 @@ class EpochBook:
         lost = []
         for entry in self._rows.values():
             for record, (step, since) in entry.waits.items():
-                if (now - since > self.max_hold and int(steps.get(record, step)) == step
-                        and self._lost.get(record) != step):
-                    self._lost[record] = step
-                    lost.append((record, step))
+                current = int(steps.get(record, step))
+                if (now - since > self.max_hold and not released(step, current)
+                        and self._lost.get(record) != current):
+                    self._lost[record] = current
+                    lost.append((record, current))
         self.lost += len(lost)
         freed = []
         for row, entry in list(self._rows.items()):
             for record, (step, _) in list(entry.waits.items()):
-                if int(steps.get(record, step)) != step or self._lost.get(record) == step:
+                if (released(step, int(steps.get(record, step)))
+                        or lost_covers(self._lost.get(record, 0), step)):
                     del entry.waits[record]
                     self._blocks[record].discard(row)
             if not entry.waits:

@@ -1,0 +1,145 @@
+"""Decoding that builds the next step before this one is checked: expertd's own token loop.
+
+mlx-lm's ``generate_step`` builds step n+1 on step n's lazy token while the device computes step
+n. A streamed model's speculative step must be checked before its token leaves the model (a step
+that met a row the arena lacked, or whose epoch was lost, computed the wrong logits), so inside
+mlx-lm's loop each step waits for its own check, and the device idles while the host builds the
+next step. This loop keeps both: it launches step n+1 on step n's lazy token (step.py,
+``Steps.launch``), then checks step n (``Steps.settle``), and a token leaves only once its step
+is checked. A bad step and the one built on its token are trimmed from the KV cache together,
+and the bad one runs again on the checked path (``Steps.run``). Every ``DRAIN_EVERY`` steps one
+is checked before the next is launched, so that recurring pulls are promoted into the pools
+(a promotion must not rewrite a pool that a step in flight reads).
+
+``stream_generate`` is mlx-lm's, with this loop for a streamed model; what this loop does not do
+(a draft model, logits processors, a quantized KV cache, input embeddings, a pipeline rank, a
+model that is not streamed) goes to mlx-lm's own.
+"""
+
+import time
+
+import mlx.core as mx
+
+from .step import StepGuard
+
+DRAIN_EVERY = 8  # launched steps between two checked with nothing in flight (promotions)
+OWN = {"sampler", "max_kv_size", "prompt_cache", "prefill_step_size"}  # the rest: mlx-lm's
+
+
+def _sample(logits, sampler):
+    logits = logits[:, -1, :]
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    return sampler(logprobs), logprobs.squeeze(0)
+
+
+def pipelined_step(prompt, model, *, max_tokens: int = 256, sampler=None, prompt_cache=None,
+                   max_kv_size: int | None = None, prefill_step_size: int = 2048):
+    """Yield ``(token, logprobs)`` as ``mlx_lm.generate.generate_step`` does (greedy without a
+    sampler; ``max_tokens`` -1 for no limit), each token's step checked before it leaves."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    steps = model.__dict__["_expertd_steps"]
+    forward = super(StepGuard, model).__call__  # the model unguarded: launch checks later
+    sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size)
+
+    def trim(tokens: int) -> None:
+        for c in cache:
+            c.trim(tokens)
+
+    while prompt.size > 1:  # the prompt but its last token, in chunks (the checked path)
+        n = min(prefill_step_size, prompt.size - 1)
+        model(prompt[:n][None], cache=cache)
+        mx.eval([c.state for c in cache])
+        prompt = prompt[n:]
+        mx.clear_cache()
+    y, logprobs = _sample(model(prompt[None], cache=cache), sampler)
+    mx.async_eval(y, logprobs)
+    current = inputs = None  # the launched step that made y (None: y is checked), its input
+    made = 0
+    while True:
+        last = max_tokens != -1 and made + 1 >= max_tokens
+        # Settled before the next is launched: the last token's step, one in DRAIN_EVERY, and
+        # one followed by a step that will not speculate (it may demand rows; see Steps.plan).
+        if current is not None and (last or steps.session.counters["steps"] % DRAIN_EVERY == 0
+                                    or not steps.plan(y[None], cache)):
+            if steps.settle(current) is not None:
+                trim(1)
+                y, logprobs = _sample(model(inputs[None], cache=cache), sampler)
+            current = None
+        nxt = None
+        if not last:
+            nxt = steps.launch(forward, y[None], (), {"cache": cache})
+            next_y, next_logprobs = _sample(nxt.logits, sampler)
+            mx.async_eval(next_y, next_logprobs)
+        if current is not None:
+            if steps.settle(current, nxt) is not None:  # y is wrong, and nxt (abandoned)
+                trim(2)
+                y, logprobs = _sample(model(inputs[None], cache=cache), sampler)
+                current = None
+                continue
+        yield y.item(), logprobs
+        made += 1
+        if last:
+            return
+        if made % 256 == 0:
+            mx.clear_cache()
+        inputs, y, logprobs, current = y, next_y, next_logprobs, nxt
+
+
+def pipelines(model, kwargs: dict) -> bool:
+    """Whether :func:`stream_generate` runs ``model`` with ``kwargs`` on the pipelined loop."""
+    steps = getattr(model, "__dict__", {}).get("_expertd_steps")
+    return (steps is not None and not steps.pipeline and steps.speculation.mode != "off"
+            and set(kwargs) <= OWN | {"kv_group_size", "quantized_kv_start", "kv_bits"}
+            and kwargs.get("kv_bits") is None)
+
+
+def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, **kwargs):
+    """``mlx_lm.stream_generate``, its responses and their timings, on :func:`pipelined_step`
+    for a streamed model (see the module's docstring for what goes to mlx-lm's own)."""
+    import mlx_lm
+    from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if not pipelines(model, kwargs):
+        yield from mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                          **kwargs)
+        return
+    if max_tokens == 0:
+        raise ValueError("Maximum number of tokens must be non-zero (use -1 for no limit).")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if not isinstance(prompt, mx.array):
+        if isinstance(prompt, str):  # special tokens as mlx-lm decides them
+            special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+            prompt = tokenizer.encode(prompt, add_special_tokens=special)
+        prompt = mx.array(prompt)
+    detokenizer = tokenizer.detokenizer
+    own = {k: v for k, v in kwargs.items() if k in OWN}
+    with wired_limit(model, [generation_stream]), mx.stream(generation_stream):
+        tic = time.perf_counter()
+        token = logprobs = None
+        n = 0
+        for n, (token, logprobs) in enumerate(pipelined_step(prompt, model,
+                                                             max_tokens=max_tokens, **own)):
+            if n == 0:
+                prompt_tps = prompt.size / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            if token in tokenizer.eos_token_ids:
+                break
+            detokenizer.add_token(token)
+            if n + 1 == max_tokens:
+                break
+            yield GenerationResponse(
+                text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=False,
+                prompt_tokens=prompt.size, prompt_tps=prompt_tps, generation_tokens=n + 1,
+                generation_tps=(n + 1) / (time.perf_counter() - tic),
+                peak_memory=mx.get_peak_memory() / 1e9, finish_reason=None)
+        detokenizer.finalize()
+        yield GenerationResponse(
+            text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=False,
+            prompt_tokens=prompt.size, prompt_tps=prompt_tps, generation_tokens=n + 1,
+            generation_tps=(n + 1) / (time.perf_counter() - tic),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason="stop" if token in tokenizer.eos_token_ids else "length")

@@ -1,0 +1,178 @@
+"""expertd's own token loop (client/decode.py): the next step built before this one is checked.
+
+Each token and its log-probabilities equal resident mlx-lm's ``generate_step``, bit for bit,
+while steps pull from an arena that holds every expert or a few rows (absent rows: a bad step
+and the one built on its token are replayed), while the daemon revokes a step in flight, and
+while a second client evicts the rows pulled.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, routed_model
+from harness import Daemon
+from mlx_lm.generate import generate_step
+from mlx_lm.utils import load_tokenizer
+from test_step import resident_model
+
+from expertd import native
+from expertd.client import load
+from expertd.client.decode import pipelined_step, pipelines, stream_generate
+from expertd.client.pull import StepEpoch
+from expertd.shm.layout import EPOCH_DTYPE
+
+TOKENS = 24
+
+
+def prompt(vocab: int, n: int = 7) -> mx.array:
+    return mx.array([(31 * i + 5) % (vocab - 8) + 4 for i in range(n)])
+
+
+def reference(model_dir, ids, tokens: int = TOKENS) -> list:
+    return [(t, lp) for t, lp in generate_step(ids, resident_model(model_dir), max_tokens=tokens)]
+
+
+def assert_same(got: list, want: list) -> None:
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for i, ((_, a), (_, b)) in enumerate(zip(got, want)):
+        assert mx.array_equal(a, b).item(), f"token {i}: log-probabilities differ"
+
+
+def streamed(blob_dir, rows: int = 4):
+    return load(blob_dir, pool_gb=pool_gb(blob_dir, rows), prefetch="off",
+                pool_backing="device", pull="host", speculate="on")[0]
+
+
+@pytest.mark.parametrize("arena_rows", [ROWS_ALL, ROWS_TINY])
+def test_pipelined_tokens_are_resident_ones(models, isolated_env, tmp_path, arena_rows):
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    ids = prompt(resident_model(model_dir).args.vocab_size)
+    want = reference(model_dir, ids)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, arena_rows, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        session = model.expertd_session
+        try:
+            assert pipelines(model, {})
+            got = list(pipelined_step(ids, model, max_tokens=TOKENS))
+            assert_same(got, want)
+            c = session.counters
+            assert c["speculative_steps"] >= TOKENS // 2 and c["pulled_steps"] > 0
+            if arena_rows == ROWS_TINY:  # rows the arena lacked: bad steps, replayed exactly
+                assert c["replays_absent"] > 0
+            assert not session.step_epoch.inside  # the loop leaves no step open
+        finally:
+            session.close()
+
+
+def test_a_step_revoked_in_flight_is_replayed_with_the_one_built_on_it(
+        models, isolated_env, tmp_path, monkeypatch):
+    """The daemon writes the record's step into ``lost`` while two steps are in flight: the
+    first is replayed, the one built on its token abandoned, and the tokens stay exact."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    ids = prompt(resident_model(model_dir).args.vocab_size, 11)
+    want = reference(model_dir, ids)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        session = model.expertd_session
+        try:
+            puller = session.puller
+            assemble = puller.assemble
+            calls = [0]
+
+            def revoking(layer, idx, pool):
+                calls[0] += 1
+                epoch = session.step_epoch
+                if calls[0] % 25 == 0 and epoch.inside:  # as the daemon does to a step held
+                    native.publish_u64(epoch._raw, epoch._lost_at, epoch.step)  # too long
+                return assemble(layer, idx, pool)
+
+            monkeypatch.setattr(puller, "assemble", revoking)
+            got = list(pipelined_step(ids, model, max_tokens=TOKENS))
+            assert_same(got, want)
+            assert session.counters["replays_epoch"] >= 2
+        finally:
+            session.close()
+
+
+def test_two_pipelining_clients_evicting_each_others_rows(models, isolated_env, tmp_path):
+    """This process and an ``expertd generate`` beside it, both pipelining over an arena of a
+    few rows: each one's demands evict the rows the other pulls, and both stay exact."""
+    import subprocess
+    import sys
+
+    import mlx_lm
+
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    tokenizer = load_tokenizer(model_dir)
+    text = "Two clients share one arena"
+    want_text = mlx_lm.generate(resident_model(model_dir), tokenizer, text, max_tokens=40)
+    ids = prompt(resident_model(model_dir).args.vocab_size, 9)
+    want = reference(model_dir, ids, 40)
+    with Daemon(blob_dir, isolated_env,
+                *client_flags(blob_dir, ROWS_TINY, tmp_path / "s.json")) as daemon:
+        other = subprocess.Popen(
+            [sys.executable, "-m", "expertd", "generate", "--blobs", str(blob_dir), "--prompt",
+             text, "--ignore-chat-template", "--max-tokens", "40", "--prefetch", "off",
+             "--pool-gb", str(pool_gb(blob_dir, 4)), "--pull", "host", "--speculate", "on",
+             "--verbose", "False"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            model = streamed(blob_dir)
+            try:
+                assert_same(list(pipelined_step(ids, model, max_tokens=40)), want)
+            finally:
+                model.expertd_session.close()
+            out, err = other.communicate(timeout=240)
+        finally:
+            if other.poll() is None:
+                other.kill()
+                other.communicate()
+        assert other.returncode == 0, err
+        assert out.rstrip("\n") == want_text, err
+        assert daemon.stats()["fills"] > ROWS_TINY
+
+
+def test_stream_generate_matches_mlx_lm_and_leaves_the_rest_to_it(models, isolated_env,
+                                                                   tmp_path):
+    import mlx_lm
+
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    tokenizer = load_tokenizer(model_dir)
+    text = "Pipelined steps stay exact"
+    want = [r.token for r in mlx_lm.stream_generate(resident_model(model_dir), tokenizer, text,
+                                                   max_tokens=10)]
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        try:
+            out = list(stream_generate(model, tokenizer, text, max_tokens=10))
+            assert [r.token for r in out] == want
+            assert out[-1].finish_reason in ("stop", "length") and out[-1].generation_tokens
+            steps = model.expertd_session.counters["speculative_steps"]
+            assert steps > 0
+            # A quantized KV cache is mlx-lm's loop (which this one does not do): same tokens.
+            assert not pipelines(model, {"kv_bits": 8})
+            assert not pipelines(resident_model(model_dir), {})
+            again = [r.token for r in stream_generate(model, tokenizer, text, max_tokens=10,
+                                                      kv_bits=8, quantized_kv_start=10**6)]
+            assert again == want
+        finally:
+            model.expertd_session.close()
+
+
+def test_a_pipelining_record_advances_by_two_and_sees_a_loss_of_any_step_in_flight():
+    raw = np.zeros(EPOCH_DTYPE.itemsize, np.uint8)
+    pid_at = EPOCH_DTYPE.fields["pid"][1]
+    step_at, lost_at = EPOCH_DTYPE.fields["step"][1], EPOCH_DTYPE.fields["lost"][1]
+    native.publish_u64(raw, pid_at, 1234)
+    epoch = StepEpoch(raw, 0)
+    epoch.begin()
+    first = epoch.step
+    epoch.begin()  # a second launch while the first is in flight: the record stays
+    assert epoch.step == first == native.read_u64(raw, step_at)
+    assert not epoch.check(first, more=True)  # the first checked, the second still in flight
+    assert epoch.step == first + 2 == native.read_u64(raw, step_at)
+    native.publish_u64(raw, lost_at, first + 2)  # the daemon gives up while it shows first + 2
+    assert epoch.check(first, more=True)  # launched at first, in flight at first + 2: lost
+    assert epoch.check(first + 2, more=True)  # launched while first + 2 showed: lost too
+    assert not epoch.check(first + 4, more=False)  # launched after the loss: not covered
+    assert not epoch.inside and epoch.step == first + 7 == native.read_u64(raw, step_at)
