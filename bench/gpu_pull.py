@@ -235,6 +235,11 @@ def run(args) -> dict:
         elif case == "pooled-off":
             cases.append(one_case("pools 25%, arena all, pull off", blob_dir, resident,
                                   tokenizer, ids, all_gb, pool_gb, "off", args))
+        elif case == "capped-own":
+            args.own_loop = True
+            cases.append(one_case("pools 25%, arena 25%, expertd's loop", blob_dir, resident,
+                                  tokenizer, ids, capped_gb, pool_gb, "auto", args))
+            args.own_loop = False
         elif case == "capped":
             cases.append(one_case("pools 25%, arena 25%", blob_dir, resident, tokenizer, ids,
                                   capped_gb, pool_gb, "auto", args))
@@ -243,7 +248,7 @@ def run(args) -> dict:
                resident_split=resident_split(resident, tokenizer))
     if "rate" in args.cases:
         out["rate"] = pull_rate(blob_dir, all_gb)
-    if "capped" in args.cases:
+    if "capped" in args.cases:  # capped-own too
         out["disk_gbps"] = disk_bound_gbps(blob_dir)
     return out
 

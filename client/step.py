@@ -300,6 +300,7 @@ class Steps:
             self._settled = None
             if after is not None:
                 self.abandon(after)
+            counters["steps"] -= 1  # the replay through the model counts it (as run() does)
             counters["replays"] += 1
             if cause != "pool":
                 counters[f"replays_{cause}"] += 1
@@ -309,7 +310,9 @@ class Steps:
 
     def abandon(self, step: Launched) -> None:
         """A launched step that will never be used (built on a bad step's token): its reads
-        end before its epoch does, with nothing else in flight."""
+        end before its epoch does, with nothing else in flight. It is launched again, and
+        counted then."""
+        self.session.counters["steps"] -= 1
         if step.records is None:
             return
         mx.eval(*step.flat)

@@ -13,6 +13,7 @@ from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, routed_mo
 from harness import Daemon
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_tokenizer
+from test_pull import PULLS
 from test_step import resident_model
 
 from expertd import native
@@ -38,18 +39,19 @@ def assert_same(got: list, want: list) -> None:
         assert mx.array_equal(a, b).item(), f"token {i}: log-probabilities differ"
 
 
-def streamed(blob_dir, rows: int = 4):
+def streamed(blob_dir, rows: int = 4, pull: str = "host"):
     return load(blob_dir, pool_gb=pool_gb(blob_dir, rows), prefetch="off",
-                pool_backing="device", pull="host", speculate="on")[0]
+                pool_backing="device", pull=pull, speculate="on")[0]
 
 
+@pytest.mark.parametrize("pull", PULLS)
 @pytest.mark.parametrize("arena_rows", [ROWS_ALL, ROWS_TINY])
-def test_pipelined_tokens_are_resident_ones(models, isolated_env, tmp_path, arena_rows):
+def test_pipelined_tokens_are_resident_ones(models, isolated_env, tmp_path, arena_rows, pull):
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     ids = prompt(resident_model(model_dir).args.vocab_size)
     want = reference(model_dir, ids)
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, arena_rows, tmp_path / "s.json")):
-        model = streamed(blob_dir)
+        model = streamed(blob_dir, pull=pull)
         session = model.expertd_session
         try:
             assert pipelines(model, {})
