@@ -43,10 +43,6 @@ def pipelined_step(prompt, model, *, max_tokens: int = 256, sampler=None, prompt
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size)
 
-    def trim(tokens: int) -> None:
-        for c in cache:
-            c.trim(tokens)
-
     while prompt.size > 1:  # the prompt but its last token, in chunks (the checked path)
         n = min(prefill_step_size, prompt.size - 1)
         model(prompt[:n][None], cache=cache)
@@ -55,6 +51,17 @@ def pipelined_step(prompt, model, *, max_tokens: int = 256, sampler=None, prompt
         mx.clear_cache()
     y, logprobs = _sample(model(prompt[None], cache=cache), sampler)
     mx.async_eval(y, logprobs)
+    try:
+        yield from _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens)
+    finally:  # closed, interrupted or failed with steps in flight: none outlives its epoch
+        steps.quiesce()
+
+
+def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int):
+    def trim(tokens: int) -> None:
+        for c in cache:
+            c.trim(tokens)
+
     current = inputs = None  # the launched step that made y (None: y is checked), its input
     made = 0
     while True:

@@ -319,6 +319,16 @@ class Steps:
         if step.launched is not None:
             self.session.step_epoch.check(step.launched, more=False)
 
+    def quiesce(self) -> None:
+        """No launched step is in flight any more: after a pipelined loop stops, whatever it
+        left unsettled (its tokens never left) is waited for and the epoch record leaves the
+        step, so that the daemon holds nothing back for it."""
+        self._settled = self._planned = None
+        epoch = self.session.step_epoch
+        if epoch is not None and epoch.inside:
+            mx.synchronize()
+            epoch.end()
+
     def _per_layer(self, forward, inputs, args: tuple, kwargs: dict):
         """A decode step waiting in every MoE layer, timed for the speculation's verdict (its
         logits evaluated, as a speculative step's are)."""

@@ -62,6 +62,10 @@ def test_pipelined_tokens_are_resident_ones(models, isolated_env, tmp_path, aren
             if arena_rows == ROWS_TINY:  # rows the arena lacked: bad steps, replayed exactly
                 assert c["replays_absent"] > 0
             assert not session.step_epoch.inside  # the loop leaves no step open
+            loop = pipelined_step(ids, model, max_tokens=TOKENS)
+            assert [next(loop) for _ in range(3)] and session.step_epoch.inside  # in flight
+            loop.close()  # a consumer that stops early: nothing stays in flight
+            assert not session.step_epoch.inside
         finally:
             session.close()
 
