@@ -20,7 +20,7 @@ import time
 
 import mlx.core as mx
 
-from .step import StepGuard
+from .step import StepGuard, trim
 
 DRAIN_EVERY = 8  # launched steps between two checked with nothing in flight (promotions)
 OWN = {"sampler", "max_kv_size", "prompt_cache", "prefill_step_size"}  # the rest: mlx-lm's
@@ -58,10 +58,6 @@ def pipelined_step(prompt, model, *, max_tokens: int = 256, sampler=None, prompt
 
 
 def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int):
-    def trim(tokens: int) -> None:
-        for c in cache:
-            c.trim(tokens)
-
     current = inputs = None  # the launched step that made y (None: y is checked), its input
     made = 0
     while True:
@@ -71,7 +67,7 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
         if current is not None and (last or steps.session.counters["steps"] % DRAIN_EVERY == 0
                                     or not steps.plan(y[None], cache)):
             if steps.settle(current) is not None:
-                trim(1)
+                trim(cache, 1)
                 y, logprobs = _sample(model(inputs[None], cache=cache), sampler)
             current = None
         nxt = None
@@ -81,7 +77,7 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
             mx.async_eval(next_y, next_logprobs)
         if current is not None:
             if steps.settle(current, nxt) is not None:  # y is wrong, and nxt (abandoned)
-                trim(2)
+                trim(cache, 2)
                 y, logprobs = _sample(model(inputs[None], cache=cache), sampler)
                 current = None
                 continue

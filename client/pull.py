@@ -228,58 +228,59 @@ def _copy_source(n_segments: int, vector: bool, unit: str) -> str:
     return "".join(lines)
 
 
-def cuda_source(n_segments: int, vector: bool) -> str:
-    """The body of the CUDA pull kernel (``mx.fast.cuda_kernel`` writes its signature)."""
-    unit = "uint4" if vector else "unsigned char"
+# What the two kernel languages spell differently; the pull kernel's body is one text.
+_LANGUAGES = {
+    "cuda": dict(
+        ARENA="volatile const", SRC="const", DST="", I64="long long", U64="unsigned long long",
+        bytes="unsigned char", group="blockIdx", shared="__shared__ long long",
+        arena=f"const unsigned char* arena = (const unsigned char*)(uintptr_t)params[{P_BASE}]",
+        thread="threadIdx.x", barrier="__syncthreads()", width="blockDim.x",
+        groups="gridDim.x", kind="long long*"),
+    "metal": dict(
+        ARENA="device const", SRC="device const", DST="device", I64="long",
+        U64="unsigned long", bytes="uchar", group="threadgroup_position_in_grid",
+        shared="threadgroup long",
+        arena="device const unsigned char* arena = (device const unsigned char*)arena_rows",
+        thread="thread_position_in_threadgroup.x",
+        barrier="threadgroup_barrier(mem_flags::mem_threadgroup)",
+        width="threads_per_threadgroup.x", groups="threadgroups_per_grid.x",
+        kind="threadgroup long*"),
+}
+
+
+def _kernel_source(language: str, n_segments: int, vector: bool) -> str:
+    """The pull kernel's body in ``language`` (mx.fast's kernel builders write its signature):
+    each block's first thread resolves its pair, then the block copies its share of the row."""
+    t = _LANGUAGES[language]
+    defines = "".join(f"  #define {m} {t[m]}".rstrip() + "\n"
+                      for m in ("ARENA", "SRC", "DST", "I64", "U64"))
     return f"""
-  #define ARENA volatile const
-  #define SRC const
-  #define DST
-  #define I64 long long
-  #define U64 unsigned long long
-  const int p = blockIdx.y;
-  const int chunk = blockIdx.x;
-  __shared__ long long found[2];
-  const unsigned char* arena = (const unsigned char*)(uintptr_t)params[{P_BASE}];
-  if (threadIdx.x == 0) {{
-    long long* kind = found;
+{defines}  const int p = {t["group"]}.y;
+  const int chunk = {t["group"]}.x;
+  {t["shared"]} found[2];
+  {t["arena"]};
+  if ({t["thread"]} == 0) {{
+    {t["kind"]} kind = found;
 {_lookup_source("kind")}
   }}
-  __syncthreads();
+  {t["barrier"]};
   if (found[0] == 2) return;
   const bool from_pool = found[0] == 0;
   const I64 where = found[1];
-  const I64 first = (I64)chunk * blockDim.x + threadIdx.x;
-  const I64 step = (I64)gridDim.x * blockDim.x;
-{_copy_source(n_segments, vector, unit)}
+  const I64 first = (I64)chunk * {t["width"]} + {t["thread"]};
+  const I64 step = (I64){t["groups"]} * {t["width"]};
+{_copy_source(n_segments, vector, "uint4" if vector else t["bytes"])}
 """
+
+
+def cuda_source(n_segments: int, vector: bool) -> str:
+    """The body of the CUDA pull kernel (``mx.fast.cuda_kernel`` writes its signature)."""
+    return _kernel_source("cuda", n_segments, vector)
 
 
 def metal_source(n_segments: int, vector: bool) -> str:
     """The body of the Metal pull kernel (``mx.fast.metal_kernel`` writes its signature)."""
-    unit = "uint4" if vector else "uchar"
-    return f"""
-  #define ARENA device const
-  #define SRC device const
-  #define DST device
-  #define I64 long
-  #define U64 unsigned long
-  const int p = threadgroup_position_in_grid.y;
-  const int chunk = threadgroup_position_in_grid.x;
-  threadgroup long found[2];
-  device const unsigned char* arena = (device const unsigned char*)arena_rows;
-  if (thread_position_in_threadgroup.x == 0) {{
-    threadgroup long* kind = found;
-{_lookup_source("kind")}
-  }}
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (found[0] == 2) return;
-  const bool from_pool = found[0] == 0;
-  const long where = found[1];
-  const long first = (long)chunk * threads_per_threadgroup.x + thread_position_in_threadgroup.x;
-  const long step = (long)threadgroups_per_grid.x * threads_per_threadgroup.x;
-{_copy_source(n_segments, vector, unit)}
-"""
+    return _kernel_source("metal", n_segments, vector)
 
 
 def input_names(n_segments: int, arena_input: str | None) -> list:
@@ -338,13 +339,11 @@ class HostPuller(Puller):
         if miss.any():
             want = np.unique(flat[miss]).astype(np.int32)
             got = self._copy(layer, want)
-            pulled_ok = 0
             for i in np.flatnonzero(miss).tolist():
                 parts = got[int(np.searchsorted(want, flat[i]))]
                 status[i] = encode_miss(flat[i:i + 1], np.array([parts is None]))[0]
                 for s, part in enumerate(parts or ()):
                     pulled[s][i] = part
-                pulled_ok += parts is not None
         base = mx.array(np.maximum(rows, 0).astype(np.int32))
         take = mx.array(miss)
         arrays = []
@@ -357,17 +356,21 @@ class HostPuller(Puller):
     def _copy(self, layer: int, experts: np.ndarray) -> list:
         """Per expert, its segments' bytes (uint8 arrays) copied from a ready row that did not
         change meanwhile, or None."""
+        return self._rows(layer, self.view.lookup(layer, experts))
+
+    def _rows(self, layer: int, found, checked: bool = True) -> list:
+        """The rows ``found`` by a lookup, copied (see :meth:`_copy`); without ``checked``,
+        as a device kernel reads them: no seqlock check."""
         view = self.view
-        found = view.lookup(layer, experts)
-        offsets, nbytes = view.segment_table(layer)
-        n = len(experts)
+        _, nbytes = view.segment_table(layer)
+        n = len(found.slots)
         bases = segment_bases(n, nbytes)
         host = np.zeros(buffer_bytes(n, nbytes), np.uint8)
         ok = found.slots >= 0
         if ok.any():
             at = np.flatnonzero(ok).astype(np.int32)
             view.copy(layer, found.slots[at], host, bases, at)
-            if not view.unchanged(found.slots[at], found.versions[at]):  # seqlock: which?
+            if checked and not view.unchanged(found.slots[at], found.versions[at]):
                 for i in at.tolist():  # a row rewritten while copied is not taken
                     ok[i] = view.unchanged(found.slots[i:i + 1], found.versions[i:i + 1])
         return [[host[b + i * nb:b + (i + 1) * nb] for b, nb in zip(bases.tolist(),

@@ -113,6 +113,12 @@ class Speculation:
             self.window_steps = self.window_replays = 0
 
 
+def trim(cache, tokens: int) -> None:
+    """Take a step's ``tokens`` back out of every KV cache of ``cache`` (None: no cache)."""
+    for c in cache or []:
+        c.trim(tokens)
+
+
 def replayable(cache, tokens: int) -> bool:
     """Can every cache of ``cache`` be trimmed back exactly by ``tokens`` after a step?"""
     from mlx_lm.models import cache as caches
@@ -176,8 +182,7 @@ class Steps:
         self.session.check_alive()
         counters = self.session.counters
         counters["steps"] += 1
-        if (self.speculation.mode != "off" and self.layers
-                and all(layer.pool.complete for layer in self.layers)):
+        if self._unchecked():
             # Every pool holds every expert at its index and nothing moves during the step:
             # nothing can miss, so nothing is checked. The logits stay lazy, as resident
             # mlx-lm's: its own evaluation is the step's only wait, and it overlaps building
@@ -203,11 +208,8 @@ class Steps:
                 self.speculation.record(cause is not None)
             if cause is None:
                 return logits
-            counters["replays"] += 1
-            if cause != "pool":
-                counters[f"replays_{cause}"] += 1
-            for c in cache or []:
-                c.trim(tokens)
+            self._count_replay(cause)
+            trim(cache, tokens)
             if cause != "absent" or attempt:
                 break
             for layer, experts in absent:
@@ -224,8 +226,7 @@ class Steps:
         self.session.check_alive()
         counters = self.session.counters
         counters["steps"] += 1
-        if (self.speculation.mode != "off" and self.layers
-                and all(layer.pool.complete for layer in self.layers)):
+        if self._unchecked():
             counters["unchecked_steps"] += 1
             return Launched(self._without_waits(forward, inputs, args, kwargs, None)[0],
                             None, [], None)
@@ -245,9 +246,7 @@ class Steps:
                 mx.synchronize()  # no read of a step built in part may outlive its epoch
                 epoch.end()
             raise
-        ids = [idx.reshape(-1) for _, idx, status, _ in records if status is None]
-        statuses = [status for _, _, status, _ in records if status is not None]
-        flat = [mx.concatenate(part) for part in (ids, statuses) if part]
+        flat = self._flat(records)
         mx.async_eval(*flat)
         return Launched(logits, records, flat, launched)
 
@@ -256,8 +255,8 @@ class Steps:
         step that will not waits per layer and may demand rows from the daemon: the step
         before it must be settled first, or the daemon's refills for those demands would wait
         for this client's own epoch."""
-        if self.layers and all(layer.pool.complete for layer in self.layers):
-            return True  # unchecked: nothing is demanded
+        if self._unchecked():
+            return True  # nothing is demanded
         # Two steps in flight: a bad one and the one built on its token are trimmed together.
         self._planned = self._speculate(inputs, cache, depth=2)
         return self._planned
@@ -301,9 +300,7 @@ class Steps:
             if after is not None:
                 self.abandon(after)
             counters["steps"] -= 1  # the replay through the model counts it (as run() does)
-            counters["replays"] += 1
-            if cause != "pool":
-                counters[f"replays_{cause}"] += 1
+            self._count_replay(cause)
             for layer, experts in absent:
                 session.demand_absent(layer.index, experts)
         return cause
@@ -350,9 +347,7 @@ class Steps:
         started = time.perf_counter()
         try:
             logits, records = self._without_waits(forward, inputs, args, kwargs, [])
-            ids = [idx.reshape(-1) for _, idx, status, _ in records if status is None]
-            statuses = [status for _, _, status, _ in records if status is not None]
-            flat = [mx.concatenate(part) for part in (ids, statuses) if part]
+            flat = self._flat(records)
             built = time.perf_counter()
             mx.eval(logits, *flat)  # the step's one wait
         finally:
@@ -361,7 +356,7 @@ class Steps:
         waited = time.perf_counter()
         counters["host_waits"] += 1
         counters["speculative_steps"] += 1
-        counters["pulled_steps"] += bool(statuses)
+        counters["pulled_steps"] += any(status is not None for _, _, status, _ in records)
         absent = []
         cause = "epoch" if lost else self._check(records, absent, *(np.array(f) for f in flat))
         timing = session.timing
@@ -378,6 +373,25 @@ class Steps:
             return forward(inputs, *args, **kwargs), records
         finally:
             self.active, self.records = False, []
+
+    def _unchecked(self) -> bool:
+        """Every pool holds every expert at its index: nothing can miss, nothing is checked."""
+        return (self.speculation.mode != "off" and bool(self.layers)
+                and all(layer.pool.complete for layer in self.layers))
+
+    @staticmethod
+    def _flat(records: list) -> list:
+        """What a step's check reads, lazy: the plain layers' ids, then the pulled ones'
+        statuses, each concatenated (see :meth:`_check`)."""
+        ids = [idx.reshape(-1) for _, idx, status, _ in records if status is None]
+        statuses = [status for _, _, status, _ in records if status is not None]
+        return [mx.concatenate(part) for part in (ids, statuses) if part]
+
+    def _count_replay(self, cause: str) -> None:
+        counters = self.session.counters
+        counters["replays"] += 1
+        if cause != "pool":
+            counters[f"replays_{cause}"] += 1
 
     def _tokens(self, inputs) -> int:
         return inputs.shape[1] if inputs.ndim > 1 else inputs.shape[0]

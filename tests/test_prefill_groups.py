@@ -71,6 +71,19 @@ def test_pair_results_do_not_depend_on_call_mates(models, family_mode):
                     f"other bits than the whole layer's call; grouping by pairs is not exact")
 
 
+def counted_calls(monkeypatch, where, size) -> list:
+    """``switch.compute``, as ``where`` calls it, recording (MoE layer, ``size(arrays, rows)``)
+    per call; the list it records into."""
+    calls, compute = [], switch.compute
+
+    def counting_compute(module, segments, arrays, x, rows):
+        calls.append((module.__dict__["_expertd"].index, size(arrays, rows)))
+        return compute(module, segments, arrays, x, rows)
+
+    monkeypatch.setattr(where, "compute", counting_compute)
+    return calls
+
+
 @pytest.mark.parametrize("rows", [ROWS_TINY, ROWS_ALL], ids=["8rows", "all-rows"])
 @pytest.mark.parametrize("family_mode", FAMILY_MODES, ids=FAMILY_IDS)
 def test_grouped_prefill_is_exact_and_computes_each_pair_once(models, isolated_env, tmp_path,
@@ -78,15 +91,8 @@ def test_grouped_prefill_is_exact_and_computes_each_pair_once(models, isolated_e
     model_dir, blob_dir = routed_model(models, *family_mode)
     manifest = Manifest.load(blob_dir)
     resident = mlx_lm.load(str(model_dir))[0]
-    calls = []
-    compute = switch.compute
-
-    def counting_compute(module, segments, arrays, x, rows):
-        calls.append((module.__dict__["_expertd"].index, rows.size))
-        return compute(module, segments, arrays, x, rows)
-
     # The grouped path's computation (a call that fits its pool is not counted here).
-    monkeypatch.setattr(switch, "compute", counting_compute)
+    calls = counted_calls(monkeypatch, switch, lambda arrays, rows: rows.size)
     pool_rows = 4  # every layer of 16 experts needs several groups for a long prompt
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, rows, tmp_path / "s.json")):
         # Groups run on device pools without a puller (a discrete GPU with pull off); unified
@@ -137,14 +143,8 @@ def test_a_prompt_on_unified_memory_runs_in_one_call_a_layer(models, isolated_en
     model_dir, blob_dir = routed_model(models, *family_mode)
     manifest = Manifest.load(blob_dir)
     resident = mlx_lm.load(str(model_dir))[0]
-    calls = []
-    compute = switch.compute
+    calls = counted_calls(monkeypatch, layer_module, lambda arrays, rows_: arrays[0].shape[0])
 
-    def counting_compute(module, segments, arrays, x, rows_):
-        calls.append((module.__dict__["_expertd"].index, arrays[0].shape[0]))
-        return compute(module, segments, arrays, x, rows_)
-
-    monkeypatch.setattr(layer_module, "compute", counting_compute)
     pool_rows = manifest.top_k
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, rows, tmp_path / "s.json")):
         model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, pool_rows), pool_backing="host")

@@ -265,7 +265,6 @@ def decode_client(args) -> None:
 
     from expertd.client import load
     from expertd.client import session as session_module
-    from expertd.client.backing import buffer_bytes, segment_bases
     from expertd.client.pull import ABSENT, HostPuller, StepEpoch, decode_status
     from expertd.manifest import Manifest
 
@@ -292,20 +291,9 @@ def decode_client(args) -> None:
             return arrays, status
 
         def _copy(self, layer, experts):
-            view = self.view
-            found = view.lookup(layer, experts)
+            found = self.view.lookup(layer, experts)
             self._maybe_stop(layer, experts, found)
-            offsets, nbytes = view.segment_table(layer)
-            n = len(experts)
-            bases = segment_bases(n, nbytes)
-            host = np.zeros(buffer_bytes(n, nbytes), np.uint8)
-            ok = found.slots >= 0
-            if ok.any():
-                at = np.flatnonzero(ok).astype(np.int32)
-                view.copy(layer, found.slots[at], host, bases, at)
-            return [[host[b + i * nb:b + (i + 1) * nb] for b, nb in zip(bases.tolist(),
-                                                                        nbytes.tolist())]
-                    if ok[i] else None for i in range(n)]
+            return self._rows(layer, found, checked=False)
 
         def _maybe_stop(self, layer, experts, found) -> None:
             session = box["session"]
