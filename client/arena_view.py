@@ -84,10 +84,6 @@ class ArenaView:
         """``(offsets, nbytes)`` of ``layer``'s segments within a row."""
         return self._segments[layer]
 
-    def experts_at(self, slots: np.ndarray) -> np.ndarray:
-        """The expert each row of ``slots`` holds (or is being filled with), int32."""
-        return self.arena.slots["expert"][np.asarray(slots, np.intp)].astype(np.int32)
-
     def unchanged(self, slots: np.ndarray, versions: np.ndarray) -> bool:
         """True if no row in ``slots`` changed since ``versions`` were read (seqlock check)."""
         return native.validate(self.raw, self._slots, slots, versions)

@@ -103,8 +103,8 @@ class Stage(HostRows):
             self._reader = None
 
     def copy_from(self, pool: "HostRows", rows: np.ndarray, positions: np.ndarray) -> None:
-        """Rows ``rows`` of ``pool`` (same shapes) into this stage's ``positions``."""
-        self.claim()
+        """Rows ``rows`` of ``pool`` (same shapes) into this stage's ``positions`` (the stage
+        claimed, as Session.stage gives it out)."""
         for base, pbase, nb in zip(self.bases.tolist(), pool.bases.tolist(),
                                    self.nbytes.tolist()):
             dst = self.host[base:base + self.rows * nb].reshape(self.rows, nb)

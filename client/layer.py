@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .pool import PROMOTE_AFTER
-from .pull import HostPuller, check_first_pull, decode_status
+from .pull import HostPuller, check_first_pull
 from .switch import compute, grouped
 
 DECODE_IDS = 64  # a call routing at most this many (token, slot) pairs is decoding
@@ -94,7 +94,7 @@ class StreamedLayer:
             # Unified memory, a call routing to more experts than the pool holds (a prompt):
             # its rows are staged outside the pool, at their experts' own indices, and the
             # call runs as resident's does, in one piece (not in groups of half the pool).
-            out = self._staged_call(module, x, indices, idx, unique)
+            out = self._staged_call(module, x, indices, unique)
             fetched = time.perf_counter()
         elif len(unique) <= pool.rows:
             rows = pool.place(unique, self.read_rows)
@@ -166,26 +166,28 @@ class StreamedLayer:
             self._rows_cache[key] = rows
         return rows
 
-    def after_pull(self, status: np.ndarray, arrays: list, promote: bool = True) -> None:
-        """The bookkeeping of a step's pulled call: pool hits counted, pulled experts that
-        keep coming back promoted into the pool (a device copy; without ``promote`` only
-        counted, to be promoted by a later step), use reported."""
+    def after_pull(self, rows: np.ndarray, experts: np.ndarray, arrays: list,
+                   promote: bool = True) -> None:
+        """The bookkeeping of a step's pulled call, from its decoded statuses (``rows``,
+        ``experts``: see pull.decode_status): pool hits counted, pulled experts that keep
+        coming back promoted into the pool (a device copy; without ``promote`` only counted,
+        to be promoted by a later step), use reported."""
         pool = self.pool
-        rows, experts, _ = decode_status(status)
         hit = np.unique(rows[rows >= 0])
         pool.counters["hits"] += len(hit)
         pool.touch(hit)
         missed = experts >= 0
-        pool.counters["pulled"] += int(missed.sum())
-        self.session.count_pulled(self.index, int(missed.sum()))
+        n_missed = int(missed.sum())
+        pool.counters["pulled"] += n_missed
+        self.session.count_pulled(self.index, n_missed)
         pulled, first = np.unique(experts[missed], return_index=True)
         if len(pulled) and promote:
             pool.promote(pulled.astype(np.int32), arrays, np.flatnonzero(missed)[first])
         elif len(pulled):
-            pool.pulls[pulled] += 1
+            pool.note_pulls(pulled)
         self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))
 
-    def _staged_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):
+    def _staged_call(self, module, x, indices, unique: np.ndarray):
         """A call on a stage with a row for every expert (session.stage: one buffer for the
         model's layers of this shape, rewritten by the next such call only once this one's
         output was evaluated): pool hits copied from the pool, misses read from the arena

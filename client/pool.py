@@ -98,6 +98,10 @@ class ExpertPool:
             self._pull_table = mx.array(self.row_of)
         return self._pull_table
 
+    def note_pulls(self, experts: np.ndarray, weights: np.ndarray | None = None) -> None:
+        """Count pulls of ``experts`` (``weights``: uses to count for each, default one)."""
+        self.pulls[experts] += 1 if weights is None else weights
+
     def promote(self, experts: np.ndarray, arrays: list, positions: np.ndarray,
                 weights: np.ndarray | None = None) -> int:
         """Take pulled ``experts`` (distinct, missing from the pool) into pool rows, their
@@ -105,10 +109,11 @@ class ExpertPool:
         PROMOTE_AFTER times (decayed) whose count beats the coldest row they would replace.
         ``weights``: uses to count for each (default one).
         Returns how many moved (a device copy each, no host copy)."""
-        self.pulls[experts] += 1 if weights is None else weights
+        self.note_pulls(experts, weights)
         order = np.argsort(-self.pulls[experts], kind="stable")
         take, victims = [], []
-        banned = np.zeros(self.rows, bool)
+        # The coldest rows first; a row taken is out of the running.
+        score = None if self.identity else np.where(self.expert_of < 0, -1, self.uses)
         for i in order.tolist():
             e = int(experts[i])
             if self.pulls[e] < PROMOTE_AFTER:
@@ -116,12 +121,10 @@ class ExpertPool:
             if self.identity:
                 row = e
             else:
-                score = np.where(self.expert_of < 0, -1, self.uses)
-                score = np.where(banned, np.iinfo(np.int64).max, score)
                 row = int(np.argmin(score))
                 if score[row] >= self.pulls[e]:
                     break
-            banned[row] = True
+                score[row] = np.iinfo(np.int64).max
             take.append(i)
             victims.append(row)
         if not take:

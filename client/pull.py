@@ -416,6 +416,14 @@ class _KernelPuller(Puller):
     def extra_inputs(self) -> list:
         return []
 
+    def make_kernel(self, n_segments: int, vector: bool):
+        """The pull kernel in this puller's language (``name``: "cuda" or "metal")."""
+        build = getattr(mx.fast, f"{self.name}_kernel")
+        return build(name=f"expertd_pull_{n_segments}_{int(vector)}",
+                     input_names=input_names(n_segments, self.arena_input),
+                     output_names=output_names(n_segments),
+                     source=_kernel_source(self.name, n_segments, vector))
+
     def assemble(self, layer: int, ids, pool):
         return self._launch(layer, ids.reshape(-1), pool.pull_table(), pool.arrays, ids.size)
 
@@ -444,12 +452,6 @@ class CudaPuller(_KernelPuller):
         self.base = int(device)
         super().__init__(view, layers)
 
-    def make_kernel(self, n_segments: int, vector: bool):
-        return mx.fast.cuda_kernel(
-            name=f"expertd_pull_{n_segments}_{int(vector)}",
-            input_names=input_names(n_segments, None), output_names=output_names(n_segments),
-            source=cuda_source(n_segments, vector))
-
     def close(self) -> None:
         if self._host:
             mx.synchronize()  # no kernel may still read the mapping
@@ -476,11 +478,6 @@ class MetalPuller(_KernelPuller):
     def extra_inputs(self) -> list:
         return [self._arena]
 
-    def make_kernel(self, n_segments: int, vector: bool):
-        return mx.fast.metal_kernel(
-            name=f"expertd_pull_{n_segments}_{int(vector)}",
-            input_names=input_names(n_segments, self.arena_input),
-            output_names=output_names(n_segments), source=metal_source(n_segments, vector))
 
 
 def check_first_pull(puller, host: HostPuller, layer: int, ids, pool) -> bool:

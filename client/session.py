@@ -196,7 +196,9 @@ class Session:
     def stage(self, rows: int, like):
         """The model's stage for layers of ``rows`` experts shaped as the pool backing ``like``
         (see backing.Stage), made on first use; claimed for a write."""
-        key = (rows, tuple(like.nbytes.tolist()))
+        # Keyed by the segments' shapes and types, not their sizes alone: a stage's arrays
+        # are shaped for one layer shape.
+        key = (rows, tuple((str(d), tuple(shape), nb) for d, shape, nb in like.segment_specs))
         stage = self._stages.get(key)
         if stage is None:
             stage = self._stages[key] = Stage(rows, like.segment_specs)
@@ -397,29 +399,31 @@ class Session:
         device). The call computes on it exactly as resident mlx-lm does (the same shapes,
         the same ids); the other rows are never read. Waits for the pulls, not for the
         computation."""
-        n = self.manifest.layers[layer].num_experts
-        missing = experts[pool.row_of[experts] < 0]
-        source, done = pool, experts[pool.row_of[experts] >= 0]
+        present = pool.row_of[experts] >= 0
+        missing = experts[~present]
+        # Expert e's row is row e; -1: not wanted (yet). Each pass adds its chunk, and its
+        # stack's table is what it holds so far.
+        want = np.full(self.manifest.layers[layer].num_experts, -1, np.int32)
+        want[experts[present]] = experts[present]
+        source = pool
         chunks = [missing[i:i + self.demand_limit]
                   for i in range(0, len(missing), self.demand_limit)] or [missing]
         for chunk in chunks:
-            want = np.full(n, -1, np.int32)
-            want[done] = done
             want[chunk] = chunk
-            source = Stack(self._assemble_pass(layer, chunk, want, source),
-                           np.where(want >= 0, np.arange(n), -1).astype(np.int32))
-            done = np.union1d(done, chunk).astype(np.int32)
+            source = Stack(self._assemble_pass(layer, chunk, want, source), want.copy())
         return source.arrays
 
     def _assemble_pass(self, layer: int, chunk: np.ndarray, want: np.ndarray, source) -> list:
         wanted = np.flatnonzero(want >= 0)
         for _ in range(4):
-            self.demand_absent(layer, chunk)
+            if len(chunk):  # else every row comes from the pool: no arena read, no epoch
+                self.demand_absent(layer, chunk)
             puller, epoch = self.puller, self.step_epoch
             if puller is None:
                 raise DaemonError("the device stopped pulling from the arena")
             started = time.perf_counter()
-            epoch.begin()
+            if len(chunk):
+                epoch.begin()
             try:
                 arrays, status = puller.assemble(layer, mx.array(want), source)
                 mx.eval(arrays, status)

@@ -421,11 +421,12 @@ class Steps:
                 n = idx.size
                 per_layer.append((layer, kind, values[at:at + n], arrays))
                 at += n
+        decoded = {}
         for layer, kind, values, _ in per_layer:
             if kind == "ids" and (layer.pool.row_of[values] < 0).any():
                 return "pool"  # the replay does the bookkeeping, on the per-layer path
             if kind == "status":
-                _, experts, kinds = decode_status(values)
+                rows, experts, kinds = decoded[layer.index] = decode_status(values)
                 if (kinds == ABSENT).any():
                     absent.append((layer, np.unique(experts[kinds == ABSENT]).astype(np.int32)))
         if absent:
@@ -434,5 +435,5 @@ class Steps:
             if kind == "ids":
                 layer.after_speculation(values)
             else:
-                layer.after_pull(values, arrays, promote)
+                layer.after_pull(*decoded[layer.index][:2], arrays, promote)
         return None
