@@ -16,6 +16,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
+from expertd import native
 from expertd.client.arena_view import ArenaView
 from expertd.client.backing import Stage, buffer_bytes, segment_bases
 from expertd.client.heartbeat import Heartbeat
@@ -173,6 +174,8 @@ class Session:
         """The puller and the step's epoch record of this attach: none without a record (the
         daemon gives out EPOCH_SLOTS), the per-layer host path then."""
         if self.pull_mode == "off" or slot is None or slot < 0:
+            return
+        if not native.STEP_RECORDS_FENCED:  # the pure twin, on a CPU that reorders (arm64)
             return
         puller = make_puller(self.pull_mode, view, self._pull_layers)
         if puller is None:

@@ -141,8 +141,8 @@ def end_write(arena, slots_offset, row):
 
 
 def publish_u64(arena, offset, value):
-    arena[offset:offset + 8].view("<u8")[0] = value
+    np.frombuffer(arena, "<u8", 1, offset)[0] = value
 
 
 def read_u64(arena, offset):
-    return int(arena[offset:offset + 8].view("<u8")[0])
+    return int(np.frombuffer(arena, "<u8", 1, offset)[0])

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .shm.layout import unlink_arena
+from .shm.layout import SHM_DIR, unlink_arena
 
 log = logging.getLogger("expertd")
 
@@ -218,7 +218,7 @@ def leftover(paths) -> dict | None:
         return None
     finally:
         shm.close_fd()
-    path = f"/dev/shm/{info.arena}" if os.path.isdir("/dev/shm") else info.arena
+    path = f"{SHM_DIR}/{info.arena}" if os.path.isdir(SHM_DIR) else info.arena
     return {"arena": info.arena, "path": path, "bytes": size, "pid": info.pid,
             "socket": str(paths.socket) if paths.socket.exists() else None}
 

@@ -209,20 +209,17 @@ def _startup_failure(paths, status: int, log_file: Path) -> str:
 
 def _clean_after(paths) -> None:
     """Remove what a daemon that died (or was killed) left, if nobody took the lock since."""
-    fd = take_lock(paths.lock, LOCK_PATIENCE)
-    if fd is None:
-        return  # someone else serves the directory now: nothing here is stale
-    try:
-        for what in remove_leftovers(paths):
-            log.info("removed the %s the failed daemon left", what)
-    finally:
-        os.close(fd)
+    for what in _remove_dead_at(paths):
+        log.info("removed the %s the failed daemon left", what)
 
 
 def remove_dead(blob_dir) -> list:
     """Remove what a daemon killed without its clean-up left for ``blob_dir`` (its arena,
     socket and run files), if no daemon serves it: descriptions of what went."""
-    paths = daemon_paths(blob_dir)
+    return _remove_dead_at(daemon_paths(blob_dir))
+
+
+def _remove_dead_at(paths) -> list:
     fd = take_lock(paths.lock, LOCK_PATIENCE)
     if fd is None:
         return []  # a daemon serves it (or starts): nothing is a leftover

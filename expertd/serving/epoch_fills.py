@@ -29,7 +29,8 @@ class EpochFills:
         self._epoch_table = arena.epochs
         self._epoch_raw = arena.raw
         self._epoch_base = arena.geometry.epochs_offset
-        self.held: dict = {}  # row -> (layer, expert, urgent): refills waiting for steps
+        self.held: dict = {}  # row -> urgent: refills waiting for steps (the row's new key
+        # is in the slot table: the row is FILLING for it)
 
     # ---- clients ------------------------------------------------------------------------
 
@@ -52,40 +53,41 @@ class EpochFills:
         record = self.epochs.detach(owner)
         if record < 0:
             return
-        at = self._epoch_base + record * _SIZE
-        step = native.read_u64(self._epoch_raw, at + _STEP)
-        native.publish_u64(self._epoch_raw, at + _LOST, step if step & 1 else 0)
+        step = native.read_u64(self._epoch_raw, self._field(record, _STEP))
+        native.publish_u64(self._epoch_raw, self._field(record, _LOST), step if step & 1 else 0)
         rec = self._epoch_table[record:record + 1]
         rec["step"], rec["pid"] = 0, 0
 
     # ---- rows ---------------------------------------------------------------------------
 
+    def _field(self, record: int, offset: int) -> int:
+        return self._epoch_base + record * _SIZE + offset
+
     def _steps(self, records) -> dict:
         """record -> its step, each read after a full fence: what the daemon wrote before
         (the row's unmapping) is visible to every client before a step is read."""
-        raw, base = self._epoch_raw, self._epoch_base
-        return {r: native.read_u64(raw, base + r * _SIZE + _STEP) for r in records}
+        return {r: native.read_u64(self._epoch_raw, self._field(r, _STEP)) for r in records}
 
     def _must_wait(self, row: int, evicted: bool) -> bool:
         """Whether the fill of ``row`` (begun: its old key is unmapped) must wait for steps:
         an expert was evicted from it while a client was inside a step, or it was emptied
         that way before (a withdrawn row) and is still blocked."""
-        if evicted and self.epochs.attached():
-            return self.epochs.retire(row, self._steps(self.epochs.attached()), self.clock())
+        attached = self.epochs.attached() if evicted else None
+        if attached:
+            return self.epochs.retire(row, self._steps(attached), self.clock())
         return self.epochs.blocked(row)
 
     def _hold_or_submit(self, row: int, layer: int, expert: int, urgent: bool,
                         evicted: bool) -> None:
         if self._must_wait(row, evicted):
-            self.held[row] = (layer, expert, urgent)
+            self.held[row] = urgent
         else:
             self._submit(row, layer, expert, urgent)
 
     def _expedite(self, row: int) -> None:
         """A demand waits on the prefetch fill of ``row`` now: it goes first."""
-        job = self.held.get(row)
-        if job is not None:
-            self.held[row] = (job[0], job[1], True)
+        if row in self.held:
+            self.held[row] = True
         else:
             self.pool.expedite(row)
 
@@ -96,14 +98,13 @@ class EpochFills:
             return
         freed, lost = self.epochs.poll(self._steps(self.epochs.blocking()), now)
         for record, step in lost:
-            native.publish_u64(self._epoch_raw, self._epoch_base + record * _SIZE + _LOST, step)
+            native.publish_u64(self._epoch_raw, self._field(record, _LOST), step)
             log.warning("client pid %d stayed in step %d longer than %g s: its epoch is lost "
                         "(it replays that step)", int(self._epoch_table[record]["pid"]), step,
                         self.epochs.max_hold)
         for row in freed:
-            job = self.held.pop(row, None)
-            if job is not None:
-                self._submit(row, *job)
+            if row in self.held:
+                self._submit(row, *self.table.key(row), self.held.pop(row))
 
     def drop_held(self) -> None:
         """At shutdown: end every held fill as failed (its row empty), without a read. The

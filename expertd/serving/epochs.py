@@ -2,7 +2,7 @@
 rows wait for a step to end before they may be refilled.
 
 Pure logic, no I/O, like the lease and side-row books: the serving loop reads the records'
-steps from shared memory (after a full fence, see ``ExpertCache._retire``) and writes the
+steps from shared memory (after a full fence, see ``EpochFills._steps``) and writes the
 ``lost`` field of the records this book gives up on. DESIGN.md, "Epochs": a client publishes in
 its record the step it is in, odd while its device may read arena rows; a row unmapped while a
 client showed step ``s`` (odd) is refilled only once that client can no longer read it: its
@@ -42,7 +42,6 @@ def lost_covers(lost: int, step: int) -> bool:
 class Retired:
     """A row unmapped while records were inside a step: its refill waits for them."""
 
-    row: int
     since: float  # when it was first retired (for the longest wait)
     waits: dict = field(default_factory=dict)  # record -> (the odd step it showed, since when)
 
@@ -72,7 +71,6 @@ class EpochBook:
         # resumed, most likely writes one nobody holds.
         self._free: deque = deque(range(slots))
         self._rows: dict = {}  # row -> Retired, in retire order
-        self._blocks: dict = {}  # record -> rows it blocks
         self._lost: dict = {}  # record -> the step it lost (no row waits for that step again)
         self.deferred = 0
         self.lost = 0
@@ -110,8 +108,8 @@ class EpochBook:
         del self._owner_of[record]
         self._free.append(record)
         self._lost.pop(record, None)
-        for row in self._blocks.pop(record, ()):
-            self._rows[row].waits.pop(record, None)
+        for entry in self._rows.values():
+            entry.waits.pop(record, None)
         return record
 
     # ---- rows -----------------------------------------------------------------------------
@@ -132,12 +130,11 @@ class EpochBook:
             return row in self._rows
         entry = self._rows.get(row)
         if entry is None:
-            entry = self._rows[row] = Retired(row, now)
+            entry = self._rows[row] = Retired(now)
             self.deferred += 1
         for record, step in waits.items():
             if entry.waits.get(record, (None,))[0] != step:
                 entry.waits[record] = (step, now)
-            self._blocks.setdefault(record, set()).add(row)
         return True
 
     def waiting(self) -> int:
@@ -150,7 +147,7 @@ class EpochBook:
 
     def blocking(self) -> list:
         """Records that some row waits for: the only steps :meth:`poll` needs."""
-        return sorted(r for r, rows in self._blocks.items() if rows)
+        return sorted({r for entry in self._rows.values() for r in entry.waits})
 
     def poll(self, steps: dict, now: float) -> tuple:
         """What changed since the rows were retired.
@@ -181,13 +178,10 @@ class EpochBook:
                 if (released(step, int(steps.get(record, step)))
                         or lost_covers(self._lost.get(record, 0), step)):
                     del entry.waits[record]
-                    self._blocks[record].discard(row)
             if not entry.waits:
                 del self._rows[row]
                 freed.append(row)
                 self.longest_wait = max(self.longest_wait, now - entry.since)
-        for record in [r for r, rows in self._blocks.items() if not rows]:
-            del self._blocks[record]
         return freed, lost
 
     def stats(self) -> EpochStats:
