@@ -348,17 +348,17 @@ def plan_rows(layers, top_k: int, pool_gb: float | None, backing: str) -> list:
         if free is None:
             return [min(layer.num_experts, 2 * s) for layer, s in zip(layers, smallest)]
         share = free // 2 // len(layers)
-        # A model larger than half the free memory gets the smallest pools that work (its
-        # misses are pulled from the arena), never an error.
-        return [max(s, min(layer.num_experts, max(0, share - ALIGN * len(layer.segments))
-                           // layer.expert_bytes)) for layer, s in zip(layers, smallest)]
+    elif isinstance(pool_gb, bool) or not pool_gb > 0:
+        raise ValueError(f"pool_gb must be a positive number of GiB, not {pool_gb!r}")
     else:
-        if isinstance(pool_gb, bool) or not pool_gb > 0:
-            raise ValueError(f"pool_gb must be a positive number of GiB, not {pool_gb!r}")
         share = int(pool_gb * 2**30) // len(layers)
     # Each segment of a pool starts 64-byte aligned: that padding comes out of the share too.
     rows = [min(layer.num_experts, max(0, share - ALIGN * len(layer.segments))
                 // layer.expert_bytes) for layer in layers]
+    if pool_gb is None:
+        # A model larger than half the free memory gets the smallest pools that work (its
+        # misses are pulled from the arena), never an error.
+        return [max(r, s) for r, s in zip(rows, smallest)]
     if any(r < s for r, s in zip(rows, smallest)):
         need = max(s * layer.expert_bytes for s, layer in zip(smallest, layers)) * len(layers)
         raise ValueError(f"a pool of {pool_gb} GiB is below the smallest that works, "
