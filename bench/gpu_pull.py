@@ -79,6 +79,8 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
             first = mark(session)
             runs = side_by_side(resident, streamed, tokenizer, ids, args)
             counts = window_counts(session, first)
+            split = streamed_split(streamed, tokenizer) if getattr(args, "own_loop", False) \
+                else None
         finally:
             session.close()
         del streamed
@@ -93,27 +95,84 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
                                                                    runs["res_ttft"])),
                 resident_ttft_s=statistics.median(runs["res_ttft"]),
                 streamed_ttft_s=statistics.median(runs["st_ttft"]),
-                per_step={k: v / steps for k, v in counts.items() if k != "steps"}, **counts)
+                per_step={k: v / steps for k, v in counts.items() if k != "steps"},
+                split=split, **counts)
 
 
 def resident_split(model, tokenizer, steps: int = 32) -> dict:
-    """Resident mlx-lm's decode step, built and then evaluated apart (ms each): what a step
-    that waits at its end pays where mlx-lm's loop overlaps building with computing."""
+    """Resident mlx-lm's decode step, built, launched (``mx.async_eval``, which encodes the
+    graph on the host) and then waited for, apart (ms each): what a step that waits at its end
+    pays where mlx-lm's loop overlaps building with computing."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     y = model(mx.array([tokenizer.encode(PROMPT)]), cache=cache)[:, -1].argmax(-1)
     mx.eval(y)
-    build = wait = 0.0
+    build = launch = wait = 0.0
     for _ in range(steps):
         t = time.perf_counter()
         logits = model(y[:, None], cache=cache)
-        t1 = time.perf_counter()
         y = logits[:, -1].argmax(-1)
+        t1 = time.perf_counter()
+        mx.async_eval(y)
+        t2 = time.perf_counter()
         mx.eval(y)
-        build, wait = build + t1 - t, wait + time.perf_counter() - t1
-    return dict(build_ms=1e3 * build / steps, wait_ms=1e3 * wait / steps)
+        build, launch = build + t1 - t, launch + t2 - t1
+        wait += time.perf_counter() - t2
+    return dict(build_ms=1e3 * build / steps, launch_ms=1e3 * launch / steps,
+                wait_ms=1e3 * (launch + wait) / steps)
+
+
+def streamed_split(model, tokenizer, steps: int = 32) -> dict:
+    """A streamed speculative decode step launched (its ``mx.async_eval`` timed apart), then
+    evaluated with nothing else in flight, then checked (ms each): the device's share of a step
+    against resident's ``wait_ms``. The launches' profile (top functions by own time) prints."""
+    import cProfile
+    import pstats
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from expertd.client.step import StepGuard
+
+    guard = model.__dict__["_expertd_steps"]
+    forward = super(StepGuard, model).__call__
+    cache = make_prompt_cache(model)
+    y = model(mx.array([tokenizer.encode(PROMPT)]), cache=cache)[:, -1].argmax(-1)
+    mx.eval(y)
+    build = wait = book = 0.0
+    encode = [0.0]
+    real = mx.async_eval
+
+    def timed(*arrays):
+        t = time.perf_counter()
+        real(*arrays)
+        encode[0] += time.perf_counter() - t
+
+    done = 0
+    profile = cProfile.Profile()
+    mx.async_eval = timed
+    try:
+        for _ in range(steps):
+            t = time.perf_counter()
+            profile.enable()
+            launched = guard.launch(forward, y[:, None], (), {"cache": cache})
+            profile.disable()
+            t1 = time.perf_counter()
+            y = launched.logits[:, -1].argmax(-1)
+            mx.eval(y, *launched.flat)
+            t2 = time.perf_counter()
+            if guard.settle(launched) is not None:
+                break  # replayed: the cache is one token ahead; enough steps were timed
+            build, wait, book = build + t1 - t, wait + t2 - t1, book + time.perf_counter() - t2
+            done += 1
+    finally:
+        mx.async_eval = real
+    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+    n = max(1, done)
+    return dict(build_ms=1e3 * build / n, launch_ms=1e3 * encode[0] / n,
+                wait_ms=1e3 * wait / n, book_ms=1e3 * book / n, steps=done)
 
 
 GRIDS = ((4, 512), (8, 512), (16, 512), (4, 1024), (8, 1024), (32, 256))
@@ -287,13 +346,20 @@ def table(r: dict) -> str:
     split = r.get("resident_split")
     if split:
         lines.append(f"\nResident mlx-lm's decode step built then evaluated apart: build "
-                     f"{split['build_ms']:.2f} ms, evaluation {split['wait_ms']:.2f} ms.")
+                     f"{split['build_ms']:.2f} ms, evaluation {split['wait_ms']:.2f} ms (its async_eval "
+                     f"{split.get('launch_ms', 0):.2f} ms).")
         for c in r["cases"]:
             p = c["per_step"]
             if "step_build_s" in p and p["step_wait_s"]:
                 lines.append(f"- {c['case']}: a checked step's build {1e3 * p['step_build_s']:.2f}"
                              f" ms, wait {1e3 * p['step_wait_s']:.2f} ms, bookkeeping "
                              f"{1e3 * p['step_book_s']:.2f} ms (per model call)")
+            if c.get("split"):
+                sp = c["split"]
+                lines.append(f"- {c['case']}, a speculative step alone ({sp['steps']} steps): "
+                             f"build {sp['build_ms']:.2f} ms (its async_eval "
+                             f"{sp['launch_ms']:.2f} ms), evaluation {sp['wait_ms']:.2f} ms, "
+                             f"check and bookkeeping {sp['book_ms']:.2f} ms")
     rate = r.get("rate")
     if rate:
         pinned, step_pinned = rate.get("pinned_gbps"), rate.get("step_pinned_gbps")
@@ -323,7 +389,12 @@ def main() -> None:
     parser.add_argument("--cases", default="warm,pooled,pooled-own,pooled-off,capped,rate")
     parser.add_argument("--out", type=Path, default=ROOT / "gpu_pull.json")
     parser.add_argument("--results", action="store_true", help="write into bench/RESULTS.md")
+    parser.add_argument("--chunks", type=int, help="blocks per pair in the pull kernel")
     args = parser.parse_args()
+    if args.chunks:
+        from expertd.client import pull
+
+        pull.CHUNKS = args.chunks
     r = run(args)
     args.out.write_text(json.dumps(r, indent=1))
     text = table(r)

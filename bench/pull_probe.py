@@ -1,6 +1,10 @@
-"""Probe: the pull kernel's rate by grid shape (CHUNKS blocks per row, THREADS per block).
+"""Probe: the pull kernel as a decode step meets it, by grid (CHUNKS blocks per pair).
 
     PYTHONSAFEPATH=1 python bench/pull_probe.py
+
+Each of the model's layers assembles 8 pairs, ``m`` of them missing from a 32-row pool (pulled
+from the registered arena), the rest pool hits; every layer's assemble runs under one
+evaluation, as in a step. Prints the step's pull time (ms) by m and CHUNKS.
 """
 
 import statistics
@@ -19,6 +23,63 @@ from expertd.client import pull
 from expertd.client.session import Session, Stack
 from expertd.manifest import Manifest
 
+POOL = 32
+
+
+def _median_ms(make, repeat: int = 20) -> float:
+    mx.eval(make())
+    times = []
+    for _ in range(repeat):
+        out = make()
+        t = time.perf_counter()
+        mx.eval(out)
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def _host_ms(make, repeat: int = 20) -> tuple:
+    """Median ms of ``mx.async_eval`` (the host's encoding) and of the whole evaluation."""
+    mx.eval(make())
+    host, total = [], []
+    for _ in range(repeat):
+        out = make()
+        t = time.perf_counter()
+        mx.async_eval(out)
+        t1 = time.perf_counter()
+        mx.eval(out)
+        host.append(t1 - t)
+        total.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(host), 1e3 * statistics.median(total)
+
+
+def encode_costs(p, pools, layers) -> None:
+    """What the host pays to encode a step's extra work, 12 layers of it, by shape: the pull
+    kernel (one output per segment and a status), a kernel copying the same bytes into one
+    output, and mx.take of the same rows per segment."""
+    ids = mx.array(np.arange(8, dtype=np.int32))
+    mx.eval(ids)
+    first = pools[layers[0]].arrays[0]
+    n_out = 8 * sum(a[0].size * a.itemsize for a in pools[layers[0]].arrays) // 4
+    src = f"""
+  for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < {n_out}LL;
+       i += gridDim.x * blockDim.x)
+    out0[i] = ((const unsigned int*)pool0)[i % {first.nbytes // 4}LL];"""
+    one = mx.fast.cuda_kernel(name="probe_one", input_names=["ids", "pool0"],
+                              output_names=["out0"], source=src)
+    cases = dict(
+        pull=lambda: [p.assemble(la, ids, pools[la]) for la in layers],
+        one_output=lambda: [one(inputs=[ids, pools[la].arrays[0]],
+                                output_shapes=[(n_out,)],
+                                output_dtypes=[mx.uint32], grid=(2048 * 512, 1, 1),
+                                threadgroup=(512, 1, 1)) for la in layers],
+        take=lambda: [[mx.take(a, ids, axis=0) for a in pools[la].arrays] for la in layers],
+        take_one=lambda: [mx.take(pools[la].arrays[0], ids, axis=0) for la in layers],
+    )
+    for name, make in cases.items():
+        host, total = _host_ms(make)
+        print(f"encode {name}: async_eval {host:.3f} ms, whole {total:.3f} ms "
+              f"({len(layers)} layers)", flush=True)
+
 
 def main() -> None:
     _, blob_dir = ensure_model("gpu-pools-qwen3-30b-shapes", QWEN3_30B_SHAPES)
@@ -26,27 +87,28 @@ def main() -> None:
     with daemon(blob_dir, m.total_expert_bytes * 1.3 / 2**30 + 0.01):
         session = Session(blob_dir, pull="device")
         try:
-            experts = np.arange(8, dtype=np.int32)
-            session.demand_absent(0, experts)
             p = session.puller
+            layers = [la.index for la in m.layers]
             n = m.layers[0].num_experts
-            empty = Stack([mx.zeros((1, *s), d) for d, s, _ in p.layers[0]],
-                          np.full(n, -1, np.int32))
-            ids = mx.array(experts)
-            mx.eval(ids, empty.arrays)
-            for chunks in (1, 2, 4, 8, 16):
-                for threads in (512, 1024):
-                    pull.CHUNKS, pull.THREADS = chunks, threads
-                    mx.eval(p.assemble(0, ids, empty))
-                    times = []
-                    for _ in range(10):
-                        out = p.assemble(0, ids, empty)
-                        t = time.perf_counter()
-                        mx.eval(out)
-                        times.append(time.perf_counter() - t)
-                    nbytes = sum(a.nbytes for a in out[0])
-                    print(f"chunks {chunks} threads {threads}: "
-                          f"{nbytes / statistics.median(times) / 1e9:.1f} GB/s", flush=True)
+            arena = np.arange(POOL, POOL + 8, dtype=np.int32)
+            for layer in layers:
+                session.demand_absent(layer, arena)
+            row_of = np.full(n, -1, np.int32)
+            row_of[:POOL] = np.arange(POOL)
+            pools = {la: Stack([mx.zeros((POOL, *s), d) for d, s, _ in p.layers[la]], row_of)
+                     for la in layers}
+            mx.eval([s.arrays for s in pools.values()])
+            encode_costs(p, pools, layers)
+            for misses in (0, 1, 2, 4, 8):
+                ids = mx.array(np.concatenate([arena[:misses],
+                                               np.arange(8 - misses, dtype=np.int32)]))
+                line = []
+                for chunks in (4, 8, 16, 32, 64):
+                    pull.CHUNKS = chunks
+                    t = _median_ms(lambda: [p.assemble(la, ids, pools[la]) for la in layers])
+                    line.append(f"{chunks}: {t:.3f}")
+                print(f"misses {misses}/8 a layer, {len(layers)} layers, ms by CHUNKS: "
+                      + ", ".join(line), flush=True)
         finally:
             session.close()
 
