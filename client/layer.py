@@ -31,6 +31,14 @@ def distinct(idx: np.ndarray) -> np.ndarray:
     return np.unique(idx).astype(np.int32)
 
 
+def _distinct_per_row(values: np.ndarray) -> np.ndarray:
+    """Each row's distinct non-negative values, every row's together (one sort for all)."""
+    v = np.sort(values, axis=1)
+    first = np.ones(v.shape, dtype=bool)
+    first[:, 1:] = v[:, 1:] != v[:, :-1]
+    return v[first & (v >= 0)]
+
+
 @dataclass
 class StreamedLayer:
     """What one streamed switch module needs at call time."""
@@ -166,26 +174,41 @@ class StreamedLayer:
             self._rows_cache[key] = rows
         return rows
 
-    def after_pull(self, rows: np.ndarray, experts: np.ndarray, arrays: list,
-                   promote: bool = True) -> None:
+    def after_pull(self, rows: np.ndarray, experts: np.ndarray, arrays: list) -> None:
         """The bookkeeping of a step's pulled call, from its decoded statuses (``rows``,
         ``experts``: see pull.decode_status): pool hits counted, pulled experts that keep
-        coming back promoted into the pool (a device copy; without ``promote`` only counted,
-        to be promoted by a later step), use reported."""
+        coming back promoted into the pool (a device copy), use reported."""
         pool = self.pool
         hit = np.unique(rows[rows >= 0])
-        pool.counters["hits"] += len(hit)
-        pool.touch(hit)
+        pulled, first = self._count(hit, None, experts)
+        if len(pulled):
+            pool.promote(pulled.astype(np.int32), arrays,
+                         np.flatnonzero(experts >= 0)[first])
+        self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))
+
+    def after_pulled_steps(self, rows: np.ndarray, experts: np.ndarray) -> None:
+        """The counting of several steps' pulled calls at once (``(steps, pairs)`` each, as
+        :meth:`after_pull` takes one step's), nothing promoted: each step's distinct hits and
+        pulls counted once, as that step's own bookkeeping would."""
+        steps = rows.shape[0]
+        hit, times = np.unique(_distinct_per_row(rows), return_counts=True)
+        pulled, counts = np.unique(_distinct_per_row(experts), return_counts=True)
+        self._count(hit, times, experts)
+        if len(pulled):
+            self.pool.note_pulls(pulled, counts)
+        self._report(np.union1d(self.pool.expert_of[hit], pulled).astype(np.int32), steps)
+
+    def _count(self, hit: np.ndarray, times, experts: np.ndarray) -> tuple:
+        """Count pool hits (``times`` each, default once) and the pulled pairs of
+        ``experts``; the distinct pulled experts and each one's first pair."""
+        pool = self.pool
+        pool.counters["hits"] += len(hit) if times is None else int(times.sum())
+        pool.touch(hit, times)
         missed = experts >= 0
         n_missed = int(missed.sum())
         pool.counters["pulled"] += n_missed
         self.session.count_pulled(self.index, n_missed)
-        pulled, first = np.unique(experts[missed], return_index=True)
-        if len(pulled) and promote:
-            pool.promote(pulled.astype(np.int32), arrays, np.flatnonzero(missed)[first])
-        elif len(pulled):
-            pool.note_pulls(pulled)
-        self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))
+        return np.unique(experts[missed], return_index=True)
 
     def _staged_call(self, module, x, indices, unique: np.ndarray):
         """A call on a stage with a row for every expert (session.stage: one buffer for the
@@ -268,10 +291,10 @@ class StreamedLayer:
             nxt.pool.write_ahead(ranked[:n_core], found.slots[:n_core], found.versions[:n_core],
                                  session.view, session.epoch, self.copier)
 
-    def _report(self, unique: np.ndarray) -> None:
+    def _report(self, unique: np.ndarray, calls: int = 1) -> None:
         """Pooled experts reach the daemon's LFU every REPORT_EVERY calls (no message)."""
         self._used.update(unique.tolist())
-        self._calls += 1
+        self._calls += calls
         if self._calls >= REPORT_EVERY:
             self.session.check_alive()
             self.session.report_hits(self.index, np.array(sorted(self._used), dtype=np.int32))

@@ -163,14 +163,15 @@ class ExpertPool:
         self.touch(rows)
         return rows
 
-    def touch(self, rows: np.ndarray) -> None:
-        """Count one use of each row (LFU), and a written-ahead row's first use."""
-        self.uses[rows] += 1
+    def touch(self, rows: np.ndarray, times: np.ndarray | None = None) -> None:
+        """Count a use of each row (``times`` uses each, default one: LFU), and a
+        written-ahead row's first use."""
+        self.uses[rows] += 1 if times is None else times
         flagged = self.ahead_flag[rows]
         if flagged.any():
             self.counters["ahead_used"] += int(flagged.sum())
             self.ahead_flag[rows] = False
-        self._touches += len(rows)
+        self._touches += len(rows) if times is None else int(times.sum())
         if self._touches >= DECAY_EVERY * self.rows:
             self.uses >>= 1
             self.pulls >>= 1

@@ -174,12 +174,15 @@ class Steps:
         self.records: list = []  # (layer, lazy ids) of the running speculative step
         self._settled = None  # when the last pipelined step was checked, another in flight
         self._planned = None  # plan()'s decision for the next launch
+        # layer index -> (layer, [(rows, experts)] of its pulled steps not yet counted)
+        self._deferred: dict = {}
         self._top_k = session.manifest.top_k
 
     def run(self, forward, inputs, args: tuple, kwargs: dict):
         # A step starts attached: after a daemon's death or a failed or interrupted wait for
         # it, the session attaches again here (or raises DaemonNotRunning), before any layer.
         self.session.check_alive()
+        self.flush()  # the pools may change during this step: count what waited first
         counters = self.session.counters
         counters["steps"] += 1
         if self._unchecked():
@@ -233,6 +236,7 @@ class Steps:
         cache = kwargs.get("cache", args[0] if args else None)
         planned, self._planned = self._planned, None
         if not (self.plan(inputs, cache) if planned is None else planned):
+            self.flush()
             return Launched(self._per_layer(forward, inputs, args, kwargs), None, [], None)
         epoch = self.session.step_epoch if self.session.puller is not None else None
         launched = None
@@ -325,6 +329,7 @@ class Steps:
         if epoch is not None and epoch.inside:
             mx.synchronize()
             epoch.end()
+        self.flush()
 
     def _per_layer(self, forward, inputs, args: tuple, kwargs: dict):
         """A decode step waiting in every MoE layer, timed for the speculation's verdict (its
@@ -408,32 +413,50 @@ class Steps:
                promote: bool = True) -> str | None:
         """Why the speculative step must be replayed ("pool": an id missed its pool without a
         puller; "absent": a pulled expert had no ready row in the arena), or None after the
-        host's bookkeeping of the step (pool use counts, promotions, reports to the daemon)."""
+        host's bookkeeping of the step (pool use counts, promotions, reports to the daemon).
+        Without ``promote`` (a pipelined step, another in flight) the pulled layers' counting
+        waits in ``_deferred`` for the next step that promotes (:meth:`flush`): the pools do not
+        change in between, so counting then decides what counting now would."""
         plain = [r for r in records if r[2] is None]
         pulled = [r for r in records if r[2] is not None]
         flat = list(flat)
-        per_layer = []
-        for group, kind in ((plain, "ids"), (pulled, "status")):
-            if not group:
-                continue
-            values, at = flat.pop(0), 0
-            for layer, idx, _, arrays in group:
-                n = idx.size
-                per_layer.append((layer, kind, values[at:at + n], arrays))
-                at += n
-        decoded = {}
-        for layer, kind, values, _ in per_layer:
-            if kind == "ids" and (layer.pool.row_of[values] < 0).any():
+        ids = flat.pop(0) if plain else None
+        at = 0
+        for layer, idx, _, _ in plain:
+            values = ids[at:at + idx.size]
+            at += idx.size
+            if (layer.pool.row_of[values] < 0).any():
                 return "pool"  # the replay does the bookkeeping, on the per-layer path
-            if kind == "status":
-                rows, experts, kinds = decoded[layer.index] = decode_status(values)
-                if (kinds == ABSENT).any():
-                    absent.append((layer, np.unique(experts[kinds == ABSENT]).astype(np.int32)))
-        if absent:
-            return "absent"
-        for layer, kind, values, arrays in per_layer:
-            if kind == "ids":
-                layer.after_speculation(values)
+        if pulled:
+            rows, experts, kinds = decode_status(flat.pop(0))  # every pulled layer at once
+            if (kinds == ABSENT).any():
+                at = 0
+                for layer, idx, _, _ in pulled:
+                    lacked = experts[at:at + idx.size][kinds[at:at + idx.size] == ABSENT]
+                    if lacked.size:
+                        absent.append((layer, np.unique(lacked).astype(np.int32)))
+                    at += idx.size
+                return "absent"
+        at = 0
+        for layer, idx, _, _ in plain:
+            layer.after_speculation(ids[at:at + idx.size])
+            at += idx.size
+        at = 0
+        if pulled and promote:
+            self.flush()
+        for layer, idx, _, arrays in pulled:
+            part = slice(at, at + idx.size)
+            at += idx.size
+            if promote:
+                layer.after_pull(rows[part], experts[part], arrays)
             else:
-                layer.after_pull(*decoded[layer.index][:2], arrays, promote)
+                self._deferred.setdefault(layer.index, (layer, []))[1].append(
+                    (rows[part], experts[part]))
         return None
+
+    def flush(self) -> None:
+        """Count the pulled steps whose bookkeeping waited (see :meth:`_check`)."""
+        deferred, self._deferred = self._deferred, {}
+        for layer, steps in deferred.values():
+            layer.after_pulled_steps(np.stack([r for r, _ in steps]),
+                                     np.stack([e for _, e in steps]))

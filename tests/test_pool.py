@@ -7,6 +7,8 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from expertd.client.backing import segment_bases
 from expertd.client.pool import ExpertPool, make_pool, plan_rows, smallest_rows
@@ -163,3 +165,55 @@ def test_segment_bases_are_aligned_and_disjoint():
     bases = segment_bases(5, nbytes)
     assert (bases % 64 == 0).all()
     assert all(bases[i] + 5 * nbytes[i] <= bases[i + 1] for i in range(2))
+
+
+class Reports:
+    """The session's side of a layer's bookkeeping: pulled rows counted, hits reported."""
+
+    def __init__(self):
+        self.pulled, self.reported = 0, []
+
+    def count_pulled(self, layer, rows):
+        self.pulled += rows
+
+    def report_hits(self, layer, experts):
+        self.reported.append(experts.tolist())
+
+    def check_alive(self):
+        pass
+
+
+@given(st.lists(st.lists(st.integers(-1, 15), min_size=8, max_size=8), min_size=1,
+                max_size=5))
+@settings(max_examples=40, deadline=None)
+def test_counting_pipelined_steps_together_counts_what_each_alone_would(steps):
+    """A pipelined loop counts its pulled steps at the next promotion (step.py's flush): the
+    uses, pulls, counters and reports equal those of counting each step on its own (below
+    the decay's threshold, where the order of touches cannot matter). Values 0-7: a hit on
+    that pool row; 8-15: a pull of that expert; -1 (both): the other kind of pair."""
+    from expertd.client.layer import StreamedLayer
+
+    def one_pool():
+        pool = new_pool("host", rows=8)
+        pool.place(np.arange(8, dtype=np.int32), PatternReader())
+        return pool
+
+    table = np.array(steps)
+    rows = np.where(table < 8, table, -1)
+    experts = np.where(table >= 8, table, -1)
+    alone, together = Reports(), Reports()
+    a = StreamedLayer(alone, 0, one_pool(), [], 32)
+    b = StreamedLayer(together, 0, one_pool(), [], 32)
+    for r, e in zip(rows, experts):  # what one step's own counting did
+        hit = np.unique(r[r >= 0])
+        a.pool.counters["hits"] += len(hit)
+        a.pool.touch(hit)
+        a.pool.counters["pulled"] += int((e >= 0).sum())
+        alone.count_pulled(0, int((e >= 0).sum()))
+        pulled = np.unique(e[e >= 0])
+        a.pool.note_pulls(pulled)
+        a._report(np.union1d(a.pool.expert_of[hit], pulled).astype(np.int32))
+    b.after_pulled_steps(rows, experts)
+    assert (a.pool.uses == b.pool.uses).all() and (a.pool.pulls == b.pool.pulls).all()
+    assert a.pool.counters == b.pool.counters and alone.pulled == together.pulled
+    assert a._used == b._used and a._calls == b._calls and alone.reported == together.reported
