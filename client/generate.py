@@ -4,7 +4,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from expertd.cli.argtypes import DEFAULT_KV_GROUP_SIZE, DEFAULT_PREFILL_STEP_SIZE, DEFAULT_QUANTIZED_KV_START
+from expertd.cli.argtypes import (
+    DEFAULT_DRAFT_TOKENS,
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_PREFILL_STEP_SIZE,
+    DEFAULT_QUANTIZED_KV_START,
+)
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
              chat_template: bool = True, pipeline_group=None, pool_gb: float | None = None,
              speculate: str = "auto", kv: KVOptions = KVOptions(),
              extra_eos_tokens=(), pull: str = "auto",
-             reconnect_timeout: float | None = None) -> dict:
+             reconnect_timeout: float | None = None, draft_model: str | None = None,
+             num_draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
 
     Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``), the KV cache (``kv``), the extra
@@ -39,14 +45,17 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
     False, with ``system_prompt`` first) are mlx-lm's. With ``pipeline_group`` (under
     ``mlx.launch``), this process runs its rank's pipeline stage (see ``load``); every rank
     computes the same tokens. ``pool_gb`` sizes the expert pools and ``speculate`` sets the
-    one-wait-a-step mode (see ``load``).
+    one-wait-a-step mode (see ``load``). ``draft_model`` (an mlx-lm checkpoint's directory or
+    Hugging Face id, resident) drafts ``num_draft_tokens`` tokens at a time for mlx-lm's own
+    speculative decoding, which the streamed model checks several at a call.
 
     Returns:
         dict with prompt/generation token counts and tok/s, the tokens, the peak memory, this
         client's hits, misses, hit rate and bytes read for it, and the whole daemon's during
         the run.
     Raises:
-        ValueError: an extra EOS token that the tokenizer does not have.
+        ValueError: an extra EOS token that the tokenizer does not have; a draft model that
+            is not found, or whose vocabulary differs from the model's.
     """
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
@@ -55,12 +64,20 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
 
     from .decode import stream_generate
 
+    draft = load_draft(draft_model) if draft_model is not None else None
     model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
                             pool_gb=pool_gb, speculate=speculate, pull=pull,
                             **({} if reconnect_timeout is None
                                else {"reconnect_timeout": reconnect_timeout}))
     session = model.expertd_session
     try:  # the session says goodbye whatever happens, a bad EOS token or Ctrl-C included
+        extra = {}
+        if draft is not None:
+            if draft[1].vocab_size != tokenizer.vocab_size:
+                raise ValueError(f"--draft-model {draft_model}: its vocabulary "
+                                 f"({draft[1].vocab_size} tokens) is not the model's "
+                                 f"({tokenizer.vocab_size})")
+            extra = dict(draft_model=draft[0], num_draft_tokens=num_draft_tokens)
         for token in extra_eos_tokens:
             tokenizer.add_eos_token(token)
         if chat_template and getattr(tokenizer, "chat_template", None):
@@ -70,14 +87,15 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
                                                    tokenize=False)
         mx.random.seed(seed)
         before = session.stats()
-        tokens, last = [], None
+        tokens, last, drafted = [], None, 0
         started = time.perf_counter()
         sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k)
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                        sampler=sampler, **asdict(kv)):
+                                        sampler=sampler, **asdict(kv), **extra):
             out.write(response.text)
             out.flush()
             tokens.append(response.token)
+            drafted += response.from_draft
             last = response
         elapsed = time.perf_counter() - started
         mine = session.usage()
@@ -91,6 +109,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
         generation_tokens=last.generation_tokens if last else 0,
         generation_tps=last.generation_tps if last else 0.0,
         seconds=elapsed, tokens=tokens, peak_memory_gb=mx.get_peak_memory() / 1e9,
+        # Tokens the draft model proposed and the streamed model accepted (None: no draft).
+        draft_accepted=drafted if draft is not None else None,
         # This client's own: experts it used, the ones read from the disk for it, and the bytes
         # read for it (its misses and the prefetches it asked for).
         hits=mine["hits"], misses=mine["misses"], hit_rate=mine["hit_rate"],
@@ -110,10 +130,32 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
     )
 
 
+def load_draft(name: str) -> tuple:
+    """``(model, tokenizer)`` of a draft model, resident: a local mlx-lm checkpoint or a
+    Hugging Face id (as mlx_lm.generate takes). A path that does not exist is refused before
+    anything is asked of the network."""
+    import os
+
+    import mlx_lm
+
+    path = os.path.expanduser(name)
+    if not os.path.exists(path) and (os.path.isabs(path) or name.startswith((".", "~"))):
+        raise ValueError(f"--draft-model {name}: no such directory")
+    try:
+        model, tokenizer = mlx_lm.load(path)[:2]
+    except Exception as exc:  # mlx-lm's own errors: not a model, not downloadable
+        raise ValueError(f"--draft-model {name}: cannot load it with mlx-lm: "
+                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+    return model, tokenizer
+
+
 def summary_line(s: dict) -> str:
     line = (f"[expertd] prompt {s['prompt_tokens']} tok @ {s['prompt_tps']:.1f} tok/s | "
             f"generation {s['generation_tokens']} tok @ {s['generation_tps']:.1f} tok/s | "
             f"hit rate {s['hit_rate']:.1%} | read {s['bytes_read'] / 2**20:.1f} MiB")
+    if s.get("draft_accepted") is not None:
+        line += (f" | {s['draft_accepted']}/{s['generation_tokens']} tokens drafted and "
+                 f"accepted in {s['steps']} model calls")
     if s.get("steps"):
         line += (f" | {s['host_waits'] / s['steps']:.2f} host waits a step, "
                  f"{s['replays']} replayed")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from expertd.cli import argtypes
 from expertd.cli.argtypes import (
+    DEFAULT_DRAFT_TOKENS,
     DEFAULT_KV_GROUP_SIZE,
     DEFAULT_PREFILL_STEP_SIZE,
     DEFAULT_QUANTIZED_KV_START,
@@ -37,6 +38,9 @@ def _cmd_generate(args) -> int:
                    kv_group_size=args.kv_group_size,
                    quantized_kv_start=args.quantized_kv_start,
                    prefill_step_size=args.prefill_step_size)
+    if args.pipeline and args.draft_model:
+        raise ValueError("--draft-model does not go with --pipeline: mlx-lm's speculative "
+                         "decoding runs in one process")
     group, out = (_pipeline_group() if args.pipeline else None), sys.stdout
     if group is not None and group.rank() != 0:
         out = open(os.devnull, "w")  # rank 0 prints; every rank computes the same tokens
@@ -46,7 +50,8 @@ def _cmd_generate(args) -> int:
                        chat_template=not args.ignore_chat_template, out=out,
                        pipeline_group=group, pool_gb=args.pool_gb,
                        speculate=args.speculate, kv=kv, extra_eos_tokens=args.extra_eos_token,
-                       pull=args.pull, reconnect_timeout=args.reconnect_timeout)
+                       pull=args.pull, reconnect_timeout=args.reconnect_timeout,
+                       draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens)
     if group is not None:
         from expertd.client.pipeline import gather_usage
 
@@ -184,6 +189,15 @@ def add_client_subcommands(sub) -> None:
                    help="run under mlx.launch: split the model into pipeline stages with "
                    "mlx-lm's own split, one per process, each streaming its layers from the "
                    "expertd of its host (README: Several machines); rank 0 prints")
+    p.add_argument("--draft-model", metavar="MODEL",
+                   help="a small resident mlx-lm model (a directory or a Hugging Face id) that "
+                   "drafts tokens for mlx-lm's speculative decoding: the streamed model checks "
+                   "several drafted tokens in one call, so its misses cost once a call; the "
+                   "text is what the model alone would give under the same draft (default: "
+                   "no draft)")
+    p.add_argument("--num-draft-tokens", type=argtypes.positive_int,
+                   default=DEFAULT_DRAFT_TOKENS, metavar="N",
+                   help=f"tokens drafted at a time (default: {DEFAULT_DRAFT_TOKENS})")
     p.add_argument("--json-summary", metavar="FILE", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_generate)
 
