@@ -61,9 +61,9 @@ def _server_classes():
     class StreamedModelProvider(ModelProvider):
         """Serves the one model loaded through expertd under its names; never loads another."""
 
-        def __init__(self, cli_args, model, tokenizer, names: set):
+        def __init__(self, cli_args, model, tokenizer, names: set, draft=None):
             super().__init__(cli_args)
-            self.streamed, self.names = (model, tokenizer), names
+            self.streamed, self.names, self.draft = (model, tokenizer), names, draft
 
         def load(self, model_path, adapter_path=None, draft_model_path=None):
             if model_path not in self.names:
@@ -72,8 +72,9 @@ def _server_classes():
                                      "lists it)")
             if adapter_path is not None:
                 raise ValueError("expertd serve does not load adapters")
-            if draft_model_path not in (None, "default_model"):
-                raise ValueError("expertd serve does not load draft models")
+            if draft_model_path not in (None, "default_model", self.cli_args.draft_model):
+                raise ValueError(f"draft model {draft_model_path!r} is not loaded here; "
+                                 "start expertd serve with --draft-model for one")
             if self.model is None:
                 self._load(model_path)
             return self.model, self.tokenizer
@@ -82,8 +83,10 @@ def _server_classes():
             model, tokenizer = self.streamed
             self.model_key = (self.cli_args.model, None, None)
             self.model, self.tokenizer = model, tokenizer
-            self.processor = self.draft_model = None
-            self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+            self.processor = None
+            self.draft_model = self.draft
+            self.is_batchable = self.draft is None and all(
+                hasattr(c, "merge") for c in make_prompt_cache(model))
 
     class CountingResponseGenerator(ResponseGenerator):
         """mlx-lm's generator, counting requests and tokens on their way to the handler, and
@@ -333,6 +336,14 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     # The command line has configured logging already (then this only sets the level).
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(message)s")
     logging.getLogger().setLevel(cli_args.log_level.upper())
+    draft = None
+    if cli_args.draft_model:  # before the model: a bad draft costs no daemon attach
+        if pipeline_group is not None:
+            raise ValueError("--draft-model does not go with --pipeline: mlx-lm's speculative "
+                             "decoding runs in one process")
+        from expertd.client.generate import load_draft
+
+        draft, draft_tokenizer = load_draft(cli_args.draft_model)
     # Loaded here rather than in the generation thread, so that a daemon that is not running
     # is a one-line error before anything listens.
     # A daemon that dies later is waited for by the model, not by the requests (see
@@ -344,6 +355,10 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     cli_args.pipeline = pipeline_group is not None
     session = model.expertd_session
     try:
+        if draft is not None and draft_tokenizer.vocab_size != tokenizer.vocab_size:
+            raise ValueError(f"--draft-model {cli_args.draft_model}: its vocabulary "
+                             f"({draft_tokenizer.vocab_size} tokens) is not the model's "
+                             f"({tokenizer.vocab_size})")
         if cli_args.chat_template:
             tokenizer.chat_template = cli_args.chat_template  # as mlx_lm.server's load does
             tokenizer.has_chat_template = True
@@ -351,7 +366,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
             tokenizer.chat_template = tokenizer.default_chat_template
         provider_class, generator_class, handler_class = _server_classes()
         name, names = model_names(blob_dir)
-        provider = provider_class(cli_args, model, tokenizer, names)
+        provider = provider_class(cli_args, model, tokenizer, names, draft)
         counters, watch = ServerCounters(), DaemonWatch(session.paths)
         fingerprint = get_system_fingerprint()
         httpd = None

@@ -87,3 +87,26 @@ def test_generate_refuses_a_draft_whose_vocabulary_differs(models, isolated_env,
         env=isolated_env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "draft" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_serve_takes_a_draft_model_and_answers_resident_tokens(models, isolated_env, tmp_path):
+    """mlx_lm.server's speculative decoding, through ``expertd serve --draft-model``: a greedy
+    completion's tokens equal resident mlx-lm's with the same draft."""
+    import mlx_lm
+    from test_serve import Server, parse_metrics, reply_tokens
+
+    blob_dir, model_dir = models.blobs(), models.model()
+    draft = models.model(bits=8)
+    resident, tokenizer = mlx_lm.load(str(model_dir))
+    want = [r.token for r in mlx_lm.stream_generate(
+        resident, tokenizer, "def main(): print(", max_tokens=TOKENS,
+        draft_model=resident_model(draft), num_draft_tokens=DRAFTS)]
+    with (Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")),
+          Server(blob_dir, tmp_path, "--draft-model", draft) as server):
+        reply = server.client.completions.create(model=blob_dir.name, prompt="def main(): print(",
+                                                 max_tokens=TOKENS, temperature=0, logprobs=True)
+        values, _ = parse_metrics(server.get("/metrics")[2])
+    assert reply_tokens(reply.choices[0]) == want
+    # Drafted tokens checked several at a call: fewer model calls than tokens (the prompt's
+    # calls included).
+    assert values["expertd_client_steps_total"] < len(want)

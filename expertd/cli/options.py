@@ -171,8 +171,7 @@ def config_settings(args) -> dict:
 # ---- expertd serve: mlx_lm.server's settings -----------------------------------------------------
 
 # The settings `expertd serve` has no flag for, kept at mlx_lm.server's defaults (mlx-lm 0.32).
-MLX_SERVER_FIXED = dict(adapter_path=None, draft_model=None, num_draft_tokens=3,
-                        trust_remote_code=False, pipeline=False)
+MLX_SERVER_FIXED = dict(adapter_path=None, trust_remote_code=False, pipeline=False)
 
 # mlx_lm.server's flags that `expertd serve` has, with mlx_lm.server's defaults (mlx-lm 0.32;
 # pyproject.toml pins the range) and expertd's checks of each value.
@@ -211,6 +210,12 @@ MLX_SERVER_OPTIONS = (
     Option("--quantized-kv-start", "with --kv-bits, quantize a request's KV cache from this many "
            "tokens on", default=argtypes.DEFAULT_QUANTIZED_KV_START,
            type=argtypes.non_negative_int),
+    Option("--draft-model", "a small resident mlx-lm model (a directory or a Hugging Face id) "
+           "drafting tokens for mlx-lm's speculative decoding, checked several at a call by the "
+           "streamed model; as in mlx_lm.server, requests are then served one at a time",
+           metavar="MODEL", shown="none"),
+    Option("--num-draft-tokens", "tokens drafted at a time, for requests that set none",
+           default=argtypes.DEFAULT_DRAFT_TOKENS, type=argtypes.positive_int),
     Option("--allowed-origins", "CORS origins, comma-separated", default=["*"],
            type=lambda text: text.split(","), shown="*"),
     Option("--log-level", "mlx_lm.server's logging level", default="INFO",
