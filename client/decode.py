@@ -59,6 +59,9 @@ def pipelined_step(prompt, model, *, max_tokens: int = 256, sampler=None, prompt
 
 def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int):
     current = inputs = None  # the launched step that made y (None: y is checked), its input
+    # The random key before y's sample, and before next_y's: a replayed step samples its token
+    # again with the key it had, so a sampled generation draws what mlx-lm's loop draws.
+    key = next_key = None
     made = 0
     while True:
         last = max_tokens != -1 and made + 1 >= max_tokens
@@ -68,16 +71,19 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
                                     or not steps.plan(y[None], cache)):
             if steps.settle(current) is not None:
                 trim(cache, 1)
+                _rewind(key)
                 y, logprobs = _sample(model(inputs[None], cache=cache), sampler)
             current = None
         nxt = None
         if not last:
             nxt = steps.launch(forward, y[None], (), {"cache": cache})
+            next_key = mx.random.state[0]
             next_y, next_logprobs = _sample(nxt.logits, sampler)
             mx.async_eval(next_y, next_logprobs)
         if current is not None:
             if steps.settle(current, nxt) is not None:  # y is wrong, and nxt (abandoned)
                 trim(cache, 2)
+                _rewind(key)
                 y, logprobs = _sample(model(inputs[None], cache=cache), sampler)
                 current = None
                 continue
@@ -87,7 +93,16 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
             return
         if made % 256 == 0:
             mx.clear_cache()
-        inputs, y, logprobs, current = y, next_y, next_logprobs, nxt
+        inputs, y, logprobs, current, key = y, next_y, next_logprobs, nxt, next_key
+
+
+def _rewind(key) -> None:
+    """Set MLX's global random key back to ``key`` (an array taken from
+    ``mx.random.state``): ``mx.random.seed`` of the 64-bit number whose halves the key holds."""
+    import numpy as np
+
+    hi, lo = (int(v) for v in np.array(key))
+    mx.random.seed(hi << 32 | lo)
 
 
 def pipelines(model, kwargs: dict) -> bool:

@@ -37,12 +37,15 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
              speculate: str = "auto", kv: KVOptions = KVOptions(),
              extra_eos_tokens=(), pull: str = "auto",
              reconnect_timeout: float | None = None, draft_model: str | None = None,
-             num_draft_tokens: int = DEFAULT_DRAFT_TOKENS) -> dict:
+             num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, xtc_probability: float = 0.0,
+             xtc_threshold: float = 0.0, prefill_response: str | None = None,
+             template_kwargs: dict | None = None) -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
 
-    Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``), the KV cache (``kv``), the extra
-    tokens that end the generation and the chat template (applied unless ``chat_template`` is
-    False, with ``system_prompt`` first) are mlx-lm's. With ``pipeline_group`` (under
+    Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``, ``xtc_*``), the KV cache (``kv``),
+    the extra tokens that end the generation and the chat template (applied unless
+    ``chat_template`` is False, with ``system_prompt`` first, ``template_kwargs`` passed to
+    it, and ``prefill_response`` as the start of the reply) are mlx-lm's. With ``pipeline_group`` (under
     ``mlx.launch``), this process runs its rank's pipeline stage (see ``load``); every rank
     computes the same tokens. ``pool_gb`` sizes the expert pools and ``speculate`` sets the
     one-wait-a-step mode (see ``load``). ``draft_model`` (an mlx-lm checkpoint's directory or
@@ -83,13 +86,23 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
         if chat_template and getattr(tokenizer, "chat_template", None):
             messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
             messages.append({"role": "user", "content": prompt})
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                   tokenize=False)
+            prefill = prefill_response is not None
+            if prefill:
+                messages.append({"role": "assistant", "content": prefill_response})
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill,
+                                                   continue_final_message=prefill,
+                                                   tokenize=False, **(template_kwargs or {}))
+        elif prefill_response is not None:
+            raise ValueError("--prefill-response needs the chat template (the tokenizer has "
+                             "none, or --ignore-chat-template was given)")
         mx.random.seed(seed)
         before = session.stats()
         tokens, last, drafted = [], None, 0
         started = time.perf_counter()
-        sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k)
+        sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k,
+                               xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                               xtc_special_tokens=tokenizer.encode("\n")
+                               + list(tokenizer.eos_token_ids))
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
                                         sampler=sampler, **asdict(kv), **extra):
             out.write(response.text)

@@ -70,6 +70,30 @@ def test_pipelined_tokens_are_resident_ones(models, isolated_env, tmp_path, aren
             session.close()
 
 
+def test_sampled_tokens_are_resident_ones_through_replays(models, isolated_env, tmp_path):
+    """Sampling at temperature 1 from one seed: a replayed step samples its token again with
+    the random key it had, so the tokens are the ones mlx-lm draws with the model resident,
+    whatever was replayed (an arena of 8 rows: absent experts)."""
+    from mlx_lm.sample_utils import make_sampler
+
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    ids = prompt(resident_model(model_dir).args.vocab_size)
+    sampler = make_sampler(1.0)
+    mx.random.seed(11)
+    want = [t for t, _ in generate_step(ids, resident_model(model_dir), max_tokens=TOKENS,
+                                        sampler=sampler)]
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_TINY, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        session = model.expertd_session
+        try:
+            mx.random.seed(11)
+            got = [t for t, _ in pipelined_step(ids, model, max_tokens=TOKENS, sampler=sampler)]
+            assert session.counters["replays"] > 0  # the case this test is about
+        finally:
+            session.close()
+    assert got == want
+
+
 def test_a_step_revoked_in_flight_is_replayed_with_the_one_built_on_it(
         models, isolated_env, tmp_path, monkeypatch):
     """The daemon writes the record's step into ``lost`` while two steps are in flight: the

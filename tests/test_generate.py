@@ -127,7 +127,8 @@ def resident_runs(model_dir, max_tokens: int, **runs) -> dict:
 
 def test_stdout_is_the_text_and_mlx_lm_flags_reach_stream_generate(models, isolated_env,
                                                                    tmp_path):
-    """The summary goes to stderr with mlx-lm's peak memory line, --verbose False drops it,
+    """mlx-lm's summary block follows the text on stdout, expertd's line goes to stderr,
+    --verbose False drops both,
     and --max-kv-size, --kv-*, --prefill-step-size and --extra-eos-token act as in mlx-lm."""
     blob_dir, n = models.blobs(), 24
     quantize = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0)
@@ -151,12 +152,17 @@ def test_stdout_is_the_text_and_mlx_lm_flags_reach_stream_generate(models, isola
                 capture_output=True, text=True, timeout=120)
             assert done[name].returncode == 0, done[name].stderr
             got[name] = json.loads(summary.read_text())
-    # stdout is the text alone, as mlx_lm.generate --verbose False prints it.
-    assert done["plain"].stdout == want["plain"][1] + "\n"
+    # stdout is the text, then mlx_lm.generate's block (scripts parse it); --verbose False
+    # leaves the text alone, as mlx_lm.generate does. expertd's own line goes to stderr.
+    p = got["plain"]
+    assert done["plain"].stdout == (
+        f"{want['plain'][1]}\n==========\n"
+        f"Prompt: {p['prompt_tokens']} tokens, {p['prompt_tps']:.3f} tokens-per-sec\n"
+        f"Generation: {p['generation_tokens']} tokens, {p['generation_tps']:.3f} tokens-per-sec\n"
+        f"Peak memory: {p['peak_memory_gb']:.3f} GB\n")
     assert done["rotating"].stdout == want["rotating"][1] + "\n"
     lines = done["plain"].stderr.splitlines()
-    assert lines[-2].startswith("[expertd] prompt ") and " | hit rate " in lines[-2]
-    assert lines[-1] == f"Peak memory: {got['plain']['peak_memory_gb']:.3f} GB"  # mlx-lm's
+    assert lines[-1].startswith("[expertd] prompt ") and " | hit rate " in lines[-1]
     assert got["plain"]["peak_memory_gb"] > 0
     assert done["rotating"].stderr == ""  # --verbose F
     assert got["plain"]["tokens"] == plain and got["rotating"]["tokens"] == rotating
@@ -165,3 +171,75 @@ def test_stdout_is_the_text_and_mlx_lm_flags_reach_stream_generate(models, isola
     assert got["plain"]["prompt_tokens"] > 2
     # mlx-lm ends on the extra EOS token, and yields it last, as on its own.
     assert got["quantized"]["tokens"] == quantized[:stop + 1]
+
+
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+            "{% if terse %}be terse{% endif %}")
+
+
+def test_mlx_lm_prompt_and_sampling_flags(models, isolated_env, tmp_path):
+    """generate's default prompt is mlx_lm.generate's; \\n typed in a prompt is a newline;
+    --chat-template-config reaches the template, --prefill-response starts the reply, and
+    XTC sampling draws what mlx-lm's sampler draws (and not what it draws without XTC)."""
+    import shutil
+
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    from expertd.tools.convert import convert
+
+    model_dir, blob_dir = tmp_path / "model", tmp_path / "blobs"
+    shutil.copytree(models.model(), model_dir)  # the tiny model, with a chat template
+    config = model_dir / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": TEMPLATE}))
+    convert(model_dir, blob_dir, progress=False)
+    model, tokenizer = mlx_lm.load(str(model_dir))
+
+    def prompt_tokens(messages, **kwargs):
+        tokenizer.chat_template = TEMPLATE
+        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    user = [{"role": "user", "content": "hello"}]
+    runs = {
+        "default": (),
+        "newline": ("--prompt", "a\\nb", "--ignore-chat-template"),
+        "config": ("--chat-template-config", '{"terse": true}'),
+        "prefill": ("--prefill-response", "Sure"),
+        "xtc": ("--prompt", PROMPT, "--ignore-chat-template", "--temp", "1", "--seed", "3",
+                "--xtc-probability", "1", "--xtc-threshold", "0.05"),
+    }
+    got = {}
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+        for name, flags in runs.items():
+            got[name], _ = run_generate(blob_dir, isolated_env, tmp_path / f"{name}.json", *flags)
+    assert got["default"]["prompt_tokens"] == prompt_tokens(user, add_generation_prompt=True)
+    assert got["newline"]["prompt_tokens"] == len(tokenizer.encode("a\nb"))
+    assert got["config"]["prompt_tokens"] == prompt_tokens(user, add_generation_prompt=True,
+                                                           terse=True)
+    assert got["prefill"]["prompt_tokens"] == prompt_tokens(
+        user + [{"role": "assistant", "content": "Sure"}], continue_final_message=True)
+    assert len({got[k]["prompt_tokens"] for k in ("default", "config", "prefill")}) == 3
+
+    def sampled(**xtc):
+        mx.random.seed(3)
+        special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
+        sampler = make_sampler(1.0, xtc_special_tokens=special, **xtc)
+        return [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=8,
+                                                         sampler=sampler)]
+
+    want = sampled(xtc_probability=1.0, xtc_threshold=0.05)
+    assert got["xtc"]["tokens"] == want and want != sampled()
+
+
+def test_prefill_response_without_a_chat_template_is_refused(models, isolated_env, tmp_path):
+    blob_dir = models.blobs()
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+        proc = subprocess.run([sys.executable, "-m", "expertd", "generate", "--blobs",
+                               str(blob_dir), "--prefill-response", "Sure"],
+                              env={**os.environ, **isolated_env}, capture_output=True, text=True,
+                              timeout=120)
+    assert proc.returncode != 0 and "--prefill-response needs the chat template" in proc.stderr
+    assert "Traceback" not in proc.stderr

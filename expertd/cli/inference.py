@@ -31,7 +31,9 @@ def add_subcommands(sub) -> None:
 def _cmd_generate(args) -> int:
     from expertd.client.generate import KVOptions, generate, summary_line
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    # As mlx_lm.generate: "\\n" and "\\t" typed in the prompt are a newline and a tab.
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    prompt = sys.stdin.read() if prompt == "-" else prompt
     if not prompt:
         raise ValueError("the prompt read from stdin is empty")
     kv = KVOptions(max_kv_size=args.max_kv_size, kv_bits=args.kv_bits,
@@ -51,7 +53,10 @@ def _cmd_generate(args) -> int:
                        pipeline_group=group, pool_gb=args.pool_gb,
                        speculate=args.speculate, kv=kv, extra_eos_tokens=args.extra_eos_token,
                        pull=args.pull, reconnect_timeout=args.reconnect_timeout,
-                       draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens)
+                       draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
+                       xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+                       prefill_response=args.prefill_response,
+                       template_kwargs=args.chat_template_config)
     if group is not None:
         from expertd.client.pipeline import gather_usage
 
@@ -59,14 +64,24 @@ def _cmd_generate(args) -> int:
         if group.rank() != 0:
             out.close()
             return 0
-    print(flush=True)  # stdout carries the text alone; the summary goes to stderr
-    if args.summary:  # --verbose True, as mlx_lm.generate's
+    print(flush=True)
+    if args.summary:  # --verbose True: mlx_lm.generate's block on stdout, then ours on stderr
+        if summary["tokens"]:
+            print("=" * 10)
+            print(f"Prompt: {summary['prompt_tokens']} tokens, "
+                  f"{summary['prompt_tps']:.3f} tokens-per-sec")
+            print(f"Generation: {summary['generation_tokens']} tokens, "
+                  f"{summary['generation_tps']:.3f} tokens-per-sec")
+            print(f"Peak memory: {summary['peak_memory_gb']:.3f} GB", flush=True)
+        else:
+            print("=" * 10)
+            print("No text generated for this prompt", flush=True)
         print(summary_line(summary), file=sys.stderr)
         for rank in summary.get("ranks", []):
             print(f"[expertd] rank {rank['rank']}: {rank['hits']} hits, {rank['misses']} "
                   f"misses, read {rank['bytes_read'] / 2**20:.1f} MiB from its own daemon",
                   file=sys.stderr)
-        print(f"Peak memory: {summary['peak_memory_gb']:.3f} GB", file=sys.stderr, flush=True)
+        sys.stderr.flush()
     if args.json_summary:
         Path(args.json_summary).write_text(json.dumps(summary))
     return 0
@@ -155,8 +170,16 @@ def add_client_subcommands(sub) -> None:
                        "and the peak memory. The flags that mlx_lm.generate also has mean what "
                        "they mean there.")
     add_model_flag(p)
-    p.add_argument("--prompt", "-p", required=True, type=argtypes.prompt_text,
-                   help="the prompt text ('-' reads it from stdin)")
+    p.add_argument("--prompt", "-p", default=argtypes.DEFAULT_PROMPT,
+                   type=argtypes.prompt_text,
+                   help="the prompt text ('-' reads it from stdin; \\n and \\t typed in it "
+                   "are a newline and a tab, as in mlx_lm.generate)")
+    p.add_argument("--prefill-response", metavar="TEXT",
+                   help="the start of the assistant's reply, continued by the model (with the "
+                   "chat template)")
+    p.add_argument("--chat-template-config", type=argtypes.json_object, default=None,
+                   metavar="JSON", help="arguments for the chat template, e.g. "
+                   "'{\"enable_thinking\": false}'")
     p.add_argument("--system-prompt", help="system prompt for the chat template")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="use the raw prompt, without the tokenizer's chat template")
@@ -167,6 +190,10 @@ def add_client_subcommands(sub) -> None:
                    help="sampling min-p (0: off)")
     p.add_argument("--top-k", type=argtypes.non_negative_int, default=0,
                    help="sampling top-k (0: off)")
+    p.add_argument("--xtc-probability", type=argtypes.probability, default=0.0,
+                   help="probability of XTC sampling (0: off)")
+    p.add_argument("--xtc-threshold", type=argtypes.probability,
+                   default=argtypes.DEFAULT_XTC_THRESHOLD, help="threshold of XTC sampling")
     p.add_argument("--extra-eos-token", type=argtypes.eos_token, nargs="+", default=(), metavar="TOKEN",
                    help="more tokens that end the generation, each a token's text or id "
                    "(default: none)")
