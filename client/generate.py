@@ -30,7 +30,8 @@ class KVOptions:
                              "quantize a rotating KV cache")
 
 
-def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, seed: int = 0,
+def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
+             seed: int | None = None,
              out=sys.stdout, prefetch: str = "auto", top_p: float = 0.0, min_p: float = 0.0,
              top_k: int = 0, system_prompt: str | None = None,
              chat_template: bool = True, pipeline_group=None, pool_gb: float | None = None,
@@ -95,7 +96,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0, se
         elif prefill_response is not None:
             raise ValueError("--prefill-response needs the chat template (the tokenizer has "
                              "none, or --ignore-chat-template was given)")
-        mx.random.seed(seed)
+        if seed is not None:  # as mlx_lm.generate: no seed, no seeding
+            mx.random.seed(seed)
         before = session.stats()
         tokens, last, drafted = [], None, 0
         started = time.perf_counter()

@@ -243,3 +243,18 @@ def test_prefill_response_without_a_chat_template_is_refused(models, isolated_en
                               timeout=120)
     assert proc.returncode != 0 and "--prefill-response needs the chat template" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_no_seed_samples_anew_and_a_seed_repeats(models, isolated_env, tmp_path):
+    """As mlx_lm.generate: without --seed, sampled text differs from run to run; with one, it
+    repeats (16 tokens at temperature 1 from a random synthetic model: two unseeded runs agree
+    by chance with a probability far below one in a billion)."""
+    blob_dir = models.blobs()
+    runs = {}
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+        for name, flags in (("a", ()), ("b", ()), ("c", ("--seed", "4")), ("d", ("--seed", "4"))):
+            runs[name], _ = run_generate(blob_dir, isolated_env, tmp_path / f"{name}.json",
+                                         "--prompt", PROMPT, "--temp", "1", "-m", "16",
+                                         "--ignore-chat-template", *flags)
+    assert runs["a"]["tokens"] != runs["b"]["tokens"]
+    assert runs["c"]["tokens"] == runs["d"]["tokens"]

@@ -106,13 +106,17 @@ def add_model_flag(p) -> None:
                    help="the blob directory (expertd convert's output) of a running daemon")
 
 
-def add_sampling_flags(p, top_p: float) -> None:
-    """--temp, --top-p and --seed, checked as generate and chat take them."""
+def add_sampling_flags(p, top_p: float, seed: int | None) -> None:
+    """--temp, --top-p and --seed, checked as generate and chat take them (each with its
+    mlx-lm command's defaults)."""
     p.add_argument("--temp", type=argtypes.non_negative_float, default=0.0,
                    help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=argtypes.probability, default=top_p,
                    help="sampling top-p (0 or 1: off)")
-    p.add_argument("--seed", type=argtypes.seed, default=0, help="random seed for sampling")
+    p.add_argument("--seed", type=argtypes.seed, default=seed,
+                   help="random seed for sampling" + (" (default: none, so sampled text differs "
+                                                       "from run to run, as in mlx_lm.generate)"
+                                                       if seed is None else ""))
 
 
 def add_kv_flags(p) -> None:
@@ -185,7 +189,7 @@ def add_client_subcommands(sub) -> None:
                    help="use the raw prompt, without the tokenizer's chat template")
     p.add_argument("--max-tokens", "-m", type=argtypes.positive_int, default=100,
                    help="tokens to generate")
-    add_sampling_flags(p, top_p=0.0)
+    add_sampling_flags(p, top_p=0.0, seed=None)  # mlx_lm.generate's
     p.add_argument("--min-p", type=argtypes.probability, default=0.0,
                    help="sampling min-p (0: off)")
     p.add_argument("--top-k", type=argtypes.non_negative_int, default=0,
@@ -302,7 +306,7 @@ def add_serving_subcommands(sub) -> None:
     p.add_argument("--system-prompt", help="system prompt for the chat template")
     p.add_argument("--max-tokens", "-m", type=argtypes.positive_int, default=256,
                    help="most tokens generated per reply")
-    add_sampling_flags(p, top_p=1.0)
+    add_sampling_flags(p, top_p=1.0, seed=0)  # mlx_lm.chat's
     add_kv_flags(p)
     add_prefetch_flag(p, prefetch_help)
     p.set_defaults(func=_cmd_chat)
