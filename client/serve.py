@@ -19,13 +19,15 @@ import socket
 import sys
 import threading
 import time
-from http.server import ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from expertd.cli.options import MLX_SERVER_DEFAULTS
 from expertd.client.serve_errors import (
     DaemonWatch,
     ModelNotServed,
+    RequestRefused,
+    ServerStopping,
     ShapedErrors,
     abandon,
     error_object,
@@ -33,7 +35,9 @@ from expertd.client.serve_errors import (
 from expertd.client.serve_metrics import ServerCounters, render_metrics
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning
+from expertd.paths import daemon_paths
 from expertd.protocol import Op
+from expertd.runfile import serving_epoch
 
 METRICS_STATS_TIMEOUT = 2.0  # seconds a scrape waits for the daemon's STATS
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -41,6 +45,10 @@ PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RECONNECT_TIMEOUT = 24 * 3600.0
 AWAIT_SLICE = 0.1  # how often a request waiting for its tokens checks that the daemon serves
 GENERATION_STOP_TIMEOUT = 3.0  # shutdown waits this long for the generation thread
+STOP_GRACE = 5.0  # shutdown waits this long for requests in flight to send their error
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports a process that SIGINT ended
+# mlx_lm.server's attribute names in its validation messages, by the request's key.
+MLX_PARAMS = {"requested_model": "model", "adapter": "adapters", "max_tokens": "max_tokens"}
 
 
 def model_names(blob_dir: Path) -> tuple[str, set]:
@@ -95,6 +103,7 @@ def _server_classes():
         def __init__(self, provider, prompt_cache, counters: ServerCounters,
                      watch: DaemonWatch):
             self.counters, self.watch = counters, watch
+            self.stopping = threading.Event()  # set at shutdown: requests end with an error
             self._local = threading.local()  # the handler thread's request: Flight, failure
             super().__init__(provider, prompt_cache)
 
@@ -133,6 +142,10 @@ def _server_classes():
             # mlx-lm's wait, which also gives up once the daemon is gone: the model, waiting
             # for the daemon to come back, would not answer until then.
             while True:
+                if self.stopping.is_set():
+                    abandon(response_queue, lambda: self.counters.add(abandoned=1))
+                    raise ServerStopping("expertd serve is shutting down (Ctrl-C or SIGTERM); "
+                                         "this request was not finished")
                 try:
                     return response_queue.get(timeout=AWAIT_SLICE)
                 except QueueEmpty:
@@ -163,14 +176,49 @@ def _server_classes():
                     status_code = 503
                     self.server.counters.add(daemon_refusals=1)
                 elif isinstance(failure, ModelNotServed):
-                    code = "model_not_found"
-            self._error = (status_code, code) if status_code >= 400 else None
+                    code, self._param = "model_not_found", "model"
+            self._error = ((status_code, code, getattr(self, "_param", None))
+                           if status_code >= 400 else None)
             super()._set_completion_headers(status_code)
 
         def end_headers(self):
             super().end_headers()
             # mlx-lm writes an error's body right after its headers.
             self.wfile.pending, self._error = getattr(self, "_error", None), None
+
+        def validate_model_parameters(self):
+            """mlx-lm's checks, then what mlx_lm.server 0.32 gets wrong, refused in OpenAI's
+            shape with the parameter named: more than one choice, messages that are not a
+            list of objects, a prompt that is not text. A request naming no model is answered
+            with the served model's id (not "default_model")."""
+            self._param = None
+            try:
+                super().validate_model_parameters()
+                self._check_body()
+            except RequestRefused as exc:
+                self._param = exc.param
+                raise
+            except ValueError as exc:  # mlx-lm's: "<attribute> must be ..."
+                name = str(exc).split(" ", 1)[0]
+                self._param = MLX_PARAMS.get(name, name if name in self.body else None)
+                raise
+            if "model" not in self.body:
+                self.requested_model = self.response_generator.cli_args.model_id
+
+        def _check_body(self):
+            body = self.body
+            n = body.get("n", 1)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
+                raise RequestRefused("n", f"n must be 1 here, not {n!r}: this server returns "
+                                     "one choice a request (send the request again for more)")
+            if self.path.endswith("/chat/completions"):
+                messages = body.get("messages")
+                if not (isinstance(messages, list) and messages
+                        and all(isinstance(m, dict) and "role" in m for m in messages)):
+                    raise RequestRefused("messages", "messages must be a non-empty list of "
+                                         "objects, each with a role and its content")
+            elif not isinstance(body.get("prompt"), str):
+                raise RequestRefused("prompt", "prompt must be a string")
 
         def handle_completion(self, request, stop_words):
             if not self.server.watch.serving():
@@ -181,6 +229,8 @@ def _server_classes():
                 super().handle_completion(request, stop_words)
             except DaemonNotRunning as exc:  # gone while this request waited for tokens
                 self.server.counters.add(daemon_refusals=1)
+                self._fail_midway(503, str(exc))
+            except ServerStopping as exc:
                 self._fail_midway(503, str(exc))
             except ConnectionError:
                 raise  # the client hung up: ExpertdHTTPServer.handle_error counts it
@@ -249,12 +299,16 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True  # a client holding a stream open must not keep the process alive
 
-    def __init__(self, address, handler, *, blob_dir: Path, session, counters: ServerCounters,
-                 names: set, watch: DaemonWatch):
+    def __init__(self, address, handler, blob_dir: Path):
         super().__init__(address, handler)
-        self.blob_dir, self.session, self.counters, self.names = (blob_dir, session, counters,
-                                                                  names)
-        self.watch = watch
+        self.blob_dir = blob_dir
+        self.session = self.counters = self.names = self.watch = None  # set by ready()
+
+    def ready(self, handler, *, session, counters: ServerCounters, names: set,
+              watch: DaemonWatch) -> None:
+        """The model is loaded: requests from now on are served by ``handler``."""
+        self.session, self.counters, self.names, self.watch = session, counters, names, watch
+        self.RequestHandlerClass = handler
 
     def handle_error(self, request, client_address):
         # A client that hangs up before its reply is written is no error of the server's.
@@ -289,13 +343,36 @@ def mlx_server_args(blob_dir: Path, options: dict) -> argparse.Namespace:
                               model_id=name)
 
 
-def _bind(host: str, port: int, handler_factory, **state) -> ExpertdHTTPServer:
-    """Listen on ``host:port`` (IPv4 or IPv6, as mlx_lm.server resolves it)."""
+class LoadingHandler(BaseHTTPRequestHandler):
+    """Every request while the model loads: 503, ``{"status": "loading"}`` on /health (as
+    llama-server answers), an OpenAI error body elsewhere."""
+
+    def do_GET(self):
+        body = ({"status": "loading"} if self.path == "/health" else
+                error_object(503, "expertd serve is loading its model; try again shortly",
+                             "model_loading"))
+        data = json.dumps(body).encode()
+        self.send_response(503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Retry-After", "1")
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_POST = do_GET
+
+    def log_message(self, format, *args):  # quiet, as mlx_lm.server's --log-level WARNING
+        pass
+
+
+def _bind(host: str, port: int, blob_dir: Path) -> ExpertdHTTPServer:
+    """Listen on ``host:port`` (IPv4 or IPv6, as mlx_lm.server resolves it), answering
+    :class:`LoadingHandler` until :meth:`ExpertdHTTPServer.ready`."""
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
         server_class = type("Server", (ExpertdHTTPServer,), {"address_family": family})
-        return server_class(address, handler_factory, **state)
+        return server_class(address, LoadingHandler, blob_dir)
     except OSError as exc:
         raise OSError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another "
                       "--port or stop what uses it") from None
@@ -320,15 +397,13 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
             stage; rank 0 answers HTTP and shares each request with the others (mlx_lm.server's
             own distributed mode), the other ranks compute their stage until SIGINT or SIGTERM.
     Returns:
-        0 after a clean shutdown (the session closed with a goodbye to the daemon).
+        0 after SIGTERM, 130 after Ctrl-C (SIGINT); either way requests in flight end with
+        an error (a stream with an error event) and the session closes with a goodbye.
     Raises:
         DaemonNotRunning: no daemon serves ``blob_dir`` (the message says how to start one).
         OSError: the address cannot be bound.
         ValueError: an unknown option.
     """
-    from mlx_lm.models.cache import LRUPromptCache
-    from mlx_lm.server import get_system_fingerprint
-
     from expertd.client import load
 
     blob_dir = Path(blob_dir).expanduser()
@@ -343,76 +418,118 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
                              "decoding runs in one process")
         from expertd.client.generate import load_draft
 
-        draft, draft_tokenizer = load_draft(cli_args.draft_model)
-    # Loaded here rather than in the generation thread, so that a daemon that is not running
-    # is a one-line error before anything listens.
-    # A daemon that dies later is waited for by the model, not by the requests (see
-    # DaemonWatch): a server outlives daemon restarts.
-    model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
-                            pool_gb=pool_gb, speculate=speculate, pull=pull,
-                            reconnect_timeout=RECONNECT_TIMEOUT if reconnect_timeout is None
-                            else reconnect_timeout)
-    cli_args.pipeline = pipeline_group is not None
-    session = model.expertd_session
+        draft = load_draft(cli_args.draft_model)  # (model, tokenizer)
+    name, names = model_names(blob_dir)
+    distributed = pipeline_group is not None
+    httpd = loading = None
+    if serving_epoch(daemon_paths(blob_dir)) is None:  # a one-line error before listening
+        raise DaemonNotRunning(f"no expertd serves {blob_dir} (start one with: expertd start "
+                               f"--blobs {blob_dir})")
+    if not distributed or pipeline_group.rank() == 0:
+        # Listening at once: /health answers 503 {"status": "loading"} until the model is
+        # ready (a load waits for the daemon's answers, and a large trunk takes a while).
+        httpd = _bind(host, port, blob_dir)
+        loading = threading.Thread(target=httpd.serve_forever, name="expertd-serve-loading",
+                                   daemon=True)
+        loading.start()
+        print(f"expertd serve (loading {name}): {_url(httpd)}/health answers 503 until the "
+              "model is ready", file=out, flush=True)
+    signum = None
     try:
-        if draft is not None and draft_tokenizer.vocab_size != tokenizer.vocab_size:
-            raise ValueError(f"--draft-model {cli_args.draft_model}: its vocabulary "
-                             f"({draft_tokenizer.vocab_size} tokens) is not the model's "
-                             f"({tokenizer.vocab_size})")
-        if cli_args.chat_template:
-            tokenizer.chat_template = cli_args.chat_template  # as mlx_lm.server's load does
-            tokenizer.has_chat_template = True
-        elif cli_args.use_default_chat_template and tokenizer.chat_template is None:
-            tokenizer.chat_template = tokenizer.default_chat_template
-        provider_class, generator_class, handler_class = _server_classes()
-        name, names = model_names(blob_dir)
-        provider = provider_class(cli_args, model, tokenizer, names, draft)
-        counters, watch = ServerCounters(), DaemonWatch(session.paths)
-        fingerprint = get_system_fingerprint()
-        httpd = None
-        generator = generator_class(provider, LRUPromptCache(cli_args.prompt_cache_size),
-                                    counters, watch)
-        distributed = pipeline_group is not None
-        if distributed:
-            # Every rank's generation thread shares the requests with the others (mlx-lm does),
-            # waiting inside MLX with the GIL held (an .item() on a collective): a Python signal
-            # handler would run only once the other ranks answer, and they may be gone. So
-            # Ctrl-C or SIGTERM ends a rank in the kernel; the daemon forgets a client whose
-            # connection closes, and nothing else here needs closing.
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            if pipeline_group.rank() != 0:  # it follows rank 0's requests
-                while True:
-                    signal.pause()
+        # A daemon that dies later is waited for by the model, not by the requests (see
+        # DaemonWatch): a server outlives daemon restarts.
+        model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
+                                pool_gb=pool_gb, speculate=speculate, pull=pull,
+                                reconnect_timeout=RECONNECT_TIMEOUT if reconnect_timeout is None
+                                else reconnect_timeout)
+        cli_args.pipeline = distributed
+        session = model.expertd_session
         try:
-            httpd = _bind(host, port, lambda *a, **k: handler_class(
-                generator, *a, system_fingerprint=fingerprint, **k),
-                blob_dir=blob_dir, session=session, counters=counters, names=names,
-                watch=watch)
-            bound_host, bound_port = httpd.server_address[:2]
-            bound_host = f"[{bound_host}]" if ":" in bound_host else bound_host  # IPv6
-            print(f"expertd serve: {name} on http://{bound_host}:{bound_port}/v1 (blob dir "
-                  f"{session.paths.blob_dir}, daemon pid {session.daemon_pid}); stop with "
-                  "Ctrl-C", file=out, flush=True)
-            if distributed:
-                httpd.serve_forever()  # until a signal ends the process
-            else:
-                _serve_until_signal(httpd)
+            signum = _serve_loaded(httpd, loading, session, model, tokenizer, draft, cli_args,
+                                   name, names, pipeline_group, out)
         finally:
-            if httpd is not None:
-                httpd.server_close()
-            if not distributed:
-                generator.stop_and_join()
+            session.close()
     finally:
-        session.close()
-    return 0
+        if httpd is not None:
+            _stop_loading(httpd, loading)
+            httpd.server_close()
+    return EXIT_INTERRUPTED if signum == signal.SIGINT else 0
 
 
-def _serve_until_signal(httpd) -> None:
+def _url(httpd) -> str:
+    host, port = httpd.server_address[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"  # IPv6 in brackets
+
+
+def _stop_loading(httpd, loading) -> None:
+    """End the loop that answered while the model loaded (the socket keeps listening)."""
+    if loading is not None and loading.is_alive():
+        httpd.shutdown()
+        loading.join()
+
+
+def _serve_loaded(httpd, loading, session, model, tokenizer, draft, cli_args, name, names,
+                  pipeline_group, out) -> int | None:
+    """Serve the loaded model until a signal; the signal's number (None on a pipeline rank,
+    which a signal ends in the kernel)."""
+    from mlx_lm.models.cache import LRUPromptCache
+    from mlx_lm.server import get_system_fingerprint
+
+    if draft is not None and draft[1].vocab_size != tokenizer.vocab_size:
+        raise ValueError(f"--draft-model {cli_args.draft_model}: its vocabulary "
+                         f"({draft[1].vocab_size} tokens) is not the model's "
+                         f"({tokenizer.vocab_size})")
+    if cli_args.chat_template:
+        tokenizer.chat_template = cli_args.chat_template  # as mlx_lm.server's load does
+        tokenizer.has_chat_template = True
+    elif cli_args.use_default_chat_template and tokenizer.chat_template is None:
+        tokenizer.chat_template = tokenizer.default_chat_template
+    provider_class, generator_class, handler_class = _server_classes()
+    provider = provider_class(cli_args, model, tokenizer, names,
+                              draft[0] if draft is not None else None)
+    counters, watch = ServerCounters(), DaemonWatch(session.paths)
+    fingerprint = get_system_fingerprint()
+    generator = generator_class(provider, LRUPromptCache(cli_args.prompt_cache_size),
+                                counters, watch)
+    distributed = pipeline_group is not None
+    if distributed:
+        # Every rank's generation thread shares the requests with the others (mlx-lm does),
+        # waiting inside MLX with the GIL held (an .item() on a collective): a Python signal
+        # handler would run only once the other ranks answer, and they may be gone. So
+        # Ctrl-C or SIGTERM ends a rank in the kernel; the daemon forgets a client whose
+        # connection closes, and nothing else here needs closing.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if pipeline_group.rank() != 0:  # it follows rank 0's requests
+            while True:
+                signal.pause()
+    try:
+        _stop_loading(httpd, loading)
+        httpd.ready(lambda *a, **k: handler_class(generator, *a, system_fingerprint=fingerprint,
+                                                  **k),
+                    session=session, counters=counters, names=names, watch=watch)
+        print(f"expertd serve: {name} on {_url(httpd)}/v1 (blob dir {session.paths.blob_dir}, "
+              f"daemon pid {session.daemon_pid}); stop with Ctrl-C", file=out, flush=True)
+        if distributed:
+            httpd.serve_forever()  # until a signal ends the process
+            return None
+        signum = _serve_until_signal(httpd)
+        # Requests in flight end with an error (a stream with an error event), not cut off.
+        generator.stopping.set()
+        counters.wait_idle(STOP_GRACE)
+        return signum
+    finally:
+        if not distributed:
+            generator.stop_and_join()
+
+
+def _serve_until_signal(httpd) -> int:
     """Serve ``httpd`` until SIGINT or SIGTERM, either of which ends ``serve_forever`` in this
-    thread."""
+    thread; the signal's number."""
+    caught = [signal.SIGINT]
 
     def interrupt(signum, frame):
+        caught[0] = signum
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
@@ -422,3 +539,4 @@ def _serve_until_signal(httpd) -> None:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+    return caught[0]

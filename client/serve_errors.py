@@ -14,10 +14,23 @@ class ModelNotServed(ValueError):
     """A request named a model this server does not serve."""
 
 
-def error_object(status: int, message: str, code: str | None = None) -> dict:
-    """The OpenAI error body, ``{"error": {"message", "type", "code"}}``."""
+class RequestRefused(ValueError):
+    """A request's parameter that this server refuses (``param``: its name in the body)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class ServerStopping(Exception):
+    """The server is shutting down (Ctrl-C or SIGTERM) with this request unfinished."""
+
+
+def error_object(status: int, message: str, code: str | None = None,
+                 param: str | None = None) -> dict:
+    """The OpenAI error body, ``{"error": {"message", "type", "param", "code"}}``."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind,
+    return {"error": {"message": message, "type": kind, "param": param,
                       "code": code or ERROR_CODES.get(status, "error")}}
 
 
@@ -39,7 +52,7 @@ class DaemonWatch:
 
 class ShapedErrors:
     """A handler's output that rewrites the next body, once ``pending`` is set to its
-    ``(status, code)``, into an OpenAI error body: mlx_lm.server writes ``{"error": text}``
+    ``(status, code, param)``, into an OpenAI error body: mlx_lm.server writes ``{"error": text}``
     or plain text."""
 
     def __init__(self, raw):
@@ -47,14 +60,14 @@ class ShapedErrors:
 
     def write(self, data: bytes):
         if self.pending is not None:
-            (status, code), self.pending = self.pending, None
+            (status, code, param), self.pending = self.pending, None
             try:
                 message = json.loads(data)["error"]
             except (ValueError, TypeError, KeyError):
                 message = None
             if not isinstance(message, str):
                 message = bytes(data).decode(errors="replace").strip()
-            data = json.dumps(error_object(status, message, code)).encode()
+            data = json.dumps(error_object(status, message, code, param)).encode()
         return self.raw.write(data)
 
     def __getattr__(self, name):

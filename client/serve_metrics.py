@@ -43,6 +43,7 @@ class ServerCounters:
 
     def __init__(self):
         self.lock = threading.Lock()  # held by whoever reads or writes several counters at once
+        self.changed = threading.Condition(self.lock)  # notified when a request ends
         self.requests = self.errors = self.prompt_tokens = self.generated_tokens = 0
         self.queued = self.running = 0
         self.daemon_refusals = self.disconnects = 0
@@ -57,6 +58,12 @@ class ServerCounters:
         with self.lock:
             for key, amount in amounts.items():
                 setattr(self, key, getattr(self, key) + amount)
+            self.changed.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is queued or running (at most ``timeout`` s); whether so."""
+        with self.changed:
+            return self.changed.wait_for(lambda: self.queued + self.running <= 0, timeout)
 
     def arrived(self) -> Flight:
         self.add(requests=1, queued=1)
@@ -86,6 +93,7 @@ class ServerCounters:
                 self.prompt_seconds += flight.first - flight.admitted
                 self.decode_tokens += flight.tokens - 1
                 self.decode_seconds += flight.last - flight.first
+            self.changed.notify_all()
 
 
 # (metric, type, help, where the value comes from)

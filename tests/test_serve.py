@@ -179,13 +179,13 @@ def test_two_servers_share_one_daemon(models, isolated_env, tmp_path):
         assert refused.value.response.json() == {"error": {
             "message": f"model 'gpt-4o' is not served here; this server serves "
                        f"'{blobs.name}' (GET /v1/models lists it)",
-            "type": "invalid_request_error", "code": "model_not_found"}}
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
         bad = urllib.request.Request(a.url + "/completions", data=b"[1]", method="POST")
         with pytest.raises(urllib.error.HTTPError) as not_a_dict:
             urllib.request.urlopen(bad, timeout=30)
         assert json.loads(not_a_dict.value.read()) == {"error": {
             "message": "Request should be a JSON dictionary", "type": "invalid_request_error",
-            "code": "invalid_request"}}
+            "param": None, "code": "invalid_request"}}
         with pytest.raises(NotFoundError, match="not served here"):
             a.client.models.retrieve("gpt-4o")
         default = a.client.completions.create(model="default_model", prompt=PROMPT,
@@ -267,7 +267,8 @@ def assert_unavailable(server, blobs) -> None:
     """/health and a completion answer 503, with OpenAI's error body, within REFUSAL_TIMEOUT."""
     message = (f"no expertd serves {blobs.resolve()} now; start it with: expertd start --blobs "
                f"{blobs.resolve()} (this server serves again once it is back)")
-    error = {"message": message, "type": "server_error", "code": "daemon_unavailable"}
+    error = {"message": message, "type": "server_error", "param": None,
+             "code": "daemon_unavailable"}
     with pytest.raises(urllib.error.HTTPError) as health:
         urllib.request.urlopen(server.base + "/health", timeout=REFUSAL_TIMEOUT)
     assert health.value.code == 503

@@ -284,7 +284,7 @@ def add_serving_subcommands(sub) -> None:
                        "/metrics in the Prometheus text format. Several servers, generate "
                        "runs and Python clients share one daemon. Like mlx_lm.server, it "
                        "only implements basic security checks: keep it on a trusted network.")
-    p.add_argument("--blobs", required=True, metavar="BLOB_DIR")
+    add_model_flag(p)
     p.add_argument("--host", type=argtypes.host, default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=argtypes.port, default=8080, help="port to listen on, 0 to 65535 "
                    "(0: any free port, printed at start)")

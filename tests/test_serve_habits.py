@@ -1,0 +1,123 @@
+"""``expertd serve``'s habits that mlx_lm.server lacks: /health while loading, Ctrl-C in a
+stream, --model, the served model's name, and refusals in OpenAI's shape (issue 26).
+
+Real processes: a daemon, ``expertd serve``, the ``openai`` package and raw HTTP.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+from harness import SMALL_CACHE_GB, Daemon, stop_process, wait_until
+from openai import BadRequestError
+from test_serve import START_TIMEOUT, STOP_TIMEOUT, Server
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_health_answers_503_while_the_model_loads(models, isolated_env, tmp_path):
+    """serve listens before its model is loaded: /health is 503 {"status": "loading"} (a
+    completion too, in OpenAI's shape) until the model is ready, then 200. The daemon is
+    stopped (SIGSTOP) while serve starts, so the load waits for its hello."""
+    blobs = models.blobs()
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB) as daemon:
+        out = tmp_path / "serve.out"
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with open(out, "w") as stdout:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "expertd", "serve", "--model", str(blobs), "--port",
+                     "0", "--log-level", "WARNING"], stdout=stdout, stderr=subprocess.DEVNULL,
+                    stdin=subprocess.DEVNULL, env={**os.environ, **isolated_env})
+            try:
+                line = wait_until(lambda: next((x for x in out.read_text().splitlines()
+                                                if x.startswith("expertd serve (loading")),
+                                               None), START_TIMEOUT, "the loading line")
+                base = line.split(": ", 1)[1].split("/health")[0]
+                assert get(base + "/health") == (503, {"status": "loading"})
+                status, body = get(base + "/v1/models")
+                assert status == 503 and body["error"]["code"] == "model_loading"
+                assert "param" in body["error"]
+            finally:
+                os.kill(daemon.pid, signal.SIGCONT)
+            wait_until(lambda: "expertd serve: " in out.read_text(), START_TIMEOUT,
+                       "the model to load")
+            assert get(base + "/health") == (200, {"status": "ok"})
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+            stop_process(proc, STOP_TIMEOUT)
+
+
+def test_ctrl_c_ends_a_stream_in_flight_with_an_error_and_exits_130(models, isolated_env,
+                                                                     tmp_path):
+    blobs = models.blobs()
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB):
+        server = Server(blobs, tmp_path)
+        try:
+            assert server.client.models.list().data  # the server answers
+            from mlx_lm.utils import load_tokenizer
+
+            tokenizer = load_tokenizer(models.model())
+            body = json.dumps({"model": blobs.name, "prompt": "Once", "max_tokens": 100000,
+                               "stream": True, "temperature": 0,
+                               "logit_bias": {str(t): -100 for t in tokenizer.eos_token_ids}})
+            request = urllib.request.Request(server.url + "/completions", data=body.encode(),
+                                             headers={"Content-Type": "application/json"})
+            events = []
+            with urllib.request.urlopen(request, timeout=60) as stream:
+                for raw in stream:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: "):
+                        continue
+                    events.append(line[6:])
+                    if len(events) == 3:  # tokens are flowing: interrupt the server
+                        server.proc.send_signal(signal.SIGINT)
+            assert server.proc.wait(STOP_TIMEOUT) == 130
+        finally:
+            server.close()
+    last = json.loads(events[-1])
+    assert "shutting down" in last["error"]["message"] and last["error"]["type"] == "server_error"
+    assert all("choices" in json.loads(e) for e in events[:3])
+
+
+def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
+    """A request without "model" is answered with the served id; n=2, messages as a string and
+    a prompt that is not text are refused 400 naming the parameter, never ignored."""
+    blobs = models.blobs()
+    with (Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB),
+          Server(blobs, tmp_path) as server):
+        body = json.dumps({"prompt": "Once", "max_tokens": 2}).encode()
+        request = urllib.request.Request(server.url + "/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            assert json.loads(reply.read())["model"] == blobs.name
+        refusals = {
+            "n": dict(model=blobs.name, prompt="Once", max_tokens=2, n=2),
+            "messages": dict(model=blobs.name, messages="Hi", max_tokens=2),
+            "prompt": dict(model=blobs.name, prompt=[1, 2], max_tokens=2),
+            "max_tokens": dict(model=blobs.name, prompt="Once", max_tokens="2"),
+        }
+        for param, fields in refusals.items():
+            path = "/chat/completions" if "messages" in fields else "/completions"
+            request = urllib.request.Request(server.url + path, data=json.dumps(fields).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=60)
+            assert refused.value.code == 400
+            error = json.loads(refused.value.read())["error"]
+            assert error["param"] == param and error["type"] == "invalid_request_error", error
+        with pytest.raises(BadRequestError, match="n must be 1"):
+            server.client.completions.create(model=blobs.name, prompt="Once", max_tokens=2, n=2)
