@@ -342,13 +342,16 @@ def test_the_demo_says_how_to_put_expertd_on_path(monkeypatch, tmp_path):
 # ---- issue 16: every input checked in the parent, in one line ----------------------------------
 
 def refusal(capsys, *argv) -> str:
-    """The one error line argparse gives for ``argv``; fails unless it exits with 2."""
+    """The one error line argparse gives for ``argv``; fails unless it exits with 2 and says
+    nothing else."""
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(list(argv))
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    return err.splitlines()[-1]
+    lines = err.splitlines()
+    assert len(lines) == 1, err  # one line, no usage block before it
+    return lines[0]
 
 
 SECONDS = "must be a number of seconds above 0, at most 86400 (a day)"
@@ -439,3 +442,22 @@ def test_convert_prints_a_small_model_in_mib(models, tmp_path):
     got = expertd_cli("convert", "-q", models.model(), tmp_path / "blobs", timeout=120)
     assert got.returncode == 0, got
     assert "(0.75 MiB of experts, stride 16384 bytes)" in got.stdout, got.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "abc", "100000"])
+def test_a_bounded_flag_is_refused_while_parsing_in_one_line(capsys, value):
+    """--workers 0 and --workers abc are the same kind of mistake: one line, exit status 2."""
+    said = refusal(capsys, "start", "--blobs", "B", "--workers", value)
+    assert said.startswith("expertd start: error: argument --workers: must be ")
+    assert "256" in said and repr(value if value == "abc" else int(value)) in said
+
+
+def test_an_unknown_flag_gets_the_closest_and_an_mlx_lm_flag_says_so(capsys):
+    said = refusal(capsys, "generate", "--blobs", "B", "--xtc-probablity", "0.5")
+    assert said == ("expertd generate: error: no flag --xtc-probablity; did you mean "
+                    "--xtc-probability? (see expertd generate --help)")
+    said = refusal(capsys, "generate", "--blobs", "B", "--adapter-path", "A")
+    assert said.startswith("expertd generate: error: --adapter-path is mlx-lm's, and expertd "
+                           "generate does not take it: ")
+    said = refusal(capsys, "chat", "--blobs", "B", "--draft-model=D")
+    assert "--draft-model is mlx-lm's, and expertd chat does not take it" in said

@@ -256,7 +256,6 @@ def test_a_fifo_or_foreign_file_at_the_state_file_is_ignored(models, isolated_en
 
 @pytest.mark.parametrize("flags, message", [
     (["--cache-gb", "1e308"], "more memory than any machine has"),
-    (["--cache-gb", CACHE_GB, "--workers", "100000"], "--workers must be between 1 and"),
     (["--cache-gb", CACHE_GB, "--pin-file", "/nonexistent/pins.json"], "cannot read the pin"),
     (["--cache-gb", CACHE_GB, "--pin-file", "{bad}"], "the pin file is not JSON"),
 ])

@@ -1,6 +1,7 @@
 """The ``expertd`` command: one entry point, one subcommand per job."""
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -124,9 +125,54 @@ def _set_formatter(parser: argparse.ArgumentParser) -> None:
                 _set_formatter(child)
 
 
+# mlx-lm's flags that a user may type where expertd has no such flag, and what to do instead.
+MLX_LM_ONLY = {
+    "--adapter-path": "LoRA adapters are not loaded on a streamed model yet",
+    "--trust-remote-code": "a converted model's tokenizer is loaded from its blob directory, "
+                           "without remote code",
+    "--prompt-cache-file": "saved prompt caches (mlx_lm.cache_prompt) are not loaded yet",
+    "--quantize-activations": "the trunk runs as converted",
+    "--image": "expertd streams text models",
+    "--draft-model": "only generate and serve take a draft model",
+    "--num-draft-tokens": "only generate and serve take a draft model",
+    "--min-tokens-to-keep": "sampling takes --top-p, --min-p and --top-k",
+}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with errors in one line, without the usage block: the command, the flag and
+    what it takes; an unknown flag gets the closest one, and an mlx-lm flag that expertd
+    lacks says so."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        args, extra = self.parse_known_args(args, namespace)
+        if extra:
+            prog = f"expertd {args.command}" if getattr(args, "command", None) else self.prog
+            flag = next((a.split("=", 1)[0] for a in extra if a.startswith("-")), None)
+            if flag in MLX_LM_ONLY:
+                self.exit(2, f"{prog}: error: {flag} is mlx-lm's, and {prog} does not take it: "
+                          f"{MLX_LM_ONLY[flag]} (see {prog} --help)\n")
+            what = f"no flag {flag}" if flag else f"unexpected {' '.join(extra)!r}"
+            close = difflib.get_close_matches(flag, self._flags_of(args), 1) if flag else []
+            hint = f"; did you mean {close[0]}?" if close else ""
+            self.exit(2, f"{prog}: error: {what}{hint} (see {prog} --help)\n")
+        return args
+
+    def _flags_of(self, args) -> list:
+        """The flags of the subcommand that ``args`` ran (this parser's own without one)."""
+        parser = self
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parser = action.choices.get(getattr(args, "command", None), self)
+        return [flag for flag in parser._option_string_actions if flag.startswith("--")]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="expertd", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="expertd", description=DESCRIPTION,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"expertd {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -50,7 +50,26 @@ class Option:
         for name in ("type", "choices", "metavar", "action"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
+        if self.bounds is not None:  # refused while parsing, as any bad value is
+            kwargs["type"] = _bounded(self.type or int, *self.bounds)
         parser.add_argument(self.flag, **kwargs)
+
+
+def _bounded(kind, low, high):
+    """An argparse type: ``kind``'s value, between ``low`` and ``high``."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number from {low} to {high}, "
+                                             f"not {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, not {value}")
+        return value
+
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
 
 
 def _dest(flag: str) -> str:
