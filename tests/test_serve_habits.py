@@ -121,3 +121,18 @@ def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
             assert error["param"] == param and error["type"] == "invalid_request_error", error
         with pytest.raises(BadRequestError, match="n must be 1"):
             server.client.completions.create(model=blobs.name, prompt="Once", max_tokens=2, n=2)
+
+
+def test_stop_names_the_clients_left_waiting(models, isolated_env, tmp_path):
+    """``expertd stop`` names the attached clients and what they do now; status says the same
+    kind for each."""
+    from harness import expertd_cli
+
+    blobs = models.blobs()
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB), \
+            Server(blobs, tmp_path) as server:
+        status = expertd_cli("status", "--blobs", blobs, timeout=60)
+        assert f"serve pid {server.proc.pid}" in status.stdout, status.stdout
+        done = expertd_cli("stop", "--blobs", blobs, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"1 client attached (serve pid {server.proc.pid}); it waits for a daemon" in done.stdout

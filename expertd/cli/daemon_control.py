@@ -9,6 +9,7 @@ say where the log is.
 import json
 import math
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -186,9 +187,47 @@ def _cmd_start(args) -> int:
     return 0
 
 
+def attached_clients(blob_dir) -> list:
+    """``[(pid, kind)]`` of the client processes attached to the daemon of ``blob_dir`` (empty
+    if it does not answer within a moment); kind is the expertd subcommand a client runs
+    (serve, chat, generate, ...) or its program's name."""
+    from expertd.connection import Connection
+    from expertd.protocol import Op
+
+    try:
+        with Connection(blob_dir) as conn:
+            stats = conn.request(Op.STATS, timeout=2.0)
+    except (DaemonError, OSError):
+        return []
+    return [(c["pid"], process_kind(c["pid"])) for c in stats.get("client_pools", [])]
+
+
+def process_kind(pid: int) -> str:
+    """What process ``pid`` is, from its command line: an expertd subcommand's name, else its
+    program's name ("a process" where its command line cannot be read)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:  # no /proc (macOS): ps says it
+        try:
+            done = subprocess.run(["ps", "-p", str(pid), "-o", "command="], capture_output=True,
+                                  text=True, timeout=5)
+            argv = done.stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            return "a process"
+    words = [Path(a).name for a in argv if a]
+    for i, word in enumerate(words):
+        if word == "expertd" or (word == "-m" and i + 1 < len(words)
+                                 and words[i + 1] == "expertd"):
+            rest = [w for w in words[i + 1:] if not w.startswith("-") and w != "expertd"]
+            if rest:
+                return rest[0]
+    return words[0] if words else "a process"
+
+
 def _cmd_stop(args) -> int:
     from expertd.cli.lifecycle import remove_dead, stop
 
+    clients = attached_clients(Path(args.blobs))
     try:
         pid = stop(Path(args.blobs), timeout=args.timeout)
     except DaemonNotRunning as exc:
@@ -199,6 +238,11 @@ def _cmd_stop(args) -> int:
             print(f"{exc}; nothing to stop")
         return 0
     print(f"stopped expertd pid {pid}")
+    if clients:
+        named = ", ".join(f"{kind} pid {client}" for client, kind in clients)
+        print(f"{len(clients)} client{'s' * (len(clients) != 1)} attached ({named}); "
+              f"{'they wait' if len(clients) != 1 else 'it waits'} for a daemon to come back "
+              f"(expertd start --blobs {args.blobs}) up to its --reconnect-timeout")
     return 0
 
 
@@ -237,7 +281,7 @@ def status_lines(s: dict) -> list:
            f"{r['pending']} pending, {r['fetch_errors']} failed, from {r['source']}"]
           if (r := s.get("remote")) else []),
         f"  clients      {s['clients']} connected, {s['leases']} leases",
-        *[f"    pid {c['pid']:<8} pools {c['pool_bytes'] / 2**20:.1f} MiB, "
+        *[f"    {process_kind(c['pid'])} pid {c['pid']}: pools {c['pool_bytes'] / 2**20:.1f} MiB, "
           f"{c.get('steps', 0)} steps, "
           f"{c.get('host_waits', 0) / max(1, c.get('steps', 0)):.2f} host waits a step"
           + (f", {c.get('replays', 0)} replayed" if c.get("replays") else "")
