@@ -8,6 +8,7 @@ dies or restarts is waited for and attached again, and the read starts over on t
 The layers' expert pools (pool.py) live in the client's memory and survive a reconnection.
 """
 
+import logging
 import os
 import sys
 import time
@@ -40,6 +41,8 @@ from expertd.shm.layout import EPOCH_DTYPE
 DRAIN_TIMEOUT = 0.05
 
 __all__ = ["DaemonDied", "Session"]
+
+log = logging.getLogger("expertd")
 
 
 class Stack:
@@ -111,6 +114,9 @@ class Session:
              np.array([seg.nbytes for seg in layer.segments], dtype=np.intp))
             for layer in self.manifest.layers]
         self._attach()
+        log.debug("attached to expertd pid %d serving %s: puller %s, pools %d bytes",
+                  self.daemon_pid, self.paths.blob_dir,
+                  self.puller.name if self.puller is not None else "none", self.pool_bytes)
 
     # ---- attachment ------------------------------------------------------------------------
 
@@ -444,6 +450,7 @@ class Session:
         """Have the daemon read ``experts`` of ``layer`` into its arena (a step found them
         absent), waiting for the reads; nothing stays leased."""
         self.check_alive()
+        log.debug("layer %d: %d experts absent from the arena, demanded", layer, len(experts))
         requester = self.requester
         with requester.lock, HeldInterrupts() as held:
             try:

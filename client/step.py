@@ -18,6 +18,7 @@ activations leave the rank during the step), and sessions that replay too often
 (:class:`Speculation`, judged from the observed replay rate).
 """
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,9 @@ def check_speculate(mode: str) -> str:
     return check_choice("speculate", mode, SPECULATE_MODES)
 
 
+log = logging.getLogger("expertd")
+REPLAY_CAUSES = {"pool": "an expert missed its pool", "absent": "a pulled expert was absent "
+                 "from the arena", "epoch": "the daemon revoked the step's epoch"}
 TIMING_WEIGHT = 0.2  # of a new measurement in the step times' moving averages
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
 
@@ -395,6 +399,7 @@ class Steps:
     def _count_replay(self, cause: str) -> None:
         counters = self.session.counters
         counters["replays"] += 1
+        log.debug("step %d replayed: %s", counters["steps"], REPLAY_CAUSES[cause])
         if cause != "pool":
             counters[f"replays_{cause}"] += 1
 

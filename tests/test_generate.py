@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from harness import Daemon
 
@@ -258,3 +259,30 @@ def test_no_seed_samples_anew_and_a_seed_repeats(models, isolated_env, tmp_path)
                                          "--ignore-chat-template", *flags)
     assert runs["a"]["tokens"] != runs["b"]["tokens"]
     assert runs["c"]["tokens"] == runs["d"]["tokens"]
+
+
+def test_verbose_logs_debug_lines_in_the_daemon_and_the_client(models, isolated_env, tmp_path):
+    """-v: the detached daemon logs each fill and demand, the client its attach; without -v
+    neither does."""
+    from harness import expertd_cli
+
+    blob_dir = models.blobs()
+    logs = {}
+    for verbose in (True, False):
+        flags = ["-v"] if verbose else []
+        started = expertd_cli(*flags, "start", "--blobs", blob_dir, "--cache-gb", "0.01",
+                              timeout=60)
+        assert started.returncode == 0, started.stderr
+        log = Path(started.stdout.split("log: ", 1)[1].split()[0])
+        try:
+            done = expertd_cli(*flags, "generate", "--blobs", blob_dir, "--prompt", PROMPT,
+                               "-m", "4", timeout=120)
+            assert done.returncode == 0, done.stderr
+        finally:
+            assert expertd_cli("stop", "--blobs", blob_dir, timeout=60).returncode == 0
+        logs[verbose] = (log.read_text(), done.stderr)
+        log.unlink()
+    daemon_log, client_err = logs[True]
+    assert " DEBUG fill row " in daemon_log and " DEBUG demand of layer " in daemon_log
+    assert " DEBUG attached to expertd pid " in client_err
+    assert " DEBUG " not in logs[False][0] and " DEBUG " not in logs[False][1]

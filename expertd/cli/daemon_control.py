@@ -176,7 +176,8 @@ def _cmd_start(args) -> int:
         log_file = Path(args.log_file).expanduser().absolute() if args.log_file else None
         return run_foreground(config, state_file, log_file=log_file)
     log_file = _log_file(args, config)
-    argv = ["start", "--blobs", str(config.blob_dir), *start_flags(args)]
+    argv = [*(["-v"] if args.verbose else []), "start", "--blobs", str(config.blob_dir),
+            *start_flags(args)]
     stats = start_detached(config.blob_dir, argv, log_file)
     print(f"expertd serving {stats['blob_dir']} on {stats['endpoint']} (pid {stats['pid']}, "
           f"{stats['arena_rows']} rows, {size_text(stats['arena_bytes'])} arena)")

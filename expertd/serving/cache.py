@@ -134,6 +134,10 @@ class ExpertCache(SideRowFills, EpochFills):
         self.counters.prefetch_hits += saved
         self.counters.misses += len(need)
         d.misses, d.saved = len(need), saved
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("demand of layer %d for %d experts: %d resident, %d to read, %d read "
+                      "ahead", d.layer, len(d.experts), len(d.experts) - len(need), len(need),
+                      saved)
         if not waiting:
             self._answer(d)
         return True
@@ -183,6 +187,10 @@ class ExpertCache(SideRowFills, EpochFills):
         evicted = self.table.begin_fill(row, layer, expert)
         if evicted is not None:
             self.policy.on_evicted(*evicted)
+        if log.isEnabledFor(logging.DEBUG):  # -v: a line per fill (never on by default)
+            log.debug("fill row %d with layer %d expert %d (%s)%s", row, layer, expert,
+                      "demanded" if urgent else "read ahead",
+                      f", evicting layer {evicted[0][0]} expert {evicted[0][1]}" if evicted else "")
         self.policy.on_filled((layer, expert), used=urgent)  # a prefetch's is a guess
         # Held back while a client that may read the evicted expert is inside a step.
         self._hold_or_submit(row, layer, expert, urgent, evicted is not None)
@@ -202,6 +210,8 @@ class ExpertCache(SideRowFills, EpochFills):
             if self.in_flight == 0:
                 self._fill_seconds += time.monotonic() - self._busy_since
             self.table.end_fill(row, error is None)
+            if error is None and log.isEnabledFor(logging.DEBUG):
+                log.debug("filled row %d", row)
             if error is None:
                 self.counters.bytes_read += self.stride
                 self.counters.fills += 1
