@@ -202,7 +202,9 @@ def _server_classes():
                 name = str(exc).split(" ", 1)[0]
                 self._param = MLX_PARAMS.get(name, name if name in self.body else None)
                 raise
-            if "model" not in self.body:
+            if "model" not in self.body and not self.response_generator.cli_args.pipeline:
+                # (A pipeline's ranks know the model as "default_model": each stage has its
+                # own directory's name.)
                 self.requested_model = self.response_generator.cli_args.model_id
 
         def _check_body(self):
@@ -425,9 +427,10 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     if serving_epoch(daemon_paths(blob_dir)) is None:  # a one-line error before listening
         raise DaemonNotRunning(f"no expertd serves {blob_dir} (start one with: expertd start "
                                f"--blobs {blob_dir})")
-    if not distributed or pipeline_group.rank() == 0:
+    if not distributed:
         # Listening at once: /health answers 503 {"status": "loading"} until the model is
-        # ready (a load waits for the daemon's answers, and a large trunk takes a while).
+        # ready (a load waits for the daemon's answers, and a large trunk takes a while). A
+        # pipeline's rank 0 listens once every rank has loaded (mlx-lm's distributed server).
         httpd = _bind(host, port, blob_dir)
         loading = threading.Thread(target=httpd.serve_forever, name="expertd-serve-loading",
                                    daemon=True)
@@ -445,8 +448,9 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         cli_args.pipeline = distributed
         session = model.expertd_session
         try:
-            signum = _serve_loaded(httpd, loading, session, model, tokenizer, draft, cli_args,
-                                   name, names, pipeline_group, out)
+            signum = _serve_loaded(httpd, loading, lambda: _bind(host, port, blob_dir), session,
+                                   model, tokenizer, draft, cli_args, name, names,
+                                   pipeline_group, out)
         finally:
             session.close()
     finally:
@@ -468,10 +472,11 @@ def _stop_loading(httpd, loading) -> None:
         loading.join()
 
 
-def _serve_loaded(httpd, loading, session, model, tokenizer, draft, cli_args, name, names,
-                  pipeline_group, out) -> int | None:
+def _serve_loaded(httpd, loading, listen, session, model, tokenizer, draft, cli_args, name,
+                  names, pipeline_group, out) -> int | None:
     """Serve the loaded model until a signal; the signal's number (None on a pipeline rank,
-    which a signal ends in the kernel)."""
+    which a signal ends in the kernel). ``httpd`` listens already (``loading`` answers on it),
+    or ``listen()`` makes it (a pipeline's rank 0)."""
     from mlx_lm.models.cache import LRUPromptCache
     from mlx_lm.server import get_system_fingerprint
 
@@ -504,6 +509,8 @@ def _serve_loaded(httpd, loading, session, model, tokenizer, draft, cli_args, na
             while True:
                 signal.pause()
     try:
+        if httpd is None:  # a pipeline's rank 0: listens once every rank has loaded
+            httpd = listen()
         _stop_loading(httpd, loading)
         httpd.ready(lambda *a, **k: handler_class(generator, *a, system_fingerprint=fingerprint,
                                                   **k),

@@ -119,7 +119,9 @@ def serve_pipeline(tmp_path: Path) -> str:
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=_launcher_ignores_sigint)
     try:
-        line = proc.stdout.readline()  # rank 0's "expertd serve: ... on http://..." line
+        line = proc.stdout.readline()  # rank 0's "expertd serve (loading ...)" line, then
+        if line.startswith("expertd serve (loading"):
+            line = proc.stdout.readline()  # its "expertd serve: ... on http://..." line
         assert f":{http_port}/v1" in line, (line, proc.stderr.read() if proc.poll() else "")
         request = urllib.request.Request(
             f"http://127.0.0.1:{http_port}/v1/completions", method="POST",
