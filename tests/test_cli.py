@@ -32,8 +32,8 @@ def test_stop_and_status_without_a_daemon(blobs, isolated_env):
     assert f"no expertd serves {blobs}" in stop.stdout and "nothing to stop" in stop.stdout
     status = expertd_cli("status", "--blobs", blobs, "--json")
     assert status.returncode == 3, status
-    assert json.loads(status.stdout) == {"running": False, "blob_dir": str(blobs),
-                                         "log": str(daemon_paths(blobs).log), "leftover": None}
+    assert json.loads(status.stdout) == [{"running": False, "blob_dir": str(blobs),
+                                          "log": str(daemon_paths(blobs).log), "leftover": None}]
     plain = expertd_cli("status", "--blobs", blobs)
     assert plain.returncode == 3 and "no expertd serves" in plain.stderr
     assert f"log: {daemon_paths(blobs).log}" in plain.stderr and "Traceback" not in plain.stderr
@@ -50,7 +50,7 @@ def test_start_status_restart_stop(blobs, isolated_env):
         assert "no expertd serves" in restarted.stdout and "starting one" in restarted.stdout
         assert f"log: {log}" in restarted.stdout
         first = query_stats(blobs)
-        status = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)
+        status, = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)
         assert status["running"] is True and status["pid"] == first["pid"]
         assert status["log"] == str(log)
         shown = expertd_cli("status", "--blobs", blobs).stdout
@@ -100,7 +100,7 @@ def test_status_watch_refreshes_until_ctrl_c(blobs, isolated_env):
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  preexec_fn=sigint_as_usual)
         try:
-            docs = [json.loads(watch.stdout.readline()) for _ in range(3)]
+            docs = [json.loads(watch.stdout.readline())[0] for _ in range(3)]
             assert [d["pid"] for d in docs] == [pid] * 3
             assert docs[2]["uptime_s"] > docs[0]["uptime_s"]  # refreshed, not repeated
         finally:
@@ -310,7 +310,7 @@ def test_a_reader_leaving_mid_watch_ends_it_quietly(blobs, isolated_env):
                               "--json", "--watch", "0.05"], stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert json.loads(watch.stdout.readline())["running"] is False
+        assert json.loads(watch.stdout.readline())[0]["running"] is False
         watch.stdout.close()  # as head does once it has its line
         _, err = watch.communicate(timeout=30)
     finally:

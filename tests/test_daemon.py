@@ -248,7 +248,7 @@ def test_status_reports_the_daemon_and_fails_without_one(blobs, isolated_env):
             c.fetch(0, [0, 1, 2])
             got = expertd_cli("status", "--blobs", blobs, "--json")
             assert got.returncode == 0, got.stderr
-            s = json.loads(got.stdout)
+            s, = json.loads(got.stdout)  # a list, one daemon
             types = dict(endpoint=str, pid=int, arena_bytes=int, rows_used=int, arena_rows=int,
                          hits=int, misses=int, bytes_read=int, fill_gbps=float, pinned=int,
                          clients=int, uptime_s=float)
@@ -271,7 +271,7 @@ def test_status_reports_the_daemon_and_fails_without_one(blobs, isolated_env):
     none = expertd_cli("status", "--blobs", blobs)
     assert none.returncode == 3 and "no expertd serves" in none.stderr  # 3: as pg_ctl status
     none = expertd_cli("status", "--blobs", blobs, "--json")
-    assert none.returncode == 3 and json.loads(none.stdout)["running"] is False
+    assert none.returncode == 3 and json.loads(none.stdout)[0]["running"] is False
 
 
 # ---- warm restart, pins ----------------------------------------------------------------------

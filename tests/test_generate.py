@@ -106,7 +106,7 @@ def test_tilde_in_blobs_is_expanded_by_start_generate_and_status(models, isolate
                                  "~/blobs/tiny", "--json"], env={**os.environ, **env},
                                 capture_output=True, text=True, timeout=60)
     assert len(summary["tokens"]) == 8
-    assert status.returncode == 0 and json.loads(status.stdout)["pid"] == daemon.pid
+    assert status.returncode == 0 and json.loads(status.stdout)[0]["pid"] == daemon.pid
 
 
 

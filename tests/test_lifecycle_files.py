@@ -98,12 +98,12 @@ def test_a_killed_daemons_arena_is_named_by_status_and_removed_by_stop(models, i
         assert text.returncode != 0
         assert f"its arena /dev/shm/{d.arena}" in text.stderr, text.stderr
         assert f"expertd stop --blobs {paths.blob_dir}" in text.stderr
-        left = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)["leftover"]
+        left = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)[0]["leftover"]
         assert left["arena"] == d.arena and left["bytes"] == size and left["pid"] == d.pid
         stopped = expertd_cli("stop", "--blobs", blobs)
         assert stopped.returncode == 0 and f"arena {d.arena}" in stopped.stdout, stopped.stdout
         assert not shm_exists(d.arena) and not paths.runfile.exists()
-        again = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)
+        again, = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)
         assert again["leftover"] is None
         assert "nothing to stop" in expertd_cli("stop", "--blobs", blobs).stdout
 

@@ -144,7 +144,7 @@ def test_install_with_the_real_systemctl_reports_its_failure(awkward_blobs, home
     import json
 
     daemon = expertd_cli("status", "--blobs", awkward_blobs, "--json")
-    assert json.loads(daemon.stdout)["log"] == f"journalctl --user -u {unit.name}"
+    assert json.loads(daemon.stdout)[0]["log"] == f"journalctl --user -u {unit.name}"
     gone = expertd_cli("service", "uninstall", "--blobs", awkward_blobs)
     assert not unit.path.exists() and f"removed {unit.path}" in gone.stdout, gone
     status = expertd_cli("service", "status", "--blobs", awkward_blobs)
@@ -152,11 +152,12 @@ def test_install_with_the_real_systemctl_reports_its_failure(awkward_blobs, home
 
 
 def test_install_refuses_bad_flags_before_writing_anything(awkward_blobs, home):
-    for flags, message in ((["--cache-gb", "nan"], "smallest cache that serves"),
-                           (["--workers", "0"], "--workers must be between"),
-                           (["--log-file", "x.log"], "--log-file is chosen by the service")):
+    for flags, message, code in ((["--cache-gb", "nan"], "smallest cache that serves", 1),
+                                 (["--workers", "0"], "--workers: must be from 1 to", 2),
+                                 (["--log-file", "x.log"], "--log-file is chosen by the service",
+                                  1)):
         got = expertd_cli("service", "install", "--blobs", awkward_blobs, *flags, "--no-start")
-        assert got.returncode == 1 and message in got.stderr, got
+        assert got.returncode == code and message in got.stderr, got
         assert len(got.stderr.strip().splitlines()) == 1 and "Traceback" not in got.stderr
     assert _files(home) == []
 

@@ -346,7 +346,7 @@ def snapshot(args) -> tuple:
                 return _not_running(args, str(exc))
             notes.append(f"{target['socket']}: not answering ({exc})")
     if args.json:
-        return 0, results[0] if args.blobs else results
+        return 0, results  # one shape: a list of daemons, with --blobs or without
     if not results:
         return NOT_RUNNING, "\n".join(notes + ["no expertd is running"])
     return 0, "\n".join(["\n".join(status_lines(s)) for s in results] + notes)
@@ -364,7 +364,7 @@ def _not_running(args, message: str) -> tuple:
     down = {"running": False, "blob_dir": blob_dir, "log": log_location(blob_dir),
             "leftover": left}
     if args.json:
-        return NOT_RUNNING, down
+        return NOT_RUNNING, [down]
     text = f"{message}\n  log: {down['log']}"
     if left:
         text += (f"\n  left behind by a killed expertd (pid {left['pid']}): its arena "
@@ -431,8 +431,9 @@ def add_subcommands(sub) -> None:
     p = sub.add_parser("status", help="show what a daemon is doing",
                        description="Cache use, hits, misses, bytes read, fill throughput, "
                        "clients, the log's path. Without --blobs: every daemon of this user. "
-                       f"Exits {NOT_RUNNING} when no daemon runs (--json then prints "
-                       '{"running": false, ...}).')
+                       f"Exits {NOT_RUNNING} when no daemon runs. --json prints a list of "
+                       'daemons, one with --blobs ({"running": false, ...} when it does not '
+                       "run).")
     p.add_argument("--blobs", metavar="BLOB_DIR",
                    help="the daemon of this blob directory (default: every daemon of yours)")
     p.add_argument("--json", action="store_true",
