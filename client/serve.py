@@ -12,6 +12,7 @@ against.
 """
 
 import argparse
+import errno
 import json
 import logging
 import signal
@@ -375,9 +376,18 @@ def _bind(host: str, port: int, blob_dir: Path) -> ExpertdHTTPServer:
                                                       flags=socket.AI_PASSIVE)[0]
         server_class = type("Server", (ExpertdHTTPServer,), {"address_family": family})
         return server_class(address, LoadingHandler, blob_dir)
+    except socket.gaierror as exc:
+        raise OSError(f"--host {host}: not an address or a name this machine resolves "
+                      f"({exc.strerror or exc}); e.g. 127.0.0.1, ::1 or 0.0.0.0") from None
     except OSError as exc:
-        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); pick another "
-                      "--port or stop what uses it") from None
+        if exc.errno == errno.EADDRNOTAVAIL:
+            advice = f"{host} is not an address of this machine; give one of its own with --host"
+        elif exc.errno == errno.EACCES:
+            advice = f"port {port} is privileged here; pick one from 1024 up with --port"
+        else:
+            advice = "pick another --port or stop what uses it"
+        raise OSError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); "
+                      f"{advice}") from None
 
 
 def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "auto",

@@ -136,3 +136,16 @@ def test_stop_names_the_clients_left_waiting(models, isolated_env, tmp_path):
         done = expertd_cli("stop", "--blobs", blobs, timeout=60)
     assert done.returncode == 0, done.stderr
     assert f"1 client attached (serve pid {server.proc.pid}); it waits for a daemon" in done.stdout
+
+
+def test_a_host_that_is_not_ours_gets_host_advice(models, isolated_env):
+    """An address of another machine is not a busy port: serve says which it is."""
+    from harness import expertd_cli
+
+    blobs = models.blobs()
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB):
+        done = expertd_cli("serve", "--blobs", blobs, "--host", "192.0.2.7", "--port", "0",
+                           timeout=120)
+    assert done.returncode == 1, done
+    line, = done.stderr.strip().splitlines()
+    assert "192.0.2.7 is not an address of this machine" in line and "--port" not in line
