@@ -141,8 +141,20 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
                                     "pulled_rows", "pulled_bytes", "pull_s",
                                     "pull_timed_bytes")},
         pool_bytes=session.pool_bytes, timing=dict(session.timing),
+        speculation=_speculation(session),
         prediction=session.prediction(),
     )
+
+
+def _speculation(session) -> dict | None:
+    """How the one-wait-a-step mode went: its mode, whether it speculates at the end, how
+    often auto paused it and how often for cost (waiting per layer measured cheaper)."""
+    steps = session.steps
+    if steps is None:
+        return None
+    s = steps.speculation
+    return dict(mode=s.mode, active=s.active, paused=s.stopped,
+                paused_for_cost=s.stopped_by_cost)
 
 
 def load_draft(name: str) -> tuple:
@@ -174,6 +186,16 @@ def summary_line(s: dict) -> str:
     if s.get("steps"):
         line += (f" | {s['host_waits'] / s['steps']:.2f} host waits a step, "
                  f"{s['replays']} replayed")
+        spec = s.get("speculation") or {}
+        if spec.get("mode") == "off":
+            line += " (--speculate off: a wait per MoE layer)"
+        elif spec.get("paused"):
+            cost = spec["paused_for_cost"]
+            why = ("waiting per layer measured cheaper here" if cost == spec["paused"] else
+                   "too many replays" if not cost else
+                   f"{cost} for cost, {spec['paused'] - cost} for replays")
+            line += (f" (speculation paused {spec['paused']} time"
+                     f"{'s' * (spec['paused'] != 1)}: {why}; paused steps wait per layer)")
         causes = [f"{s[k]} {k[8:]}" for k in ("replays_absent", "replays_epoch") if s.get(k)]
         if causes:
             line += f" ({', '.join(causes)})"

@@ -286,3 +286,17 @@ def test_verbose_logs_debug_lines_in_the_daemon_and_the_client(models, isolated_
     assert " DEBUG fill row " in daemon_log and " DEBUG demand of layer " in daemon_log
     assert " DEBUG attached to expertd pid " in client_err
     assert " DEBUG " not in logs[False][0] and " DEBUG " not in logs[False][1]
+
+
+def test_the_summary_says_when_speculation_paused_and_why(models, isolated_env, tmp_path):
+    blob_dir = models.blobs()
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+        auto, auto_line = run_generate(blob_dir, isolated_env, tmp_path / "auto.json",
+                                       "--prompt", PROMPT, "-m", "48", "--ignore-chat-template")
+        off, off_line = run_generate(blob_dir, isolated_env, tmp_path / "off.json", "--prompt",
+                                     PROMPT, "--speculate", "off")
+    spec = auto["speculation"]
+    assert spec["mode"] == "auto" and spec["paused"] >= spec["paused_for_cost"] >= 0
+    assert ("(speculation paused" in auto_line) == (spec["paused"] > 0), auto_line
+    assert off["speculation"]["mode"] == "off" and "(--speculate off: a wait per MoE layer)" \
+        in off_line
