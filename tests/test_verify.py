@@ -32,6 +32,10 @@ def test_clean_directory(blob_dir):
     assert run.stderr == ""  # no progress bar into a pipe (test_convert_output checks a terminal's)
     quiet = expertd("verify", "-q", "--blobs", blob_dir)
     assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, run.stdout, "")
+    positional = expertd("verify", "-q", blob_dir)  # as convert names it
+    assert (positional.returncode, positional.stdout) == (0, run.stdout)
+    both = expertd("verify", blob_dir, "--blobs", blob_dir)
+    assert both.returncode == 1 and "give the blob directory once" in both.stderr
 
 
 def test_every_corrupt_expert_and_file_is_one_line(blob_dir):

@@ -68,7 +68,10 @@ def _cmd_verify(args) -> int:
 
     from expertd.blobstore import DirectoryCheck
 
-    check = DirectoryCheck(Path(args.blobs))
+    if (args.blob_dir is None) == (args.blobs is None):
+        raise ValueError("give the blob directory once: expertd verify BLOB_DIR, or "
+                         "expertd verify --blobs BLOB_DIR")
+    check = DirectoryCheck(Path(args.blob_dir or args.blobs))
     bad = 0
     with tqdm(total=check.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
               disable=True if args.quiet else None,  # None: on a terminal only
@@ -232,7 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "layer and every trunk file against the checksums in its manifest, and "
                        "every file's size. Prints one line per bad expert or file and a summary; "
                        "exits with status 1 if anything is corrupt.")
-    p.add_argument("--blobs", required=True, help="blob directory written by expertd convert")
+    p.add_argument("blob_dir", nargs="?", metavar="BLOB_DIR",
+                   help="blob directory written by expertd convert (as convert names it)")
+    p.add_argument("--blobs", help="the same, as the other commands take it")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_verify)
 
