@@ -40,7 +40,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
              reconnect_timeout: float | None = None, draft_model: str | None = None,
              num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, xtc_probability: float = 0.0,
              xtc_threshold: float = 0.0, prefill_response: str | None = None,
-             template_kwargs: dict | None = None) -> dict:
+             template_kwargs: dict | None = None, prompt_cache_file: str | None = None) -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
 
     Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``, ``xtc_*``), the KV cache (``kv``),
@@ -52,6 +52,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
     one-wait-a-step mode (see ``load``). ``draft_model`` (an mlx-lm checkpoint's directory or
     Hugging Face id, resident) drafts ``num_draft_tokens`` tokens at a time for mlx-lm's own
     speculative decoding, which the streamed model checks several at a call.
+    ``prompt_cache_file`` (mlx_lm.cache_prompt's file, made for the same model) holds the KV
+    cache of a prefix: ``prompt`` is what follows it, as in mlx_lm.generate.
 
     Returns:
         dict with prompt/generation token counts and tok/s, the tokens, the peak memory, this
@@ -82,6 +84,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
                                  f"({draft[1].vocab_size} tokens) is not the model's "
                                  f"({tokenizer.vocab_size})")
             extra = dict(draft_model=draft[0], num_draft_tokens=num_draft_tokens)
+        if prompt_cache_file is not None:
+            extra["prompt_cache"] = load_prompt_cache(prompt_cache_file, model, kv)
         for token in extra_eos_tokens:
             tokenizer.add_eos_token(token)
         if chat_template and getattr(tokenizer, "chat_template", None):
@@ -93,6 +97,12 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=not prefill,
                                                    continue_final_message=prefill,
                                                    tokenize=False, **(template_kwargs or {}))
+            if prompt_cache_file is not None:  # the cached prefix is the template's start
+                messages[-1]["content"] = "<query>"
+                probe = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=not prefill,
+                                                      continue_final_message=prefill)
+                prompt = prompt[probe.index("<query>"):]
         elif prefill_response is not None:
             raise ValueError("--prefill-response needs the chat template (the tokenizer has "
                              "none, or --ignore-chat-template was given)")
@@ -155,6 +165,31 @@ def _speculation(session) -> dict | None:
     s = steps.speculation
     return dict(mode=s.mode, active=s.active, paused=s.stopped,
                 paused_for_cost=s.stopped_by_cost)
+
+
+def load_prompt_cache(path: str, model, kv) -> list:
+    """The KV cache saved by mlx_lm.cache_prompt at ``path``, checked against ``model`` (one
+    cache per layer, as its own) and the KV options ``kv`` (a quantized cache's bits and group
+    size, as mlx_lm.generate checks them)."""
+    from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+    from mlx_lm.models.cache import load_prompt_cache as load
+
+    try:
+        cache = load(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"--prompt-cache-file {path}: not a prompt cache mlx-lm can read "
+                         f"({exc})") from None
+    want = make_prompt_cache(model)
+    if len(cache) != len(want):
+        raise ValueError(f"--prompt-cache-file {path}: made for another model ({len(cache)} "
+                         f"layer caches, this model has {len(want)})")
+    if isinstance(cache[0], QuantizedKVCache):
+        if kv.kv_bits is not None and kv.kv_bits != cache[0].bits:
+            raise ValueError("--kv-bits does not match the KV cache of --prompt-cache-file")
+        if kv.kv_group_size != cache[0].group_size:
+            raise ValueError("--kv-group-size does not match the KV cache of "
+                             "--prompt-cache-file")
+    return cache
 
 
 def load_draft(name: str) -> tuple:

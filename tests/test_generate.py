@@ -300,3 +300,39 @@ def test_the_summary_says_when_speculation_paused_and_why(models, isolated_env, 
     assert ("(speculation paused" in auto_line) == (spec["paused"] > 0), auto_line
     assert off["speculation"]["mode"] == "off" and "(--speculate off: a wait per MoE layer)" \
         in off_line
+
+
+def test_a_saved_prompt_cache_continues_as_in_mlx_lm(models, isolated_env, tmp_path):
+    """--prompt-cache-file: mlx_lm.cache_prompt's file for the same model; the prompt follows
+    the cached prefix, and the tokens are resident mlx-lm's from the same cache. A cache of
+    another model is refused in one line."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+    model_dir, blob_dir = models.model(), models.blobs()
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    cache = make_prompt_cache(model)
+    model(mx.array(tokenizer.encode("The experts of a large model"))[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    saved = tmp_path / "prefix.safetensors"
+    save_prompt_cache(str(saved), cache, {"model": str(model_dir), "chat_template": "",
+                                          "tokenizer_config": "{}"})
+    want = [r.token for r in mlx_lm.stream_generate(
+        model, tokenizer, " live on the disk", max_tokens=8,
+        prompt_cache=load_prompt_cache(str(saved)))]
+    other = tmp_path / "other.safetensors"
+    save_prompt_cache(str(other), cache[:1], {"model": "x", "chat_template": "",
+                                              "tokenizer_config": "{}"})
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+        got, _ = run_generate(blob_dir, isolated_env, tmp_path / "a.json", "--prompt",
+                              " live on the disk", "--ignore-chat-template",
+                              "--prompt-cache-file", str(saved))
+        refused = subprocess.run([sys.executable, "-m", "expertd", "generate", "--blobs",
+                                  str(blob_dir), "--prompt-cache-file", str(other)],
+                                 env={**os.environ, **isolated_env}, capture_output=True,
+                                 text=True, timeout=120)
+    assert got["tokens"] == want
+    assert got["prompt_tokens"] == len(tokenizer.encode(" live on the disk"))
+    assert refused.returncode == 1 and "made for another model" in refused.stderr
+    assert "Traceback" not in refused.stderr

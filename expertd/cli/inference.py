@@ -56,7 +56,8 @@ def _cmd_generate(args) -> int:
                        draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
                        xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
                        prefill_response=args.prefill_response,
-                       template_kwargs=args.chat_template_config)
+                       template_kwargs=args.chat_template_config,
+                       prompt_cache_file=args.prompt_cache_file)
     if group is not None:
         from expertd.client.pipeline import gather_usage
 
@@ -220,6 +221,9 @@ def add_client_subcommands(sub) -> None:
                    help="run under mlx.launch: split the model into pipeline stages with "
                    "mlx-lm's own split, one per process, each streaming its layers from the "
                    "expertd of its host (README: Several machines); rank 0 prints")
+    p.add_argument("--prompt-cache-file", metavar="FILE",
+                   help="a KV cache saved by mlx_lm.cache_prompt for the same model: --prompt "
+                   "is what follows the cached prefix (default: none)")
     p.add_argument("--draft-model", metavar="MODEL",
                    help="a small resident mlx-lm model (a directory or a Hugging Face id) that "
                    "drafts tokens for mlx-lm's speculative decoding: the streamed model checks "

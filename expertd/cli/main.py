@@ -133,7 +133,7 @@ MLX_LM_ONLY = {
     "--adapter-path": "LoRA adapters are not loaded on a streamed model yet",
     "--trust-remote-code": "a converted model's tokenizer is loaded from its blob directory, "
                            "without remote code",
-    "--prompt-cache-file": "saved prompt caches (mlx_lm.cache_prompt) are not loaded yet",
+    "--prompt-cache-file": "only generate takes a saved prompt cache",
     "--quantize-activations": "the trunk runs as converted",
     "--image": "expertd streams text models",
     "--draft-model": "only generate and serve take a draft model",
