@@ -12,6 +12,7 @@ against.
 """
 
 import argparse
+import dataclasses
 import errno
 import json
 import logging
@@ -118,15 +119,26 @@ def _server_classes():
                 self.counters.refused(flight)
                 raise
             self.counters.admitted(flight, len(ctx.prompt))
-            return ctx, self._counted(ctx, flight, responses)
+            return ctx, self._counted(ctx, flight, responses, generation_args.stop_words)
 
-        def _counted(self, ctx, flight, responses):
+        def _counted(self, ctx, flight, responses, stop_words):
+            text = ""
             for response in responses:
                 flight.last = time.perf_counter()
                 if flight.first is None:
                     flight.first = flight.last
                     flight.prompt_computed = len(ctx.prompt) - max(0, ctx.prompt_cache_count)
                 flight.tokens += 1
+                if stop_words and response.finish_reason is None:
+                    # mlx_lm.server stops only where the tokens spell a stop word, and strips
+                    # the word from the text elsewhere but keeps generating: as OpenAI does,
+                    # the text's first stop word ends the request (this token's text goes,
+                    # as mlx-lm drops a stopping token's).
+                    text += response.text
+                    if any(word in text for word in stop_words):
+                        ctx.stop()
+                        yield dataclasses.replace(response, finish_reason="stop")
+                        return
                 yield response
 
         def failure(self) -> Exception | None:

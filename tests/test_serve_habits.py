@@ -149,3 +149,23 @@ def test_a_host_that_is_not_ours_gets_host_advice(models, isolated_env):
     assert done.returncode == 1, done
     line, = done.stderr.strip().splitlines()
     assert "192.0.2.7 is not an address of this machine" in line and "--port" not in line
+
+
+def test_a_stop_word_inside_a_token_ends_the_request(models, isolated_env, tmp_path):
+    """OpenAI's stop: the first occurrence of a stop word in the text ends generation with
+    finish_reason "stop", whether or not the tokens spell it on their own (mlx_lm.server 0.32
+    stripped such a word from the text and kept generating)."""
+    blobs = models.blobs()
+    with (Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB),
+          Server(blobs, tmp_path) as server):
+        ask = dict(model=blobs.name, prompt="Once", max_tokens=40, temperature=0)
+        free = server.client.completions.create(**ask)
+        text = free.choices[0].text
+        # A two-character word from inside the text, not at its start.
+        word = next(text[i:i + 2] for i in range(2, len(text) - 2)
+                    if text[i:i + 2].isalpha() and text[i:i + 2] not in text[:i + 1])
+        stopped = server.client.completions.create(**ask, stop=[word])
+    choice = stopped.choices[0]
+    assert choice.finish_reason == "stop" and word not in choice.text
+    assert text.startswith(choice.text) and len(choice.text) <= text.index(word)
+    assert stopped.usage.completion_tokens < free.usage.completion_tokens
