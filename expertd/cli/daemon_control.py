@@ -349,7 +349,8 @@ def snapshot(args) -> tuple:
         return 0, results  # one shape: a list of daemons, with --blobs or without
     if not results:
         return NOT_RUNNING, "\n".join(notes + ["no expertd is running"])
-    return 0, "\n".join(["\n".join(status_lines(s)) for s in results] + notes)
+    # A blank line between two daemons.
+    return 0, "\n\n".join(["\n".join(status_lines(s)) for s in results] + notes)
 
 
 def _not_running(args, message: str) -> tuple:
