@@ -81,6 +81,10 @@ class Peers:
             # maybe before its old pipe is gone: the new connection takes the id over.
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             router.setsockopt(zmq.BACKLOG, BACKLOG)
+            # A ZAP domain makes libzmq refuse ZMTP 1.0 peers, whose first byte is a frame's
+            # length (any bytes at all would parse as frames). No ZAP handler is bound, so
+            # peers of the NULL mechanism, ours, pass.
+            router.setsockopt(zmq.ZAP_DOMAIN, b"expertd")
             router.setsockopt(zmq.HEARTBEAT_IVL, round(heartbeat * 1000))
             router.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(silence * 1000))
             router.setsockopt(zmq.HEARTBEAT_TTL, round(silence * 1000))  # clients' bound on us

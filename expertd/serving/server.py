@@ -192,13 +192,10 @@ class ExpertServer:
         self.peers.send(identity, frames)  # a peer gone or not reading: it times out and retries
 
     def _dispatch(self, identity: bytes, body: list, count: int) -> None:
-        """One request: ``body`` its first frames, of ``count`` (-1: malformed lengths)."""
+        """One request: ``body`` its first frames, of ``count``."""
         rid = body[0] if body and len(body[0]) <= 16 else b""
         op_byte = body[1][:1] if len(body) > 1 else b""
         try:
-            if count < 0:
-                raise ProtocolError("the frame lengths do not add up to the message's",
-                                    ErrorCode.BAD_FRAME)
             if count > len(body):
                 raise ProtocolError(f"expected 3 frames, got more than {len(body)}")
             rid, op, req = parse_request(body)
