@@ -7,7 +7,9 @@ The bounds ZeroMQ gives (see wire.py for what it cannot bound):
 - RCVHWM: RECV_HWM whole messages per connection wait here at most; then libzmq stops reading
   that connection;
 - SNDHWM with ROUTER_MANDATORY: a peer that reads none of its replies has SEND_HWM of them
-  queued at most; past that, and to a peer gone, a reply is dropped at once (never waited for);
+  queued at most; past that, and to a peer gone, a reply is dropped at once (never waited for).
+  A run of STATS replies shares one body (:meth:`share`), however many peers leave theirs
+  unread;
 - ZMTP heartbeats: a connection silent for the client timeout is closed by libzmq.
 
 Connections come and go in the monitor's events (ACCEPTED, DISCONNECTED, each with the
@@ -31,7 +33,10 @@ from expertd.wire import context, endpoint
 
 MAX_FRAME = max(MAX_BODY, MAX_REQUEST_ID)  # the largest frame of any request
 RECV_HWM = 4  # a client has a few requests in flight (a prefetch and a demand, releases)
-SEND_HWM = 64  # replies queued for a peer that reads none, beyond its own queue and the kernel's
+# Replies queued for a peer that reads none, beyond its own queue and the kernel's: a batch of
+# a peer's requests (up to the loop's RECV_BATCH) is answered before libzmq's I/O thread writes
+# any, and the room a pipe's reader frees is seen only every half of its mark.
+SEND_HWM = 1000
 BACKLOG = 256  # connections the kernel holds for the next accept
 KEEP_FRAMES = 3  # a request's frames; more are counted and dropped, never kept
 MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
@@ -148,6 +153,12 @@ class Peers:
             self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
         except zmq.ZMQError:  # EHOSTUNREACH (gone) or EAGAIN (SEND_HWM unread)
             self.counters.replies_dropped += 1
+
+    @staticmethod
+    def share(body: bytes) -> zmq.Frame:
+        """``body`` as a frame that many replies share: libzmq counts its references, so each
+        reply queued costs a message header, not a copy."""
+        return zmq.Frame(body, copy=True)
 
     def close(self) -> None:
         if self.monitor is not None:

@@ -95,8 +95,8 @@ class ExpertServer:
                                      max_pins=self.max_pins, epoch_hold=config.lease_timeout)
             self.clients = ClientRegistry(config.client_timeout, MAX_CLIENTS)
             self._quiet_until, self._unlogged = 0.0, 0  # bad requests: a log line a second
-            # (peers.changes, the STATS reply packed) for a run of STATS with nothing else
-            # between them: a flood of them costs one.
+            # (peers.changes, the STATS reply packed, as a frame the replies share) for a run
+            # of STATS with nothing else between them: a flood of them costs one.
             self._stats_body = None
             self._ticks = 0
             self.started = time.monotonic()
@@ -254,7 +254,8 @@ class ExpertServer:
                                               client_prefetch_reads=asker.prefetch_reads))
                 return
             if self._stats_body is None or self._stats_body[0] != self.peers.changes:
-                self._stats_body = (self.peers.changes, pack_ok(**self.stats()))
+                self._stats_body = (self.peers.changes,
+                                    self.peers.share(pack_ok(**self.stats())))
             self._send(identity, reply_packed(rid, op, self._stats_body[1]))
             return
         client = self.clients.seen(identity, now)
