@@ -38,6 +38,7 @@ RECV_HWM = 4  # a client has a few requests in flight (a prefetch and a demand, 
 # any, and the room a pipe's reader frees is seen only every half of its mark.
 SEND_HWM = 1000
 BACKLOG = 256  # connections the kernel holds for the next accept
+CLOSE_LINGER_MS = 100
 KEEP_FRAMES = 3  # a request's frames; more are counted and dropped, never kept
 MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
@@ -167,7 +168,9 @@ class Peers:
             except zmq.ZMQError:
                 pass
             self.monitor.close(linger=0)
-        self.router.close(linger=0)
+        # The last replies (SHUTDOWN's, the SHUTTING_DOWN errors) go out in the background for
+        # this long, the context's term at exit waiting for them.
+        self.router.close(linger=CLOSE_LINGER_MS)
 
     # ---- internals -----------------------------------------------------------------------
 
