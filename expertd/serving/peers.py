@@ -40,6 +40,7 @@ SEND_HWM = 1000
 BACKLOG = 256  # connections the kernel holds for the next accept
 CLOSE_LINGER_MS = 100
 KEEP_FRAMES = 3  # a request's frames; more are counted and dropped, never kept
+BATCH_FRAMES = 1024  # frames read before a batch is dispatched (256 requests of 3, and ids)
 MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -134,12 +135,17 @@ class Peers:
         tags = [self._tags[fd] for fd, _ in ready if fd in self._tags]
         received = []
         router = self.router
-        for _ in range(limit):
+        frames = 0
+        # Requests are dispatched once the batch is read: a batch stops at BATCH_FRAMES too, so
+        # that messages of many frames (each walked, ~2 us a frame) cannot hold a STATS back
+        # for a whole batch of them.
+        while len(received) < limit and frames < BATCH_FRAMES:
             try:
                 first = router.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             received.append(self._rest(first))
+            frames += 1 + received[-1][1].count
         self._read_monitor()  # every event before the messages just read is in now
         messages = []
         for fd, message in received:
