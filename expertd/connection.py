@@ -15,7 +15,8 @@ class Connection:
     """A connection to the expertd of ``blob_dir`` (or at ``socket``, a socket path).
 
     Raises:
-        DaemonNotRunning: if no daemon listens for the directory.
+        DaemonNotRunning: if no daemon's socket exists for the directory (ZeroMQ connects in
+            the background: a stale socket file shows as requests that time out).
     """
 
     def __init__(self, blob_dir=None, client_id: bytes | None = None, socket=None,
