@@ -6,7 +6,7 @@ import threading
 import time
 
 from expertd.protocol import CLIENT_ID_BYTES, Op, request
-from expertd.wire import Channel, ConnectionLost
+from expertd.wire import Channel
 
 REAP_SLICE = 0.01  # how often the idle client looks for late replies to interrupted demands
 STOP_TIMEOUT = 2.0  # the thread wakes at once when stopped; this only bounds a stuck one
@@ -20,8 +20,9 @@ class Heartbeat:
     releases late leases while the client is idle (polled every REAP_SLICE while it returns
     True). Each heartbeat carries ``report()``'s counters (for the daemon's status).
 
-    The thread's connection is its own, opened and closed in the thread, and opened again
-    should the daemon drop it: :meth:`stop` asks, the thread closes it."""
+    The thread's socket is its own, a DEALER opened and closed in the thread (a ZeroMQ socket
+    belongs to one thread; ZeroMQ connects it again should the daemon drop it): :meth:`stop`
+    asks, the thread closes it."""
 
     def __init__(self, socket_path: str, client_id: bytes, token: bytes, interval: float,
                  time_to_dead: float, alive, reap, report):
@@ -49,13 +50,9 @@ class Heartbeat:
                     return
                 reaping = self._reap()
                 now = time.monotonic()
-                try:
-                    while channel is not None and channel.poll(0):
-                        channel.recv()
-                        last_reply = now
-                except ConnectionLost:
-                    channel.close()
-                    channel = None  # dropped by the daemon: the next beat connects again
+                while channel is not None and channel.poll(0):
+                    channel.recv()
+                    last_reply = now
                 if now < next_beat:
                     continue
                 next_beat = now + interval
@@ -69,12 +66,9 @@ class Heartbeat:
                 try:
                     if channel is None:
                         channel = Channel(socket_path, os.urandom(CLIENT_ID_BYTES))
-                    channel.send(beat, quiet=True)
-                except ConnectionLost:
-                    channel.close()
-                    channel = None
-                except OSError:
-                    pass  # no daemon listens now: alive() tells the rest
+                    channel.send(beat, quiet=True)  # dropped when the daemon reads none
+                except FileNotFoundError:
+                    pass  # no daemon's socket now: alive() tells the rest
         finally:
             if channel is not None:
                 channel.close()

@@ -14,7 +14,7 @@ import numpy as np
 from expertd.client.interrupts import HeldInterrupts
 from expertd.errors import DaemonError, ProtocolError
 from expertd.protocol import ErrorCode, Op, request
-from expertd.wire import ConnectionLost
+from expertd.wire import DaemonUnreachable
 
 POLL_SLICE = 0.05  # how often a wait looks at the daemon's liveness and a held-back SIGINT
 REQUEST_TIMEOUT = 300.0  # a daemon that heartbeats but never answers one request
@@ -67,7 +67,7 @@ class Requester:
             try:
                 self.conn.send_frames(request(rid, op, body))
                 return self._wait(rid, held)
-            except ConnectionLost as exc:
+            except DaemonUnreachable as exc:
                 raise self._died(exc) from None
             except BaseException:
                 if self.demands and self.heartbeat is not None:
@@ -136,16 +136,14 @@ class Requester:
 
         Returns True while something is left to release.
         """
-        # A release or prefetch the daemon had no room for waits in the connection's queue:
-        # the idle client writes it too.
-        pending = self.demands or self.leases or self.conn.channel.unsent
+        pending = self.demands or self.leases
         if not pending or not self.lock.acquire(blocking=False):
             return bool(pending)
         try:
-            while self.conn.poll(0):  # writes what is queued, too
+            while self.conn.poll(0):
                 self._read_reply(None)
             self.release_leases()
-            return bool(self.demands or self.conn.channel.unsent)
+            return bool(self.demands)
         except (DaemonError, ProtocolError):  # the connection is lost: so are its leases
             return False
         finally:
@@ -201,11 +199,11 @@ class Requester:
                 raise DaemonError(f"expertd (pid {self.pid}) is alive but has not answered "
                                   f"for {REQUEST_TIMEOUT:g} s")
 
-    def _died(self, lost: ConnectionLost) -> DaemonDied:
+    def _died(self, lost: DaemonUnreachable) -> DaemonDied:
         if not self.alive():
             return DaemonDied(f"expertd (pid {self.pid}) serving {self.blob_dir} died")
-        return DaemonDied(f"expertd (pid {self.pid}) serving {self.blob_dir} dropped this "
-                          f"client's connection ({lost})")
+        return DaemonDied(f"expertd (pid {self.pid}) serving {self.blob_dir} is alive but "
+                          f"unreachable ({lost})")
 
     def _checked(self, body: dict) -> dict:
         if body.get("ok"):

@@ -1,4 +1,5 @@
-"""A request/reply connection to the daemon serving a blob directory (one thread owns it)."""
+"""A request/reply connection to the daemon serving a blob directory (one thread owns it): a
+ZeroMQ DEALER (wire.py) whose routing id is the client id."""
 
 import os
 import time
@@ -7,14 +8,15 @@ import weakref
 from .errors import DaemonError, DaemonNotRunning
 from .paths import daemon_paths
 from .protocol import CLIENT_ID_BYTES, Op, parse_reply, request
-from .wire import Channel
+from .wire import Channel, endpoint
 
 
 class Connection:
     """A connection to the expertd of ``blob_dir`` (or at ``socket``, a socket path).
 
     Raises:
-        DaemonNotRunning: if no daemon listens for the directory.
+        DaemonNotRunning: if no daemon's socket exists for the directory (ZeroMQ connects in
+            the background: a stale socket file shows as requests that time out).
     """
 
     def __init__(self, blob_dir=None, client_id: bytes | None = None, socket=None,
@@ -24,15 +26,13 @@ class Connection:
         else:
             paths = daemon_paths(blob_dir)
             path, what = str(paths.socket), paths.blob_dir
-        self.endpoint = f"unix://{path}"
+        self.endpoint = endpoint(path)
         self.client_id = client_id or os.urandom(CLIENT_ID_BYTES)
         try:
             self.channel = Channel(path, self.client_id)
-        except (FileNotFoundError, ConnectionRefusedError):
+        except FileNotFoundError:
             raise DaemonNotRunning(f"no expertd serves {what} (start one with: "
                                    f"expertd start --blobs {what})") from None
-        except OSError as exc:  # a full backlog past the timeout, a socket of someone else
-            raise DaemonError(f"cannot connect to expertd at {path}: {exc}") from None
         # Closed here, by close() or by the finalizer when the connection is dropped or the
         # process exits. An owner that shuts the connection itself at exit (a session: after
         # its heartbeat, with a goodbye) asks for at_exit=False; finalizers run newest first.
@@ -49,16 +49,17 @@ class Connection:
         """Fire and forget; returns the request id.
 
         Raises:
-            ConnectionLost: the daemon closed the connection.
+            DaemonUnreachable: the daemon took no message for wire.SEND_WAIT s.
         """
         rid = self._rid()
         self.channel.send(request(rid, op, body))
         return rid
 
-    def send_frames(self, frames: list, wait: bool = True) -> None:
+    def send_frames(self, frames: list, wait: bool = True) -> bool:
         """Send raw frames (tests and tools that speak the protocol themselves); with
-        ``wait=False`` only what the socket takes now is written, the rest by later calls."""
-        self.channel.send(frames, wait=wait)
+        ``wait=False`` the message is dropped (False) when the daemon has left a queue's worth
+        unread."""
+        return self.channel.send(frames, quiet=not wait)
 
     def send_quietly(self, op: Op, body: dict, rid: bytes | None = None) -> bool:
         """Fire and forget without ever blocking on a daemon that is gone or flooded: whether
@@ -69,11 +70,7 @@ class Connection:
             return False
 
     def poll(self, timeout: float) -> bool:
-        """Whether a reply is there to :meth:`recv`, waiting up to ``timeout`` s.
-
-        Raises:
-            ConnectionLost: the daemon closed the connection.
-        """
+        """Whether a reply is there to :meth:`recv`, waiting up to ``timeout`` s."""
         return self.channel.poll(timeout)
 
     def recv(self) -> tuple:
@@ -106,10 +103,10 @@ class Connection:
             return body
 
     def close(self, linger: float = 0.0) -> None:
-        """Close the socket, letting what is queued out for up to ``linger`` s. Idempotent."""
-        if self._finalizer.alive and linger > 0:
-            self.channel.drain(linger)
-        self._finalizer()
+        """Close the socket; what is queued still goes out for up to ``linger`` s, in the
+        background. Idempotent."""
+        if self._finalizer.detach() is not None:
+            self.channel.close(linger)
 
     def __enter__(self):
         return self

@@ -115,8 +115,8 @@ class DaemonPaths:
 
     @property
     def endpoint(self) -> str:
-        """The socket, as status shows it."""
-        return f"unix://{self.socket}"
+        """The daemon's ZeroMQ endpoint, as status shows it."""
+        return f"ipc://{self.socket}"
 
 
 def daemon_paths(blob_dir) -> DaemonPaths:

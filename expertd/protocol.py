@@ -1,7 +1,7 @@
-"""The protocol between expertd and its clients, over the wire of wire.py.
+"""The protocol between expertd and its clients, over the ZeroMQ wire of wire.py.
 
-Frames, client to daemon: ``[request_id, op, body]``; the daemon knows the peer by the routing
-id of its connection's greeting.
+Frames, client to daemon: ``[request_id, op, body]``; the daemon's ROUTER knows the peer by its
+DEALER's routing id (a client's is its client id).
 Replies: ``[request_id, op, body]`` where body is a msgpack map with ``ok`` true, or ``ok``
 false plus ``error`` (a message) and ``code``. ``prefetch``, ``release`` and ``goodbye`` are
 fire-and-forget: they are answered only when they fail. Nothing from the wire is trusted: bodies
@@ -19,6 +19,7 @@ PROTOCOL_VERSION = 2
 MAX_BODY = 64 * 1024
 MAX_REQUEST_ID = 16
 MAX_EXPERTS = 4096
+REPLY_KEYS = 256  # a reply's map (STATS has some 65 keys)
 # Experts a client reads ahead per expert a token routes to (client.predict); the daemon's
 # default side rows are sized for it.
 GUESS_WIDTH = 2
@@ -106,14 +107,14 @@ def pack(body: dict) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def unpack(raw: bytes) -> dict:
+def unpack(raw: bytes, max_keys: int = 64) -> dict:
     """Decode a body with limits; raise ProtocolError on anything but a string-keyed map."""
     if len(raw) > MAX_BODY:
         raise ProtocolError(f"body of {len(raw)} bytes exceeds {MAX_BODY}")
     try:
         body = msgpack.unpackb(raw, raw=False, strict_map_key=True,
                                max_str_len=4096, max_bin_len=4096, max_array_len=MAX_EXPERTS,
-                               max_map_len=64, max_ext_len=0)
+                               max_map_len=max_keys, max_ext_len=0)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise ProtocolError(f"body is not valid msgpack ({type(exc).__name__})") from None
     if not isinstance(body, dict):
@@ -224,4 +225,4 @@ def parse_reply(frames: list) -> tuple:
     if len(frames) != 3:
         raise ProtocolError(f"reply has {len(frames)} frames, expected 3")
     rid, op_raw, raw = frames
-    return rid, op_raw[0] if op_raw else 0, unpack(raw)
+    return rid, op_raw[0] if op_raw else 0, unpack(raw, REPLY_KEYS)

@@ -1,5 +1,6 @@
 """Nothing a user does with a loaded model hangs the process when its daemon is gone: dropping
-the model, loading it again after a restart, exiting (issue 16, item 1); a model dropped while
+the model, loading it again after a restart, exiting (issue 16, item 1; on ZeroMQ, issue 25:
+one context per process, its sockets closed with linger 0); a model dropped while
 its daemon serves detaches at once; and ``expertd status`` tells a SIGKILLed daemon by its free
 lock (item 5).
 
@@ -84,9 +85,9 @@ def test_dropping_or_reloading_a_model_never_hangs(case, models, isolated_env, t
     done = run_child(case, models.blobs(), tmp_path)
     assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout}\n{done.stderr}"
     assert done.stdout.splitlines()[-1] == "exiting", done.stdout
-    # Every socket was closed by its owner, none by the garbage collector, and no finalizer
-    # failed.
-    for sign in ("unclosed", "Exception ignored"):  # "unclosed <socket.socket ...>"
+    # Every socket was closed by its owner, none by the garbage collector (pyzmq's
+    # Context.__del__ is what hung before), and no finalizer failed.
+    for sign in ("unclosed", "Unclosed", "Exception ignored"):  # pyzmq: "Unclosed socket"
         assert sign not in done.stderr, done.stderr
 
 

@@ -136,6 +136,7 @@ class EpochMachine(RuleBasedStateMachine):
         self.at_retire = {}  # row -> [(attachment, record, step)] that blocked it when retired
         self.attachment = {}  # record -> which attachment of it this is (1, 2, ...)
         self.attachments = 0
+        self.last_even = {}  # record -> the latest even step it showed (nothing in flight)
 
     @rule(owner=st.sampled_from(OWNERS))
     def attach(self, owner):
@@ -148,6 +149,7 @@ class EpochMachine(RuleBasedStateMachine):
             assert got >= 0 and got not in self.record.values()
             self.record[owner] = got
             self.steps[got] = 0  # the daemon zeroes a record it gives out
+            self.last_even[got] = 0
             self.attachments += 1
             self.attachment[got] = self.attachments
 
@@ -167,6 +169,8 @@ class EpochMachine(RuleBasedStateMachine):
     def step(self, data, by):
         record = self.record[data.draw(st.sampled_from(sorted(self.record)))]
         self.steps[record] += by
+        if not self.steps[record] & 1:
+            self.last_even[record] = self.steps[record]
 
     @rule(row=st.integers(0, 5), stray=st.integers(0, 3))
     def retire(self, row, stray):
@@ -210,13 +214,15 @@ class EpochMachine(RuleBasedStateMachine):
         assert freed == want_freed
         for row in freed:
             for attachment, r, s in self.at_retire.pop(row, []):
-                # A record attached since (never freed) that may still read the row: odd,
-                # fewer than two checks past the step it showed, not given up on.
+                # A record attached since (never freed) that may still read the row: odd ever
+                # since (an even step showed nothing in flight), fewer than two checks past the
+                # step it showed, not given up on.
                 still = self.attachment.get(r) == attachment
                 if not still:
                     continue
                 now, gave_up = self.steps[r], self.lost.get(r, 0)
-                reading = now & 1 and now - s < 4 and not (gave_up & 1 and 0 <= gave_up - s < 4)
+                reading = (now & 1 and self.last_even[r] < s and now - s < 4
+                           and not (gave_up & 1 and 0 <= gave_up - s < 4))
                 assert not reading, (
                     f"row {row} freed while record {r} shows {now}, retired at {s}")
 

@@ -1,6 +1,7 @@
 """Floods must not grow the daemon's memory (DESIGN.md: daemon RSS - arena < 100 MB under any
-flood) nor keep STATS from being answered: rejected messages from many peers, one message of a
-gigabyte, a thousand connections each holding a message open.
+flood ZeroMQ lets us bound) nor keep STATS from being answered: rejected messages from many
+peers, frames past MAXMSGSIZE, a thousand connections each holding a frame open. What ZeroMQ
+cannot bound, one message of many frames, is measured here too (README, security).
 
 Memory is read from /proc (Linux): VmHWM is the peak resident size, so a growth that came and
 went during the flood counts too; the arena is populated before the flood, so none of it is
@@ -9,17 +10,16 @@ the arena's.
 
 import os
 import resource
-import socket
 import sys
 
 import pytest
-from harness import TINY_CACHE_GB, Daemon, query_stats, read_replies, wait_until
+from harness import TINY_CACHE_GB, Daemon, ZmtpPeer, query_stats, wait_until
+from harness.zmtp import frame, header
 
 from expertd.connection import Connection
-from expertd.paths import daemon_paths
-from expertd.protocol import CLIENT_ID_BYTES, PROTOCOL_VERSION, Op
-from expertd.serving.peers import MAX_CLIENTS, MAX_PEERS, MAX_REQUEST
-from expertd.wire import MAGIC, ConnectionLost, encode
+from expertd.protocol import PROTOCOL_VERSION, Op
+from expertd.serving.clients import MAX_CLIENTS
+from expertd.serving.peers import MAX_FRAME
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -47,23 +47,24 @@ def _grew(before: dict, after: dict) -> None:
 
 def test_a_flood_of_rejected_messages_from_many_peers_does_not_grow_the_daemon(blobs,
                                                                               isolated_env):
-    """32 peers send 300 messages of 60 KB each without waiting (576 MB in all; under ZeroMQ
-    the daemon grew by ~370 MB and kept most of it): the daemon grows by less than 100 MB,
-    answers STATS in the middle of the flood, and rejects every message."""
+    """32 peers send 300 messages of 60 KB each without waiting (576 MB in all; a ROUTER with
+    no high-water mark grew by ~370 MB and kept most of it): the daemon grows by less than
+    100 MB, answers STATS in the middle of the flood, and rejects every message."""
     with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
         before = _memory_mb(d.pid)
         peers = [Connection(blobs) for _ in range(32)]
         try:
+            sent = 0
             for _ in range(300):
                 for peer in peers:
-                    peer.send_frames(HOSTILE, wait=False)  # queued when the daemon is slower
-            sent = 300 * len(peers)
+                    sent += peer.send_frames(HOSTILE, wait=False)  # queued by the client
+            assert sent == 300 * len(peers)
             during = query_stats(blobs)  # answers within the client's usual timeout
             assert during["bad_requests"] < sent, "the flood was over before STATS was asked"
 
             def rejected():
                 for peer in peers:
-                    while peer.poll(0):  # writes what is queued, reads the error replies
+                    while peer.poll(0):  # the error replies
                         peer.recv()
                 return query_stats(blobs)["bad_requests"] >= sent
 
@@ -76,46 +77,60 @@ def test_a_flood_of_rejected_messages_from_many_peers_does_not_grow_the_daemon(b
         assert query_stats(blobs)["internal_errors"] == 0
 
 
-def test_a_message_of_a_gigabyte_is_refused_at_its_length(blobs, isolated_env):
-    """One message of 20,000 frames of 60 KB (1.2 GB, which ZeroMQ held whole: the daemon grew
-    past 1,166 MiB): the daemon drops the peer at the message's length, before it keeps any of
-    it. A message of many small frames within the limit gets its error reply."""
+def test_a_frame_past_the_limit_is_refused_at_its_length(blobs, isolated_env):
+    """A frame of 1.2 GB announced (a ROUTER without MAXMSGSIZE would take it whole): libzmq
+    closes the connection at the frame's length, before it keeps any of it. A message of many
+    small frames within the limit gets its error reply."""
     with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
         before = _memory_mb(d.pid)
+        with ZmtpPeer(blobs) as peer:
+            peer.send_raw(frame(b"7", more=True) + frame(b"\x07", more=True)
+                          + header(1_200_000_000) + b"\x91" * 60000)
+            assert peer.closed()
         with Connection(blobs) as conn:
-            conn.send_frames([b"7", b"\x07"] + [b"\x91" * 60000] * 20000)
-            with pytest.raises(ConnectionLost):
-                conn.poll(30.0)
-        with Connection(blobs) as conn:
-            frames = [b"8", b"\x07"] + [b"\x91"] * (MAX_REQUEST // 8)
-            conn.send_frames(frames)
+            conn.send_frames([b"8", b"\x07"] + [b"\x91"] * 10000)
             assert conn.poll(10.0), "no reply to a message of many frames"
             rid, _, body = conn.recv()
         assert rid == b"8" and "expected 3 frames, got more than 3" in body["error"]
         _grew(before, _memory_mb(d.pid))
         stats = query_stats(blobs)
-        assert stats["bad_requests"] == 1 and stats["peers_dropped"] == 1
+        assert stats["bad_requests"] == 1 and stats["peers_closed"] >= 1
 
 
-def _open_holding_a_message(path: str) -> socket.socket:
-    """A connection that greets, then sends all but the last byte of a message at the
-    largest length allowed, and holds it open."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    try:
-        sock.connect(path)
-        sock.send(MAGIC + os.urandom(CLIENT_ID_BYTES) + MAX_REQUEST.to_bytes(4, "little")
-                  + b"\0" * (MAX_REQUEST - 1))
-    except (BlockingIOError, ConnectionError, FileNotFoundError):
-        pass  # the daemon's backlog is full, or it closed us: a flooder does not care
-    return sock
+def test_one_message_of_many_frames_costs_the_daemon_its_size(blobs, isolated_env):
+    """What ZeroMQ cannot bound: a ROUTER assembles a message whole before the daemon sees any
+    of it, and MAXMSGSIZE bounds each frame, not their number. 1,000 frames of 60 KB (60 MB)
+    from one peer: the daemon holds all of it once (not more), answers it with an error, and
+    serves on. README's security section gives bench/flood.py's figure for 1.2 GB."""
+    size = 1000 * 60000
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+        before = _memory_mb(d.pid)
+        with Connection(blobs) as conn:
+            conn.send_frames([b"9", b"\x07"] + [b"\x91" * 60000] * 1000)
+            assert conn.poll(30.0), "no reply to a message of 60 MB"
+            rid, _, body = conn.recv()
+        assert rid == b"9" and body["code"] == 2, body  # BAD_REQUEST
+        grew = _memory_mb(d.pid)["VmHWM"] - before["VmHWM"]
+        print(f"one message of {size / 1e6:.0f} MB in 1,000 frames: the daemon's peak grew by "
+              f"{grew:.0f} MiB")
+        assert grew < size / 2**20 + BOUND_MB, grew
+        assert query_stats(blobs)["internal_errors"] == 0
 
 
-def test_a_thousand_connections_holding_messages_open(blobs, isolated_env):
-    """1,000 connections each hold a message of the largest size all but one byte (under
-    ZeroMQ, 1,000 peers took the daemon to 303 MiB, and STATS up to 250 ms): the daemon keeps
-    at most MAX_PEERS of them, grows by less than 100 MB, answers STATS from new connections
-    throughout, and a client that said hello before the flood is served all along."""
+def _open_holding_a_frame(blob_dir) -> ZmtpPeer:
+    """A connection that greets as a DEALER, then sends all but the last byte of a request
+    whose body frame is of the largest length allowed, and holds it open."""
+    peer = ZmtpPeer(blob_dir)
+    peer.send_raw(frame(b"r", more=True) + frame(bytes([Op.DEMAND]), more=True)
+                  + header(MAX_FRAME) + b"\0" * (MAX_FRAME - 1))
+    return peer
+
+
+def test_a_thousand_connections_holding_frames_open(blobs, isolated_env):
+    """1,000 connections each hold a request whose last frame is of the largest size, all but
+    one byte (libzmq allocates an announced frame whole): the daemon grows by less than
+    100 MB, answers STATS from new connections throughout, and a client that said hello
+    before the flood is served all along."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < 1200:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
@@ -126,18 +141,17 @@ def test_a_thousand_connections_holding_messages_open(blobs, isolated_env):
         try:
             client.request(Op.HELLO, {"version": PROTOCOL_VERSION, "client": client.client_id,
                                       "pid": os.getpid()})
-            path = str(daemon_paths(blobs).socket)
             for wave in range(10):
-                floods += [_open_holding_a_message(path) for _ in range(100)]
-                stats = query_stats(blobs)
-                assert stats["peers"] <= MAX_PEERS, stats["peers"]
+                floods += [_open_holding_a_frame(blobs) for _ in range(100)]
+                query_stats(blobs)
                 lease = client.request(Op.DEMAND, {"layer": 0, "experts": [wave]})["lease"]
                 client.send(Op.RELEASE, {"lease": lease})
-            assert stats["peers_replaced"] > 0  # the cap was reached, and STATS still came
+            wait_until(lambda: query_stats(blobs)["peers"] >= 1000, 30,
+                       "the daemon to hold the thousand connections")
             after = _memory_mb(d.pid)
         finally:
-            for sock in floods:
-                sock.close()
+            for peer in floods:
+                peer.close()
             client.close()
         _grew(before, after)
         assert query_stats(blobs)["internal_errors"] == 0
@@ -150,28 +164,28 @@ def _hello(conn: Connection) -> dict:
     return conn.recv()[2]
 
 
-def test_hellos_cannot_take_every_connection(blobs, isolated_env):
-    """Peers that say hello are kept, but at most MAX_CLIENTS of them: past that a hello is
-    refused as busy, and STATS is answered on new connections. A client is forgotten when its
-    connection closes, so connecting, saying hello and leaving in a loop fills nothing."""
+def test_hellos_are_capped_and_clients_go_with_their_connections(blobs, isolated_env):
+    """At most MAX_CLIENTS clients: past that a hello is refused as busy, and STATS is still
+    answered. A client is forgotten when its connection closes (the socket monitor), so
+    connecting, saying hello and leaving in a loop fills nothing."""
     with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
         held = [Connection(blobs) for _ in range(MAX_CLIENTS + 20)]
         try:
             replies = [_hello(conn) for conn in held]
             assert [r["ok"] for r in replies] == [True] * MAX_CLIENTS + [False] * 20
             assert "clients are connected already" in replies[-1]["error"]
-            for _ in range(3 * MAX_PEERS):  # new connections replace the refused ones
-                stats = query_stats(blobs)
-            assert stats["clients"] == MAX_CLIENTS and stats["peers"] <= MAX_PEERS
+            assert query_stats(blobs)["clients"] == MAX_CLIENTS
         finally:
             for conn in held:
                 conn.close()
-        wait_until(lambda: query_stats(blobs)["clients"] == 0, 10.0,
+        wait_until(lambda: query_stats(blobs)["clients"] == 0, 10,
                    "the clients to go with their connections")
         for _ in range(2 * MAX_CLIENTS):
             with Connection(blobs) as conn:
                 assert _hello(conn)["ok"]
-        assert d.stats()["clients_disconnected"] >= 3 * MAX_CLIENTS - 1
+        wait_until(lambda: d.stats()["clients_disconnected"] == 3 * MAX_CLIENTS, 10,
+                   "every client to go with its connection")
+        assert d.stats()["clients_timed_out"] == 0
 
 
 def test_bad_requests_are_logged_a_line_a_second(blobs, isolated_env):
@@ -192,67 +206,28 @@ def test_bad_requests_are_logged_a_line_a_second(blobs, isolated_env):
         assert "more since the last line" in lines[-1] or len(lines) == 1, lines
 
 
-@pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="sets the daemon's limits")
-def test_out_of_descriptors_a_new_connection_replaces_an_idle_one(blobs, isolated_env):
-    """The daemon's descriptors run out on silent connections: a new one still gets its
-    STATS answered, an idle peer closed to make room (before, everyone was locked out)."""
+def test_the_daemon_raises_its_descriptor_limit(blobs, isolated_env):
+    """libzmq accepts every connection and aborts its process when accept() meets the
+    descriptor limit (EMFILE in ipc_listener.cpp): the daemon raises its soft limit to the hard
+    one (10240 at most on macOS), so only a flood of that many connections, from a process of
+    its own user, reaches it (README, security)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
-        limit = len(os.listdir(f"/proc/{d.pid}/fd")) + 16
-        resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (limit, limit))
-        silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(40)]
-        try:
-            for sock in silent:
-                sock.connect(str(daemon_paths(blobs).socket))
-            stats = query_stats(blobs)
-            assert stats["peers"] < 40 and stats["peers_replaced"] > 0, stats
-        finally:
-            for sock in silent:
-                sock.close()
-
-
-def test_a_client_keeps_two_trusted_connections_at_most(blobs, isolated_env):
-    """Its own, and one heartbeat connection (the newest): a client's token sent from many
-    connections does not make them all a client's, and one that said goodbye is a peer like
-    any other. Either way new connections still get their STATS (before, both filled every
-    slot for good)."""
-    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
-        owner = Connection(blobs)
-        beats, gone = [], []
-        try:
-            token = _hello(owner)["token"]
-            for _ in range(MAX_PEERS):
-                beats.append(Connection(blobs))
-                assert beats[-1].request(Op.HEARTBEAT, {"client": owner.client_id,
-                                                        "token": token})["known"]
-            for _ in range(MAX_PEERS):
-                gone.append(Connection(blobs))
-                assert _hello(gone[-1])["ok"]
-                gone[-1].send(Op.GOODBYE, {})
-            for _ in range(2 * MAX_PEERS):  # each new one replaces an idle peer
-                stats = query_stats(blobs)
-            assert stats["clients"] == 1 and stats["peers"] <= MAX_PEERS, stats
-            lost = 0
-            for beat in beats[:-1]:
-                with pytest.raises(ConnectionLost):
-                    beat.poll(10.0)
-                lost += 1
-            assert lost == MAX_PEERS - 1
-            assert owner.request(Op.HEARTBEAT, {"client": owner.client_id, "token": token})
-        finally:
-            for conn in [owner, *beats, *gone]:
-                conn.close()
+        with open(f"/proc/{d.pid}/limits") as f:
+            line = next(line for line in f if line.startswith("Max open files"))
+        soft = line.split()[3]
+    want = "unlimited" if hard == resource.RLIM_INFINITY else str(min(hard, 1 << 20))
+    assert soft in (want, str(1 << 20)), line
 
 
 def test_a_stats_after_a_bad_request_counts_it(blobs, isolated_env):
     """STATS asked in one run share a reply only while nothing happened between them: a bad
     request between two is counted in the second."""
-    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.connect(str(daemon_paths(blobs).socket))
-            stats = [b"s", bytes([Op.STATS]), b"\x80"]
-            sock.sendall(MAGIC + os.urandom(CLIENT_ID_BYTES) + encode(stats)
-                         + encode([b"bad", b"\x07"]) + encode(stats))
-            sock.settimeout(10.0)
-            replies = read_replies(sock, 3)
-        first, second = replies[0][2], replies[2][2]
-        assert second["bad_requests"] == first["bad_requests"] + 1
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB), ZmtpPeer(blobs) as peer:
+        stats = [b"s", bytes([Op.STATS]), b"\x80"]
+        peer.send_raw(b"".join(frame(f, more=i < 2) for i, f in enumerate(stats))
+                      + frame(b"bad", more=True) + frame(b"\x07")
+                      + b"".join(frame(f, more=i < 2) for i, f in enumerate(stats)))
+        replies = [peer.reply() for _ in range(3)]
+    first, second = replies[0][2], replies[2][2]
+    assert second["bad_requests"] == first["bad_requests"] + 1

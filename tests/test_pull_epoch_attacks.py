@@ -34,7 +34,7 @@ from expertd.client.pull import StepEpoch
 from expertd.client.session import Session
 from expertd.errors import DaemonError
 from expertd.protocol import ErrorCode, Op
-from expertd.serving.peers import MAX_CLIENTS
+from expertd.serving.clients import MAX_CLIENTS
 from expertd.shm.layout import EPOCH_DTYPE, EPOCH_SLOTS
 
 HUGE = 2**64 - 1  # the largest u64, odd

@@ -20,8 +20,8 @@ EXPECTED = [
     "lease_expiries", "max_demand", "client_cap", "deferred_fills", "epochs_lost",
     "epoch_clients", "epoch_wait_max_s", "bad_requests", "internal_errors", "busy",
     "clients_timed_out", "clients_disconnected", "demands", "in_flight", "io", "io_reason",
-    "workers", "verify", "implementation", "peers", "peers_refused", "peers_dropped",
-    "peers_replaced",
+    "workers", "verify", "implementation", "peers", "peers_accepted", "peers_closed",
+    "handshakes_failed", "accepts_failed", "replies_dropped",
 ]
 RECORDS = (stats.DaemonInfo, stats.ServerCounters, stats.CacheCounters, stats.CacheStats,
            stats.LeaseStats, stats.EpochStats, stats.ClientStats, stats.PeerCounters)

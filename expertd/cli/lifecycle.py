@@ -65,8 +65,9 @@ def _exit_on_signal(signum, _frame):
 
 
 def _raise_fd_limit() -> None:
-    """Let the daemon hold as many descriptors as it may: its peers (up to peers.MAX_PEERS),
-    its blob files and its pipes (macOS starts a process at 256)."""
+    """Let the daemon hold as many descriptors as it may: its connections (libzmq accepts
+    every one, and aborts the process when accept() meets this limit), its blob files and its
+    pipes (macOS starts a process at 256)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

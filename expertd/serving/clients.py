@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from expertd.protocol import HEARTBEAT_TOKEN_BYTES
 from expertd.serving.stats import ClientStats
 
+# Clients known at once: each holds an epoch record, leases and clean-up work; past this a
+# hello is refused as busy (a loop of hellos from one user cannot grow the registry).
+MAX_CLIENTS = 96
+
 
 @dataclass(eq=False)
 class Client:

@@ -1,283 +1,241 @@
-"""The daemon's end of the wire: one listening Unix socket and every peer on it, each held to
-a bounded share of the daemon's memory.
+"""The daemon's end of the wire: one ZeroMQ ROUTER, owned by the serving thread, and what it
+learns of its connections from a socket monitor.
 
-What bounds it (see wire.py for the format):
-- a peer's inbox holds at most one message, and a message's length is known from its first
-  four bytes: one longer than any request is refused before a byte of it is kept;
-- a peer is read only while its message is incomplete, so a flood waits in its sender's kernel
-  buffers, not here;
-- a reply its peer does not read stays at most OUTBOX_LIMIT here before the peer is dropped;
-- at most ``max_peers`` connections; past that (or out of descriptors), a new one replaces the
-  oldest peer that is not a client's (the server marks those: a hello, or a heartbeat of a
-  known client), so a flood of connections cannot lock ``expertd status`` out. Clients are
-  at most MAX_CLIENTS, two connections each, so RESERVED_PEERS always stay for the rest.
+The bounds ZeroMQ gives (see wire.py for what it cannot bound):
+- MAXMSGSIZE = MAX_FRAME: a frame announced longer than any request's is never read, its
+  connection closed;
+- RCVHWM: RECV_HWM whole messages per connection wait here at most; then libzmq stops reading
+  that connection;
+- SNDHWM with ROUTER_MANDATORY: a peer that reads none of its replies has SEND_HWM of them
+  queued at most; past that, and to a peer gone, a reply is dropped at once (never waited for).
+  A run of STATS replies shares one body (:meth:`share`), however many peers leave theirs
+  unread;
+- ZMTP heartbeats: a connection silent for the client timeout is closed by libzmq.
 
-Worst case: max_peers x (MAX_REQUEST + READ_MIN + OUTBOX_LIMIT + a reply), about 60 MB at the
-defaults, whatever the peers send.
+Connections come and go in the monitor's events (ACCEPTED, DISCONNECTED, each with the
+connection's descriptor; libzmq 4.3 has ROUTER_NOTIFY only in its draft API), and a message
+says which descriptor it came from (SRCFD). A routing id is on the descriptor of its latest
+message, and goes (``gone``) when that connection closes. The monitor is read after each batch
+of messages and before they are placed: a message's sender was accepted before the message was
+queued, so its ACCEPTED event is in by then, and any earlier DISCONNECTED of the same
+descriptor (a closed connection's number reused) too. A sender whose connection closed before
+its message was placed is gone once that message is handled.
 """
 
-import errno
 import os
-import selectors
-import socket
-import time
-from collections import deque
-from dataclasses import dataclass, field
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from expertd.protocol import MAX_BODY, MAX_REQUEST_ID
 from expertd.serving.stats import PeerCounters
-from expertd.wire import GREETING_BYTES, LENGTH, MAGIC, decode, encode, message_length, send_some
+from expertd.wire import context, endpoint
 
-# The largest request: a body at its limit, the longest request id, the op, three lengths.
-MAX_REQUEST = MAX_BODY + MAX_REQUEST_ID + 1 + 3 * LENGTH.size
-READ_MIN = 4096  # read at least this much at once (many small requests, few system calls)
-OUTBOX_LIMIT = 64 << 10  # unsent replies a peer may leave before it is dropped
-MAX_PEERS = 256
-RESERVED_PEERS = 64  # never a client's: for status, and for new clients' hellos
-MAX_CLIENTS = (MAX_PEERS - RESERVED_PEERS) // 2  # a client has its own and its heartbeat's
-PER_PEER_ROUND = 8  # messages taken from one peer before the others get their turn
-ACCEPT_ROUND = 256  # the whole backlog: a client waits behind at most one round of a flood
-ACCEPT_PAUSE = 0.1  # out of descriptors: stop accepting this long
-KEEP_FRAMES = 3  # a request's frames; more are counted, never copied
-
-
-@dataclass(eq=False)
-class Peer:
-    sock: socket.socket
-    identity: bytes | None = None  # from the greeting
-    inbox: bytearray = field(default_factory=bytearray)
-    outbox: bytearray = field(default_factory=bytearray)
-    trusted: bool = False  # said hello, or heartbeats for a known client
-    writing: bool = False  # the selector watches it for room to write
-    queued: bool = False  # in Peers._ready
+MAX_FRAME = max(MAX_BODY, MAX_REQUEST_ID)  # the largest frame of any request
+RECV_HWM = 4  # a client has a few requests in flight (a prefetch and a demand, releases)
+# Replies queued for a peer that reads none, beyond its own queue and the kernel's: a batch of
+# a peer's requests (up to the loop's RECV_BATCH) is answered before libzmq's I/O thread writes
+# any, and the room a pipe's reader frees is seen only every half of its mark.
+SEND_HWM = 1000
+BACKLOG = 256  # connections the kernel holds for the next accept
+CLOSE_LINGER_MS = 100
+KEEP_FRAMES = 3  # a request's frames; more are counted and dropped, never kept
+BATCH_FRAMES = 1024  # frames read before a batch is dispatched (256 requests of 3, and ids)
+MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
+             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
-@dataclass(frozen=True)
 class Message:
-    """One request as read: its first frames, and how many it had (-1: their lengths did not
-    tile the message)."""
+    """One request as read: its first frames, and how many it had."""
 
-    identity: bytes
-    frames: list
-    count: int
+    __slots__ = ("identity", "frames", "count")
+
+    def __init__(self, identity: bytes, frames: list, count: int):
+        self.identity, self.frames, self.count = identity, frames, count
 
 
 class Peers:
-    """The listening socket at ``path`` (created 0600) and its peers.
+    """The ROUTER bound at ``path`` (a socket file created 0600), and its connections.
 
     Extra descriptors (the fill pool's wake-up pipe) are watched with :meth:`watch`; one
     :meth:`poll` returns those that are ready and the requests read.
+
+    Args:
+        path: the socket file.
+        heartbeat: seconds between ZMTP pings to each peer.
+        silence: seconds a connection may stay silent before libzmq closes it.
     """
 
-    def __init__(self, path: str, max_peers: int = MAX_PEERS):
-        self.max_peers = max_peers
-        self.gone: list = []  # routing ids of the peers closed since the server last looked
-        self.changes = 0  # peers opened or closed, for a cached STATS
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # the socket file is created 0600
-        try:
-            self.listener.bind(path)
-        except BaseException:
-            self.listener.close()
-            raise
-        finally:
-            os.umask(old)
-        self.listener.listen(ACCEPT_ROUND)
-        self.listener.setblocking(False)
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.listener, selectors.EVENT_READ, self)
-        self._peers: dict = {}  # fileno -> Peer, oldest first
-        self._named: dict = {}  # routing id -> Peer
-        self._ready: deque = deque()  # peers with a whole message still in their inbox
-        self._accept_again = 0.0
+    def __init__(self, path: str, heartbeat: float, silence: float):
+        ctx = context()
+        self.gone: list = []  # routing ids whose connection closed since the server looked
+        self.changes = 0  # connections opened or closed, for a cached STATS
         self.counters = PeerCounters()
+        self._open: dict = {}  # descriptor -> whether its latest connection is open
+        self._fd_of: dict = {}  # routing id -> descriptor of its latest message
+        self._on_fd: dict = {}  # descriptor -> routing ids whose latest message came on it
+        self._tags: dict = {}  # watched descriptor -> its tag
+        self.router = router = ctx.socket(zmq.ROUTER)
+        self.monitor = None
+        try:
+            router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+            router.setsockopt(zmq.RCVHWM, RECV_HWM)
+            router.setsockopt(zmq.SNDHWM, SEND_HWM)
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            # A client whose connection libzmq closed connects again with the same routing id,
+            # maybe before its old pipe is gone: the new connection takes the id over.
+            router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            router.setsockopt(zmq.BACKLOG, BACKLOG)
+            # A ZAP domain makes libzmq refuse ZMTP 1.0 peers, whose first byte is a frame's
+            # length (any bytes at all would parse as frames). No ZAP handler is bound, so
+            # peers of the NULL mechanism, ours, pass.
+            router.setsockopt(zmq.ZAP_DOMAIN, b"expertd")
+            router.setsockopt(zmq.HEARTBEAT_IVL, round(heartbeat * 1000))
+            router.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(silence * 1000))
+            router.setsockopt(zmq.HEARTBEAT_TTL, round(silence * 1000))  # clients' bound on us
+            try:
+                router.setsockopt(zmq.IPC_FILTER_UID, os.getuid())
+            except zmq.ZMQError:
+                pass  # no peer credentials on this system: the 0700 directory stands alone
+            # The monitor's pipe is unbounded (RCVHWM 0): libzmq's I/O thread never blocks or
+            # drops an event on it, and the loop reads every event each turn.
+            self.monitor = ctx.socket(zmq.PAIR)
+            self.monitor.setsockopt(zmq.LINGER, 0)
+            self.monitor.setsockopt(zmq.RCVHWM, 0)
+            address = f"inproc://expertd-monitor-{id(self):x}"
+            router.monitor(address, MONITORED)
+            self.monitor.connect(address)
+            old = os.umask(0o177)  # the socket file is created 0600 (libzmq binds here)
+            try:
+                router.bind(endpoint(path))
+            finally:
+                os.umask(old)
+        except BaseException:
+            self.close()
+            raise
+        self.poller = zmq.Poller()
+        self.poller.register(router, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self._scratch = bytearray(64)  # frames past KEEP_FRAMES land here, cut short
 
     @property
     def count(self) -> int:
-        return len(self._peers)
+        """Connections open now."""
+        return sum(self._open.values())
 
     def watch(self, fd: int, tag) -> None:
-        self.selector.register(fd, selectors.EVENT_READ, tag)
+        self.poller.register(fd, zmq.POLLIN)
+        self._tags[fd] = tag
 
     def poll(self, timeout: float, limit: int) -> tuple:
         """Wait up to ``timeout`` s; returns ``(watched tags ready, up to limit Messages)``."""
-        now = time.monotonic()
-        if self._accept_again and now >= self._accept_again:
-            self._accept_again = 0.0
-            self.selector.register(self.listener, selectors.EVENT_READ, self)
-        tags, messages = [], []
-        for key, mask in self.selector.select(0 if self._ready else timeout):
-            data = key.data
-            if data is self:
-                self._accept()
-            elif isinstance(data, Peer):
-                if mask & selectors.EVENT_WRITE:
-                    self._flush(data)
-                if mask & selectors.EVENT_READ and data.sock.fileno() >= 0:
-                    self._read(data)
-            else:
-                tags.append(data)
-        for _ in range(len(self._ready)):
-            if len(messages) >= limit:
+        ready = self.poller.poll(round(timeout * 1000))
+        tags = [self._tags[fd] for fd, _ in ready if fd in self._tags]
+        received = []
+        router = self.router
+        frames = 0
+        # Requests are dispatched once the batch is read: a batch stops at BATCH_FRAMES too, so
+        # that messages of many frames (each walked, ~2 us a frame) cannot hold a STATS back
+        # for a whole batch of them.
+        while len(received) < limit and frames < BATCH_FRAMES:
+            try:
+                first = router.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
                 break
-            peer = self._ready.popleft()
-            peer.queued = peer.sock.fileno() >= 0 and self._take(peer, messages, limit)
-            if peer.queued:
-                self._ready.append(peer)
+            received.append(self._rest(first))
+            frames += 1 + received[-1][1].count
+        self._read_monitor()  # every event before the messages just read is in now
+        messages = []
+        for fd, message in received:
+            self._place(message.identity, fd)
+            messages.append(message)
         return tags, messages
 
     def send(self, identity: bytes, frames: list) -> None:
-        """Queue a reply; one to a peer that is gone is dropped (it times out and retries)."""
-        peer = self._named.get(identity)
-        if peer is None:
-            return
-        if peer.outbox and len(peer.outbox) > OUTBOX_LIMIT:
-            self._drop(peer)  # it does not read its replies
-            return
-        peer.outbox += encode(frames)
-        self._flush(peer)
+        """Queue a reply; one to a peer that is gone or reads none is dropped (it times out
+        and asks again)."""
+        try:
+            self.router.send_multipart([identity, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError:  # EHOSTUNREACH (gone) or EAGAIN (SEND_HWM unread)
+            self.counters.replies_dropped += 1
 
-    def trust(self, identity: bytes, trusted: bool = True) -> None:
-        """The peer is a client's (or no longer): while it is, no new connection replaces it."""
-        peer = self._named.get(identity)
-        if peer is not None:
-            peer.trusted = trusted
-
-    def close_peer(self, identity: bytes) -> None:
-        """Close the connection of ``identity`` (its client is forgotten)."""
-        peer = self._named.get(identity)
-        if peer is not None:
-            self._drop(peer, counted=False)
+    @staticmethod
+    def share(body: bytes) -> zmq.Frame:
+        """``body`` as a frame that many replies share: libzmq counts its references, so each
+        reply queued costs a message header, not a copy."""
+        return zmq.Frame(body, copy=True)
 
     def close(self) -> None:
-        for peer in list(self._peers.values()):
-            self._drop(peer, counted=False)
-        self.selector.close()
-        self.listener.close()
+        if self.monitor is not None:
+            try:
+                self.router.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self.monitor.close(linger=0)
+        # The last replies (SHUTDOWN's, the SHUTTING_DOWN errors) go out in the background for
+        # this long, the context's term at exit waiting for them.
+        self.router.close(linger=CLOSE_LINGER_MS)
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _accept(self) -> None:
-        for _ in range(ACCEPT_ROUND):
+    def _rest(self, first: zmq.Frame) -> tuple:
+        """The rest of the message whose routing id frame is ``first`` (a whole message is
+        queued at once, so nothing here waits): ``(source descriptor, Message)``."""
+        router = self.router
+        frames, count, more = [], 0, first.more
+        while more:
+            count += 1
+            if count <= KEEP_FRAMES:
+                frame = router.recv(copy=False)
+                frames.append(frame.bytes)
+                more = frame.more
+            else:
+                router.recv_into(self._scratch)
+                more = router.get(zmq.RCVMORE)
+        return first.get(zmq.SRCFD), Message(first.bytes, frames, count)
+
+    def _read_monitor(self) -> None:
+        monitor = self.monitor
+        while True:
             try:
-                sock, _ = self.listener.accept()
-            except BlockingIOError:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
                 return
-            except OSError as exc:
-                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    return  # ECONNABORTED and the like: that peer is gone already
-                if self._replace_one():
-                    continue  # a descriptor is free again
-                self.selector.unregister(self.listener)
-                self._accept_again = time.monotonic() + ACCEPT_PAUSE
-                return
-            if len(self._peers) >= self.max_peers and not self._replace_one():
-                sock.close()
-                self.counters.peers_refused += 1
-                continue
-            sock.setblocking(False)
-            self.changes += 1
-            peer = Peer(sock)
-            self._peers[sock.fileno()] = peer
-            self.selector.register(sock, selectors.EVENT_READ, peer)
-            # A client sends its greeting and request as it connects: read them now, before a
-            # flood of newer connections could replace this one.
-            self._read(peer)
+            kind, fd = event["event"], int(event["value"])
+            if kind == zmq.EVENT_ACCEPTED:
+                if self._open.get(fd):
+                    self._closed(fd)  # closed without an event (a pipe handed over)
+                self._open[fd] = True
+                self.changes += 1
+                self.counters.peers_accepted += 1
+            elif kind == zmq.EVENT_DISCONNECTED:
+                if self._open.get(fd):
+                    self._closed(fd)
+            elif kind & HANDSHAKE_FAILED:
+                self.counters.handshakes_failed += 1
+            elif kind == zmq.EVENT_ACCEPT_FAILED:
+                self.counters.accepts_failed += 1
 
-    def _replace_one(self) -> bool:
-        """Close the oldest peer that is neither a client's nor about to be answered."""
-        victim = next((p for p in self._peers.values() if not p.trusted and not p.queued), None)
-        if victim is None:
-            return False
-        self._drop(victim, counted=False)
-        self.counters.peers_replaced += 1
-        return True
-
-    def _read(self, peer: Peer) -> None:
-        """Read what completes the greeting or the message in progress, no more than a
-        READ_MIN past it; then take whole messages."""
-        if peer.identity is None:
-            need = GREETING_BYTES - len(peer.inbox)
-        else:
-            n = message_length(peer.inbox)
-            if n is not None and n > MAX_REQUEST:
-                self._drop(peer)  # longer than any request: none of it is read
-                return
-            need = LENGTH.size - len(peer.inbox) if n is None else LENGTH.size + n - len(peer.inbox)
-        if need <= 0:
-            return  # a whole message waits its turn in _ready
-        try:
-            chunk = peer.sock.recv(max(need, READ_MIN))
-        except BlockingIOError:
-            return
-        except OSError:
-            self._drop(peer, counted=False)
-            return
-        if not chunk:
-            self._drop(peer, counted=False)
-            return
-        peer.inbox += chunk
-        if peer.identity is None:
-            if len(peer.inbox) < GREETING_BYTES:
-                return
-            if peer.inbox[:len(MAGIC)] != MAGIC:
-                self._drop(peer)  # not one of ours (or another wire version)
-                return
-            identity = bytes(peer.inbox[len(MAGIC):GREETING_BYTES])
-            if identity in self._named:
-                self._drop(peer)  # the routing id is taken: replies must reach one peer
-                return
-            del peer.inbox[:GREETING_BYTES]
-            peer.identity = identity
-            self._named[identity] = peer
-        if not peer.queued:
-            peer.queued = True
-            self._ready.append(peer)
-
-    def _take(self, peer: Peer, messages: list, limit: int) -> bool:
-        """Move up to PER_PEER_ROUND whole messages of ``peer`` into ``messages``; whether a
-        whole one is left."""
-        for _ in range(PER_PEER_ROUND):
-            n = message_length(peer.inbox)
-            if n is None:
-                return False
-            if n > MAX_REQUEST:
-                self._drop(peer)  # longer than any request: none of it is read
-                return False
-            if len(peer.inbox) < LENGTH.size + n:
-                return False
-            if len(messages) >= limit:
-                return True
-            frames, count = decode(memoryview(peer.inbox)[LENGTH.size:LENGTH.size + n],
-                                   KEEP_FRAMES)
-            del peer.inbox[:LENGTH.size + n]
-            messages.append(Message(peer.identity, frames, count))
-        n = message_length(peer.inbox)
-        return n is not None and len(peer.inbox) >= LENGTH.size + n
-
-    def _flush(self, peer: Peer) -> None:
-        try:
-            send_some(peer.sock, peer.outbox)
-        except OSError:
-            self._drop(peer, counted=False)
-            return
-        writing = bool(peer.outbox)
-        if writing != peer.writing:
-            peer.writing = writing
-            self.selector.modify(peer.sock, selectors.EVENT_READ
-                                 | (selectors.EVENT_WRITE if writing else 0), peer)
-
-    def _drop(self, peer: Peer, counted: bool = True) -> None:
-        """Close a peer: one that broke the wire's rules (``counted``), or one that left."""
-        if peer.sock.fileno() < 0:
-            return
-        self.counters.peers_dropped += counted
+    def _closed(self, fd: int) -> None:
+        self._open[fd] = False
         self.changes += 1
-        self._peers.pop(peer.sock.fileno(), None)
-        if peer.identity is not None and self._named.get(peer.identity) is peer:
-            del self._named[peer.identity]
-            self.gone.append(peer.identity)
-        self.selector.unregister(peer.sock)
-        peer.sock.close()
-        peer.inbox = peer.outbox = bytearray()
+        self.counters.peers_closed += 1
+        for identity in self._on_fd.pop(fd, ()):
+            del self._fd_of[identity]
+            self.gone.append(identity)
 
+    def _place(self, identity: bytes, fd: int) -> None:
+        """``identity``'s latest message came on ``fd``."""
+        old = self._fd_of.get(identity)
+        if old == fd:
+            return
+        if old is not None:
+            self._on_fd[old].discard(identity)
+        if self._open.get(fd, True):
+            self._fd_of[identity] = fd
+            self._on_fd.setdefault(fd, set()).add(identity)
+        else:  # its connection closed before its message was placed
+            self._fd_of.pop(identity, None)
+            self.gone.append(identity)

@@ -1,4 +1,4 @@
-"""The serving loop: one thread owns the daemon's socket (peers.py) and dispatches each request.
+"""The serving loop: one thread owns the daemon's ROUTER (peers.py) and dispatches each request.
 
 What it decides lives in rooms of its own: the expert cache (cache.py: the slot table, the
 policy and the lease book, and the fills around them) and the client registry (hello,
@@ -26,11 +26,11 @@ from expertd.protocol import (
     reply_packed,
 )
 from expertd.serving.cache import ExpertCache
-from expertd.serving.clients import ClientRegistry
+from expertd.serving.clients import MAX_CLIENTS, ClientRegistry
 from expertd.serving.config import ServerConfig, cache_limits
 from expertd.serving.hotset import HotSet
 from expertd.serving.leases import Demand, LeaseBook
-from expertd.serving.peers import MAX_CLIENTS, Peers
+from expertd.serving.peers import Peers
 from expertd.serving.preads import FillPool
 from expertd.serving.stats import DaemonInfo, ServerCounters, assemble
 from expertd.shm.layout import Arena, Geometry
@@ -94,16 +94,17 @@ class ExpertServer:
                                      side_hold=config.side_hold, clock=clock,
                                      max_pins=self.max_pins, epoch_hold=config.lease_timeout)
             self.clients = ClientRegistry(config.client_timeout, MAX_CLIENTS)
-            self._beats: dict = {}  # a heartbeat connection's routing id -> its client's
             self._quiet_until, self._unlogged = 0.0, 0  # bad requests: a log line a second
-            # (peers.changes, the STATS reply packed) for a run of STATS with nothing else
-            # between them: a flood of them costs one.
+            # (peers.changes, the STATS reply packed, as a frame the replies share) for a run
+            # of STATS with nothing else between them: a flood of them costs one.
             self._stats_body = None
             self._ticks = 0
             self.started = time.monotonic()
             self.running = True
             self.counters = ServerCounters()
-            self.peers = Peers(str(paths.socket))
+            # libzmq closes a connection silent as long as the registry waits for a client.
+            self.peers = Peers(str(paths.socket), config.heartbeat_interval,
+                               config.client_timeout)
             try:
                 self.peers.watch(self.pool.wake_fd, WAKE)
                 self._load_state()
@@ -191,13 +192,10 @@ class ExpertServer:
         self.peers.send(identity, frames)  # a peer gone or not reading: it times out and retries
 
     def _dispatch(self, identity: bytes, body: list, count: int) -> None:
-        """One request: ``body`` its first frames, of ``count`` (-1: malformed lengths)."""
+        """One request: ``body`` its first frames, of ``count``."""
         rid = body[0] if body and len(body[0]) <= 16 else b""
         op_byte = body[1][:1] if len(body) > 1 else b""
         try:
-            if count < 0:
-                raise ProtocolError("the frame lengths do not add up to the message's",
-                                    ErrorCode.BAD_FRAME)
             if count > len(body):
                 raise ProtocolError(f"expected 3 frames, got more than {len(body)}")
             rid, op, req = parse_request(body)
@@ -234,12 +232,6 @@ class ExpertServer:
                                            req.host_waits, replays=req.replays,
                                            pulled_rows=req.pulled_rows,
                                            pulled_bytes=req.pulled_bytes)
-            if known and identity != req.client and identity not in self._beats:
-                # A client's heartbeat connection: one each, the newest (the heartbeat thread
-                # connects again when it loses one), so a client holds two trusted at most.
-                self._close_beats(req.client)
-                self.peers.trust(identity)
-                self._beats[identity] = req.client
             self._send(identity, reply_ok(rid, op, epoch=self.epoch, known=known))
             return
         if op is Op.HELLO:
@@ -252,7 +244,6 @@ class ExpertServer:
             if client is None:
                 raise ProtocolError(f"{self.clients.max_clients} clients are connected "
                                     "already; try again later", ErrorCode.BUSY)
-            self.peers.trust(identity)
             slot = self.cache.attach_client(identity, req.pid)  # a second hello keeps its own
             self._send(identity, reply_ok(rid, op, token=client.token, epoch_slot=slot, **self._hello()))
             return
@@ -263,7 +254,8 @@ class ExpertServer:
                                               client_prefetch_reads=asker.prefetch_reads))
                 return
             if self._stats_body is None or self._stats_body[0] != self.peers.changes:
-                self._stats_body = (self.peers.changes, pack_ok(**self.stats()))
+                self._stats_body = (self.peers.changes,
+                                    self.peers.share(pack_ok(**self.stats())))
             self._send(identity, reply_packed(rid, op, self._stats_body[1]))
             return
         client = self.clients.seen(identity, now)
@@ -341,27 +333,17 @@ class ExpertServer:
 
     def _peer_gone(self, identity: bytes) -> None:
         """A connection closed: a client whose own it was is gone with it (a SIGKILLed one
-        too: the kernel closes its socket); a heartbeat's is forgotten."""
-        self._beats.pop(identity, None)
+        too: the kernel closes its socket; a silent one: libzmq's heartbeat closes it)."""
         client = self.clients.remove(identity)
         if client is not None:
             self.counters.clients_disconnected += 1
             self._forget(client)
 
     def _forget(self, client) -> None:
-        """Drop a client's leases, demands and pins, and close its heartbeat connections (a
-        client's connections are trusted only while it is known)."""
-        if client is None:
-            return
-        self.cache.forget(client)
-        self.peers.trust(client.identity, False)  # its own may stay, as any peer's
-        self._close_beats(client.identity)
-
-    def _close_beats(self, client_id: bytes) -> None:
-        """Close the heartbeat connections of the client ``client_id``."""
-        for beat in [b for b, owner in self._beats.items() if owner == client_id]:
-            del self._beats[beat]
-            self.peers.close_peer(beat)
+        """Drop a client's leases, demands and pins (one that asks again must say hello
+        again)."""
+        if client is not None:
+            self.cache.forget(client)
 
     # ---- housekeeping ----------------------------------------------------------------------
 
@@ -374,7 +356,6 @@ class ExpertServer:
                      self.cache.book.held(client.identity))
             self.counters.clients_timed_out += 1
             self._forget(client)
-            self.peers.close_peer(client.identity)  # it was forgotten: it must say hello again
         self.cache.expire(now)
         self._ticks += 1
         if self.config.auto_pin and self._ticks % 10 == 0:

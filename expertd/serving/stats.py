@@ -27,7 +27,7 @@ STATS_KEYS = (
     "demands",
     # reads and connections (DaemonInfo, CacheStats, PeerCounters)
     "in_flight", "io", "io_reason", "workers", "verify", "implementation", "peers",
-    "peers_refused", "peers_dropped", "peers_replaced",
+    "peers_accepted", "peers_closed", "handshakes_failed", "accepts_failed", "replies_dropped",
 )
 
 
@@ -134,12 +134,15 @@ class ClientStats:
 
 @dataclass
 class PeerCounters:
-    """Connections refused (no room), dropped (not reading, bad frames) and replaced (by a
-    newer one, the peers being full)."""
+    """Connections accepted and closed (by their peer, or by libzmq: a frame over MAXMSGSIZE,
+    a silence past the ZMTP heartbeat), handshakes refused (not ZMTP, another user), accepts
+    that failed (out of descriptors), and replies dropped (their peer gone, or reading none)."""
 
-    peers_refused: int = 0
-    peers_dropped: int = 0
-    peers_replaced: int = 0
+    peers_accepted: int = 0
+    peers_closed: int = 0
+    handshakes_failed: int = 0
+    accepts_failed: int = 0
+    replies_dropped: int = 0
 
 
 def assemble(*records) -> dict:

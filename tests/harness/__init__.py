@@ -2,7 +2,8 @@
 
 - ``core``: limits, ``wait_until`` (the one poll-until helper), shared-memory probes, STATS, the
   exact bytes of a blob directory, ``SEEN_ARENAS`` (checked by conftest at the session's end);
-- ``raw``: ``RawClient``, a protocol-level client with the arena mapped, and a raw reply reader;
+- ``raw``: ``RawClient``, a protocol-level client with the arena mapped;
+- ``zmtp``: ``ZmtpPeer``, a peer speaking ZMTP by hand (frames past the limit, silence, garbage);
 - ``inprocess``: ``InProcessDaemon``, the real serving loop on a thread of the test process, and
   ``FakeClock``, a clock the test moves by hand: for protocol tests that need no process;
 - ``daemon``: ``Daemon``, a real ``expertd start --foreground`` process, for what needs one
@@ -46,14 +47,15 @@ from .processes import (
     stop_process,
     terminal,
 )
-from .raw import RawClient, read_replies
+from .raw import RawClient
+from .zmtp import ZmtpPeer
 
 __all__ = [
     "A", "B", "CLIENT_SCRIPT", "EXPERTD", "SEEN_ARENAS", "SMALL_CACHE_GB", "START_TIMEOUT",
     "STOP_TIMEOUT", "TINY_CACHE_GB", "Daemon", "FakeClock", "InProcessDaemon", "RawClient",
     "all_rows", "arena_owner", "auto_pin", "check_arena", "drawn", "expected_bytes", "expertd_cli",
     "filled", "finish_client", "frequencies", "frequency", "kill_serving_daemon", "n_explicit",
-    "prefetch", "query_stats", "quiet", "read_json_line", "read_replies", "reference_order",
+    "prefetch", "query_stats", "quiet", "read_json_line", "reference_order",
     "running_daemon", "server_config", "shm_exists", "shm_mode", "sigint_as_usual", "spawn_client",
-    "stop_process", "terminal", "try_stats", "validate", "wait_until",
+    "stop_process", "terminal", "try_stats", "validate", "wait_until", "ZmtpPeer",
 ]

@@ -4,8 +4,6 @@ the hello names, mapped."""
 import os
 from pathlib import Path
 
-import msgpack
-
 from expertd.connection import Connection
 from expertd.manifest import Manifest
 from expertd.protocol import PROTOCOL_VERSION, Op
@@ -101,20 +99,3 @@ class RawClient:
     def __exit__(self, *exc):
         self.close()
 
-
-def read_replies(sock, n: int) -> list:
-    """The first ``n`` replies on a raw connection to the daemon (greeted by the caller), as
-    ``(request id, op, body)``; waits on the socket's own timeout."""
-    from expertd.wire import decode, message_length
-
-    data, replies = b"", []
-    while len(replies) < n:
-        chunk = sock.recv(1 << 16)
-        assert chunk, f"the daemon closed the connection after {len(replies)} replies"
-        data += chunk
-        while (size := message_length(data)) is not None and len(data) >= 4 + size:
-            frames, count = decode(data[4:4 + size], 3)
-            assert count == 3, data
-            replies.append((frames[0], frames[1], msgpack.unpackb(frames[2], raw=False)))
-            data = data[4 + size:]
-    return replies
