@@ -18,23 +18,13 @@ import mlx.core as mx
 import numpy as np
 from common import daemon, ensure_model
 from gpu_pools import QWEN3_30B_SHAPES
+from gpu_pull import _median_eval
 
 from expertd.client import pull
 from expertd.client.session import Session, Stack
 from expertd.manifest import Manifest
 
 POOL = 32
-
-
-def _median_ms(make, repeat: int = 20) -> float:
-    mx.eval(make())
-    times = []
-    for _ in range(repeat):
-        out = make()
-        t = time.perf_counter()
-        mx.eval(out)
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
 
 
 def _host_ms(make, repeat: int = 20) -> tuple:
@@ -105,7 +95,8 @@ def main() -> None:
                 line = []
                 for chunks in (4,):
                     pull.CHUNKS = chunks
-                    t = _median_ms(lambda: [p.assemble(la, ids, pools[la]) for la in layers])
+                    t = 1e3 * _median_eval(lambda: [p.assemble(la, ids, pools[la])
+                                                    for la in layers])
                     line.append(f"{chunks}: {t:.3f}")
                 print(f"misses {misses}/8 a layer, {len(layers)} layers, ms by CHUNKS: "
                       + ", ".join(line), flush=True)
