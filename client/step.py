@@ -47,6 +47,7 @@ REPLAY_CAUSES = {"pool": "an expert missed its pool", "absent": "a pulled expert
                  "from the arena", "epoch": "the daemon revoked the step's epoch"}
 TIMING_WEIGHT = 0.2  # of a new measurement in the step times' moving averages
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
+PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
 
 
 @dataclass
@@ -90,7 +91,7 @@ class Speculation:
 
     def wanted(self) -> bool:
         if self.mode == "auto" and self.active and self.spec_s and not self.layer_s \
-                and self.window_steps == WINDOW // 2:
+                and self.window_steps == PROBE_AT:
             return False  # one step waiting per layer: what speculating is weighed against
         if self.mode != "auto" or self.active:
             return self.active
@@ -102,9 +103,11 @@ class Speculation:
     def record(self, replayed: bool) -> None:
         self.window_steps += 1
         self.window_replays += replayed
-        # Weighed on a replay, and at a window's end: a speculative step that costs as much as
-        # waiting per layer (a CPU, where both cost compute) does not pay even without replays.
-        costly = (replayed or self.window_steps >= WINDOW) and not self.pays()
+        # Weighed on a replay, and at a window's end. A speculative step that costs as much as
+        # waiting per layer (a CPU, where both cost compute) does not pay even without
+        # replays: that is known once MIN_WINDOW steps are measured, and stops it then.
+        level = self.window_steps >= MIN_WINDOW and self.spec_s >= self.layer_s > 0
+        costly = (replayed or level or self.window_steps >= WINDOW) and not self.pays()
         if (self.window_replays > MAX_REPLAYS or costly) and self.mode == "auto":
             self.stopped_by_cost += costly and self.window_replays <= MAX_REPLAYS
             if self.stopped:

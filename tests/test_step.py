@@ -17,7 +17,15 @@ from harness import Daemon, expertd_cli, wait_until
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from expertd.client import load
-from expertd.client.step import MAX_REPLAYS, RETRY_AFTER, WINDOW, Speculation, replayable
+from expertd.client.step import (
+    MAX_REPLAYS,
+    MIN_WINDOW,
+    PROBE_AT,
+    RETRY_AFTER,
+    WINDOW,
+    Speculation,
+    replayable,
+)
 
 _resident = {}
 
@@ -233,20 +241,28 @@ def test_auto_weighs_replays_against_the_waits_they_save():
     for replayed in (False, False, False, True):
         unmeasured.record(replayed)
     assert unmeasured.active  # the replay count alone, as before
-    # Never replayed, but a speculative step costs what a per-layer one does: the window's end
-    # stops it. The per-layer cost is measured by one probe step half way into the window.
+    # Never replayed, but a speculative step costs what a per-layer one does: it stops as
+    # soon as MIN_WINDOW steps are measured, not at the window's end. The per-layer cost is
+    # measured by one probe step early in the window.
     level = Speculation("auto")
     level.timed(True, 1.0)
     wanted = []
-    for _ in range(WINDOW):
+    while level.active and len(wanted) < WINDOW:
         wanted.append(level.wanted())
         if wanted[-1]:
             level.record(False)
         else:
             level.timed(False, 1.0)  # the probe: a step waiting in every layer
-    assert wanted.count(False) == 1 and wanted.index(False) == WINDOW // 2
-    level.record(False)
+    assert wanted.count(False) == 1 and wanted.index(False) == PROBE_AT
     assert not level.active and level.stopped_by_cost == 1
+    assert wanted.count(True) == MIN_WINDOW  # stopped at the first verdict it could make
+    # Where the waits cost more than a speculative step, no replay: it goes on to the window.
+    fast = Speculation("auto")
+    fast.timed(True, 1.0)
+    fast.timed(False, 3.0)
+    for _ in range(WINDOW):
+        fast.record(False)
+    assert fast.active and fast.stopped == 0
 
 
 def test_a_session_that_misses_often_stops_speculating(models, isolated_env, tmp_path):
