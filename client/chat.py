@@ -13,7 +13,7 @@ import sys
 from functools import partial
 from types import SimpleNamespace
 
-from expertd.cli.argtypes import DEFAULT_PREFILL_STEP_SIZE
+from expertd.choices import DEFAULT_PREFILL_STEP_SIZE
 
 QUIT, RESET, HELP = {"q", "/q", "/quit", "/exit"}, {"r", "/r"}, {"h", "/h", "/help"}
 HELP_TEXT = ("commands: q quit, r reset the conversation, h help (end of input quits too; "

@@ -4,7 +4,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from expertd.cli.argtypes import (
+from expertd.choices import (
     DEFAULT_DRAFT_TOKENS,
     DEFAULT_KV_GROUP_SIZE,
     DEFAULT_PREFILL_STEP_SIZE,

@@ -5,7 +5,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from expertd.blobstore import check_trunk
-from expertd.cli.argtypes import check_gib, check_wait
+from expertd.choices import check_gib, check_wait
 from expertd.errors import BlobStoreError
 
 from .backing import Staging

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from expertd.serving.config import PREFETCH_MODES
+from expertd.choices import PREFETCH_MODES
 
 WINDOW = 32  # guesses per precision verdict
 MIN_PRECISION = 0.5

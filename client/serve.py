@@ -24,7 +24,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from expertd.cli.options import MLX_SERVER_DEFAULTS
+from expertd.choices import MLX_SERVER_DEFAULTS
 from expertd.client.serve_errors import (
     DaemonWatch,
     ModelNotServed,

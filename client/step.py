@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from expertd.serving.config import SPECULATE_MODES
+from expertd.choices import SPECULATE_MODES
 
 from .layer import DECODE_IDS
 from .predict import check_choice

@@ -21,3 +21,19 @@ def test_every_package_folder_is_listed_in_pyproject():
             found.add(".".join([package, *rel.parts]))
     # Folders nested in expertd/ that have their own package-dir entry are reached once.
     assert set(setup["packages"]) == found
+
+
+def test_the_client_library_imports_nothing_of_the_command_line_or_the_daemon():
+    """The client shares mode names, defaults and checks through expertd.choices; importing
+    every client module loads no module of expertd.cli or expertd.serving."""
+    import subprocess
+    import sys
+
+    code = ("import sys, expertd.client, expertd.client.serve, expertd.client.generate, "
+            "expertd.client.chat, expertd.client.decode, expertd.client.pipeline; "
+            "print(sorted(m for m in sys.modules if m.startswith(('expertd.cli.', "
+            "'expertd.serving.')) or m in ('expertd.cli', 'expertd.serving')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

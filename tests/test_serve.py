@@ -422,3 +422,14 @@ def test_serve_kv_cache_flags_reach_mlx_server():
                   ["--quantized-kv-start", "-1"]):
         done = expertd_cli("serve", "--blobs", "b", *flags)
         assert done.returncode == 2 and f"argument {flags[0]}: " in done.stderr.splitlines()[-1]
+
+
+def test_serve_flags_defaults_are_the_library_s():
+    """serve's flags and the Python API's ``serve(options=...)`` start from the same
+    mlx_lm.server settings (the client library keeps its own table: it imports nothing of the
+    command line's)."""
+    from expertd.choices import MLX_SERVER_DEFAULTS
+    from expertd.cli.options import MLX_SERVER_FIXED, MLX_SERVER_OPTIONS
+
+    flags = {**MLX_SERVER_FIXED, **{o.dest: o.default for o in MLX_SERVER_OPTIONS}}
+    assert flags == MLX_SERVER_DEFAULTS

@@ -6,23 +6,29 @@ import argparse
 import math
 from pathlib import Path
 
+from expertd.choices import (  # noqa: F401 (the CLI's names for them)
+    DEFAULT_DRAFT_TOKENS,
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_PREFILL_STEP_SIZE,
+    DEFAULT_PROMPT,
+    DEFAULT_QUANTIZED_KV_START,
+    DEFAULT_XTC_THRESHOLD,
+    GIB,
+    KV_BITS,
+    KV_GROUP_SIZES,
+    MAX_GIB,
+    MAX_SECONDS,
+    SECONDS,
+    bounded,
+    check_gib,
+    check_seconds,
+    check_wait,
+)
 from expertd.paths import missing_parent
 from expertd.serving.hotset import parse_json
 
 MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
-# A day: any timeout beyond it is a typo.
-MAX_SECONDS = 86400.0
-MAX_GIB = 1 << 20  # a PiB: no machine has it, and int(gb * 2**30) never overflows below it
 MAX_BYTES = MAX_GIB * 2**30
-# mlx-lm's defaults, and the KV quantizations MLX supports (mx.quantize, affine).
-DEFAULT_PREFILL_STEP_SIZE = 2048
-DEFAULT_QUANTIZED_KV_START = 5000
-DEFAULT_KV_GROUP_SIZE = 64
-DEFAULT_PROMPT = "hello"  # mlx_lm.generate's --prompt
-DEFAULT_XTC_THRESHOLD = 0.0  # mlx_lm.generate's
-DEFAULT_DRAFT_TOKENS = 3  # mlx_lm.generate's --num-draft-tokens
-KV_BITS = (1, 2, 3, 4, 5, 6, 8)
-KV_GROUP_SIZES = (32, 64, 128)
 
 
 def _ranged(parse, what: str, ok, doc: str, show=str):
@@ -74,44 +80,6 @@ def true_or_false(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"must be True or False, not {text!r}")
 
 
-def _bounded(value, what: str, low: float, high: float) -> float:
-    """``value`` as a float when a real number in (low, high], else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"must be {what}, not {value!r}")
-    if not (math.isfinite(value) and low < value <= high):
-        raise ValueError(f"must be {what}, not {value!r}")
-    return float(value)
-
-
-SECONDS = f"a number of seconds above 0, at most {MAX_SECONDS:g} (a day)"
-GIB = f"a number of GiB above 0, at most {MAX_GIB} (more memory than any machine has)"
-
-
-def check_seconds(name: str, value) -> float:
-    """A timeout given to the Python API: a number of seconds in (0, a day].
-
-    Raises:
-        ValueError: naming ``name``.
-    """
-    return _checked(name, value, SECONDS, MAX_SECONDS)
-
-
-def check_gib(name: str, value) -> float:
-    """A memory budget given to the Python API: a number of GiB in (0, MAX_GIB].
-
-    Raises:
-        ValueError: naming ``name``.
-    """
-    return _checked(name, value, GIB, MAX_GIB)
-
-
-def _checked(name: str, value, what: str, hi: float) -> float:
-    try:
-        return _bounded(value, what, 0, hi)
-    except ValueError as exc:
-        raise ValueError(f"{name} {exc}") from None
-
-
 # A default of seconds reads as the user writes it: "(default: 10)", not 10.0.
 seconds = _ranged(float, SECONDS, lambda v: 0 < v <= MAX_SECONDS,
                   "A timeout or interval: seconds above 0, at most a day (status/stop --timeout, "
@@ -120,19 +88,6 @@ wait_seconds = _ranged(float, f"a number of seconds from 0 to {MAX_SECONDS:g} (a
                       lambda v: 0 <= v <= MAX_SECONDS,
                       "A wait: seconds from 0 (do not wait) to a day (--reconnect-timeout).",
                       show="{:g}".format)
-
-
-def check_wait(name: str, value) -> float:
-    """A wait given to the Python API: seconds in [0, a day] (0: do not wait).
-
-    Raises:
-        ValueError: naming ``name``.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            0 <= value <= MAX_SECONDS):
-        raise ValueError(f"{name} must be a number of seconds from 0 to {MAX_SECONDS:g}, not "
-                         f"{value!r}")
-    return float(value)
 
 
 gib = _ranged(float, GIB, lambda v: 0 < v <= MAX_GIB,

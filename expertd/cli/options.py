@@ -241,7 +241,3 @@ MLX_SERVER_OPTIONS = (
     Option("--log-level", "mlx_lm.server's logging level", default="INFO",
            choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")),
 )
-
-# Every setting mlx_lm.server reads from its namespace, by its argparse name, with its default.
-MLX_SERVER_DEFAULTS = {**MLX_SERVER_FIXED,
-                       **{option.dest: option.default for option in MLX_SERVER_OPTIONS}}

@@ -4,12 +4,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from expertd.choices import PREFETCH_MODES, SPECULATE_MODES  # noqa: F401 (its users' names)
 from expertd.serving.preads import VERIFY_MODES
 from expertd.serving.side import SIDE_HOLD
 
 IO_MODES = ("direct", "buffered")  # O_DIRECT / F_NOCACHE reads, or through the page cache
-PREFETCH_MODES = ("auto", "on", "off")
-SPECULATE_MODES = ("auto", "on", "off")  # the client's one-wait-a-step mode (client/step.py)
 
 
 @dataclass(frozen=True)
