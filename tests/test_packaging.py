@@ -37,3 +37,65 @@ def test_the_client_library_imports_nothing_of_the_command_line_or_the_daemon():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def _import_graph() -> dict:
+    """Product modules (the installed package's names: client/, shm/ and tools/ map into
+    expertd) -> the product modules each imports, function-level imports included."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    trees = {"expertd": root / "expertd", "expertd.client": root / "client",
+             "expertd.shm": root / "shm", "expertd.tools": root / "tools"}
+    files = {}
+    for package, folder in trees.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            files[".".join([package, *parts])] = path
+    graph = {}
+    for name, path in files.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
+                targets.add(base)
+                targets.update(f"{base}.{a.name}" for a in node.names)
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def test_the_product_code_imports_in_no_circle():
+    """An import graph of the product code, function-level imports included, has no circle
+    (issue 25): every strongly connected part is one module."""
+    graph = _import_graph()
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while not part or part[-1] != v:
+                part.append(stack.pop())
+                on.discard(part[-1])
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert "expertd.cli.main" in graph and graph["expertd.cli.main"]  # the graph is read
+    assert circles == []

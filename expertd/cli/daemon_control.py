@@ -300,7 +300,7 @@ def status_lines(s: dict) -> list:
 def log_location(blob_dir) -> str:
     """Where the daemon of ``blob_dir`` logs: its service's log if one is installed here, else
     the runtime directory's rotating log of detached daemons."""
-    from expertd.cli.service import make_plan
+    from expertd.cli.service_plan import make_plan
     from expertd.paths import daemon_paths
 
     plan = make_plan(blob_dir)
@@ -377,7 +377,7 @@ def _not_running(args, message: str) -> tuple:
 
 def _cmd_status(args) -> int:
     if args.watch is None:
-        from expertd.cli.main import answer
+        from expertd.cli.output import answer
 
         code, out = snapshot(args)
         if args.json:

@@ -6,7 +6,7 @@ from expertd.cli import argtypes
 
 
 def _cmd_fetch(args) -> int:
-    from expertd.cli.main import answer
+    from expertd.cli.output import answer
     from expertd.remote import FetchSettings
     from expertd.tools.fetch import fetch_missing
     from expertd.units import size_text

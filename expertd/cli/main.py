@@ -3,11 +3,11 @@
 import argparse
 import difflib
 import logging
-import os
 import sys
 from pathlib import Path
 
 from expertd.cli import argtypes
+from expertd.cli.output import answer, mute_stdout
 from expertd.errors import ExpertdError
 
 DESCRIPTION = """\
@@ -258,22 +258,6 @@ def main(argv=None) -> int:
     try:
         code = _run(argv)
         sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
-    except BrokenPipeError:
-        mute_stdout()
-    return code
-
-
-def mute_stdout() -> None:
-    """After a reader has gone: stdout goes to devnull, so that the interpreter's last flush
-    of what is still buffered cannot fail again."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-def answer(text: str, code: int, file=None) -> int:
-    """Print a command's last words and return its exit code, which a reader that has gone
-    does not change (status's 3 stays 3 under `| true`)."""
-    try:
-        print(text, file=file or sys.stdout, flush=True)
     except BrokenPipeError:
         mute_stdout()
     return code
