@@ -149,6 +149,11 @@ def test_install_with_the_real_systemctl_reports_its_failure(awkward_blobs, home
     assert not unit.path.exists() and f"removed {unit.path}" in gone.stdout, gone
     status = expertd_cli("service", "status", "--blobs", awkward_blobs)
     assert status.returncode == 3 and "not installed" in status.stdout
+    # No service: no journal and no manager's command; where a daemon started by hand logs.
+    assert "journalctl" not in status.stdout and "systemctl" not in status.stdout
+    from expertd.paths import daemon_paths
+
+    assert f"logs to {daemon_paths(awkward_blobs).log}" in status.stdout
 
 
 def test_install_refuses_bad_flags_before_writing_anything(awkward_blobs, home):

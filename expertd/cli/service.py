@@ -237,8 +237,14 @@ def _cmd_status(args) -> int:
     plan = _plan(args)
     installed = plan.path.exists()
     print(f"{plan.name}: {plan.path} {'installed' if installed else 'not installed'}")
-    print(f"  log: {plan.log_hint}")
-    if plan.platform == this_platform():
+    if not installed:  # nothing of the manager's to show: a daemon started by hand logs here
+        from expertd.paths import daemon_paths
+
+        print(f"  no service for {plan.blob_dir}; a daemon started by hand (expertd start) "
+              f"logs to {daemon_paths(plan.blob_dir).log}")
+    else:
+        print(f"  log: {plan.log_hint}")
+    if installed and plan.platform == this_platform():
         cmd = status_command(plan)
         done = run(cmd)
         view = (done.stdout.strip() or done.stderr.strip() or f"exit status {done.returncode}")
