@@ -129,13 +129,13 @@ def _server_classes():
                     flight.first = flight.last
                     flight.prompt_computed = len(ctx.prompt) - max(0, ctx.prompt_cache_count)
                 flight.tokens += 1
-                if stop_words and response.finish_reason is None:
+                if any(stop_words) and response.finish_reason is None:
                     # mlx_lm.server stops only where the tokens spell a stop word, and strips
                     # the word from the text elsewhere but keeps generating: as OpenAI does,
                     # the text's first stop word ends the request (this token's text goes,
                     # as mlx-lm drops a stopping token's).
                     text += response.text
-                    if any(word in text for word in stop_words):
+                    if any(word and word in text for word in stop_words):
                         ctx.stop()
                         yield dataclasses.replace(response, finish_reason="stop")
                         return
@@ -226,6 +226,11 @@ def _server_classes():
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
                 raise RequestRefused("n", f"n must be 1 here, not {n!r}: this server returns "
                                      "one choice a request (send the request again for more)")
+            stop = body.get("stop")
+            if stop is not None and not (isinstance(stop, str) or (
+                    isinstance(stop, list) and all(isinstance(w, str) and w for w in stop))):
+                raise RequestRefused("stop", "stop must be a string or a list of non-empty "
+                                     "strings")
             if self.path.endswith("/chat/completions"):
                 messages = body.get("messages")
                 if not (isinstance(messages, list) and messages

@@ -109,6 +109,7 @@ def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
             "messages": dict(model=blobs.name, messages="Hi", max_tokens=2),
             "prompt": dict(model=blobs.name, prompt=[1, 2], max_tokens=2),
             "max_tokens": dict(model=blobs.name, prompt="Once", max_tokens="2"),
+            "stop": dict(model=blobs.name, prompt="Once", max_tokens=2, stop=[1, "a"]),
         }
         for param, fields in refusals.items():
             path = "/chat/completions" if "messages" in fields else "/completions"
