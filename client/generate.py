@@ -88,6 +88,13 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
             extra["prompt_cache"] = load_prompt_cache(prompt_cache_file, model, kv)
         for token in extra_eos_tokens:
             tokenizer.add_eos_token(token)
+        clash = set(template_kwargs or {}) & TEMPLATE_OWN
+        if clash:
+            raise ValueError(f"--chat-template-config: {', '.join(sorted(clash))} "
+                             "is set by generate itself")
+        if template_kwargs and not (chat_template and getattr(tokenizer, "chat_template", None)):
+            raise ValueError("--chat-template-config needs the chat template (the tokenizer "
+                             "has none, or --ignore-chat-template was given)")
         if chat_template and getattr(tokenizer, "chat_template", None):
             messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
             messages.append({"role": "user", "content": prompt})
@@ -156,6 +163,11 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
     )
 
 
+# The chat template's arguments that generate passes itself (--chat-template-config may not).
+TEMPLATE_OWN = {"conversation", "messages", "tokenize", "add_generation_prompt",
+                "continue_final_message", "return_dict", "tools"}
+
+
 def _speculation(session) -> dict | None:
     """How the one-wait-a-step mode went: its mode, whether it speculates at the end, how
     often auto paused it and how often for cost (waiting per layer measured cheaper)."""
@@ -171,18 +183,26 @@ def load_prompt_cache(path: str, model, kv) -> list:
     """The KV cache saved by mlx_lm.cache_prompt at ``path``, checked against ``model`` (one
     cache per layer, as its own) and the KV options ``kv`` (a quantized cache's bits and group
     size, as mlx_lm.generate checks them)."""
+    import os
+
     from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
     from mlx_lm.models.cache import load_prompt_cache as load
 
+    if not os.path.isfile(path):
+        raise ValueError(f"--prompt-cache-file {path}: no such file")
     try:
         cache = load(path)
-    except (OSError, ValueError, KeyError) as exc:
+    except Exception as exc:  # mlx's readers raise RuntimeError on a malformed file
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(f"--prompt-cache-file {path}: not a prompt cache mlx-lm can read "
-                         f"({exc})") from None
+                         f"({first})") from None
     want = make_prompt_cache(model)
-    if len(cache) != len(want):
+    shape = _kv_shape(model)
+    if len(cache) != len(want) or (shape is not None and any(
+            getattr(c, "keys", None) is not None and getattr(c.keys, "ndim", 0) == 4
+            and (c.keys.shape[1], c.keys.shape[3]) != shape for c in cache)):
         raise ValueError(f"--prompt-cache-file {path}: made for another model ({len(cache)} "
-                         f"layer caches, this model has {len(want)})")
+                         f"layer caches of other shapes; this model has {len(want)})")
     if isinstance(cache[0], QuantizedKVCache):
         if kv.kv_bits is not None and kv.kv_bits != cache[0].bits:
             raise ValueError("--kv-bits does not match the KV cache of --prompt-cache-file")
@@ -190,6 +210,16 @@ def load_prompt_cache(path: str, model, kv) -> list:
             raise ValueError("--kv-group-size does not match the KV cache of "
                              "--prompt-cache-file")
     return cache
+
+
+def _kv_shape(model):
+    """(KV heads, head size) of the model's attention where its args say, else None."""
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_key_value_heads", None)
+    size = getattr(args, "head_dim", None)
+    if size is None and isinstance(getattr(args, "num_attention_heads", None), int):
+        size = args.hidden_size // args.num_attention_heads
+    return (heads, size) if isinstance(heads, int) and isinstance(size, int) else None
 
 
 def load_draft(name: str) -> tuple:

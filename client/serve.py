@@ -129,7 +129,7 @@ def _server_classes():
                     flight.first = flight.last
                     flight.prompt_computed = len(ctx.prompt) - max(0, ctx.prompt_cache_count)
                 flight.tokens += 1
-                if any(stop_words) and response.finish_reason is None:
+                if any(stop_words) and response.finish_reason != "stop":
                     # mlx_lm.server stops only where the tokens spell a stop word, and strips
                     # the word from the text elsewhere but keeps generating: as OpenAI does,
                     # the text's first stop word ends the request (this token's text goes,
@@ -214,8 +214,11 @@ def _server_classes():
             except ValueError as exc:  # mlx-lm's: "<attribute> must be ..."
                 name = str(exc).split(" ", 1)[0]
                 self._param = MLX_PARAMS.get(name, name if name in self.body else None)
+                if self._param and self._param != name:  # said with the request's own key
+                    raise ValueError(self._param + str(exc)[len(name):]) from None
                 raise
-            if "model" not in self.body and not self.response_generator.cli_args.pipeline:
+            if self.body.get("model", "default_model") == "default_model" and \
+                    not self.response_generator.cli_args.pipeline:
                 # (A pipeline's ranks know the model as "default_model": each stage has its
                 # own directory's name.)
                 self.requested_model = self.response_generator.cli_args.model_id
@@ -251,7 +254,7 @@ def _server_classes():
                 self.server.counters.add(daemon_refusals=1)
                 self._fail_midway(503, str(exc))
             except ServerStopping as exc:
-                self._fail_midway(503, str(exc))
+                self._fail_midway(503, str(exc), "server_shutting_down")
             except ConnectionError:
                 raise  # the client hung up: ExpertdHTTPServer.handle_error counts it
             except Exception as exc:  # generation failed once the request was taken
@@ -260,14 +263,14 @@ def _server_classes():
             finally:
                 self.response_generator.settle()
 
-        def _fail_midway(self, status: int, message: str) -> None:
+        def _fail_midway(self, status: int, message: str, code: str | None = None) -> None:
             if self.stream:  # the 200 is sent: end the stream with an error event
-                body = json.dumps(error_object(status, message))
+                body = json.dumps(error_object(status, message, code))
                 self.wfile.write(f"data: {body}\n\n".encode())
                 self.wfile.flush()
             else:
                 self._headers_buffer = []  # the 200 that mlx-lm queued is not sent yet
-                self._send_error(status, message)
+                self._send_error(status, message, code)
 
         def handle_health_check(self):
             if self.server.watch.serving():
@@ -439,7 +442,9 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     cli_args = mlx_server_args(blob_dir, options or {})
     # The command line has configured logging already (then this only sets the level).
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(message)s")
-    logging.getLogger().setLevel(cli_args.log_level.upper())
+    root = logging.getLogger()  # `expertd -v serve` keeps its debug lines
+    root.setLevel(min(root.level or logging.WARNING, logging.getLevelName(
+        cli_args.log_level.upper())))
     draft = None
     if cli_args.draft_model:  # before the model: a bad draft costs no daemon attach
         if pipeline_group is not None:
@@ -465,13 +470,18 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         print(f"expertd serve (loading {name}): {_url(httpd)}/health answers 503 until the "
               "model is ready", file=out, flush=True)
     signum = None
+    if not distributed:  # SIGTERM while loading ends it as Ctrl-C does, but as a clean stop
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         # A daemon that dies later is waited for by the model, not by the requests (see
         # DaemonWatch): a server outlives daemon restarts.
-        model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
-                                pool_gb=pool_gb, speculate=speculate, pull=pull,
-                                reconnect_timeout=RECONNECT_TIMEOUT if reconnect_timeout is None
-                                else reconnect_timeout)
+        try:
+            wait = RECONNECT_TIMEOUT if reconnect_timeout is None else reconnect_timeout
+            model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
+                                    pool_gb=pool_gb, speculate=speculate, pull=pull,
+                                    reconnect_timeout=wait)
+        except Terminated:
+            return 0
         cli_args.pipeline = distributed
         session = model.expertd_session
         try:
@@ -485,6 +495,14 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
             _stop_loading(httpd, loading)
             httpd.server_close()
     return EXIT_INTERRUPTED if signum == signal.SIGINT else 0
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while the model loaded."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
 
 
 def _url(httpd) -> str:
@@ -548,6 +566,9 @@ def _serve_loaded(httpd, loading, listen, session, model, tokenizer, draft, cli_
             httpd.serve_forever()  # until a signal ends the process
             return None
         signum = _serve_until_signal(httpd)
+        # A second Ctrl-C must not cut the shutdown short (the generation thread still runs).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # Requests in flight end with an error (a stream with an error event), not cut off.
         generator.stopping.set()
         counters.wait_idle(STOP_GRACE)

@@ -461,3 +461,8 @@ def test_an_unknown_flag_gets_the_closest_and_an_mlx_lm_flag_says_so(capsys):
                            "generate does not take it: ")
     said = refusal(capsys, "chat", "--blobs", "B", "--draft-model=D")
     assert "--draft-model is mlx-lm's, and expertd chat does not take it" in said
+
+
+def test_v_after_the_subcommand_says_where_it_goes(capsys):
+    said = refusal(capsys, "start", "-v", "--blobs", "B")
+    assert said == "expertd start: error: -v goes before the subcommand: expertd -v start ..."

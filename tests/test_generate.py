@@ -244,6 +244,15 @@ def test_prefill_response_without_a_chat_template_is_refused(models, isolated_en
                               timeout=120)
     assert proc.returncode != 0 and "--prefill-response needs the chat template" in proc.stderr
     assert "Traceback" not in proc.stderr
+    for config, said in (('{"tokenize": true}', "tokenize is set by generate itself"),
+                         ('{"x": 1}', "--chat-template-config needs the chat template")):
+        with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+            bad = subprocess.run([sys.executable, "-m", "expertd", "generate", "--blobs",
+                                  str(blob_dir), "--chat-template-config", config],
+                                 env={**os.environ, **isolated_env}, capture_output=True,
+                                 text=True, timeout=120)
+        assert bad.returncode == 1 and said in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr
 
 
 def test_no_seed_samples_anew_and_a_seed_repeats(models, isolated_env, tmp_path):
@@ -336,3 +345,14 @@ def test_a_saved_prompt_cache_continues_as_in_mlx_lm(models, isolated_env, tmp_p
     assert got["prompt_tokens"] == len(tokenizer.encode(" live on the disk"))
     assert refused.returncode == 1 and "made for another model" in refused.stderr
     assert "Traceback" not in refused.stderr
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_text("garbage")
+    for path, said in ((garbage, "not a prompt cache mlx-lm can read"),
+                       (tmp_path / "none.safetensors", "no such file")):
+        with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+            bad = subprocess.run([sys.executable, "-m", "expertd", "generate", "--blobs",
+                                  str(blob_dir), "--prompt-cache-file", str(path)],
+                                 env={**os.environ, **isolated_env}, capture_output=True,
+                                 text=True, timeout=120)
+        assert bad.returncode == 1 and said in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1

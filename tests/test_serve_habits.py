@@ -83,13 +83,15 @@ def test_ctrl_c_ends_a_stream_in_flight_with_an_error_and_exits_130(models, isol
                     if not line.startswith("data: "):
                         continue
                     events.append(line[6:])
-                    if len(events) == 3:  # tokens are flowing: interrupt the server
+                    if len(events) == 3:  # tokens are flowing: interrupt the server, twice
                         server.proc.send_signal(signal.SIGINT)
+                        server.proc.send_signal(signal.SIGINT)  # never cuts the shutdown short
             assert server.proc.wait(STOP_TIMEOUT) == 130
         finally:
             server.close()
     last = json.loads(events[-1])
     assert "shutting down" in last["error"]["message"] and last["error"]["type"] == "server_error"
+    assert last["error"]["code"] == "server_shutting_down"
     assert all("choices" in json.loads(e) for e in events[:3])
 
 
@@ -166,7 +168,54 @@ def test_a_stop_word_inside_a_token_ends_the_request(models, isolated_env, tmp_p
         word = next(text[i:i + 2] for i in range(2, len(text) - 2)
                     if text[i:i + 2].isalpha() and text[i:i + 2] not in text[:i + 1])
         stopped = server.client.completions.create(**ask, stop=[word])
+        # A word inside the last token allowed still ends with "stop", not "length".
+        first = server.client.completions.create(**{**ask, "max_tokens": 1})
+        last = (server.client.completions.create(**{**ask, "max_tokens": 1},
+                                                 stop=[first.choices[0].text[-1:]])
+                if first.choices[0].text.strip() else None)
     choice = stopped.choices[0]
     assert choice.finish_reason == "stop" and word not in choice.text
     assert text.startswith(choice.text) and len(choice.text) <= text.index(word)
     assert stopped.usage.completion_tokens < free.usage.completion_tokens
+    assert last is None or last.choices[0].finish_reason == "stop"
+
+
+def test_sigterm_while_loading_stops_serve_cleanly(models, isolated_env, tmp_path):
+    blobs = models.blobs()
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB) as daemon:
+        out = tmp_path / "serve.out"
+        os.kill(daemon.pid, signal.SIGSTOP)  # the load waits for the daemon's hello
+        try:
+            with open(out, "w") as stdout:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "expertd", "serve", "--blobs", str(blobs), "--port",
+                     "0"], stdout=stdout, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                    env={**os.environ, **isolated_env})
+            try:
+                wait_until(lambda: "expertd serve (loading" in out.read_text(), START_TIMEOUT,
+                           "the loading line")
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(STOP_TIMEOUT) == 0
+            finally:
+                stop_process(proc, STOP_TIMEOUT)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+
+
+def test_status_json_names_a_daemon_that_does_not_answer(models, isolated_env):
+    """A daemon stopped with SIGSTOP holds its lock but answers nothing: status --json lists
+    it as not answering (exit 1 with --blobs), never leaves it out."""
+    from harness import expertd_cli
+
+    blobs = models.blobs()
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB) as daemon:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            one = expertd_cli("status", "--blobs", blobs, "--json", "--timeout", "1", timeout=60)
+            every = expertd_cli("status", "--json", "--timeout", "1", timeout=60)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+    assert one.returncode == 1, one
+    entry, = json.loads(one.stdout)
+    assert entry["answering"] is False and entry["blob_dir"] == str(blobs.resolve())
+    assert any(d.get("answering") is False for d in json.loads(every.stdout)), every.stdout

@@ -169,3 +169,7 @@ def new_file_path(text: str) -> str:
         raise argparse.ArgumentTypeError(missing_parent(path))
     return text
 
+
+
+xtc_threshold = _ranged(float, "a number from 0 to 0.5", lambda v: 0 <= v <= 0.5,
+                        "XTC's threshold: mlx-lm's sampler takes 0 to 0.5 (--xtc-threshold).")

@@ -321,7 +321,7 @@ def snapshot(args) -> tuple:
 
     targets = [dict(blob_dir=args.blobs)] if args.blobs else [
         dict(socket=str(s)) for s in list_sockets()]
-    results, notes = [], []
+    results, notes, silent = [], [], []
     for target in targets:
         # A free lock means no daemon (a killed one leaves its socket behind): say so at once
         # rather than wait for an answer that cannot come.
@@ -340,13 +340,18 @@ def snapshot(args) -> tuple:
                 stats = conn.request(Op.STATS, timeout=args.timeout)
             results.append({"running": True, **stats, "log": log_location(stats["blob_dir"])})
         except DaemonError as exc:
-            if args.blobs:
-                if not isinstance(exc, DaemonNotRunning):
-                    raise
+            if args.blobs and isinstance(exc, DaemonNotRunning):
                 return _not_running(args, str(exc))
-            notes.append(f"{target['socket']}: not answering ({exc})")
+            # Its lock is held but it does not answer (stopped, stuck): said, never left out.
+            silent.append({"running": True, "answering": False, "error": str(exc),
+                           **({"blob_dir": str(Path(args.blobs).expanduser().resolve())}
+                              if args.blobs else {"socket": target["socket"]})})
+            if args.blobs and not args.json:
+                raise
+            notes.append(f"{target.get('socket', args.blobs)}: not answering ({exc})")
     if args.json:
-        return 0, results  # one shape: a list of daemons, with --blobs or without
+        # One shape: a list of daemons, with --blobs or without.
+        return (1 if args.blobs and silent else 0), results + silent
     if not results:
         return NOT_RUNNING, "\n".join(notes + ["no expertd is running"])
     # A blank line between two daemons.

@@ -197,7 +197,7 @@ def add_client_subcommands(sub) -> None:
                    help="sampling top-k (0: off)")
     p.add_argument("--xtc-probability", type=argtypes.probability, default=0.0,
                    help="probability of XTC sampling (0: off)")
-    p.add_argument("--xtc-threshold", type=argtypes.probability,
+    p.add_argument("--xtc-threshold", type=argtypes.xtc_threshold,
                    default=argtypes.DEFAULT_XTC_THRESHOLD, help="threshold of XTC sampling")
     p.add_argument("--extra-eos-token", type=argtypes.eos_token, nargs="+", default=(), metavar="TOKEN",
                    help="more tokens that end the generation, each a token's text or id "

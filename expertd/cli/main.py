@@ -155,6 +155,9 @@ class OneLineParser(argparse.ArgumentParser):
         if extra:
             prog = f"expertd {args.command}" if getattr(args, "command", None) else self.prog
             flag = next((a.split("=", 1)[0] for a in extra if a.startswith("-")), None)
+            if flag in ("-v", "--verbose"):
+                self.exit(2, f"{prog}: error: {flag} goes before the subcommand: "
+                          f"expertd -v {args.command} ...\n")
             if flag in MLX_LM_ONLY:
                 self.exit(2, f"{prog}: error: {flag} is mlx-lm's, and {prog} does not take it: "
                           f"{MLX_LM_ONLY[flag]} (see {prog} --help)\n")
