@@ -157,7 +157,7 @@ def test_stdout_is_the_text_and_mlx_lm_flags_reach_stream_generate(models, isola
     # leaves the text alone, as mlx_lm.generate does. expertd's own line goes to stderr.
     p = got["plain"]
     assert done["plain"].stdout == (
-        f"{want['plain'][1]}\n==========\n"
+        f"==========\n{want['plain'][1]}\n==========\n"
         f"Prompt: {p['prompt_tokens']} tokens, {p['prompt_tps']:.3f} tokens-per-sec\n"
         f"Generation: {p['generation_tokens']} tokens, {p['generation_tps']:.3f} tokens-per-sec\n"
         f"Peak memory: {p['peak_memory_gb']:.3f} GB\n")

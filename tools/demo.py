@@ -153,7 +153,8 @@ def _run_clients(blob_dir: Path, n: int) -> list:
             summary = Path(tmp) / f"client{i}.json"
             cmd = [sys.executable, "-m", "expertd", "generate", "--blobs", str(blob_dir),
                    "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS),
-                   "--temp", "1.0", "--seed", "1", "--json-summary", str(summary)]
+                   "--temp", "1.0", "--seed", "1", "--verbose", "False",
+                   "--json-summary", str(summary)]
             procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                            text=True), summary))
         results = []
@@ -162,6 +163,6 @@ def _run_clients(blob_dir: Path, n: int) -> list:
             out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             if proc.returncode != 0:
                 raise RuntimeError(f"a demo client failed:\n{err.strip()}")
-            # stdout is the text alone (generate's summary goes to stderr)
+            # stdout is the text alone (--verbose False: no summary block)
             results.append((out, json.loads(summary.read_text())))
         return results

@@ -46,6 +46,8 @@ def _cmd_generate(args) -> int:
     group, out = (_pipeline_group() if args.pipeline else None), sys.stdout
     if group is not None and group.rank() != 0:
         out = open(os.devnull, "w")  # rank 0 prints; every rank computes the same tokens
+    elif args.summary:  # --verbose True: mlx_lm.generate's rule before the text, and after
+        print("=" * 10, flush=True)
     summary = generate(Path(args.blobs), prompt, max_tokens=args.max_tokens, temp=args.temp,
                        seed=args.seed, prefetch=args.prefetch, top_p=args.top_p,
                        min_p=args.min_p, top_k=args.top_k, system_prompt=args.system_prompt,
