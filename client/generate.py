@@ -79,10 +79,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
     try:  # the session says goodbye whatever happens, a bad EOS token or Ctrl-C included
         extra = {}
         if draft is not None:
-            if draft[1].vocab_size != tokenizer.vocab_size:
-                raise ValueError(f"--draft-model {draft_model}: its vocabulary "
-                                 f"({draft[1].vocab_size} tokens) is not the model's "
-                                 f"({tokenizer.vocab_size})")
+            check_draft(draft, tokenizer, draft_model)
             extra = dict(draft_model=draft[0], num_draft_tokens=num_draft_tokens)
         if prompt_cache_file is not None:
             extra["prompt_cache"] = load_prompt_cache(prompt_cache_file, model, kv)
@@ -239,6 +236,13 @@ def load_draft(name: str) -> tuple:
         raise ValueError(f"--draft-model {name}: cannot load it with mlx-lm: "
                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     return model, tokenizer
+
+
+def check_draft(draft: tuple, tokenizer, name: str) -> None:
+    """Refuse a draft ``(model, tokenizer)`` whose vocabulary is not the model's."""
+    if draft[1].vocab_size != tokenizer.vocab_size:
+        raise ValueError(f"--draft-model {name}: its vocabulary ({draft[1].vocab_size} tokens) "
+                         f"is not the model's ({tokenizer.vocab_size})")
 
 
 def summary_line(s: dict) -> str:

@@ -129,13 +129,13 @@ def _server_classes():
                     flight.first = flight.last
                     flight.prompt_computed = len(ctx.prompt) - max(0, ctx.prompt_cache_count)
                 flight.tokens += 1
-                if any(stop_words) and response.finish_reason != "stop":
+                if stop_words and response.finish_reason != "stop":
                     # mlx_lm.server stops only where the tokens spell a stop word, and strips
                     # the word from the text elsewhere but keeps generating: as OpenAI does,
                     # the text's first stop word ends the request (this token's text goes,
                     # as mlx-lm drops a stopping token's).
                     text += response.text
-                    if any(word and word in text for word in stop_words):
+                    if any(word in text for word in stop_words):
                         ctx.stop()
                         yield dataclasses.replace(response, finish_reason="stop")
                         return
@@ -525,10 +525,10 @@ def _serve_loaded(httpd, loading, listen, session, model, tokenizer, draft, cli_
     from mlx_lm.models.cache import LRUPromptCache
     from mlx_lm.server import get_system_fingerprint
 
-    if draft is not None and draft[1].vocab_size != tokenizer.vocab_size:
-        raise ValueError(f"--draft-model {cli_args.draft_model}: its vocabulary "
-                         f"({draft[1].vocab_size} tokens) is not the model's "
-                         f"({tokenizer.vocab_size})")
+    if draft is not None:
+        from expertd.client.generate import check_draft
+
+        check_draft(draft, tokenizer, cli_args.draft_model)
     if cli_args.chat_template:
         tokenizer.chat_template = cli_args.chat_template  # as mlx_lm.server's load does
         tokenizer.has_chat_template = True
