@@ -180,7 +180,8 @@ class StreamedLayer:
         coming back promoted into the pool (a device copy), use reported."""
         pool = self.pool
         hit = np.unique(rows[rows >= 0])
-        pulled, first = self._count(hit, None, experts)
+        self._count(hit, None, experts)
+        pulled, first = np.unique(experts[experts >= 0], return_index=True)
         if len(pulled):
             pool.promote(pulled.astype(np.int32), arrays,
                          np.flatnonzero(experts >= 0)[first])
@@ -198,17 +199,15 @@ class StreamedLayer:
             self.pool.note_pulls(pulled, counts)
         self._report(np.union1d(self.pool.expert_of[hit], pulled).astype(np.int32), steps)
 
-    def _count(self, hit: np.ndarray, times, experts: np.ndarray) -> tuple:
+    def _count(self, hit: np.ndarray, times, experts: np.ndarray) -> None:
         """Count pool hits (``times`` each, default once) and the pulled pairs of
-        ``experts``; the distinct pulled experts and each one's first pair."""
+        ``experts`` (an expert id, or -1 for a hit)."""
         pool = self.pool
         pool.counters["hits"] += len(hit) if times is None else int(times.sum())
         pool.touch(hit, times)
-        missed = experts >= 0
-        n_missed = int(missed.sum())
+        n_missed = int((experts >= 0).sum())
         pool.counters["pulled"] += n_missed
         self.session.count_pulled(self.index, n_missed)
-        return np.unique(experts[missed], return_index=True)
 
     def _staged_call(self, module, x, indices, unique: np.ndarray):
         """A call on a stage with a row for every expert (session.stage: one buffer for the
