@@ -53,6 +53,12 @@ class StreamedLayer:
     next: "StreamedLayer | None" = None
     previous: "StreamedLayer | None" = None
     copier: object = None  # copier.Copier shared by the model's layers
+    # A per-layer call starts computing its output at once (mx.async_eval), so the host's
+    # work after it (the guess, reports, the next layer's graph up to its router) overlaps
+    # the computation. Where the backend computes on a thread of its own (the CPU) that is
+    # time saved; where launching encodes on the calling thread (MLX's CUDA backend) it
+    # costs more than it overlaps (bench/RESULTS.md, issue 24), so the loader decides.
+    start_early: bool = False
     _used: set = field(default_factory=set)
     _rows_cache: dict = field(default_factory=dict)
     _calls: int = 0
@@ -112,6 +118,8 @@ class StreamedLayer:
             out = compute(module, self.segments, pool.arrays, x, indices if pool.identity
                           else mx.array(pool.row_of[idx].astype(idx.dtype)))
             pool.computing(rows, out)
+            if self.start_early:
+                mx.async_eval(out)
         else:
             out = grouped(module, self.segments, pool.arrays, x, idx, unique,
                           max(1, pool.rows // 2), self.num_experts,

@@ -160,7 +160,8 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
                          staging)
         state = StreamedLayer(session, layer.index, pool, [seg[:2] for seg in segments],
                               layer.num_experts, guesser,
-                              before.guesses if before is not None else None, copier=copier)
+                              before.guesses if before is not None else None, copier=copier,
+                              start_early=mx.default_device() == mx.cpu)
         if streamed:
             streamed[-1].next, state.previous = state, streamed[-1]
         streamed.append(state)
