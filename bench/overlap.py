@@ -59,7 +59,7 @@ def record_routing(model) -> list:
     """
     trace = []
     for _, module in model.named_modules():
-        st = module.__dict__.get("_expertd")
+        st = getattr(module, "layer", None)
         if st is None:
             continue
         cls = type(module)

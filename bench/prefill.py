@@ -36,7 +36,7 @@ def rerun_call(self, x, indices):
     import mlx.core as mx
     import numpy as np
 
-    st = self.__dict__["_expertd"]
+    st = self.layer
     idx = np.array(indices)
     unique = np.unique(idx).astype(np.int32)
     size = st.session.max_group

@@ -40,10 +40,22 @@ def _distinct_per_row(values: np.ndarray) -> np.ndarray:
 
 
 @dataclass
+class StepMode:
+    """What the running model call is, for its layers to ask (step.Steps sets it): a
+    speculative step (``speculative``: no layer waits, and each records what the step's check
+    reads into ``records``, or records nothing where ``records`` is None) or not (each layer
+    waits for its router's ids)."""
+
+    speculative: bool = False
+    records: list | None = None
+
+
+@dataclass
 class StreamedLayer:
     """What one streamed switch module needs at call time."""
 
     session: object
+    mode: StepMode  # the model's one step mode, shared by its layers and step.Steps
     index: int  # the MoE layer's index in the manifest
     pool: object  # pool.ExpertPool
     segments: list  # [(child module, attribute)] in the pool's segment order
@@ -65,9 +77,8 @@ class StreamedLayer:
 
     def forward(self, module, x, indices):
         session, pool = self.session, self.pool
-        steps = session.steps
-        if steps is not None and steps.active:
-            return self._speculative(module, x, indices, steps)
+        if self.mode.speculative:
+            return self._speculative(module, x, indices, self.mode.records)
         started = time.perf_counter()
         misses = session.counters["misses"]  # the demand misses of this call earn read-ahead
         nxt = self.next
@@ -140,7 +151,7 @@ class StreamedLayer:
             session.timeline.append((self.index, started, synced, fetched, time.perf_counter()))
         return out
 
-    def _speculative(self, module, x, indices, steps):
+    def _speculative(self, module, x, indices, records: list | None):
         """No host wait. With a puller, its one primitive assembles the pairs' rows (pool hits
         and arena misses) and mlx-lm's computation runs on them; else ids are remapped on the
         device (not at all in a pool with a row for every expert, each at its own index) and
@@ -152,12 +163,12 @@ class StreamedLayer:
         puller = session.puller
         if puller is not None and not pool.complete and self._checked(puller, indices):
             arrays, status = puller.assemble(self.index, indices, pool)
-            if steps.records is not None:
-                steps.records.append((self, indices, status, arrays))
+            if records is not None:
+                records.append((self, indices, status, arrays))
             return compute(module, self.segments, arrays, x, self._pair_rows(indices))
         rows = indices if pool.identity else pool.table()[indices]
-        if steps.records is not None:
-            steps.records.append((self, indices, None, None))
+        if records is not None:
+            records.append((self, indices, None, None))
         return compute(module, self.segments, pool.arrays, x, rows)
 
     def _checked(self, puller, indices) -> bool:

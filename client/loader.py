@@ -10,13 +10,13 @@ from expertd.errors import BlobStoreError
 
 from .backing import Staging
 from .copier import Copier
-from .layer import StreamedLayer
+from .layer import StepMode, StreamedLayer
 from .pipeline import refuse_stage, split_model, stage_layers
 from .pool import POOL_BACKINGS, default_backing, make_pool, plan_rows
 from .predict import check_choice, check_mode, make_guessers
 from .session import Session
-from .step import StepGuard, Steps, check_speculate
-from .switch import expert_segments, make_streamed
+from .step import Steps, check_speculate, guarded
+from .switch import StreamedSwitch, expert_segments, install
 
 COPY_AHEAD_MIN_BYTES = 512 * 1024  # see load(copy_ahead_bytes=)
 
@@ -151,6 +151,7 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
     copier = session.copier = Copier()
     staging = Staging()  # one host buffer for every device pool's moves
     streamed = []
+    mode = StepMode()
     for layer, n, guesser, before in zip(layers, rows, guessers, [None] + guessers[:-1]):
         module = modules.get(layer.module)
         if not isinstance(module, (SwitchGLU, SwitchMLP)):
@@ -158,19 +159,18 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
         segments = expert_segments(module, layer)
         pool = make_pool(layer, n, [seg[2:] for seg in segments], backing, session.max_group,
                          staging)
-        state = StreamedLayer(session, layer.index, pool, [seg[:2] for seg in segments],
+        state = StreamedLayer(session, mode, layer.index, pool, [seg[:2] for seg in segments],
                               layer.num_experts, guesser,
                               before.guesses if before is not None else None, copier=copier,
                               start_early=mx.default_device() == mx.cpu)
         if streamed:
             streamed[-1].next, state.previous = state, streamed[-1]
         streamed.append(state)
-        make_streamed(module, state)
+        install(model, layer.module, StreamedSwitch(module, state))
     session.pools = [state.pool for state in streamed]
-    session.steps = Steps(session, streamed, speculate, pipeline=pipeline_group is not None)
-    cls = type(model)
-    model.__class__ = type(f"Streamed{cls.__name__}", (StepGuard, cls), {})
-    model.__dict__["_expertd_steps"] = session.steps
+    session.steps = Steps(session, streamed, mode, speculate,
+                          pipeline=pipeline_group is not None)
+    model = guarded(model, session.steps)
     session.pool_bytes = sum(pool.nbytes for pool in session.pools)
     session.announce_pools()
     stored = set()

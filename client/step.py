@@ -27,7 +27,7 @@ import numpy as np
 
 from expertd.choices import SPECULATE_MODES
 
-from .layer import DECODE_IDS
+from .layer import DECODE_IDS, StepMode
 from .predict import check_choice
 from .pull import ABSENT, decode_status
 
@@ -155,11 +155,34 @@ class Launched:
 
 
 class StepGuard:
-    """Mixin placed in front of the mlx-lm model class: each call is one checked step."""
+    """Mixin placed in front of the mlx-lm model class: each call is one checked step (see
+    :func:`guarded`)."""
 
     def __call__(self, inputs, *args, **kwargs):
         return self.__dict__["_expertd_steps"].run(super().__call__, inputs,
                                                    args, kwargs)
+
+
+_GUARDED: dict = {}  # mlx-lm model class -> its StepGuard subclass
+
+
+def guarded(model, steps: "Steps"):
+    """A new model object whose calls are ``steps``' checked steps: an instance of the model's
+    class with :class:`StepGuard` in front, holding the same children (parameter paths stay
+    mlx-lm's) and attributes as ``model``, which is left as it was."""
+    import mlx.nn as nn
+
+    cls = type(model)
+    sub = _GUARDED.get(cls)
+    if sub is None:
+        sub = _GUARDED[cls] = type(f"Streamed{cls.__name__}", (StepGuard, cls), {})
+    new = sub.__new__(sub)
+    nn.Module.__init__(new)
+    dict.update(new, model)
+    for key, value in vars(model).items():
+        new.__dict__.setdefault(key, value)
+    new.__dict__["_expertd_steps"] = steps
+    return new
 
 
 class Steps:
@@ -169,16 +192,16 @@ class Steps:
         session: the client session (its counters get ``steps``, ``host_waits``,
             ``speculative_steps``, ``unchecked_steps`` and ``replays``).
         layers: the model's :class:`~expertd.client.layer.StreamedLayer` s, in order.
-        mode: "auto" (default: speculate while replays are rare), "on" or "off".
+        mode: the :class:`~expertd.client.layer.StepMode` the layers ask (this sets it).
+        speculate: "auto" (default: speculate while replays are rare), "on" or "off".
         pipeline: True on a pipeline rank, which never speculates.
     """
 
-    def __init__(self, session, layers: list, mode: str = "auto", pipeline: bool = False):
-        self.session, self.layers = session, layers
-        self.speculation = Speculation(mode)
+    def __init__(self, session, layers: list, mode: StepMode, speculate: str = "auto",
+                 pipeline: bool = False):
+        self.session, self.layers, self.mode = session, layers, mode
+        self.speculation = Speculation(speculate)
         self.pipeline = pipeline
-        self.active = False  # the running step is speculative
-        self.records: list = []  # (layer, lazy ids) of the running speculative step
         self._settled = None  # when the last pipelined step was checked, another in flight
         self._planned = None  # plan()'s decision for the next launch
         # layer index -> (layer, [(rows, experts)] of its pulled steps not yet counted)
@@ -380,11 +403,11 @@ class Steps:
     def _without_waits(self, forward, inputs, args: tuple, kwargs: dict, records):
         """The forward with every layer on its speculative path; ``records`` (a list, or None
         to record nothing) collects each layer's lazy ids. An interrupted step's go with it."""
-        self.records, self.active = records, True
+        self.mode.records, self.mode.speculative = records, True
         try:
             return forward(inputs, *args, **kwargs), records
         finally:
-            self.active, self.records = False, []
+            self.mode.speculative, self.mode.records = False, None
 
     def _unchecked(self) -> bool:
         """Every pool holds every expert at its index: nothing can miss, nothing is checked."""

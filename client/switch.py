@@ -1,14 +1,17 @@
 """The streamed switch layer: mlx-lm's own SwitchGLU / SwitchMLP computation over a pool.
 
-A switch module is turned into a streamed one in place: its class is extended with the
-``__call__`` below and its stacked expert arrays are dropped. Children, parameter paths and the
-``gather_qmm`` / ``gather_mm`` computation stay mlx-lm's, so every family works unchanged; the
-only difference is that the expert stacks are the layer's pool arrays (``(rows, *shape)``, at
-most every expert) and the router's ids are remapped to pool rows. What makes the rows resident
-and guesses ahead is in layer.py.
+A switch module is replaced in the model by a :class:`StreamedSwitch` (as mlx-lm replaces
+``Linear`` by ``QuantizedLinear``): a module of ours at the same path that takes over the
+switch's children (the projections, the activation), so parameter paths stay mlx-lm's, and
+computes with the switch class's own ``__call__``. The expert stacks are dropped from the
+children; at call time they are the layer's pool arrays (``(rows, *shape)``, at most every
+expert) and the router's ids are remapped to pool rows. Every family's ``gather_qmm`` /
+``gather_mm`` computation stays mlx-lm's. What makes the rows resident and guesses ahead is in
+layer.py.
 """
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 # Safetensors dtype names (as the manifest records them) to MLX dtypes.
@@ -19,11 +22,42 @@ MLX_DTYPES = {
 }
 
 
-class StreamedSwitch:
-    """Mixin placed in front of SwitchGLU / SwitchMLP (see :func:`make_streamed`)."""
+class StreamedSwitch(nn.Module):
+    """The streamed replacement of an mlx-lm switch module (see :func:`install`).
+
+    Args:
+        switch: the mlx-lm ``SwitchGLU`` / ``SwitchMLP`` it replaces; its children become this
+            module's (the same objects, at the same keys), and its plain attributes are copied.
+        layer: the :class:`~expertd.client.layer.StreamedLayer` that runs its calls.
+    """
+
+    def __init__(self, switch: nn.Module, layer):
+        super().__init__()
+        for key, child in switch.items():
+            self[key] = child
+        for key, value in vars(switch).items():
+            self.__dict__.setdefault(key, value)  # what mlx-lm's call reads (not the children)
+        self._compute = type(switch).__call__  # a function: a plain attribute, not a child
+        self.layer = layer
 
     def __call__(self, x, indices):
-        return self.__dict__["_expertd"].forward(self, x, indices)
+        return self.layer.forward(self, x, indices)
+
+    def compute(self, x, rows):
+        """mlx-lm's own computation of the replaced switch, on this module's children."""
+        return self._compute(self, x, rows)
+
+
+def install(model: nn.Module, path: str, module: nn.Module) -> None:
+    """Put ``module`` at ``path`` (dotted, as ``named_modules`` spells it) in ``model``."""
+    *parents, last = path.split(".")
+    parent = model
+    for part in parents:
+        parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+    if isinstance(parent, list):
+        parent[int(last)] = module
+    else:
+        parent[last] = module
 
 
 def compute(module, segments: list, arrays: list, x, rows):
@@ -36,7 +70,7 @@ def compute(module, segments: list, arrays: list, x, rows):
     for (child, attr), array in zip(segments, arrays):
         child[attr] = array
     try:
-        return super(StreamedSwitch, module).__call__(x, rows)
+        return module.compute(x, rows)
     finally:
         # The graph keeps what it needs; the module holds no expert arrays between calls.
         for child, attr in segments:
@@ -95,9 +129,6 @@ def grouped(module, segments: list, arrays: list, x, idx: np.ndarray, unique: np
     return out.reshape(*idx.shape, out.shape[-1])
 
 
-_CLASSES: dict = {}
-
-
 def expert_segments(module, layer) -> list:
     """Detach ``layer``'s expert arrays from the switch ``module``; its segments as
     ``(child module, attribute, mlx dtype, per-expert shape, nbytes)``."""
@@ -111,15 +142,3 @@ def expert_segments(module, layer) -> list:
             del child[attr]
         segments.append((child, attr, MLX_DTYPES[seg.dtype], seg.shape, seg.nbytes))
     return segments
-
-
-def make_streamed(module, state) -> None:
-    """Turn an mlx-lm switch module into a streamed one, in place, whose calls ``state`` (a
-    :class:`~expertd.client.layer.StreamedLayer`) runs."""
-    cls = type(module)
-    streamed = _CLASSES.get(cls)
-    if streamed is None:
-        streamed = _CLASSES[cls] = type(f"Streamed{cls.__name__}", (StreamedSwitch, cls), {})
-    module.__class__ = streamed
-    # A plain attribute, not a child: the session is not part of the model's parameters.
-    module.__dict__["_expertd"] = state

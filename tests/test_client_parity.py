@@ -26,6 +26,7 @@ from harness import Daemon, expertd_cli, finish_client, query_stats, spawn_clien
 from mlx.utils import tree_flatten
 
 from expertd.client import load
+from expertd.client.switch import StreamedSwitch
 from expertd.errors import DaemonNotRunning
 from expertd.manifest import Manifest
 
@@ -242,7 +243,17 @@ def test_client_expert_memory_is_its_pools(models, isolated_env, tmp_path):
         session = model.expertd_session
         try:
             assert not keys & dict(tree_flatten(model.parameters())).keys()
-            streamed = [m for _, m in model.named_modules() if "_expertd" in m.__dict__]
+            # Installed in place, not changed in class: the model is still of mlx-lm's class,
+            # a StreamedSwitch sits at each switch's path, and every other parameter keeps
+            # mlx-lm's path.
+            resident = mlx_lm.load(str(model_dir))[0]
+            assert isinstance(model, type(resident)) and type(model) is not type(resident)
+            streamed = [m for _, m in model.named_modules() if isinstance(m, StreamedSwitch)]
+            assert sorted(p for p, m in model.named_modules() if isinstance(m, StreamedSwitch)
+                          ) == sorted(layer.module for layer in manifest.layers)
+            assert set(dict(tree_flatten(model.parameters()))) == set(
+                dict(tree_flatten(resident.parameters()))) - keys
+            assert {id(m.layer) for m in streamed} == {id(la) for la in session.steps.layers}
             assert len(streamed) == len(manifest.layers) == len(session.pools)
             assert [pool.rows for pool in session.pools] == [6] * len(manifest.layers)
             assert session.pool_bytes == sum(pool.nbytes for pool in session.pools)
@@ -264,7 +275,7 @@ def test_client_expert_memory_is_its_pools(models, isolated_env, tmp_path):
             after = mx.get_active_memory()
             assert not keys & dict(tree_flatten(model.parameters())).keys()
             for module in streamed:
-                for child, attr in module.__dict__["_expertd"].segments:
+                for child, attr in module.layer.segments:
                     assert attr not in child, f"{attr} kept between calls"
             # Rows moved into the pools' own memory: no expert memory grew beyond them.
             assert after - before < min(pool.nbytes for pool in session.pools), (before, after)

@@ -99,3 +99,32 @@ def test_the_product_code_imports_in_no_circle():
             visit(v)
     assert "expertd.cli.main" in graph and graph["expertd.cli.main"]  # the graph is read
     assert circles == []
+
+
+def test_no_product_module_changes_an_objects_class():
+    """Streamed switches and the guarded model are new modules installed in place (issue 25):
+    no product code assigns ``__class__`` to a live object."""
+    import ast
+
+    graph = _import_graph()
+    root = Path(__file__).resolve().parent.parent
+    folders = {"expertd": root / "expertd", "expertd.client": root / "client",
+               "expertd.shm": root / "shm", "expertd.tools": root / "tools"}
+    found, read = [], 0
+    for folder in folders.values():
+        for path in folder.rglob("*.py"):
+            read += 1
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets = (node.targets if isinstance(node, ast.Assign) else
+                           [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                           else [])
+                for target in targets:
+                    if isinstance(target, ast.Attribute) and target.attr == "__class__":
+                        found.append(f"{path.relative_to(root)}:{node.lineno}")
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id == "setattr" and len(node.args) > 1
+                        and isinstance(node.args[1], ast.Constant)
+                        and node.args[1].value == "__class__"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert read >= len(graph) > 50  # every product module was read
+    assert found == []

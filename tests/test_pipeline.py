@@ -75,6 +75,7 @@ def worker(blobs_prefix: str, out: str) -> None:
     from mlx_lm import stream_generate
 
     from expertd.client import load
+    from expertd.client.switch import StreamedSwitch
 
     rank = int(os.environ["MLX_RANK"])
     group = mx.distributed.init()
@@ -83,7 +84,7 @@ def worker(blobs_prefix: str, out: str) -> None:
     ids = tokenizer.encode(PROMPT) + tokens
     logits = model(mx.array([ids]))[0].astype(mx.float32)
     session = model.expertd_session
-    streamed = sorted(path for path, m in model.named_modules() if "_expertd" in m.__dict__)
+    streamed = sorted(path for path, m in model.named_modules() if isinstance(m, StreamedSwitch))
     np.save(f"{out}{rank}.npy", np.array(logits))
     Path(f"{out}{rank}.json").write_text(json.dumps(dict(
         tokens=tokens, usage=session.usage(), streamed=streamed,

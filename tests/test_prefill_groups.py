@@ -77,7 +77,7 @@ def counted_calls(monkeypatch, where, size) -> list:
     calls, compute = [], switch.compute
 
     def counting_compute(module, segments, arrays, x, rows):
-        calls.append((module.__dict__["_expertd"].index, size(arrays, rows)))
+        calls.append((module.layer.index, size(arrays, rows)))
         return compute(module, segments, arrays, x, rows)
 
     monkeypatch.setattr(where, "compute", counting_compute)

@@ -300,7 +300,7 @@ def decode_client(args) -> None:
             epoch = session.step_epoch
             # The last MoE layer of a speculative decode step that found every row: nothing
             # later in the step can send it to a replay of its own (an absent row would).
-            if not (state["armed"] and not state["fired"] and session.steps.active
+            if not (state["armed"] and not state["fired"] and session.steps.mode.speculative
                     and epoch.inside and layer == box["last_layer"]
                     and state["absent_step"] != epoch.step and (found.slots >= 0).all()):
                 return
