@@ -71,6 +71,9 @@ class StreamedLayer:
     # time saved; where launching encodes on the calling thread (MLX's CUDA backend) it
     # costs more than it overlaps (bench/RESULTS.md, issue 24), so the loader decides.
     start_early: bool = False
+    # (ranked experts, n_core) this layer guessed for the next layer's coming call, which
+    # takes it (and scores it through its ``incoming``)
+    guess_sent: tuple | None = None
     _used: set = field(default_factory=set)
     _rows_cache: dict = field(default_factory=dict)
     _calls: int = 0
@@ -103,9 +106,10 @@ class StreamedLayer:
             waited = time.perf_counter()
             pool.commit_ahead(session.epoch)
             session.timing["copier_wait_s"] += time.perf_counter() - waited
-        if pool.guess is not None:
-            ranked, n_core = pool.guess
-            pool.guess = None
+        sent = self.previous.guess_sent if self.previous is not None else None
+        if sent is not None:  # what the layer before guessed for this call, scored now
+            ranked, n_core = sent
+            self.previous.guess_sent = None
             if self.incoming is not None:
                 self.incoming.record(ranked[:n_core], unique, ranked)
         fetched = None
@@ -292,7 +296,7 @@ class StreamedLayer:
         ranked = np.array(list(dict.fromkeys(g.reshape(-1, g.shape[-1]).T.ravel().tolist())),
                           dtype=np.int32)
         n_core = len(set(g[..., :k].ravel().tolist()))
-        nxt.pool.guess = (ranked, n_core)
+        self.guess_sent = (ranked, n_core)
         session.check_alive()
         # One lookup serves the daemon's read-ahead and the copy ahead into the pool.
         found = session.view.lookup(nxt.index, ranked)

@@ -60,7 +60,6 @@ class ExpertPool:
         self.ahead_flag = np.zeros(self.rows, bool)  # written ahead, not used since
         self.pending: list = []  # [(call, rows, output)] computations maybe not evaluated
         self.ahead: Ahead | None = None
-        self.guess = None  # (ranked experts, n_core) guessed for this layer's next call
         # A pool with a row for every expert keeps each expert at its own index: the router's
         # ids are then the rows, and a call needs no remap at all.
         self.identity = self.rows == num_experts
