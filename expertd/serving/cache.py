@@ -19,8 +19,8 @@ from expertd.protocol import Op, reply_error, reply_ok
 from expertd.serving.epoch_fills import EpochFills
 from expertd.serving.leases import Demand, LeaseBook
 from expertd.serving.policy import DEFAULT_POLICY, KeySpace, PinBook, make_policy
-from expertd.serving.side import SIDE_HOLD, SideBook
-from expertd.serving.side_fills import SideRowFills
+from expertd.serving.side import SIDE_HOLD
+from expertd.serving.side_rows import SideRows
 from expertd.serving.slots import SlotTable
 from expertd.serving.stats import CacheCounters, CacheStats
 from expertd.shm.layout import SlotState
@@ -28,7 +28,7 @@ from expertd.shm.layout import SlotState
 log = logging.getLogger("expertd")
 
 
-class ExpertCache(SideRowFills, EpochFills):
+class ExpertCache(EpochFills):
     """Rows of the arena and the fills, leases and demands around them.
 
     Args:
@@ -61,13 +61,12 @@ class ExpertCache(SideRowFills, EpochFills):
         self.pins = PinBook(KeySpace(g.n_layers, g.n_experts), g.total_rows, cap=max_pins)
         self.policy = make_policy(policy, g.total_rows, g.n_layers, g.n_experts, pins=self.pins,
                                   min_quota=top_k)
-        self.side = SideBook(g.cache_rows, g.side_rows, hold=side_hold)
+        self.book = book
+        self.side = SideRows(self.table, self.policy, book, g.cache_rows, g.side_rows,
+                             side_hold)
         self.prefetch_mode = prefetch
         self.prefetch_rows: set = set()  # rows being filled for a prefetch
         self._saved_unread: set = set()  # of those, rows a demand counted as saved misses
-        # False while the LFU cache may still have rows that never held anything (see _absorb).
-        self._cache_full = False
-        self.book = book
         self.pool = pool
         self.stride = g.stride
         self.workers = workers
@@ -96,9 +95,9 @@ class ExpertCache(SideRowFills, EpochFills):
                 rows.append(row)
                 if state == SlotState.FILLING:
                     waiting.add(row)
-                if self.side.side[row]:
+                if self.side.book.side[row]:
                     side_used.append(row)
-                elif self.side.prefetched[row]:  # read ahead, then taken into the cache
+                elif self.side.book.prefetched[row]:  # read ahead, then taken into the cache
                     absorbed.append(row)
             else:
                 rows.append(-1)
@@ -122,14 +121,14 @@ class ExpertCache(SideRowFills, EpochFills):
         # Leased now, so no promotion below picks another of this demand's rows as its victim.
         saved = 0
         for row in side_used:
-            first = self._use_side(row)
+            first = self.side.use(row, self._evictable())
             if row in self.prefetch_rows:
                 self._expedite(row)  # a demand waits on it now: it goes first
                 if first:  # counted now, taken back should the read fail
                     self._saved_unread.add(row)
             saved += first
         for row in absorbed:
-            saved += self.side.take(row)
+            saved += self.side.book.take(row)
         self.counters.demand_hits += len(d.experts) - len(need) - saved
         self.counters.prefetch_hits += saved
         self.counters.misses += len(need)
@@ -144,7 +143,7 @@ class ExpertCache(SideRowFills, EpochFills):
 
     def _evictable(self) -> np.ndarray:
         """Bool per row: a cache row a demand may take (not leased, not filling)."""
-        return ~self.side.side & (self.book.leased == 0) & ~self.table.filling()
+        return ~self.side.book.side & (self.book.leased == 0) & ~self.table.filling()
 
     def _answer(self, d: Demand) -> None:
         if d.error is not None:
@@ -170,7 +169,7 @@ class ExpertCache(SideRowFills, EpochFills):
     def forget(self, client) -> None:
         """A client left or died: its leases, queued demands and pins go with it."""
         self.book.drop_owner(client.identity)
-        self.side.forget(client.identity)
+        self.side.book.forget(client.identity)
         self.pins.forget(client.identity)
         self.detach_client(client.identity)
         self.room_changed = True
@@ -179,10 +178,71 @@ class ExpertCache(SideRowFills, EpochFills):
         if self.book.expire(now):
             self.room_changed = True
 
+    def prefetch(self, owner: bytes, layer: int, experts, core: int | None = None,
+                 claim=()) -> int:
+        """Fill the experts of ``layer`` that ``owner`` predicts it will need into side rows.
+
+        Experts resident or filling anywhere are merged (and their side rows claimed for this
+        generation); the others take overwritable side rows, at most ``side_rows`` of them, and
+        are read after every queued demand. None free: dropped. ``experts`` come best guess
+        first; those past the first ``core`` are a wider guess, about half of it wrong, read only
+        while workers are spare (shed otherwise): when reads back up, as on a daemon the SSD
+        bounds, wrong guesses would take bandwidth the demands need.
+
+        The experts of ``claim`` only have their side rows claimed: one gone since the client
+        saw it resident is not read.
+
+        Returns:
+            How many experts it started reading.
+        """
+        c = self.counters
+        c.prefetch_requested += len(experts) + len(claim)
+        if self.prefetch_mode == "off":
+            c.prefetch_ignored += len(experts) + len(claim)
+            return 0
+        now = self.clock()
+        gen = self.side.book.next_generation(owner)
+        for e in claim:
+            row, state = self.table.lookup(layer, e)
+            if state == SlotState.EMPTY:
+                continue
+            c.prefetch_merged += 1
+            if self.side.book.side[row]:
+                self.side.book.claim(row, owner, gen, now)
+        core = len(experts) if core is None else core
+        want, n_core = [], 0
+        for i, e in enumerate(experts):
+            row, state = self.table.lookup(layer, e)
+            if state == SlotState.EMPTY:
+                want.append(e)
+                n_core += i < core
+                continue
+            c.prefetch_merged += 1
+            if self.side.book.side[row]:
+                self.side.book.claim(row, owner, gen, now)
+        tail = len(want) - n_core
+        if tail:
+            keep = min(tail, max(0, self.workers - self.in_flight - n_core))
+            c.prefetch_shed += tail - keep
+            want = want[:n_core + keep]
+        if not want:
+            return 0
+        self.side.absorb(now)
+        # Only the side rows are looked at: clients send a PREFETCH per layer, and work over
+        # the whole arena on each would take the serving thread from the demands.
+        self.harvest_hits(self.side.book.side_rows())  # a used prefetch is promoted first
+        rows = self.side.choose(len(want), now)
+        c.prefetch_dropped += len(want) - len(rows)
+        for e, row in zip(want, rows):
+            c.prefetch_wasted += self.side.book.filled(row, owner, gen, now)
+            self._fill(row, layer, e, urgent=False)
+            self.prefetch_rows.add(row)
+        return len(rows)
+
     # ---- fills -----------------------------------------------------------------------------
 
     def _fill(self, row: int, layer: int, expert: int, urgent: bool = True) -> None:
-        if not self.side.side[row] and self.side.take(row):
+        if not self.side.book.side[row] and self.side.book.take(row):
             self.counters.prefetch_wasted += 1  # read ahead, taken into the cache, never used
         evicted = self.table.begin_fill(row, layer, expert)
         if evicted is not None:
@@ -220,8 +280,7 @@ class ExpertCache(SideRowFills, EpochFills):
             else:
                 log.error("fill failed: %s", error[1])
                 self.counters.fill_errors += 1
-                self._cache_full = False  # the row is empty again, maybe a cache row
-                self.side.prefetched[row] = False  # nothing was read: nothing to waste
+                self.side.emptied(row)  # maybe an empty cache row again; nothing to waste
                 if row in self._saved_unread:
                     self.counters.prefetch_hits -= 1  # nothing was read: nothing saved
             self._saved_unread.discard(row)
@@ -255,8 +314,7 @@ class ExpertCache(SideRowFills, EpochFills):
                 self.policy.on_evicted(*evicted)
             self._must_wait(row, True)  # its refill, whenever, waits for steps begun before
             self.table.end_fill(row, False)
-            self._cache_full = False  # the row is empty again, maybe a cache row
-            self.side.prefetched[row] = False
+            self.side.emptied(row)
             self.room_changed = True
 
     def fill_seconds(self) -> float:
@@ -270,15 +328,15 @@ class ExpertCache(SideRowFills, EpochFills):
         # A prefetched row used is a saved miss: it counts beside hits and misses, in neither.
         looked_up = hits + c.misses + c.prefetch_hits
         return CacheStats(
-            rows_used=self.table.rows_used(~self.side.side), side_rows=2 * self.side.per_prefetch,
-            side_rows_used=self.table.rows_used(self.side.side), prefetch=self.prefetch_mode,
+            rows_used=self.table.rows_used(~self.side.book.side), side_rows=2 * self.side.book.per_prefetch,
+            side_rows_used=self.table.rows_used(self.side.book.side), prefetch=self.prefetch_mode,
             hits=hits, hit_rate=round(hits / max(1, looked_up), 4), fill_seconds=round(busy, 6),
             fill_gbps=round(c.bytes_read / busy / 1e9, 3) if busy else 0.0,
-            pinned=self.pins.n_pinned_rows(self.cache_row_keys()), in_flight=self.in_flight)
+            pinned=self.pins.n_pinned_rows(self.side.cache_row_keys()), in_flight=self.in_flight)
 
     def auto_pin(self, n: int) -> None:
         """Pin the ``n`` hottest resident cache rows' keys (as the pins' cap leaves room)."""
-        self.pins.auto_pin(n, self.cache_row_keys(), self.policy.hottest)
+        self.pins.auto_pin(n, self.side.cache_row_keys(), self.policy.hottest)
 
     def add_background(self, keys, first: bool = False) -> None:
         """Fill ``keys`` when workers are free (``first``: before what already waits)."""
@@ -294,8 +352,8 @@ class ExpertCache(SideRowFills, EpochFills):
             layer, expert = self.background.popleft()
             row, state = self.table.lookup(layer, expert)
             if state != SlotState.EMPTY:
-                if self.side.side[row]:
-                    self._promote(row)  # a pin (or warm key) found in a side row joins the cache
+                if self.side.book.side[row]:  # a pin (or warm key) in a side row joins the cache
+                    self.side.promote(row, self._evictable())
                 continue
             victims = self.policy.victims(1, self._evictable(), self.table.row_keys())
             if not victims:
@@ -324,10 +382,12 @@ class ExpertCache(SideRowFills, EpochFills):
         rows, counts = self.table.harvest(rows)
         for row, count in zip(rows.tolist(), counts.tolist()):
             self.policy.on_touched(self.table.key(row), count)
-            if self.side.side[row] or self.side.prefetched[row]:
-                saved = self._use_side(row) if self.side.side[row] else self.side.take(row)
+            book = self.side.book
+            if book.side[row] or book.prefetched[row]:
+                saved = (self.side.use(row, self._evictable()) if book.side[row]
+                         else book.take(row))
                 self.counters.prefetch_hits += saved
                 count -= saved
             self.counters.client_hits += count
-        for row in sorted(self.side.pending):  # used before, no cache row was free then
-            self._promote(row)
+        for row in sorted(self.side.book.pending):  # used before, no cache row was free then
+            self.side.promote(row, self._evictable())
