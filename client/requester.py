@@ -47,7 +47,6 @@ class Requester:
         self.lock = threading.RLock()
         self.demands: set = set()  # ids of demands sent whose reply has not been read
         self.leases: set = set()  # leases granted and not yet released
-        self._next_rid = 0
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -61,7 +60,7 @@ class Requester:
             with HeldInterrupts() as held:
                 return self.ask(op, body, held)
         with self.lock:
-            rid = self._new_rid()
+            rid = self.conn.next_rid()
             if op is Op.DEMAND:
                 self.demands.add(rid)  # before the send: its reply is never unaccounted for
             try:
@@ -107,7 +106,7 @@ class Requester:
     def send_quietly(self, op: Op, body: dict) -> None:
         """Fire and forget (release, prefetch); never blocks on a daemon that is gone or
         flooded: its leases die with it or with our heartbeat."""
-        self.conn.send_quietly(op, body, self._new_rid())
+        self.conn.send_quietly(op, body)
 
     def release_leases(self) -> None:
         with self.lock:
@@ -155,10 +154,6 @@ class Requester:
         self.leases.clear()
 
     # ---- internals -----------------------------------------------------------------------
-
-    def _new_rid(self) -> bytes:
-        self._next_rid += 1
-        return b"s" + self._next_rid.to_bytes(8, "little")
 
     def _read_reply(self, rid: bytes | None):
         """Read one waiting reply; the body if it answers ``rid``, else None.

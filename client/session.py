@@ -349,14 +349,21 @@ class Session:
         are demanded, leased while copied and released. Survives a daemon restart.
         """
         self.check_alive()
+
+        def read() -> None:
+            limit = self.demand_limit  # a daemon restarted with a smaller cache leases fewer
+            for start in range(0, len(experts), limit):
+                self._read_chunk(layer, experts[start:start + limit], dest, bases,
+                                 positions[start:start + limit])
+
+        self._across_restarts(read)
+
+    def _across_restarts(self, call):
+        """``call()``, run again on a new attachment after each daemon death (see
+        :meth:`_reconnect`, which raises when none comes back in time), until it returns."""
         while True:
             try:
-                # A daemon restarted with a smaller cache may lease fewer rows at once.
-                limit = self.demand_limit
-                for start in range(0, len(experts), limit):
-                    self._read_chunk(layer, experts[start:start + limit], dest, bases,
-                                     positions[start:start + limit])
-                return
+                return call()
             except DaemonDied as exc:
                 self._reconnect(str(exc))
 
@@ -451,17 +458,18 @@ class Session:
         absent), waiting for the reads; nothing stays leased."""
         self.check_alive()
         log.debug("layer %d: %d experts absent from the arena, demanded", layer, len(experts))
-        requester = self.requester
-        with requester.lock, HeldInterrupts() as held:
-            try:
-                for start in range(0, len(experts), self.demand_limit):
-                    requester.demand(layer, experts[start:start + self.demand_limit], held)
+
+        def demand() -> None:
+            requester = self.requester
+            with requester.lock, HeldInterrupts() as held:
+                try:
+                    for start in range(0, len(experts), self.demand_limit):
+                        requester.demand(layer, experts[start:start + self.demand_limit], held)
+                        requester.release_all()
+                finally:
                     requester.release_all()
-            except DaemonDied as exc:
-                self._reconnect(str(exc))
-            finally:
-                if self.requester is requester:
-                    requester.release_all()
+
+        self._across_restarts(demand)
 
     def fetch(self, layer: int, experts, dest: np.ndarray | None = None) -> np.ndarray:
         """Read ``experts`` of ``layer`` into ``dest`` (a buffer of :meth:`staging_bytes`,
@@ -503,11 +511,7 @@ class Session:
     def request(self, op: Op, body: dict) -> dict:
         """A request that survives a daemon restart: re-attaches and retries once it is back."""
         self.check_alive()
-        while True:
-            try:
-                return self.requester.ask(op, body)
-            except DaemonDied as exc:
-                self._reconnect(str(exc))
+        return self._across_restarts(lambda: self.requester.ask(op, body))
 
     @property
     def _leases(self) -> set:

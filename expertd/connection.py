@@ -41,7 +41,9 @@ class Connection:
         self._counter = 0
         self.stray_errors = 0
 
-    def _rid(self) -> bytes:
+    def next_rid(self) -> bytes:
+        """A request id not used before on this connection (every request on it takes one
+        from here, so a late reply is never taken for another request's)."""
         self._counter += 1
         return self._counter.to_bytes(8, "little")
 
@@ -51,7 +53,7 @@ class Connection:
         Raises:
             DaemonUnreachable: the daemon took no message for wire.SEND_WAIT s.
         """
-        rid = self._rid()
+        rid = self.next_rid()
         self.channel.send(request(rid, op, body))
         return rid
 
@@ -65,7 +67,7 @@ class Connection:
         """Fire and forget without ever blocking on a daemon that is gone or flooded: whether
         the message was queued."""
         try:
-            return self.channel.send(request(rid or self._rid(), op, body), quiet=True)
+            return self.channel.send(request(rid or self.next_rid(), op, body), quiet=True)
         except DaemonError:
             return False
 
