@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from expertd.protocol import GUESS_WIDTH
+
 from .pool import PROMOTE_AFTER
 from .pull import HostPuller, check_first_pull
 from .switch import compute, grouped
@@ -71,6 +73,8 @@ class StreamedLayer:
     # time saved; where launching encodes on the calling thread (MLX's CUDA backend) it
     # costs more than it overlaps (bench/RESULTS.md, issue 24), so the loader decides.
     start_early: bool = False
+    guess_width: int = GUESS_WIDTH  # experts guessed per routed one (see predict.py)
+    copy_ahead_bytes: int = 0  # the least a guess's core must weigh to be written ahead
     # (ranked experts, n_core) this layer guessed for the next layer's coming call, which
     # takes it (and scores it through its ``incoming``)
     guess_sent: tuple | None = None
@@ -91,7 +95,7 @@ class StreamedLayer:
         # not for a pool that holds every expert.
         if (self.guesser is not None and nxt is not None and indices.size <= DECODE_IDS
                 and not nxt.pool.complete and self.guesser.guesses.wanted()):
-            guess = self.guesser.lazy(x, indices.shape[-1], session.guess_width)
+            guess = self.guesser.lazy(x, indices.shape[-1], self.guess_width)
             mx.eval(indices, guess)
         idx = np.array(indices)  # the one host sync of this layer: the router's choice
         synced = time.perf_counter()
@@ -309,7 +313,7 @@ class StreamedLayer:
             session.prefetch(nxt.index, ranked[read], int(read[:n_core].sum()),
                              ranked[resident])
         expert_bytes = session.manifest.layers[nxt.index].expert_bytes
-        if n_core * expert_bytes >= session.copy_ahead_bytes:
+        if n_core * expert_bytes >= self.copy_ahead_bytes:
             nxt.pool.write_ahead(ranked[:n_core], found.slots[:n_core], found.versions[:n_core],
                                  session.view, session.epoch, self.copier)
 

@@ -7,13 +7,14 @@ from mlx.utils import tree_flatten
 from expertd.blobstore import check_trunk
 from expertd.choices import check_gib, check_wait
 from expertd.errors import BlobStoreError
+from expertd.protocol import GUESS_WIDTH
 
 from .backing import Staging
-from .copier import Copier
 from .layer import StepMode, StreamedLayer
 from .pipeline import refuse_stage, split_model, stage_layers
 from .pool import POOL_BACKINGS, default_backing, make_pool, plan_rows
 from .predict import check_choice, check_mode, make_guessers
+from .runtime import Runtime
 from .session import Session
 from .step import Steps, check_speculate, guarded
 from .switch import StreamedSwitch, expert_segments, install
@@ -90,24 +91,22 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
     if guess_width is not None and (isinstance(guess_width, bool) or not isinstance(guess_width, int)
                                     or guess_width < 1):
         raise ValueError(f"guess_width must be a whole number of at least 1, not {guess_width!r}")
+    tuning = dict(guess_width=guess_width or GUESS_WIDTH,
+                  copy_ahead_bytes=(COPY_AHEAD_MIN_BYTES if copy_ahead_bytes is None
+                                    else max(0, int(copy_ahead_bytes))))
     session = Session(blob_dir, reconnect_timeout=reconnect_timeout, max_group=max_group,
                       pull=pull)
-    session.copy_ahead_bytes = (COPY_AHEAD_MIN_BYTES if copy_ahead_bytes is None
-                                else max(0, int(copy_ahead_bytes)))
-    if guess_width is not None:
-        session.guess_width = guess_width
     try:
-        model, tokenizer = _build(session, prefetch, pipeline_group, pool_gb, backing,
-                                  speculate)
-        states = session.steps.layers
+        model, tokenizer, runtime = _build(session, prefetch, pipeline_group, pool_gb, backing,
+                                           speculate, tuning)
         if fill_pools is None:
-            fill_pools = backing == "device" and all(s.pool.identity for s in states)
+            fill_pools = backing == "device" and all(s.pool.identity for s in runtime.layers)
         if fill_pools:
-            _fill(states)
+            _fill(runtime.layers)
     except BaseException:
         session.close()  # its heartbeat thread and the arena mapping go with it
         raise
-    model.expertd_session = session
+    model.expertd_session = runtime
     return model, tokenizer
 
 
@@ -124,8 +123,11 @@ def _fill(states: list) -> None:
         mx.eval(pool.arrays)
 
 
-def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, speculate: str):
-    """The model with its switch modules streamed through ``session``, and its tokenizer."""
+def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, speculate: str,
+           tuning: dict):
+    """The model with its switch modules streamed through ``session``, its tokenizer and its
+    :class:`~expertd.client.runtime.Runtime`. ``tuning``: the layers' guess width and
+    copy-ahead threshold."""
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
     from mlx_lm.utils import load_model, load_tokenizer
 
@@ -147,8 +149,6 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
     modules = dict(model.named_modules())
     rows = plan_rows(layers, session.manifest.top_k, pool_gb, backing)
     guessers = make_guessers(modules, layers, prefetch)
-    session.guessers = guessers
-    copier = session.copier = Copier()
     staging = Staging()  # one host buffer for every device pool's moves
     streamed = []
     mode = StepMode()
@@ -161,18 +161,17 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
                          staging)
         state = StreamedLayer(session, mode, layer.index, pool, [seg[:2] for seg in segments],
                               layer.num_experts, guesser,
-                              before.guesses if before is not None else None, copier=copier,
-                              start_early=mx.default_device() == mx.cpu)
+                              before.guesses if before is not None else None,
+                              copier=session.copier,
+                              start_early=mx.default_device() == mx.cpu, **tuning)
         if streamed:
             streamed[-1].next, state.previous = state, streamed[-1]
         streamed.append(state)
         install(model, layer.module, StreamedSwitch(module, state))
-    session.pools = [state.pool for state in streamed]
-    session.steps = Steps(session, streamed, mode, speculate,
-                          pipeline=pipeline_group is not None)
-    model = guarded(model, session.steps)
-    session.pool_bytes = sum(pool.nbytes for pool in session.pools)
-    session.announce_pools()
+    steps = Steps(session, streamed, mode, speculate, pipeline=pipeline_group is not None)
+    runtime = Runtime(session, streamed, steps, guessers)
+    model = guarded(model, steps)
+    session.announce_pools(sum(layer.pool.nbytes for layer in streamed))
     stored = set()
     for path in trunk.glob("model*.safetensors"):
         stored.update(read_header(path))
@@ -183,4 +182,4 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
     if pipeline_group is not None:
         # As mlx-lm's sharded_load: every rank is loaded before the first forward's sends.
         mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=pipeline_group))
-    return model, load_tokenizer(trunk, eos_token_ids=config.get("eos_token_id"))
+    return model, load_tokenizer(trunk, eos_token_ids=config.get("eos_token_id")), runtime

@@ -20,10 +20,10 @@ import numpy as np
 from expertd import native
 from expertd.client.arena_view import ArenaView
 from expertd.client.backing import Stage, buffer_bytes, segment_bases
+from expertd.client.copier import Copier
 from expertd.client.heartbeat import Heartbeat
 from expertd.client.interrupts import HeldInterrupts
 from expertd.client.links import Links, weak_method
-from expertd.client.pool import POOL_COUNTERS
 from expertd.client.predict import check_choice
 from expertd.client.pull import ABSENT, PULL_MODES, StepEpoch, decode_status, make_puller
 from expertd.client.requester import DaemonDied, Requester
@@ -32,7 +32,7 @@ from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
-from expertd.protocol import GUESS_WIDTH, PROTOCOL_VERSION, Op
+from expertd.protocol import PROTOCOL_VERSION, Op
 from expertd.runfile import serving_epoch
 from expertd.shm.layout import EPOCH_DTYPE
 
@@ -92,12 +92,8 @@ class Session:
                            copier_wait_s=0.0, prestage_s=0.0, layers=0,
                            # a speculative step's building, its one wait, its bookkeeping
                            step_build_s=0.0, step_wait_s=0.0, step_book_s=0.0)
-        self.guessers: list = []  # predict.Guesser per MoE layer (set by the loader)
-        self.pools: list = []  # pool.ExpertPool per streamed MoE layer (set by the loader)
-        self.steps = None  # step.Steps of the model (set by the loader)
-        self.pool_bytes = 0  # the client's expert memory: its pools (told to the daemon)
-        self.copier = None  # copier.Copier (set by the loader)
-        self.guess_width = GUESS_WIDTH  # see client.predict
+        self.pool_bytes = 0  # the client's expert memory: its pools (see announce_pools)
+        self._links.copier = Copier()  # the model's layers' (its thread starts when used)
         self.timeline = None  # a list to record (layer, t0, t_sync, t_fetched, t_done) per call
         self.conn = self.view = self.requester = self._heartbeat = None
         self.pull_mode = check_choice("pull", pull, PULL_MODES)
@@ -225,9 +221,10 @@ class Session:
         now = self.puller.counters if self.puller is not None else {}
         return {k: v + now.get(k, 0) for k, v in self._pulled_before.items()}
 
-    def announce_pools(self) -> None:
-        """Tell the daemon this client's expert memory (its pools), for status: a second
-        hello, which keeps the client's token, leases and pins."""
+    def announce_pools(self, pool_bytes: int) -> None:
+        """Tell the daemon this client's expert memory (its pools' ``pool_bytes``), for
+        status: a second hello, which keeps the client's token, leases and pins."""
+        self.pool_bytes = pool_bytes
         self.check_alive()
         try:
             self.requester.ask(Op.HELLO, self._hello_body(self.conn.client_id))
@@ -257,12 +254,8 @@ class Session:
 
     @property
     def copier(self):
-        """The model's copier.Copier (set by the loader), closed with the session."""
+        """The copier.Copier of the model's layers, closed with the session."""
         return self._links.copier
-
-    @copier.setter
-    def copier(self, copier) -> None:
-        self._links.copier = copier
 
     def close(self) -> None:
         """Say goodbye (the daemon drops this client's leases and pins at once) and detach."""
@@ -518,43 +511,6 @@ class Session:
         return self.requester.leases
 
     # ---- reports ---------------------------------------------------------------------------
-
-    def pool_counters(self) -> dict:
-        """The pools' counters summed over the layers."""
-        return {key: sum(pool.counters[key] for pool in self.pools) for key in POOL_COUNTERS}
-
-    def all_counters(self) -> dict:
-        """The session's counters and its pools' (``pool_hits``: routed experts found in a
-        pool; ``pool_moved``: moved in when routed; ``ahead``: written ahead of their layer,
-        ``ahead_used`` / ``ahead_unused`` of those; ``settled``: computations evaluated early
-        so that their rows could be rewritten)."""
-        pools = self.pool_counters()
-        pulled = self.pull_counters()
-        # A prompt's rows staged outside the pool were copied from the arena as moved ones are.
-        return {**self.counters, "pool_hits": pools["hits"],
-                "pool_moved": pools["moved"] + pools["staged"],
-                "pulled_rows": pulled["rows_pulled"], "pulled_bytes": pulled["bytes_pulled"],
-                "pull_s": pulled["pull_s"], "pull_timed_bytes": pulled["timed_bytes"],
-                **{k: pools[k] for k in ("ahead", "ahead_used", "ahead_unused", "settled")}}
-
-    def prediction(self) -> list:
-        """Per MoE layer, how the guesses made for it went (None for a layer nobody guesses)."""
-        return [None] + [g.guesses.summary() if g is not None else None
-                         for g in self.guessers[:-1]]
-
-    def usage(self) -> dict:
-        """This client's own use of the cache so far: experts it used (from its pools or the
-        arena), how many of them had to be read from the disk for it (its misses), and the
-        bytes read for it (its misses and the prefetches it asked for)."""
-        c = self.counters
-        pools = self.pool_counters()
-        used = pools["hits"] + pools["moved"] + pools["staged"] + pools["pulled"]
-        prefetched = self.stats().get("client_prefetch_reads", 0)
-        return dict(used=used, misses=c["misses"], hits=used - c["misses"],
-                    hit_rate=(used - c["misses"]) / used if used else 0.0,
-                    prefetch_reads=prefetched, pool_bytes=self.pool_bytes,
-                    moved=pools["moved"] + pools["staged"],
-                    bytes_read=(c["misses"] + prefetched) * self.manifest.stride)
 
     def stats(self) -> dict:
         return self.request(Op.STATS, {})

@@ -26,6 +26,7 @@ from harness import Daemon, expertd_cli, finish_client, query_stats, spawn_clien
 from mlx.utils import tree_flatten
 
 from expertd.client import load
+from expertd.client.runtime import Runtime
 from expertd.client.switch import StreamedSwitch
 from expertd.errors import DaemonNotRunning
 from expertd.manifest import Manifest
@@ -254,6 +255,11 @@ def test_client_expert_memory_is_its_pools(models, isolated_env, tmp_path):
             assert set(dict(tree_flatten(model.parameters()))) == set(
                 dict(tree_flatten(resident.parameters()))) - keys
             assert {id(m.layer) for m in streamed} == {id(la) for la in session.steps.layers}
+            # The loader built the runtime in one piece: the session (the daemon's side) holds
+            # none of the model's parts.
+            assert isinstance(session, Runtime) and session.layers == session.steps.layers
+            assert not any(hasattr(session.session, name)
+                           for name in ("pools", "steps", "guessers", "layers"))
             assert len(streamed) == len(manifest.layers) == len(session.pools)
             assert [pool.rows for pool in session.pools] == [6] * len(manifest.layers)
             assert session.pool_bytes == sum(pool.nbytes for pool in session.pools)

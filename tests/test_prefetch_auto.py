@@ -165,7 +165,7 @@ def test_rows_too_small_to_pay_for_a_thread_hand_off_are_not_copied_ahead(models
         model, _ = load(blob_dir, prefetch="on")
         session = model.expertd_session
         try:
-            assert session.copy_ahead_bytes == 512 * 1024
+            assert {la.copy_ahead_bytes for la in session.layers} == {512 * 1024}
             prompt = mx.array(prompt_ids(8, 512))
             for _ in generate_step(prompt, model, max_tokens=16):
                 pass
