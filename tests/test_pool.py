@@ -191,7 +191,7 @@ def test_counting_pipelined_steps_together_counts_what_each_alone_would(steps):
     uses, pulls, counters and reports equal those of counting each step on its own (below
     the decay's threshold, where the order of touches cannot matter). Values 0-7: a hit on
     that pool row; 8-15: a pull of that expert; -1 (both): the other kind of pair."""
-    from expertd.client.layer import StreamedLayer
+    from expertd.client.layer import StepMode, StreamedLayer
 
     def one_pool():
         pool = new_pool("host", rows=8)
@@ -202,8 +202,8 @@ def test_counting_pipelined_steps_together_counts_what_each_alone_would(steps):
     rows = np.where(table < 8, table, -1)
     experts = np.where(table >= 8, table, -1)
     alone, together = Reports(), Reports()
-    a = StreamedLayer(alone, 0, one_pool(), [], 32)
-    b = StreamedLayer(together, 0, one_pool(), [], 32)
+    a = StreamedLayer(alone, StepMode(), 0, one_pool(), [], 32)
+    b = StreamedLayer(together, StepMode(), 0, one_pool(), [], 32)
     for r, e in zip(rows, experts):  # what one step's own counting did
         hit = np.unique(r[r >= 0])
         a.pool.counters["hits"] += len(hit)
