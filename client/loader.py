@@ -9,6 +9,7 @@ from expertd.choices import check_gib, check_wait
 from expertd.errors import BlobStoreError
 from expertd.protocol import GUESS_WIDTH
 
+from .adapters import apply_adapters
 from .backing import Staging
 from .layer import StepMode, StreamedLayer
 from .pipeline import refuse_stage, split_model, stage_layers
@@ -26,7 +27,8 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
          max_group: int | None = None, prefetch: str = "auto",
          copy_ahead_bytes: int | None = None, pipeline_group=None,
          guess_width: int | None = None, pool_backing: str | None = None,
-         speculate: str = "auto", fill_pools: bool | None = None, pull: str = "auto"):
+         speculate: str = "auto", fill_pools: bool | None = None, pull: str = "auto",
+         adapter_path=None):
     """Build the model of ``blob_dir`` with mlx-lm's classes, experts served by expertd.
 
     Args:
@@ -71,6 +73,9 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
             decode steps need no check at all. Default: when every pool has a row for every
             expert on a discrete GPU (where the pools are the GPU's own memory, as a resident
             model is); otherwise pools fill as experts are routed.
+        adapter_path: a folder of LoRA / DoRA adapters written by ``mlx_lm.lora``, loaded as
+            ``mlx_lm.load(adapter_path=...)`` loads them; adapters of the routed experts are
+            refused (see client/adapters.py).
     Returns:
         ``(model, tokenizer)``, usable with ``mlx_lm.generate`` / ``stream_generate``.
     Raises:
@@ -99,6 +104,8 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
     try:
         model, tokenizer, runtime = _build(session, prefetch, pipeline_group, pool_gb, backing,
                                            speculate, tuning)
+        if adapter_path is not None:
+            apply_adapters(model, adapter_path)
         if fill_pools is None:
             fill_pools = backing == "device" and all(s.pool.identity for s in runtime.layers)
         if fill_pools:

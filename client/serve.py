@@ -80,8 +80,9 @@ def _server_classes():
                 raise ModelNotServed(f"model {model_path!r} is not served here; this server "
                                      f"serves {self.cli_args.model_id!r} (GET /v1/models "
                                      "lists it)")
-            if adapter_path is not None:
-                raise ValueError("expertd serve does not load adapters")
+            if adapter_path not in (None, self.cli_args.adapter_path):
+                raise ValueError(f"adapters {adapter_path!r} are not loaded here; start "
+                                 "expertd serve with --adapter-path for them")
             if draft_model_path not in (None, "default_model", self.cli_args.draft_model):
                 raise ValueError(f"draft model {draft_model_path!r} is not loaded here; "
                                  "start expertd serve with --draft-model for one")
@@ -413,7 +414,8 @@ def _bind(host: str, port: int, blob_dir: Path) -> ExpertdHTTPServer:
 def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "auto",
           pool_gb: float | None = None, speculate: str = "auto", pull: str = "auto",
           reconnect_timeout: float | None = None,
-          options: dict | None = None, out=sys.stdout, pipeline_group=None) -> int:
+          options: dict | None = None, out=sys.stdout, pipeline_group=None,
+          adapter_path: str | None = None) -> int:
     """Serve the model of ``blob_dir`` over HTTP until SIGINT or SIGTERM.
 
     Args:
@@ -440,6 +442,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
 
     blob_dir = Path(blob_dir).expanduser()
     cli_args = mlx_server_args(blob_dir, options or {})
+    cli_args.adapter_path = adapter_path  # loaded with the model (a request may name them)
     # The command line has configured logging already (then this only sets the level).
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(message)s")
     root = logging.getLogger()  # `expertd -v serve` keeps its debug lines
@@ -479,7 +482,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
             wait = RECONNECT_TIMEOUT if reconnect_timeout is None else reconnect_timeout
             model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
                                     pool_gb=pool_gb, speculate=speculate, pull=pull,
-                                    reconnect_timeout=wait)
+                                    reconnect_timeout=wait, adapter_path=adapter_path)
         except Terminated:
             return 0
         cli_args.pipeline = distributed

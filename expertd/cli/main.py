@@ -130,7 +130,6 @@ def _set_formatter(parser: argparse.ArgumentParser) -> None:
 
 # mlx-lm's flags that a user may type where expertd has no such flag, and what to do instead.
 MLX_LM_ONLY = {
-    "--adapter-path": "LoRA adapters are not loaded on a streamed model yet",
     "--trust-remote-code": "a converted model's tokenizer is loaded from its blob directory, "
                            "without remote code",
     "--prompt-cache-file": "only generate takes a saved prompt cache",

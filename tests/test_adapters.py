@@ -1,0 +1,124 @@
+"""LoRA adapters on a streamed model (issue 26): the trunk's adapters load as mlx-lm loads them,
+and the logits are resident mlx-lm's with the same adapters, bit for bit; adapters of the
+routed experts, a full fine-tune and a folder without adapters are refused by name."""
+
+import json
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from client_helpers import client_daemon, prompt_ids
+from mlx.utils import tree_flatten
+
+from expertd.client import load
+
+TRUNK_KEYS = ["self_attn.q_proj", "self_attn.o_proj"]
+
+
+def write_adapters(model_dir, out, keys, kind="lora"):
+    """Adapters as mlx_lm.lora writes them, for the last 2 blocks, with random (non-zero)
+    weights so that they change the logits."""
+    model = mlx_lm.load(str(model_dir))[0]
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    lora = {"rank": 4, "scale": 4.0, "dropout": 0.0, "keys": keys}
+    linear_to_lora_layers(model, 2, lora)
+    mx.random.seed(5)
+    weights = {name: mx.random.normal(p.shape).astype(p.dtype) * 0.05
+               for name, p in tree_flatten(model.parameters())
+               if name.rsplit(".", 1)[-1] in ("lora_a", "lora_b")}
+    assert weights
+    out.mkdir()
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"fine_tune_type": kind, "num_layers": 2, "lora_parameters": lora}))
+    return out
+
+
+def test_trunk_adapters_give_resident_logits_with_the_same_adapters(qwen, isolated_env,
+                                                                     tmp_path):
+    adapters = write_adapters(qwen.model_dir, tmp_path / "adapters", TRUNK_KEYS)
+    resident = mlx_lm.load(str(qwen.model_dir), adapter_path=str(adapters))[0]
+    ids = mx.array([prompt_ids(12, qwen.resident.args.vocab_size, 3)])
+    plain = qwen.resident(ids)
+    with client_daemon(qwen.blob_dir, isolated_env, tmp_path):
+        model, _ = load(qwen.blob_dir, adapter_path=adapters)
+        try:
+            got, want = model(ids), resident(ids)
+            mx.eval(got, want, plain)
+            assert not mx.array_equal(want, plain).item()  # the adapters change the logits
+            assert mx.array_equal(got, want).item()
+        finally:
+            model.expertd_session.close()
+
+
+@pytest.mark.parametrize("case", ["experts", "default-keys", "full", "empty"])
+def test_adapters_a_streamed_model_cannot_take_are_refused_by_name(qwen, isolated_env,
+                                                                   tmp_path, case):
+    where = tmp_path / "adapters"
+    if case == "experts":
+        write_adapters(qwen.model_dir, where, ["mlp.switch_mlp.gate_proj"])
+        why = "train the routed experts (model.layers."
+    elif case == "default-keys":  # mlx-lm's default adapts every linear, experts included
+        write_adapters(qwen.model_dir, where, None)
+        why = "train the routed experts"
+    elif case == "full":
+        write_adapters(qwen.model_dir, where, TRUNK_KEYS, kind="full")
+        why = "a full fine-tune is a model of its own"
+    else:
+        where.mkdir()
+        why = "no adapter_config.json and adapters.safetensors there"
+    with client_daemon(qwen.blob_dir, isolated_env, tmp_path):
+        with pytest.raises(ValueError, match="--adapter-path") as refused:
+            load(qwen.blob_dir, adapter_path=where)
+    assert why in str(refused.value) and str(where) in str(refused.value)
+
+
+def test_generate_with_adapters_writes_mlx_lms_text_with_them(qwen, isolated_env, tmp_path):
+    """``expertd generate --adapter-path`` prints what mlx-lm's own generation prints with the
+    same adapters (and not what it prints without them)."""
+    import os
+    import subprocess
+    import sys
+
+    adapters = write_adapters(qwen.model_dir, tmp_path / "adapters", TRUNK_KEYS)
+    model, tokenizer = mlx_lm.load(str(qwen.model_dir), adapter_path=str(adapters))
+    prompt, n = "The adapters", 12
+    want = "".join(r.text for r in mlx_lm.stream_generate(model, tokenizer, prompt,
+                                                           max_tokens=n))
+    plain = "".join(r.text for r in mlx_lm.stream_generate(qwen.resident, qwen.tokenizer,
+                                                            prompt, max_tokens=n))
+    assert want != plain
+    with client_daemon(qwen.blob_dir, isolated_env, tmp_path):
+        done = subprocess.run(
+            [sys.executable, "-m", "expertd", "generate", "--blobs", str(qwen.blob_dir), "-p",
+             prompt, "-m", str(n), "--adapter-path", str(adapters), "--verbose", "False"],
+            env={**os.environ, **isolated_env}, stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == want + "\n"
+
+
+def test_serve_with_adapters_answers_mlx_lms_text_with_them(qwen, isolated_env, tmp_path):
+    """``expertd serve --adapter-path`` answers with the adapters applied, and refuses a
+    request that names other adapters."""
+    from test_serve import Server
+
+    adapters = write_adapters(qwen.model_dir, tmp_path / "adapters", TRUNK_KEYS)
+    model, tokenizer = mlx_lm.load(str(qwen.model_dir), adapter_path=str(adapters))
+    prompt, n = "The adapters", 8
+    want = "".join(r.text for r in mlx_lm.stream_generate(model, tokenizer, prompt,
+                                                           max_tokens=n))
+    with client_daemon(qwen.blob_dir, isolated_env, tmp_path):
+        with Server(qwen.blob_dir, tmp_path, "--adapter-path", adapters) as server:
+            got = server.client.completions.create(model="default_model", prompt=prompt,
+                                                   max_tokens=n, temperature=0.0)
+            assert got.choices[0].text == want
+            import openai
+
+            with pytest.raises(openai.APIStatusError) as refused:
+                server.client.completions.create(model="default_model", prompt=prompt,
+                                                 max_tokens=n,
+                                                 extra_body={"adapters": "elsewhere"})
+            assert refused.value.status_code == 404, refused.value  # as a model not served
+            assert "--adapter-path" in str(refused.value)
