@@ -92,7 +92,8 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
          top_p: float = 1.0, seed: int = 0, max_kv_size: int | None = None,
          prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE, prefetch: str = "auto",
          pool_gb: float | None = None, speculate: str = "auto", pull: str = "auto",
-         reconnect_timeout: float | None = None, adapter_path: str | None = None) -> int:
+         reconnect_timeout: float | None = None, adapter_path: str | None = None,
+         trust_remote_code: bool = False) -> int:
     """Chat with the model of ``blob_dir`` until q, Ctrl-C at the prompt or the end of the input.
 
     Ctrl-C during a reply stops it and forgets its turn: the KV cache is trimmed back to where
@@ -119,6 +120,7 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
 
     model, tokenizer = load(blob_dir, prefetch=prefetch, pool_gb=pool_gb,
                             speculate=speculate, pull=pull, adapter_path=adapter_path,
+                            trust_remote_code=trust_remote_code,
                             **({} if reconnect_timeout is None
                                else {"reconnect_timeout": reconnect_timeout}))
     session = model.expertd_session

@@ -41,7 +41,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
              num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, xtc_probability: float = 0.0,
              xtc_threshold: float = 0.0, prefill_response: str | None = None,
              template_kwargs: dict | None = None, prompt_cache_file: str | None = None,
-             adapter_path: str | None = None) -> dict:
+             adapter_path: str | None = None, trust_remote_code: bool = False) -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
 
     Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``, ``xtc_*``), the KV cache (``kv``),
@@ -73,7 +73,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
 
     draft = load_draft(draft_model) if draft_model is not None else None
     model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
-                            adapter_path=adapter_path,
+                            adapter_path=adapter_path, trust_remote_code=trust_remote_code,
                             pool_gb=pool_gb, speculate=speculate, pull=pull,
                             **({} if reconnect_timeout is None
                                else {"reconnect_timeout": reconnect_timeout}))

@@ -28,7 +28,7 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
          copy_ahead_bytes: int | None = None, pipeline_group=None,
          guess_width: int | None = None, pool_backing: str | None = None,
          speculate: str = "auto", fill_pools: bool | None = None, pull: str = "auto",
-         adapter_path=None):
+         adapter_path=None, trust_remote_code: bool = False):
     """Build the model of ``blob_dir`` with mlx-lm's classes, experts served by expertd.
 
     Args:
@@ -76,6 +76,9 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
         adapter_path: a folder of LoRA / DoRA adapters written by ``mlx_lm.lora``, loaded as
             ``mlx_lm.load(adapter_path=...)`` loads them; adapters of the routed experts are
             refused (see client/adapters.py).
+        trust_remote_code: run the Python code the converted model's directory brings, as
+            ``mlx_lm.load(trust_remote_code=True)`` does: a custom model class (the config's
+            ``model_file``) and a tokenizer's own code.
     Returns:
         ``(model, tokenizer)``, usable with ``mlx_lm.generate`` / ``stream_generate``.
     Raises:
@@ -103,7 +106,7 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
                       pull=pull)
     try:
         model, tokenizer, runtime = _build(session, prefetch, pipeline_group, pool_gb, backing,
-                                           speculate, tuning)
+                                           speculate, tuning, trust_remote_code)
         if adapter_path is not None:
             apply_adapters(model, adapter_path)
         if fill_pools is None:
@@ -131,7 +134,7 @@ def _fill(states: list) -> None:
 
 
 def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, speculate: str,
-           tuning: dict):
+           tuning: dict, trust_remote_code: bool):
     """The model with its switch modules streamed through ``session``, its tokenizer and its
     :class:`~expertd.client.runtime.Runtime`. ``tuning``: the layers' guess width and
     copy-ahead threshold."""
@@ -143,7 +146,15 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
     trunk = session.paths.blob_dir / "trunk"
     # Nothing unverified is computed with: the trunk's bytes are checked before mlx reads them.
     check_trunk(session.paths.blob_dir, session.manifest)
-    model, config = load_model(trunk, lazy=True, strict=False)
+    try:
+        model, config = load_model(trunk, lazy=True, strict=False,
+                                   trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if trust_remote_code or "trust_remote_code" not in str(exc):
+            raise
+        raise BlobStoreError(f"{trunk}: the model's class is code of its own "
+                             f"({config_model_file(trunk)}); load it with --trust-remote-code "
+                             "(trust_remote_code=True) if you trust it") from None
     layers = session.manifest.layers
     if pipeline_group is None:
         refuse_stage(session.manifest, session.paths.blob_dir)
@@ -189,4 +200,13 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
     if pipeline_group is not None:
         # As mlx-lm's sharded_load: every rank is loaded before the first forward's sends.
         mx.eval(mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu, group=pipeline_group))
-    return model, load_tokenizer(trunk, eos_token_ids=config.get("eos_token_id")), runtime
+    tokenizer = load_tokenizer(trunk, {"trust_remote_code": True} if trust_remote_code else None,
+                               eos_token_ids=config.get("eos_token_id"))
+    return model, tokenizer, runtime
+
+
+def config_model_file(trunk) -> str:
+    """The custom model file a trunk's config names."""
+    import json
+
+    return str(json.loads((trunk / "config.json").read_text()).get("model_file"))

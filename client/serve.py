@@ -415,7 +415,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
           pool_gb: float | None = None, speculate: str = "auto", pull: str = "auto",
           reconnect_timeout: float | None = None,
           options: dict | None = None, out=sys.stdout, pipeline_group=None,
-          adapter_path: str | None = None) -> int:
+          adapter_path: str | None = None, trust_remote_code: bool = False) -> int:
     """Serve the model of ``blob_dir`` over HTTP until SIGINT or SIGTERM.
 
     Args:
@@ -443,6 +443,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     blob_dir = Path(blob_dir).expanduser()
     cli_args = mlx_server_args(blob_dir, options or {})
     cli_args.adapter_path = adapter_path  # loaded with the model (a request may name them)
+    cli_args.trust_remote_code = trust_remote_code
     # The command line has configured logging already (then this only sets the level).
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(message)s")
     root = logging.getLogger()  # `expertd -v serve` keeps its debug lines
@@ -482,7 +483,8 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
             wait = RECONNECT_TIMEOUT if reconnect_timeout is None else reconnect_timeout
             model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
                                     pool_gb=pool_gb, speculate=speculate, pull=pull,
-                                    reconnect_timeout=wait, adapter_path=adapter_path)
+                                    reconnect_timeout=wait, adapter_path=adapter_path,
+                                    trust_remote_code=trust_remote_code)
         except Terminated:
             return 0
         cli_args.pipeline = distributed

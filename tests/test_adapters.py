@@ -1,6 +1,7 @@
-"""LoRA adapters on a streamed model (issue 26): the trunk's adapters load as mlx-lm loads them,
-and the logits are resident mlx-lm's with the same adapters, bit for bit; adapters of the
-routed experts, a full fine-tune and a folder without adapters are refused by name."""
+"""mlx-lm's load flags on a streamed model (issue 26). LoRA adapters: the trunk's adapters load
+as mlx-lm loads them, and the logits are resident mlx-lm's with the same adapters, bit for bit;
+adapters of the routed experts, a full fine-tune and a folder without adapters are refused by
+name. trust_remote_code: a model of its own code loads only when trusted, exactly."""
 
 import json
 
@@ -122,3 +123,38 @@ def test_serve_with_adapters_answers_mlx_lms_text_with_them(qwen, isolated_env, 
                                                  extra_body={"adapters": "elsewhere"})
             assert refused.value.status_code == 404, refused.value  # as a model not served
             assert "--adapter-path" in str(refused.value)
+
+
+def test_a_model_of_its_own_code_loads_only_when_trusted(isolated_env, tmp_path):
+    """A checkpoint whose config names a ``model_file`` (its own class) is refused without
+    trust_remote_code, saying which flag loads it, and loads exactly with it."""
+    from harness import Daemon
+
+    from expertd.errors import BlobStoreError
+    from expertd.tools.convert import convert
+    from expertd.tools.synth import SynthConfig, synthesize
+
+    model_dir = synthesize(SynthConfig(layers=2, experts=8, top_k=2), tmp_path / "m",
+                           progress=False)
+    (model_dir / "custom.py").write_text(
+        "from mlx_lm.models.qwen3_moe import Model as Base, ModelArgs  # noqa: F401\n\n\n"
+        "class Model(Base):\n    pass\n")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_file": "custom.py"}))
+    blob_dir = tmp_path / "b"
+    convert(model_dir, blob_dir, progress=False)
+    resident = mlx_lm.load(str(model_dir), trust_remote_code=True)[0]
+    assert type(resident).__name__ == "Model" and type(resident).__module__ == "custom_model"
+    ids = mx.array([prompt_ids(9, resident.args.vocab_size, 1)])
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.05"):
+        with pytest.raises(BlobStoreError, match="--trust-remote-code") as refused:
+            load(blob_dir)
+        assert "custom.py" in str(refused.value)
+        model, _ = load(blob_dir, trust_remote_code=True)
+        try:
+            assert any(c.__module__ == "custom_model" for c in type(model).__mro__)
+            got, want = model(ids), resident(ids)
+            mx.eval(got, want)
+            assert mx.array_equal(got, want).item()
+        finally:
+            model.expertd_session.close()

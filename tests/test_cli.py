@@ -456,8 +456,8 @@ def test_an_unknown_flag_gets_the_closest_and_an_mlx_lm_flag_says_so(capsys):
     said = refusal(capsys, "generate", "--blobs", "B", "--xtc-probablity", "0.5")
     assert said == ("expertd generate: error: no flag --xtc-probablity; did you mean "
                     "--xtc-probability? (see expertd generate --help)")
-    said = refusal(capsys, "generate", "--blobs", "B", "--trust-remote-code")
-    assert said.startswith("expertd generate: error: --trust-remote-code is mlx-lm's, and "
+    said = refusal(capsys, "generate", "--blobs", "B", "--quantize-activations")
+    assert said.startswith("expertd generate: error: --quantize-activations is mlx-lm's, and "
                            "expertd generate does not take it: ")
     said = refusal(capsys, "chat", "--blobs", "B", "--draft-model=D")
     assert "--draft-model is mlx-lm's, and expertd chat does not take it" in said

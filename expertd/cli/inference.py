@@ -57,6 +57,7 @@ def _cmd_generate(args) -> int:
                        pull=args.pull, reconnect_timeout=args.reconnect_timeout,
                        draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
                        adapter_path=args.adapter_path,
+                       trust_remote_code=args.trust_remote_code,
                        xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
                        prefill_response=args.prefill_response,
                        template_kwargs=args.chat_template_config,
@@ -164,6 +165,9 @@ def add_prefetch_flag(p, help_text: str) -> None:
     p.add_argument("--adapter-path", metavar="DIR",
                    help="LoRA / DoRA adapters written by mlx_lm.lora, loaded as mlx-lm loads "
                    "them; adapters of the routed experts are refused (default: none)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the Python code a converted model brings (a custom model class, "
+                   "a tokenizer's own code), as mlx-lm does with this flag")
 
 
 def _cmd_demo(args) -> int:
@@ -259,7 +263,7 @@ def _cmd_serve(args) -> int:
     status = serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,
                    options=serve_options(args), pool_gb=args.pool_gb, speculate=args.speculate,
                    pull=args.pull, reconnect_timeout=args.reconnect_timeout,
-                   adapter_path=args.adapter_path,
+                   adapter_path=args.adapter_path, trust_remote_code=args.trust_remote_code,
                    pipeline_group=_pipeline_group() if args.pipeline else None)
     # Everything is closed (the daemon got its goodbye): skip the C++ static destructors. With
     # MLX 0.32 on Linux they abort ("terminate called without an active exception") once
@@ -282,7 +286,8 @@ def _cmd_chat(args) -> int:
                 temp=args.temp, top_p=args.top_p, seed=args.seed, max_kv_size=args.max_kv_size,
                 prefill_step_size=args.prefill_step_size, prefetch=args.prefetch,
                 pool_gb=args.pool_gb, speculate=args.speculate, pull=args.pull,
-                reconnect_timeout=args.reconnect_timeout, adapter_path=args.adapter_path)
+                reconnect_timeout=args.reconnect_timeout, adapter_path=args.adapter_path,
+                trust_remote_code=args.trust_remote_code)
 
 
 def add_serving_subcommands(sub) -> None:

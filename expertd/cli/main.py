@@ -130,8 +130,6 @@ def _set_formatter(parser: argparse.ArgumentParser) -> None:
 
 # mlx-lm's flags that a user may type where expertd has no such flag, and what to do instead.
 MLX_LM_ONLY = {
-    "--trust-remote-code": "a converted model's tokenizer is loaded from its blob directory, "
-                           "without remote code",
     "--prompt-cache-file": "only generate takes a saved prompt cache",
     "--quantize-activations": "the trunk runs as converted",
     "--image": "expertd streams text models",

@@ -190,7 +190,7 @@ def config_settings(args) -> dict:
 # ---- expertd serve: mlx_lm.server's settings -----------------------------------------------------
 
 # The settings `expertd serve` has no flag for, kept at mlx_lm.server's defaults (mlx-lm 0.32);
-# --adapter-path is a flag of the model's load (serve sets adapter_path from it).
+# --adapter-path and --trust-remote-code are flags of the model's load (serve sets them).
 MLX_SERVER_FIXED = dict(adapter_path=None, trust_remote_code=False, pipeline=False)
 
 # mlx_lm.server's flags that `expertd serve` has, with mlx_lm.server's defaults (mlx-lm 0.32;
