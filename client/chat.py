@@ -80,6 +80,20 @@ def _terminal_ui(args):
     from rich.markup import escape
 
     class TerminalUI(ChatUI):
+        ended_early = False  # the last prompt ended without Enter (Ctrl-D, Ctrl-C)
+
+        def prompt(self) -> str:
+            self.ended_early = True
+            line = super().prompt()
+            self.ended_early = False
+            return line
+
+        def say_bye(self):
+            if self.ended_early:  # the cursor sits on the prompt's bottom rule: step past it
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            super().say_bye()
+
         def say_interrupted(self, note: str):
             print(flush=True)  # end the cut reply's line
             make_console().print(f"  [ui.warn]interrupted[/ui.warn] [ui.muted]{escape(note)}"

@@ -45,6 +45,13 @@ __all__ = ["DaemonDied", "Session"]
 log = logging.getLogger("expertd")
 
 
+def notice(line: str) -> None:
+    """Say ``line`` on stderr, on a line of its own: on a terminal, a reply being streamed to
+    it may have left the cursor mid-line, so the line starts on the next one."""
+    sys.stderr.write(("\n" if sys.stderr.isatty() else "") + line + "\n")
+    sys.stderr.flush()
+
+
 class Stack:
     """Rows already assembled on the device, as a pull's source (``row_of`` as a pool's)."""
 
@@ -275,8 +282,8 @@ class Session:
             try:
                 self._attach()
                 self.counters["reconnects"] += 1
-                print(f"expertd: re-attached to the daemon serving {blob} (pid {self.daemon_pid})",
-                      file=sys.stderr, flush=True)
+                notice(f"expertd: re-attached to the daemon serving {blob} "
+                       f"(pid {self.daemon_pid})")
                 return
             except (DaemonNotRunning, DaemonError, OSError, ValueError) as exc:
                 if time.monotonic() > deadline:
@@ -287,8 +294,8 @@ class Session:
                                                f"{blob}") from None
                     raise DaemonNotRunning(f"{gone}: {exc}") from None
                 if not waiting:
-                    print(f"expertd: {why}; waiting up to {self.reconnect_timeout:g} s for it to "
-                          f"come back (expertd start --blobs {blob})", file=sys.stderr, flush=True)
+                    notice(f"expertd: {why}; waiting up to {self.reconnect_timeout:g} s for it "
+                           f"to come back (expertd start --blobs {blob})")
                     waiting = True
                 time.sleep(0.1)
 

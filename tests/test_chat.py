@@ -187,3 +187,65 @@ def test_ctrl_c_stops_a_reply_and_the_next_turn_starts_before_it(models, isolate
             finally:
                 chat.close()
             assert daemon.stats()["clients"] == 0, "the chat said goodbye"
+
+
+# ---- issue 26: on a terminal, nothing is printed over the prompt's rule or glued to a reply --
+
+def in_terminal(argv, keys: bytes, ready: bytes | None = None, timeout: float = 120) -> bytes:
+    """What ``argv`` writes to a pseudo-terminal (stdin, stdout and stderr all on it), with
+    ``keys`` typed once ``ready`` has been written (at once without it); until it exits."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=os.environ,
+                            close_fds=True)
+    os.close(slave)
+    out, typed = b"", False
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not typed and (ready is None or ready in out):
+                os.write(master, keys)
+                typed = True
+            sel = selectors.DefaultSelector()
+            sel.register(master, selectors.EVENT_READ)
+            ready_now = sel.select(0.2)
+            sel.close()
+            if ready_now:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the other side closed (the process exited)
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        os.close(master)
+    return out
+
+
+def test_ctrl_d_at_the_prompt_says_bye_below_the_rule(models, isolated_env):
+    """mlx-lm's prompt sits between two rules; Ctrl-D there leaves the cursor on the bottom
+    rule, and bye must come on the line after it, not over it."""
+    blobs = models.blobs()
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB):
+        out = in_terminal([sys.executable, "-m", "expertd", "chat", "--blobs", str(blobs)],
+                          b"\x04", ready=b"\x1b[2A")
+    assert b"bye" in out, out[-500:]
+    after = out[out.rindex(b"\x1b[2A"):out.rindex(b"bye")]
+    # The prompt's own newline reaches the bottom rule; one more steps past it.
+    assert after.count(b"\n") >= 2, after
+
+
+def test_a_daemon_notice_starts_its_own_line_on_a_terminal():
+    """A reply streamed to a terminal leaves the cursor mid-line; the session's notice (the
+    daemon died, re-attached) begins on the next line, not glued to the reply."""
+    code = ("import sys\nsys.stdout.write('half a reply'); sys.stdout.flush()\n"
+            "from expertd.client.session import notice\nnotice('expertd: the daemon died')\n")
+    out = in_terminal([sys.executable, "-c", code], b"")
+    assert b"half a reply\r\nexpertd: the daemon died\r\n" in out, out
