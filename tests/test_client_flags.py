@@ -169,3 +169,14 @@ def test_load_refuses_bad_arguments_before_it_connects(kwargs, message):
 
     with pytest.raises(ValueError, match=message):
         load("no-such-blob-dir", **kwargs)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_blobs_and_model_naming_two_directories_are_refused(capsys, command):
+    """--model is --blobs spelled as mlx-lm spells it: two different directories are refused,
+    not the last one taken; the same one twice is fine."""
+    said = refusal(capsys, command, "--blobs", "A", "--model", "B")
+    assert said.endswith("error: --model B and an earlier --blobs/--model A name two "
+                         "directories; give one")
+    args = build_parser().parse_args([command, "--model", "A", "--blobs", "A"])
+    assert args.blobs == "A"

@@ -34,8 +34,12 @@ def test_clean_directory(blob_dir):
     assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, run.stdout, "")
     positional = expertd("verify", "-q", blob_dir)  # as convert names it
     assert (positional.returncode, positional.stdout) == (0, run.stdout)
-    both = expertd("verify", blob_dir, "--blobs", blob_dir)
-    assert both.returncode == 1 and "give the blob directory once" in both.stderr
+    # Twice, or not at all: an argument error, argparse's exit status, one line.
+    for argv in (("verify", blob_dir, "--blobs", blob_dir), ("verify",)):
+        done = expertd(*argv)
+        assert done.returncode == 2 and done.stderr == (
+            "expertd verify: error: give the blob directory once: expertd verify BLOB_DIR, or "
+            "expertd verify --blobs BLOB_DIR\n"), done.stderr
 
 
 def test_every_corrupt_expert_and_file_is_one_line(blob_dir):

@@ -105,9 +105,22 @@ def _pipeline_group():
     return group
 
 
+class _Once(argparse.Action):
+    """A flag with two spellings (--blobs, --model) that names one thing: given twice with
+    different values, refused (not the last one silently taken)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        if before is not None and before != values:
+            parser.error(f"{option_string} {values} and an earlier --blobs/--model {before} "
+                         "name two directories; give one")
+        setattr(namespace, self.dest, values)
+
+
 def add_model_flag(p) -> None:
     """--blobs, also spelled --model as in mlx-lm's commands (where -m is --max-tokens)."""
     p.add_argument("--blobs", "--model", dest="blobs", required=True, metavar="BLOB_DIR",
+                   action=_Once,
                    help="the blob directory (expertd convert's output) of a running daemon")
 
 

@@ -68,9 +68,10 @@ def _cmd_verify(args) -> int:
 
     from expertd.blobstore import DirectoryCheck
 
-    if (args.blob_dir is None) == (args.blobs is None):
-        raise ValueError("give the blob directory once: expertd verify BLOB_DIR, or "
-                         "expertd verify --blobs BLOB_DIR")
+    if (args.blob_dir is None) == (args.blobs is None):  # an argument error: argparse's status
+        print("expertd verify: error: give the blob directory once: expertd verify BLOB_DIR, "
+              "or expertd verify --blobs BLOB_DIR", file=sys.stderr)
+        return 2
     check = DirectoryCheck(Path(args.blob_dir or args.blobs))
     bad = 0
     with tqdm(total=check.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
