@@ -323,9 +323,9 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True  # a client holding a stream open must not keep the process alive
 
-    def __init__(self, address, handler, blob_dir: Path):
+    def __init__(self, address, handler, blob_dir: Path, allowed_origins=("*",)):
         super().__init__(address, handler)
-        self.blob_dir = blob_dir
+        self.blob_dir, self.allowed_origins = blob_dir, list(allowed_origins)
         self.session = self.counters = self.names = self.watch = None  # set by ready()
 
     def ready(self, handler, *, session, counters: ServerCounters, names: set,
@@ -369,34 +369,56 @@ def mlx_server_args(blob_dir: Path, options: dict) -> argparse.Namespace:
 
 class LoadingHandler(BaseHTTPRequestHandler):
     """Every request while the model loads: 503, ``{"status": "loading"}`` on /health (as
-    llama-server answers), an OpenAI error body elsewhere."""
+    llama-server answers), an OpenAI error body elsewhere; HEAD the same without the body, and
+    OPTIONS (a browser's preflight) 204. With mlx_lm.server's CORS headers, as once loaded."""
 
-    def do_GET(self):
-        body = ({"status": "loading"} if self.path == "/health" else
-                error_object(503, "expertd serve is loading its model; try again shortly",
-                             "model_loading"))
-        data = json.dumps(body).encode()
+    def _cors(self) -> None:
+        allowed, origin = self.server.allowed_origins, self.headers.get("Origin")
+        if "*" in allowed:
+            self.send_header("Access-Control-Allow-Origin", "*")
+        elif origin in allowed:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+        self.send_header("Access-Control-Allow-Methods", "*")
+        self.send_header("Access-Control-Allow-Headers", "*")
+
+    def do_GET(self, body: bool = True):
+        reply = ({"status": "loading"} if self.path == "/health" else
+                 error_object(503, "expertd serve is loading its model; try again shortly",
+                              "model_loading"))
+        data = json.dumps(reply).encode()
         self.send_response(503)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Retry-After", "1")
+        self._cors()
         self.end_headers()
-        self.wfile.write(data)
+        if body:
+            self.wfile.write(data)
 
-    do_POST = do_GET
+    def do_POST(self):
+        self.do_GET()
+
+    def do_HEAD(self):
+        self.do_GET(body=False)
+
+    def do_OPTIONS(self):
+        self.send_response(204)
+        self._cors()
+        self.end_headers()
 
     def log_message(self, format, *args):  # quiet, as mlx_lm.server's --log-level WARNING
         pass
 
 
-def _bind(host: str, port: int, blob_dir: Path) -> ExpertdHTTPServer:
+def _bind(host: str, port: int, blob_dir: Path, allowed_origins=("*",)) -> ExpertdHTTPServer:
     """Listen on ``host:port`` (IPv4 or IPv6, as mlx_lm.server resolves it), answering
     :class:`LoadingHandler` until :meth:`ExpertdHTTPServer.ready`."""
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
         server_class = type("Server", (ExpertdHTTPServer,), {"address_family": family})
-        return server_class(address, LoadingHandler, blob_dir)
+        return server_class(address, LoadingHandler, blob_dir, allowed_origins)
     except socket.gaierror as exc:
         raise OSError(f"--host {host}: not an address or a name this machine resolves "
                       f"({exc.strerror or exc}); e.g. 127.0.0.1, ::1 or 0.0.0.0") from None
@@ -467,7 +489,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         # Listening at once: /health answers 503 {"status": "loading"} until the model is
         # ready (a load waits for the daemon's answers, and a large trunk takes a while). A
         # pipeline's rank 0 listens once every rank has loaded (mlx-lm's distributed server).
-        httpd = _bind(host, port, blob_dir)
+        httpd = _bind(host, port, blob_dir, cli_args.allowed_origins)
         loading = threading.Thread(target=httpd.serve_forever, name="expertd-serve-loading",
                                    daemon=True)
         loading.start()
@@ -490,7 +512,8 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         cli_args.pipeline = distributed
         session = model.expertd_session
         try:
-            signum = _serve_loaded(httpd, loading, lambda: _bind(host, port, blob_dir), session,
+            rebind = lambda: _bind(host, port, blob_dir, cli_args.allowed_origins)  # noqa: E731
+            signum = _serve_loaded(httpd, loading, rebind, session,
                                    model, tokenizer, draft, cli_args, name, names,
                                    pipeline_group, out)
         finally:

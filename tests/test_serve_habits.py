@@ -51,6 +51,18 @@ def test_health_answers_503_while_the_model_loads(models, isolated_env, tmp_path
                 status, body = get(base + "/v1/models")
                 assert status == 503 and body["error"]["code"] == "model_loading"
                 assert "param" in body["error"]
+                # HEAD: the same status without a body; OPTIONS (a browser's preflight): 204;
+                # both with mlx_lm.server's CORS headers, as once loaded.
+                for method, want in (("HEAD", 503), ("OPTIONS", 204)):
+                    request = urllib.request.Request(base + "/health", method=method,
+                                                     headers={"Origin": "http://x.test"})
+                    try:
+                        with urllib.request.urlopen(request, timeout=30) as reply:
+                            status, headers, data = reply.status, reply.headers, reply.read()
+                    except urllib.error.HTTPError as exc:
+                        status, headers, data = exc.code, exc.headers, exc.read()
+                    assert (status, data) == (want, b""), (method, status, data)
+                    assert headers["Access-Control-Allow-Origin"] == "*", method
             finally:
                 os.kill(daemon.pid, signal.SIGCONT)
             wait_until(lambda: "expertd serve: " in out.read_text(), START_TIMEOUT,
