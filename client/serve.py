@@ -133,12 +133,18 @@ def _server_classes():
                 if stop_words and response.finish_reason != "stop":
                     # mlx_lm.server stops only where the tokens spell a stop word, and strips
                     # the word from the text elsewhere but keeps generating: as OpenAI does,
-                    # the text's first stop word ends the request (this token's text goes,
-                    # as mlx-lm drops a stopping token's).
+                    # the text's first stop word ends the request, its text kept up to the
+                    # word. This token goes out with its text before the word and no finish
+                    # reason (the handler's default is "stop"; a "stop" response's own text
+                    # is dropped); what earlier tokens sent of a word they began stays sent.
+                    sent = len(text)
                     text += response.text
-                    if any(word in text for word in stop_words):
+                    cut = min((at for at in (text.find(w) for w in stop_words) if at >= 0),
+                              default=-1)
+                    if cut >= 0:
                         ctx.stop()
-                        yield dataclasses.replace(response, finish_reason="stop")
+                        yield dataclasses.replace(response, text=text[sent:max(sent, cut)],
+                                                  finish_reason=None)
                         return
                 yield response
 
