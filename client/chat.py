@@ -132,6 +132,7 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
 
     from expertd.client import load
 
+    mx.random.seed(seed)  # before the load, as mlx_lm.chat (building the model draws from it)
     model, tokenizer = load(blob_dir, prefetch=prefetch, pool_gb=pool_gb,
                             speculate=speculate, pull=pull, adapter_path=adapter_path,
                             trust_remote_code=trust_remote_code,
@@ -139,7 +140,6 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
                                else {"reconnect_timeout": reconnect_timeout}))
     session = model.expertd_session
     try:
-        mx.random.seed(seed)
         sampler = make_sampler(temp, top_p)
 
         def replies(query: str, prompt_cache):

@@ -71,6 +71,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
 
     from .decode import stream_generate
 
+    if seed is not None:  # as mlx_lm.generate: no seed, no seeding; seeded before the load
+        mx.random.seed(seed)  # (adapters draw their initial values from it)
     draft = load_draft(draft_model) if draft_model is not None else None
     model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
                             adapter_path=adapter_path, trust_remote_code=trust_remote_code,
@@ -112,8 +114,6 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
         elif prefill_response is not None:
             raise ValueError("--prefill-response needs the chat template (the tokenizer has "
                              "none, or --ignore-chat-template was given)")
-        if seed is not None:  # as mlx_lm.generate: no seed, no seeding
-            mx.random.seed(seed)
         before = session.stats()
         tokens, last, drafted = [], None, 0
         started = time.perf_counter()

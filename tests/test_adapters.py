@@ -158,3 +158,29 @@ def test_a_model_of_its_own_code_loads_only_when_trusted(isolated_env, tmp_path)
             assert mx.array_equal(got, want).item()
         finally:
             model.expertd_session.close()
+
+
+def test_sampled_generate_with_adapters_and_a_seed_is_mlx_lms(qwen, isolated_env, tmp_path):
+    """mlx_lm.generate seeds before it loads, and adapters draw their initial values from the
+    seeded key: generate seeds at the same point, so sampled text with --seed is the same."""
+    import os
+    import subprocess
+    import sys
+
+    from mlx_lm.sample_utils import make_sampler
+
+    adapters = write_adapters(qwen.model_dir, tmp_path / "adapters", TRUNK_KEYS)
+    prompt, n = "The adapters", 16
+    mx.random.seed(11)  # as mlx_lm.generate --seed 11 --temp 1: seeded, then loaded
+    model, tokenizer = mlx_lm.load(str(qwen.model_dir), adapter_path=str(adapters))
+    want = "".join(r.text for r in mlx_lm.stream_generate(
+        model, tokenizer, prompt, max_tokens=n, sampler=make_sampler(1.0)))
+    with client_daemon(qwen.blob_dir, isolated_env, tmp_path):
+        done = subprocess.run(
+            [sys.executable, "-m", "expertd", "generate", "--blobs", str(qwen.blob_dir), "-p",
+             prompt, "-m", str(n), "--adapter-path", str(adapters), "--verbose", "False",
+             "--temp", "1", "--seed", "11", "--ignore-chat-template"],
+            env={**os.environ, **isolated_env}, stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == want + "\n"

@@ -224,8 +224,9 @@ def test_mlx_lm_prompt_and_sampling_flags(models, isolated_env, tmp_path):
         user + [{"role": "assistant", "content": "Sure"}], continue_final_message=True)
     assert len({got[k]["prompt_tokens"] for k in ("default", "config", "prefill")}) == 3
 
-    def sampled(**xtc):
+    def sampled(**xtc):  # as mlx_lm.generate --seed 3: seeded, then the model loaded
         mx.random.seed(3)
+        model, tokenizer = mlx_lm.load(str(model_dir))
         special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
         sampler = make_sampler(1.0, xtc_special_tokens=special, **xtc)
         return [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=8,
