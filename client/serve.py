@@ -35,11 +35,11 @@ from expertd.client.serve_errors import (
     error_object,
 )
 from expertd.client.serve_metrics import ServerCounters, render_metrics
+from expertd.client.session import check_served
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.paths import daemon_paths
 from expertd.protocol import Op
-from expertd.runfile import serving_epoch
 
 METRICS_STATS_TIMEOUT = 2.0  # seconds a scrape waits for the daemon's STATS
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -488,9 +488,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     name, names = model_names(blob_dir)
     distributed = pipeline_group is not None
     httpd = loading = None
-    if serving_epoch(daemon_paths(blob_dir)) is None:  # a one-line error before listening
-        raise DaemonNotRunning(f"no expertd serves {blob_dir} (start one with: expertd start "
-                               f"--blobs {blob_dir})")
+    check_served(daemon_paths(blob_dir))  # a one-line error before listening
     if not distributed:
         # Listening at once: /health answers 503 {"status": "loading"} until the model is
         # ready (a load waits for the daemon's answers, and a large trunk takes a while). A

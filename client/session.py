@@ -45,6 +45,15 @@ __all__ = ["DaemonDied", "Session"]
 log = logging.getLogger("expertd")
 
 
+def check_served(paths) -> None:
+    """Raise DaemonNotRunning unless a daemon holds the lock of ``paths``' blob directory (one
+    killed with SIGKILL leaves its socket and run files: nothing should wait on them)."""
+    if serving_epoch(paths) is None:
+        blob = paths.blob_dir
+        raise DaemonNotRunning(f"no expertd serves {blob} (its lock is free): start one with: "
+                               f"expertd start --blobs {blob}")
+
+
 def notice(line: str) -> None:
     """Say ``line`` on stderr, on a line of its own: on a terminal, a reply being streamed to
     it may have left the cursor mid-line, so the line starts on the next one."""
@@ -243,11 +252,7 @@ class Session:
                 "pool_bytes": self.pool_bytes}
 
     def _check_not_dead(self) -> None:
-        """A daemon killed with SIGKILL leaves its socket and run files: do not wait on them."""
-        if serving_epoch(self.paths) is None:
-            blob = self.paths.blob_dir
-            raise DaemonNotRunning(f"no expertd serves {blob} (its lock is free): start one "
-                                   f"with: expertd start --blobs {blob}")
+        check_served(self.paths)
 
     def _detach(self) -> None:
         # Detached first: should an interrupt cut what follows short, the next call still
