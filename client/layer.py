@@ -130,7 +130,7 @@ class StreamedLayer:
             out = self._staged_call(module, x, indices, unique)
             fetched = time.perf_counter()
         elif len(unique) <= pool.rows:
-            rows = pool.place(unique, self.read_rows)
+            rows = pool.place(unique)
             fetched = time.perf_counter()
             # A pool with a row for every expert holds each at its index: the router's ids
             # are the rows, already on the device.
@@ -142,7 +142,7 @@ class StreamedLayer:
         else:
             out = grouped(module, self.segments, pool.arrays, x, idx, unique,
                           max(1, pool.rows // 2), self.num_experts,
-                          lambda group: pool.place(group, self.read_rows), pool.computing)
+                          pool.place, pool.computing)
         if guess is not None:
             ahead = time.perf_counter()
             self._guess_ahead(np.array(guess), indices.shape[-1])
@@ -250,7 +250,7 @@ class StreamedLayer:
             pool.touch(pool.row_of[hits])
             pool.counters["hits"] += len(hits)
         if len(misses):
-            self.read_rows(misses, stage.host, stage.bases, misses)
+            self.session.read_rows(self.index, misses, stage.host, stage.bases, misses)
             pool.counters["staged"] += len(misses)
         out = compute(module, self.segments, stage.arrays, x, indices)
         stage.reading(out)
@@ -286,9 +286,6 @@ class StreamedLayer:
         # Not pool.evaluated(): a speculative call leaves nothing pending, and the pool's latest
         # per-layer call may belong to a step that was built and never evaluated.
         self._report(unique)
-
-    def read_rows(self, experts, dest, bases, positions) -> None:
-        self.session.read_rows(self.index, experts, dest, bases, positions)
 
     def _guess_ahead(self, g: np.ndarray, k: int) -> None:
         """Have the daemon read ahead what the guess's verdicts and budget allow (predict.py),

@@ -129,7 +129,7 @@ def _fill(states: list) -> None:
         pool = state.pool
         missing = np.flatnonzero(pool.row_of < 0).astype(np.int32)
         for start in range(0, len(missing), pool.rows):
-            pool.place(missing[start:start + pool.rows], state.read_rows)
+            pool.place(missing[start:start + pool.rows])
         mx.eval(pool.arrays)
 
 
@@ -176,7 +176,7 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
             raise BlobStoreError(f"{trunk}: the model has no switch module at {layer.module}")
         segments = expert_segments(module, layer)
         pool = make_pool(layer, n, [seg[2:] for seg in segments], backing, session.max_group,
-                         staging)
+                         session, staging)
         state = StreamedLayer(session, mode, layer.index, pool, [seg[:2] for seg in segments],
                               layer.num_experts, guesser,
                               before.guesses if before is not None else None,

@@ -46,12 +46,16 @@ class ExpertPool:
         layer: the MoE layer's index in the manifest.
         num_experts: experts of the layer.
         backing: a :class:`HostRows` or :class:`DeviceRows` of at most ``num_experts`` rows.
+        source: where the rows' bytes come from: ``source.read_rows(layer, experts, dest,
+            bases, positions)`` copies the bytes of ``experts`` out of the arena (the session:
+            found there, or demanded from the daemon).
     """
 
-    def __init__(self, layer: int, num_experts: int, backing):
+    def __init__(self, layer: int, num_experts: int, backing, source):
         if not 1 <= backing.rows <= num_experts:
             raise ValueError(f"a pool has 1 to {num_experts} rows, not {backing.rows}")
         self.layer, self.num_experts, self.backing = layer, num_experts, backing
+        self.source = source
         self.rows = backing.rows
         self.arrays = backing.arrays
         self.row_of = np.full(num_experts, -1, np.int32)
@@ -140,12 +144,10 @@ class ExpertPool:
 
     # ---- the call's rows -------------------------------------------------------------------
 
-    def place(self, experts: np.ndarray, read) -> np.ndarray:
-        """Make ``experts`` (distinct, at most ``rows``) resident; their rows, in order.
-
-        ``read(experts, dest, bases, positions)`` copies the bytes of ``experts`` from the
-        arena. The missing ones move in one batch (of the backing's size) into victim rows.
-        """
+    def place(self, experts: np.ndarray) -> np.ndarray:
+        """Make ``experts`` (distinct, at most ``rows``) resident; their rows, in order. The
+        missing ones are read from the source in batches (of the backing's size) into victim
+        rows."""
         rows = self.row_of[experts]
         absent = rows < 0
         n_missing = int(absent.sum())
@@ -154,7 +156,7 @@ class ExpertPool:
             victims = (missing.astype(np.int32) if self.identity
                        else self.victims(len(missing), keep=rows[~absent]))
             self._evict(victims)
-            self.backing.write(victims, missing, read)
+            self.backing.write(victims, missing, self._read)
             self._assign(missing, victims)
             self.counters["moved"] += n_missing
             rows[absent] = victims  # rows is a copy (fancy indexing)
@@ -284,6 +286,9 @@ class ExpertPool:
 
     # ---- internals -------------------------------------------------------------------------
 
+    def _read(self, experts, dest, bases, positions) -> None:
+        self.source.read_rows(self.layer, experts, dest, bases, positions)
+
     def _evict(self, victims: np.ndarray) -> None:
         self.settle(victims)
         self._table = self._complete = self._pull_table = None
@@ -367,11 +372,12 @@ def plan_rows(layers, top_k: int, pool_gb: float | None, backing: str) -> list:
     return rows
 
 
-def make_pool(layer, rows: int, segments: list, backing: str, batch: int,
+def make_pool(layer, rows: int, segments: list, backing: str, batch: int, source,
               staging: Staging | None = None) -> ExpertPool:
     """A pool of ``rows`` rows for ``layer``, ``segments`` as ``(dtype, shape, nbytes)``, on
-    the ``backing`` (one of POOL_BACKINGS; ``load`` checks it); device pools move their rows
-    through ``staging``, shared by the pools of a model."""
+    the ``backing`` (one of POOL_BACKINGS; ``load`` checks it), its rows read from ``source``
+    (see :class:`ExpertPool`); device pools move their rows through ``staging``, shared by the
+    pools of a model."""
     rows_backing = (HostRows(rows, segments) if backing == "host"
                     else DeviceRows(rows, segments, batch, staging))
-    return ExpertPool(layer.index, layer.num_experts, rows_backing)
+    return ExpertPool(layer.index, layer.num_experts, rows_backing, source)

@@ -23,12 +23,13 @@ def pattern(expert: int, nbytes: int) -> np.ndarray:
 
 
 class PatternReader:
-    """Writes each expert's pattern where the pool asks; counts what it was asked for."""
+    """A pool's source: writes each expert's pattern where the pool asks; counts what it was
+    asked for."""
 
     def __init__(self):
         self.read = []
 
-    def __call__(self, experts, dest, bases, positions):
+    def read_rows(self, layer, experts, dest, bases, positions):
         self.read.extend(int(e) for e in experts)
         for s, (_, _, nbytes) in enumerate(SEGMENTS):
             for e, p in zip(experts.tolist(), positions.tolist()):
@@ -36,9 +37,10 @@ class PatternReader:
                 dest[at:at + nbytes] = pattern(e * 10 + s, nbytes)
 
 
-def new_pool(backing: str, rows: int, experts: int = 32) -> ExpertPool:
+def new_pool(backing: str, rows: int, experts: int = 32, source=None) -> ExpertPool:
     layer = SimpleNamespace(index=0, num_experts=experts)
-    return make_pool(layer, rows, SEGMENTS, backing, batch=8)
+    return make_pool(layer, rows, SEGMENTS, backing, batch=8,
+                     source=PatternReader() if source is None else source)
 
 
 def row_bytes(pool: ExpertPool, row: int, segment: int) -> np.ndarray:
@@ -57,13 +59,13 @@ def check_rows(pool: ExpertPool) -> None:
 
 @pytest.mark.parametrize("backing", BACKINGS)
 def test_only_missing_experts_move_and_rows_hold_them(backing):
-    pool = new_pool(backing, rows=8)
     read = PatternReader()
-    rows = pool.place(np.array([3, 5, 9], np.int32), read)
+    pool = new_pool(backing, rows=8, source=read)
+    rows = pool.place(np.array([3, 5, 9], np.int32))
     assert sorted(read.read) == [3, 5, 9] and len(set(rows.tolist())) == 3
     check_rows(pool)
     read.read.clear()
-    again = pool.place(np.array([3, 9, 11], np.int32), read)
+    again = pool.place(np.array([3, 9, 11], np.int32))
     assert read.read == [11]  # 3 and 9 are in the pool: nothing of theirs moves
     assert again[0] == rows[0] and again[1] == rows[2]
     assert pool.counters["hits"] == 2 and pool.counters["moved"] == 4
@@ -72,24 +74,24 @@ def test_only_missing_experts_move_and_rows_hold_them(backing):
 
 @pytest.mark.parametrize("backing", BACKINGS)
 def test_more_missing_experts_than_one_batch_move_batch_by_batch(backing):
-    pool = new_pool(backing, rows=24)  # the device backing moves 8 rows a transfer
     read = PatternReader()
+    pool = new_pool(backing, rows=24, source=read)  # the device backing moves 8 rows a transfer
     experts = np.arange(3, 23, dtype=np.int32)
-    pool.place(experts, read)
+    pool.place(experts)
     assert sorted(read.read) == experts.tolist()
     check_rows(pool)
 
 
 @pytest.mark.parametrize("backing", BACKINGS)
 def test_a_full_pool_gives_up_its_least_used_row_never_one_the_call_needs(backing):
-    pool = new_pool(backing, rows=4)
     read = PatternReader()
+    pool = new_pool(backing, rows=4, source=read)
     for _ in range(3):
-        pool.place(np.array([0, 1, 2], np.int32), read)
-    pool.place(np.array([3], np.int32), read)  # the free row
-    pool.place(np.array([0, 1, 2], np.int32), read)
+        pool.place(np.array([0, 1, 2], np.int32))
+    pool.place(np.array([3], np.int32))  # the free row
+    pool.place(np.array([0, 1, 2], np.int32))
     read.read.clear()
-    pool.place(np.array([3, 4], np.int32), read)  # 3 is needed: the victim is not its row
+    pool.place(np.array([3, 4], np.int32))  # 3 is needed: the victim is not its row
     assert read.read == [4]
     assert pool.row_of[3] >= 0 and pool.row_of[4] >= 0
     assert sorted(e for e in pool.expert_of.tolist() if e >= 0) in ([0, 1, 3, 4], [0, 2, 3, 4],
@@ -103,12 +105,12 @@ def test_a_full_pool_gives_up_its_least_used_row_never_one_the_call_needs(backin
 def test_a_row_is_rewritten_only_after_what_reads_it_is_evaluated(backing):
     """The lazy output of a call reads its rows when evaluated: a later write into one of them
     must not change it (the pool evaluates it first)."""
-    pool = new_pool(backing, rows=2, experts=8)
     read = PatternReader()
-    rows = pool.place(np.array([1, 2], np.int32), read)
+    pool = new_pool(backing, rows=2, experts=8, source=read)
+    rows = pool.place(np.array([1, 2], np.int32))
     before = pool.arrays[0][mx.array(rows)].astype(mx.float32) * 1  # lazy: reads both rows
     pool.computing(rows, before)
-    pool.place(np.array([5, 6], np.int32), read)  # both rows move
+    pool.place(np.array([5, 6], np.int32))  # both rows move
     check_rows(pool)
     want = np.stack([pattern(10, 128), pattern(20, 128)]).view(np.uint32).reshape(2, 4, 8)
     assert (np.array(before) == want.astype(np.float32)).all()
@@ -123,19 +125,21 @@ def test_a_write_moves_only_its_rows_whatever_the_pool_size(backing):
     grown = {}
     for rows in (16, 64, 256):
         layer = SimpleNamespace(index=0, num_experts=256)
-        pool = make_pool(layer, rows, big, backing, batch=8)
 
-        def read(experts, dest, bases, positions):
+        def read(layer, experts, dest, bases, positions):
             for e, p in zip(experts.tolist(), positions.tolist()):
                 dest[bases[0] + p * 4096:bases[0] + (p + 1) * 4096] = e % 251
 
-        pool.place(np.arange(8, dtype=np.int32), read)
+        pool = make_pool(layer, rows, big, backing, batch=8,
+                         source=SimpleNamespace(read_rows=read))
+
+        pool.place(np.arange(8, dtype=np.int32))
         mx.eval(pool.arrays)
         mx.synchronize()
         mx.clear_cache()
         base = mx.get_active_memory()
         mx.reset_peak_memory()
-        pool.place(np.arange(8, 16, dtype=np.int32) % rows + 16 * (rows > 16), read)
+        pool.place(np.arange(8, 16, dtype=np.int32) % rows + 16 * (rows > 16))
         mx.eval(pool.arrays)
         grown[rows] = mx.get_peak_memory() - base
         assert pool.arrays[0].shape == (rows, 4096)
@@ -195,7 +199,7 @@ def test_counting_pipelined_steps_together_counts_what_each_alone_would(steps):
 
     def one_pool():
         pool = new_pool("host", rows=8)
-        pool.place(np.arange(8, dtype=np.int32), PatternReader())
+        pool.place(np.arange(8, dtype=np.int32))
         return pool
 
     table = np.array(steps)
