@@ -88,6 +88,15 @@ class ArenaView:
         """True if no row in ``slots`` changed since ``versions`` were read (seqlock check)."""
         return native.validate(self.raw, self._slots, slots, versions)
 
+    def intact(self, slots: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """Per row of ``slots``, True if it did not change since ``versions`` were read: the
+        one rule a copy made without a lease is taken by (checked row by row only when the
+        whole group's check fails)."""
+        if self.unchanged(slots, versions):
+            return np.ones(len(slots), dtype=bool)
+        return np.array([self.unchanged(slots[i:i + 1], versions[i:i + 1])
+                         for i in range(len(slots))], dtype=bool)
+
     def count_hits(self, slots: np.ndarray) -> None:
         """Rows used without asking the daemon, counted through the table for its LFU."""
         native.bump_hits(self.raw, self._slots, slots)

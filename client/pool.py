@@ -261,10 +261,7 @@ class ExpertPool:
             return
         if not ahead.job.wait() or (epoch is not None and ahead.epoch != epoch):
             return
-        keep = np.arange(len(ahead.rows))
-        if not ahead.view.unchanged(ahead.slots, ahead.versions):  # some row changed: which?
-            keep = keep[[ahead.view.unchanged(ahead.slots[i:i + 1], ahead.versions[i:i + 1])
-                         for i in keep]]
+        keep = np.flatnonzero(ahead.view.intact(ahead.slots, ahead.versions))
         if not len(keep):
             return
         if ahead.finish is not None:

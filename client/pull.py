@@ -370,9 +370,8 @@ class HostPuller(Puller):
         if ok.any():
             at = np.flatnonzero(ok).astype(np.int32)
             view.copy(layer, found.slots[at], host, bases, at)
-            if checked and not view.unchanged(found.slots[at], found.versions[at]):
-                for i in at.tolist():  # a row rewritten while copied is not taken
-                    ok[i] = view.unchanged(found.slots[i:i + 1], found.versions[i:i + 1])
+            if checked:  # a row rewritten while copied is not taken
+                ok[at] = view.intact(found.slots[at], found.versions[at])
         return [[host[b + i * nb:b + (i + 1) * nb] for b, nb in zip(bases.tolist(),
                                                                     nbytes.tolist())]
                 if ok[i] else None for i in range(n)]
