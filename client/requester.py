@@ -39,8 +39,9 @@ class Requester:
             ``late_leases``, ``prefetch_asked``).
     """
 
-    def __init__(self, conn, pid: int, blob_dir, alive, counters: dict):
-        self.conn, self.pid, self.blob_dir = conn, pid, blob_dir
+    def __init__(self, conn, blob_dir, alive, counters: dict):
+        self.conn, self.blob_dir = conn, blob_dir
+        self.pid = None  # the daemon's, once its hello answered (see hello())
         self.alive = alive
         self.counters = counters
         self.heartbeat = None  # set once the heartbeat thread runs (it needs reap())
@@ -50,22 +51,31 @@ class Requester:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def ask(self, op: Op, body: dict, held: HeldInterrupts | None = None) -> dict:
-        """One request; DaemonDied if the daemon is gone.
+    def hello(self, body: dict, timeout: float) -> dict:
+        """Say hello (the first request on the socket, and again to tell the daemon new pool
+        bytes); the daemon's pid is known from its reply on."""
+        reply = self.ask(Op.HELLO, body, timeout=timeout)
+        self.pid = reply["pid"]
+        return reply
+
+    def ask(self, op: Op, body: dict, held: HeldInterrupts | None = None,
+            timeout: float = REQUEST_TIMEOUT) -> dict:
+        """One request; DaemonDied if the daemon is gone, DaemonError if it answers with an
+        error or not within ``timeout`` s.
 
         SIGINT is held back (by ``held``, or here) except while waiting, where one that came is
         delivered every POLL_SLICE. A demand's lease is in ``leases`` when this returns.
         """
         if held is None:
             with HeldInterrupts() as held:
-                return self.ask(op, body, held)
+                return self.ask(op, body, held, timeout)
         with self.lock:
             rid = self.conn.next_rid()
             if op is Op.DEMAND:
                 self.demands.add(rid)  # before the send: its reply is never unaccounted for
             try:
                 self.conn.send_frames(request(rid, op, body))
-                return self._wait(rid, held)
+                return self._wait(rid, held, timeout)
             except DaemonUnreachable as exc:
                 raise self._died(exc) from None
             except BaseException:
@@ -172,8 +182,12 @@ class Requester:
                     self.send_quietly(Op.RELEASE, {"lease": body["lease"]})
         return body if got == rid else None
 
-    def _wait(self, rid: bytes, held: HeldInterrupts) -> dict:
-        deadline = time.monotonic() + REQUEST_TIMEOUT
+    @property
+    def _daemon(self) -> str:
+        return f"expertd (pid {self.pid})" if self.pid is not None else "expertd"
+
+    def _wait(self, rid: bytes, held: HeldInterrupts, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
         conn = self.conn
         while True:
             if held.pending:
@@ -185,19 +199,19 @@ class Requester:
                         return self._checked(body)
                 continue
             if not self.alive():
-                raise DaemonDied(f"expertd (pid {self.pid}) serving {self.blob_dir} died")
+                raise DaemonDied(f"{self._daemon} serving {self.blob_dir} died")
             if self.heartbeat is not None and self.heartbeat.stuck:
-                raise DaemonError(f"expertd (pid {self.pid}) serving {self.blob_dir} has "
+                raise DaemonError(f"{self._daemon} serving {self.blob_dir} has "
                                   f"answered no heartbeat for {self.heartbeat.time_to_dead:g} "
                                   f"s; restart it with: expertd restart --blobs {self.blob_dir}")
             if time.monotonic() > deadline:
-                raise DaemonError(f"expertd (pid {self.pid}) is alive but has not answered "
-                                  f"for {REQUEST_TIMEOUT:g} s")
+                raise DaemonError(f"{self._daemon} serving {self.blob_dir} is alive but has "
+                                  f"not answered for {timeout:g} s")
 
     def _died(self, lost: DaemonUnreachable) -> DaemonDied:
         if not self.alive():
-            return DaemonDied(f"expertd (pid {self.pid}) serving {self.blob_dir} died")
-        return DaemonDied(f"expertd (pid {self.pid}) serving {self.blob_dir} is alive but "
+            return DaemonDied(f"{self._daemon} serving {self.blob_dir} died")
+        return DaemonDied(f"{self._daemon} serving {self.blob_dir} is alive but "
                           f"unreachable ({lost})")
 
     def _checked(self, body: dict) -> dict:
@@ -205,7 +219,7 @@ class Requester:
             return body
         code = body.get("code")
         if code == ErrorCode.SHUTTING_DOWN:
-            raise DaemonDied(f"expertd (pid {self.pid}) is shutting down")
+            raise DaemonDied(f"{self._daemon} is shutting down")
         if code == ErrorCode.NOT_HELLO:
             # The daemon timed this client out (it was stopped, or its heartbeat starved):
             # attach again.

@@ -39,6 +39,7 @@ from expertd.shm.layout import EPOCH_DTYPE
 # How long a read waits for rows someone else is filling before it demands them itself. The
 # demand merges onto the same fill, and moves a prefetch's low-priority read to the front.
 DRAIN_TIMEOUT = 0.05
+HELLO_TIMEOUT = 10.0  # a daemon that holds its lock but does not answer a hello (stopped)
 
 __all__ = ["DaemonDied", "Session"]
 
@@ -139,8 +140,11 @@ class Session:
         conn = Connection(self.paths.blob_dir, at_exit=False)  # the session's finalizer shuts it
         view = heartbeat = None
         attached = False
+        # The session's one request engine on this socket, hello included. Until the session
+        # is attached, the daemon counts as alive while it holds the directory's lock.
+        requester = Requester(conn, self.paths.blob_dir, self._requester_alive, self.counters)
         try:
-            hello = conn.request(Op.HELLO, self._hello_body(conn.client_id), timeout=10.0)
+            hello = requester.hello(self._hello_body(conn.client_id), timeout=HELLO_TIMEOUT)
             if hello["blob_dir"] != str(self.paths.blob_dir):
                 raise DaemonError(f"the daemon serves {hello['blob_dir']}, not "
                                   f"{self.paths.blob_dir}")
@@ -152,8 +156,6 @@ class Session:
             view = ArenaView(hello["arena"], self._segment_tables)
             if view.epoch != hello["epoch"]:
                 raise DaemonError("the daemon's arena changed during attach; try again")
-            requester = Requester(conn, hello["pid"], self.paths.blob_dir, self._daemon_alive,
-                                  self.counters)
             interval = hello["heartbeat_interval"]
             # The daemon forgets a client silent for client_timeout; the client gives the daemon
             # as long (and at least three heartbeats) before calling it stuck. The thread holds
@@ -243,7 +245,7 @@ class Session:
         self.pool_bytes = pool_bytes
         self.check_alive()
         try:
-            self.requester.ask(Op.HELLO, self._hello_body(self.conn.client_id))
+            self.requester.hello(self._hello_body(self.conn.client_id), HELLO_TIMEOUT)
         except DaemonDied as exc:
             self._reconnect(str(exc))  # its hello carries pool_bytes
 
@@ -303,6 +305,13 @@ class Session:
                            f"to come back (expertd start --blobs {blob})")
                     waiting = True
                 time.sleep(0.1)
+
+    def _requester_alive(self) -> bool:
+        """The daemon a request waits on lives: the attached one (see _daemon_alive), or,
+        during a hello, whichever holds the directory's lock."""
+        if self.view is None:
+            return serving_epoch(self.paths) is not None
+        return self._daemon_alive()
 
     def _daemon_alive(self) -> bool:
         """The daemon we said hello to still holds the directory's lock (a pid reused by

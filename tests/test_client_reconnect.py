@@ -259,8 +259,7 @@ def test_a_daemon_gone_between_its_hello_and_the_arena_map_is_waited_through(
     import mlx.core as mx
 
     from expertd.client import load
-    from expertd.connection import Connection
-    from expertd.protocol import Op
+    from expertd.client.requester import Requester
 
     _, blob_dir, resident, _ = qwen
     prompt = mx.array([prompt_ids(PROMPT_LEN, resident.args.vocab_size)])
@@ -272,18 +271,18 @@ def test_a_daemon_gone_between_its_hello_and_the_arena_map_is_waited_through(
         killed_and_noticed(daemons[0], session)
         daemons[0].close()
         daemons.append(client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY))
-        request, raced = Connection.request, []
+        hello, raced = Requester.hello, []
 
-        def hello_then_gone(conn, op, *args, **kwargs):
-            reply = request(conn, op, *args, **kwargs)
-            if op == Op.HELLO and not raced:  # the daemon that answered dies with its arena
+        def hello_then_gone(requester, *args, **kwargs):
+            reply = hello(requester, *args, **kwargs)
+            if not raced:  # the daemon that answered dies with its arena
                 raced.append(reply["arena"])
                 daemons[-1].kill()
                 daemons[-1].close()
                 daemons.append(client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY))
             return reply
 
-        monkeypatch.setattr(Connection, "request", hello_then_gone)
+        monkeypatch.setattr(Requester, "hello", hello_then_gone)
         same_as_resident(resident, streamed, prompt)
         assert raced and session.hello["arena"] != raced[0]
         assert session.hello["pid"] == daemons[-1].pid
