@@ -1,11 +1,14 @@
 """A client's attachment to the daemon: hello, arena view, requests, heartbeat, reconnection.
 
 The session composes three parts that each own their state: an :class:`ArenaView` (the mapped
-arena: lookups, drains, seqlock-checked copies), a :class:`Requester` (the socket, request ids,
-demands and their leases) and a :class:`Heartbeat` (a thread that tells the daemon the client
-lives). What it adds is the reading of rows that combines them, and reconnection: a daemon that
-dies or restarts is waited for and attached again, and the read starts over on the new arena.
-The layers' expert pools (pool.py) live in the client's memory and survive a reconnection.
+arena: lookups, drains, seqlock-checked copies), a :class:`Requester` (the one request engine on
+the socket, hello included: request ids, demands and their leases) and a :class:`Heartbeat` (a
+thread with a socket of its own that tells the daemon the client lives). What it adds is the
+reading of rows that combines them (``read_rows``: the source every pool reads through), and
+reconnection, written once (``_across_restarts``): a daemon that dies or restarts is waited for
+and attached again, and the read starts over on the new arena. The layers' expert pools
+(pool.py) live in the client's memory and survive a reconnection; the model's parts are held
+together by runtime.py, not by the session.
 """
 
 import logging
