@@ -67,9 +67,9 @@ class PlainUI:
                       f"tok/s · prompt {response.prompt_tps:.1f} tok/s")
 
 
-def _ui(blob_dir, max_tokens: int, system_prompt: str | None):
+def _ui(blob_dir, max_tokens: int, system_prompt: str | None, adapter_path=None):
     if sys.stdin.isatty() and sys.stdout.isatty():
-        return _terminal_ui(SimpleNamespace(model=str(blob_dir), adapter_path=None,
+        return _terminal_ui(SimpleNamespace(model=str(blob_dir), adapter_path=adapter_path,
                                             max_tokens=max_tokens, system_prompt=system_prompt))
     return PlainUI()
 
@@ -148,7 +148,7 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
                                    prompt_cache=prompt_cache,
                                    prefill_step_size=prefill_step_size)
 
-        with _ui(blob_dir, max_tokens, system_prompt) as ui:
+        with _ui(blob_dir, max_tokens, system_prompt, adapter_path) as ui:
             prompt_cache = make_prompt_cache(model, max_kv_size)
             ended = None  # how the last turn ended, said at the prompt
             while True:
