@@ -466,3 +466,13 @@ def test_an_unknown_flag_gets_the_closest_and_an_mlx_lm_flag_says_so(capsys):
 def test_v_after_the_subcommand_says_where_it_goes(capsys):
     said = refusal(capsys, "start", "-v", "--blobs", "B")
     assert said == "expertd start: error: -v goes before the subcommand: expertd -v start ..."
+
+
+def test_top_p_reads_the_same_in_every_help():
+    """generate, chat and serve keep their mlx-lm command's top-p default (0.0 or 1.0), and
+    every --help says the same thing of it: off."""
+    for command in ("generate", "chat", "serve"):
+        done = expertd_cli(command, "--help")
+        text = " ".join(done.stdout.split())
+        at = text.index("--top-p TOP_P ")
+        assert "(default: off (mlx-lm's " in text[at:at + 120], (command, text[at:at + 120])

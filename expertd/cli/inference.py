@@ -130,7 +130,7 @@ def add_sampling_flags(p, top_p: float, seed: int | None) -> None:
     p.add_argument("--temp", type=argtypes.non_negative_float, default=0.0,
                    help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=argtypes.probability, default=top_p,
-                   help="sampling top-p (0 or 1: off)")
+                   help=f"sampling top-p (0 or 1: off) (default: off (mlx-lm's {top_p}))")
     p.add_argument("--seed", type=argtypes.seed, default=seed,
                    help="random seed for sampling" + (" (default: none, so sampled text differs "
                                                        "from run to run, as in mlx_lm.generate)"

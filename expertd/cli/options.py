@@ -205,7 +205,7 @@ MLX_SERVER_OPTIONS = (
     Option("--temp", "sampling temperature of requests that set none", default=0.0,
            type=argtypes.non_negative_float),
     Option("--top-p", "top-p of requests that set none (0 or 1: off)", default=1.0,
-           type=argtypes.probability),
+           type=argtypes.probability, shown="off (mlx-lm's 1.0)"),
     Option("--top-k", "top-k of requests that set none (0: off)", default=0,
            type=argtypes.non_negative_int),
     Option("--min-p", "min-p of requests that set none (0: off)", default=0.0,
