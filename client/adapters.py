@@ -50,7 +50,11 @@ def apply_adapters(model, adapter_path) -> None:
     # Relative to a transformer block, as mlx-lm's keys are: where its streamed switches sit.
     switches = {path for block in model.layers for path, m in block.named_modules()
                 if isinstance(m, StreamedSwitch)}
-    weights = mx.load(str(weights_file))
+    try:
+        weights = mx.load(str(weights_file))
+    except (RuntimeError, ValueError, OSError) as exc:
+        raise ValueError(f"--adapter-path {where}: adapters.safetensors is not a safetensors "
+                         f"file ({exc})") from None
     experts = sorted(name for name in weights
                      if any(f".{s}." in f".{name}" for s in switches))
     keys = lora.get("keys")
@@ -64,8 +68,9 @@ def apply_adapters(model, adapter_path) -> None:
         lora["keys"] = _default_keys(model, switches)
     try:
         linear_to_lora_layers(model, num_layers, lora, use_dora=kind == "dora")
-    except (KeyError, ValueError) as exc:
-        raise ValueError(f"--adapter-path {where}: {exc}") from None
+    except (KeyError, ValueError, TypeError) as exc:  # mlx-lm's own checks, and bad types
+        raise ValueError(f"--adapter-path {where}: adapter_config.json does not fit this "
+                         f"model ({type(exc).__name__}: {exc})") from None
     params = {name: p for name, p in tree_flatten(model.parameters())
               if name.rsplit(".", 1)[-1] in LEAVES}
     bad = [f"{name} (not an adapter of this model)" if name not in params else

@@ -41,7 +41,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
              num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, xtc_probability: float = 0.0,
              xtc_threshold: float = 0.0, prefill_response: str | None = None,
              template_kwargs: dict | None = None, prompt_cache_file: str | None = None,
-             adapter_path: str | None = None, trust_remote_code: bool = False) -> dict:
+             adapter_path: str | None = None, trust_remote_code: bool = False,
+             before_text: str = "") -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
 
     Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``, ``xtc_*``), the KV cache (``kv``),
@@ -54,7 +55,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
     Hugging Face id, resident) drafts ``num_draft_tokens`` tokens at a time for mlx-lm's own
     speculative decoding, which the streamed model checks several at a call.
     ``prompt_cache_file`` (mlx_lm.cache_prompt's file, made for the same model) holds the KV
-    cache of a prefix: ``prompt`` is what follows it, as in mlx_lm.generate.
+    cache of a prefix: ``prompt`` is what follows it, as in mlx_lm.generate. ``before_text``
+    goes to ``out`` once the model is loaded, before the first token (mlx_lm.generate's rule).
 
     Returns:
         dict with prompt/generation token counts and tok/s, the tokens, the peak memory, this
@@ -116,6 +118,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
                              "none, or --ignore-chat-template was given)")
         before = session.stats()
         tokens, last, drafted = [], None, 0
+        out.write(before_text)
+        out.flush()
         started = time.perf_counter()
         sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k,
                                xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,

@@ -155,6 +155,12 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
         raise BlobStoreError(f"{trunk}: the model's class is code of its own "
                              f"({config_model_file(trunk)}); load it with --trust-remote-code "
                              "(trust_remote_code=True) if you trust it") from None
+    except Exception as exc:  # the model's own code, run on trust: whatever it raises
+        if not trust_remote_code or config_model_file(trunk) == "None":
+            raise
+        raise BlobStoreError(f"{trunk}: the model's own code ({config_model_file(trunk)}, run "
+                             f"by --trust-remote-code) failed: {type(exc).__name__}: "
+                             f"{exc}") from None
     layers = session.manifest.layers
     if pipeline_group is None:
         refuse_stage(session.manifest, session.paths.blob_dir)

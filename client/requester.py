@@ -205,8 +205,9 @@ class Requester:
                                   f"answered no heartbeat for {self.heartbeat.time_to_dead:g} "
                                   f"s; restart it with: expertd restart --blobs {self.blob_dir}")
             if time.monotonic() > deadline:
-                raise DaemonError(f"{self._daemon} serving {self.blob_dir} is alive but has "
-                                  f"not answered for {timeout:g} s")
+                raise DaemonError(f"{self._daemon} serving {self.blob_dir} holds its lock but "
+                                  f"has not answered for {timeout:g} s (stopped, or stuck?); "
+                                  f"restart it with: expertd restart --blobs {self.blob_dir}")
 
     def _died(self, lost: DaemonUnreachable) -> DaemonDied:
         if not self.alive():

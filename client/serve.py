@@ -237,10 +237,10 @@ def _server_classes():
                 raise RequestRefused("n", f"n must be 1 here, not {n!r}: this server returns "
                                      "one choice a request (send the request again for more)")
             stop = body.get("stop")
-            if stop is not None and not (isinstance(stop, str) or (
+            if stop is not None and not ((isinstance(stop, str) and stop) or (
                     isinstance(stop, list) and all(isinstance(w, str) and w for w in stop))):
-                raise RequestRefused("stop", "stop must be a string or a list of non-empty "
-                                     "strings")
+                raise RequestRefused("stop", "stop must be a non-empty string or a list of "
+                                     "non-empty strings")
             if self.path.endswith("/chat/completions"):
                 messages = body.get("messages")
                 if not (isinstance(messages, list) and messages

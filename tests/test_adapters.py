@@ -184,3 +184,65 @@ def test_sampled_generate_with_adapters_and_a_seed_is_mlx_lms(qwen, isolated_env
             capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == want + "\n"
+
+
+@pytest.mark.parametrize("case", ["garbage", "empty", "rank"])
+def test_unreadable_adapters_are_refused_in_one_line(qwen, isolated_env, tmp_path, case):
+    """Adapters that mlx cannot read, or a config whose values have the wrong types, are
+    refused naming --adapter-path and the file, not with mlx's own exception."""
+    where = write_adapters(qwen.model_dir, tmp_path / "adapters", TRUNK_KEYS)
+    if case in ("garbage", "empty"):
+        (where / "adapters.safetensors").write_bytes(b"\x00garbage" * 9 if case == "garbage"
+                                                     else b"")
+        why = "adapters.safetensors is not a safetensors file"
+    else:
+        config = json.loads((where / "adapter_config.json").read_text())
+        config["lora_parameters"]["rank"] = "four"
+        (where / "adapter_config.json").write_text(json.dumps(config))
+        why = "adapter_config.json does not fit this model"
+    with client_daemon(qwen.blob_dir, isolated_env, tmp_path) as daemon:
+        with pytest.raises(ValueError, match="--adapter-path") as refused:
+            load(qwen.blob_dir, adapter_path=where)
+        assert daemon.stats()["clients"] == 0  # the session said goodbye
+    assert why in str(refused.value) and str(where) in str(refused.value)
+
+
+@pytest.mark.parametrize("code", ["raise RuntimeError('boom on import')\n", "def (:\n",
+                                  "x = 1\n"])
+def test_a_model_whose_own_code_fails_is_refused_naming_it(isolated_env, tmp_path, code):
+    """Trusted code that raises, does not parse or lacks Model: one error naming the file."""
+    from harness import Daemon
+
+    from expertd.errors import BlobStoreError
+    from expertd.tools.convert import convert
+    from expertd.tools.synth import SynthConfig, synthesize
+
+    model_dir = synthesize(SynthConfig(layers=2, experts=8, top_k=2), tmp_path / "m",
+                           progress=False)
+    (model_dir / "custom.py").write_text(code)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "model_file": "custom.py"}))
+    blob_dir = tmp_path / "b"
+    convert(model_dir, blob_dir, progress=False)  # the code is copied, never run
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.05"):
+        with pytest.raises(BlobStoreError, match="custom.py") as refused:
+            load(blob_dir, trust_remote_code=True)
+    assert "--trust-remote-code" in str(refused.value)
+
+
+def test_generate_refusing_its_adapters_prints_nothing_on_stdout(qwen, isolated_env, tmp_path):
+    """As mlx_lm.generate: its rule line comes once the model is loaded, so a load that fails
+    leaves stdout empty, and the error is one line on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "empty").mkdir()
+    with client_daemon(qwen.blob_dir, isolated_env, tmp_path):
+        done = subprocess.run(
+            [sys.executable, "-m", "expertd", "generate", "--blobs", str(qwen.blob_dir), "-p",
+             "hi", "--adapter-path", str(tmp_path / "empty")],
+            env={**os.environ, **isolated_env}, stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (1, ""), done
+    assert done.stderr.count("\n") == 1 and "--adapter-path" in done.stderr

@@ -178,5 +178,5 @@ def test_blobs_and_model_naming_two_directories_are_refused(capsys, command):
     said = refusal(capsys, command, "--blobs", "A", "--model", "B")
     assert said.endswith("error: --model B and an earlier --blobs/--model A name two "
                          "directories; give one")
-    args = build_parser().parse_args([command, "--model", "A", "--blobs", "A"])
-    assert args.blobs == "A"
+    args = build_parser().parse_args([command, "--model", "A", "--blobs", "./A/"])
+    assert args.blobs == "./A/"  # one directory, however spelled

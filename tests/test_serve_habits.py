@@ -124,8 +124,10 @@ def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
             "prompt": dict(model=blobs.name, prompt=[1, 2], max_tokens=2),
             "max_tokens": dict(model=blobs.name, prompt="Once", max_tokens="2"),
             "stop": dict(model=blobs.name, prompt="Once", max_tokens=2, stop=[1, "a"]),
+            "stop ": dict(model=blobs.name, prompt="Once", max_tokens=2, stop=""),
         }
         for param, fields in refusals.items():
+            param = param.strip()  # a second case of one parameter
             path = "/chat/completions" if "messages" in fields else "/completions"
             request = urllib.request.Request(server.url + path, data=json.dumps(fields).encode(),
                                              headers={"Content-Type": "application/json"})

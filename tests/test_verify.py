@@ -34,12 +34,16 @@ def test_clean_directory(blob_dir):
     assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, run.stdout, "")
     positional = expertd("verify", "-q", blob_dir)  # as convert names it
     assert (positional.returncode, positional.stdout) == (0, run.stdout)
-    # Twice, or not at all: an argument error, argparse's exit status, one line.
-    for argv in (("verify", blob_dir, "--blobs", blob_dir), ("verify",)):
+    # The same directory both ways is that directory; two, or none: an argument error,
+    # argparse's exit status, one line.
+    same = expertd("verify", "-q", blob_dir, "--blobs", f"{blob_dir}/")
+    assert (same.returncode, same.stdout) == (0, run.stdout)
+    for argv, said in ((("verify", blob_dir, "--blobs", "elsewhere"),
+                        f"{blob_dir} and --blobs elsewhere name two directories; give one"),
+                       (("verify",), "give the blob directory: expertd verify BLOB_DIR, or "
+                        "expertd verify --blobs BLOB_DIR")):
         done = expertd(*argv)
-        assert done.returncode == 2 and done.stderr == (
-            "expertd verify: error: give the blob directory once: expertd verify BLOB_DIR, or "
-            "expertd verify --blobs BLOB_DIR\n"), done.stderr
+        assert done.returncode == 2 and done.stderr == f"expertd verify: error: {said}\n", done
 
 
 def test_every_corrupt_expert_and_file_is_one_line(blob_dir):

@@ -46,8 +46,6 @@ def _cmd_generate(args) -> int:
     group, out = (_pipeline_group() if args.pipeline else None), sys.stdout
     if group is not None and group.rank() != 0:
         out = open(os.devnull, "w")  # rank 0 prints; every rank computes the same tokens
-    elif args.summary:  # --verbose True: mlx_lm.generate's rule before the text, and after
-        print("=" * 10, flush=True)
     summary = generate(Path(args.blobs), prompt, max_tokens=args.max_tokens, temp=args.temp,
                        seed=args.seed, prefetch=args.prefetch, top_p=args.top_p,
                        min_p=args.min_p, top_k=args.top_k, system_prompt=args.system_prompt,
@@ -61,7 +59,10 @@ def _cmd_generate(args) -> int:
                        xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
                        prefill_response=args.prefill_response,
                        template_kwargs=args.chat_template_config,
-                       prompt_cache_file=args.prompt_cache_file)
+                       prompt_cache_file=args.prompt_cache_file,
+                       # --verbose True: mlx_lm.generate's rule before the text (once loaded)
+                       before_text="=" * 10 + "\n" if args.summary and out is sys.stdout
+                       else "")
     if group is not None:
         from expertd.client.pipeline import gather_usage
 
@@ -105,13 +106,18 @@ def _pipeline_group():
     return group
 
 
+def _same_dir(a: str, b: str) -> bool:
+    """``a`` and ``b`` name one directory (however spelled: ./b, b/, ~/b)."""
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
 class _Once(argparse.Action):
     """A flag with two spellings (--blobs, --model) that names one thing: given twice with
     different values, refused (not the last one silently taken)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         before = getattr(namespace, self.dest, None)
-        if before is not None and before != values:
+        if before is not None and not _same_dir(before, values):
             parser.error(f"{option_string} {values} and an earlier --blobs/--model {before} "
                          "name two directories; give one")
         setattr(namespace, self.dest, values)
