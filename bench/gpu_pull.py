@@ -37,6 +37,28 @@ SPLIT = ("step_build_s", "step_wait_s", "step_book_s")
 BARS = dict(warm=0.95, pooled=0.8, capped=0.8, ttft=2.0, rate=0.7, replays=0.01)
 
 
+def pull_model(small: bool) -> tuple:
+    """``(model_dir, blob_dir, manifest, all_gb, pool_gb)`` of the bench's model: an arena
+    holding every expert, and pools of CAPPED of the experts."""
+    from expertd.manifest import Manifest
+
+    spec = TINY if small else QWEN3_30B_SHAPES
+    name = "gpu-pools-tiny" if small else "gpu-pools-qwen3-30b-shapes"
+    model_dir, blob_dir = ensure_model(name, spec)
+    m = Manifest.load(blob_dir)
+    all_gb = m.total_expert_bytes * 1.3 / 2**30 + 0.01
+    pool_gb = CAPPED * sum(la.num_experts * la.expert_bytes for la in m.layers) / 2**30
+    return model_dir, blob_dir, m, all_gb, pool_gb
+
+
+def read_every_expert(session) -> None:
+    """Have the daemon read every expert into its arena (one that holds them all)."""
+    import numpy as np
+
+    for layer in session.manifest.layers:
+        session.demand_absent(layer.index, np.arange(layer.num_experts, dtype=np.int32))
+
+
 def window_counts(session, before: dict) -> dict:
     c = session.counters
     pulled = session.pull_counters()
@@ -71,11 +93,7 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
         try:
             puller = session.puller.name if session.puller is not None else "none"
             if cache_gb >= args.all_gb:  # the arena holds every expert: read them all first
-                import numpy as np
-
-                for layer in session.manifest.layers:
-                    session.demand_absent(layer.index,
-                                          np.arange(layer.num_experts, dtype=np.int32))
+                read_every_expert(session)
             first = mark(session)
             runs = side_by_side(resident, streamed, tokenizer, ids, args)
             counts = window_counts(session, first)
@@ -265,14 +283,8 @@ def run(args) -> dict:
     import mlx.core as mx
     import mlx_lm
 
-    from expertd.manifest import Manifest
-
+    model_dir, blob_dir, m, all_gb, pool_gb = pull_model(args.small)
     spec = TINY if args.small else QWEN3_30B_SHAPES
-    name = "gpu-pools-tiny" if args.small else "gpu-pools-qwen3-30b-shapes"
-    model_dir, blob_dir = ensure_model(name, spec)
-    m = Manifest.load(blob_dir)
-    all_gb = m.total_expert_bytes * 1.3 / 2**30 + 0.01
-    pool_gb = CAPPED * sum(la.num_experts * la.expert_bytes for la in m.layers) / 2**30
     capped_gb = arena_gb(blob_dir, round(CAPPED * len(m.layers) * m.max_experts))
     args.all_gb = all_gb
     resident, tokenizer = mlx_lm.load(str(model_dir))

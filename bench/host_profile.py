@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import daemon, ensure_model
-from gpu_pools import QWEN3_30B_SHAPES, TINY, decode
+from common import daemon
+from gpu_pools import decode
+from gpu_pull import pull_model, read_every_expert
 
-CAPPED = 0.25
 # (label, function name as pstats spells it): host time per token of each
 KEYS = (("mx.async_eval", "async_eval host_profile.py"),
         ("mx.eval", "eval host_profile.py"),
@@ -87,10 +87,8 @@ def profiled(model, tokenizer, tokens: int, own_loop: bool, top: int) -> tuple:
 def main() -> None:
     import mlx.core as mx
     import mlx_lm
-    import numpy as np
 
     from expertd.client import load
-    from expertd.manifest import Manifest
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true")
@@ -98,19 +96,13 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", type=Path, help="a folder for the profiles' text")
     args = parser.parse_args()
-    spec = TINY if args.small else QWEN3_30B_SHAPES
-    name = "gpu-pools-tiny" if args.small else "gpu-pools-qwen3-30b-shapes"
-    model_dir, blob_dir = ensure_model(name, spec)
-    m = Manifest.load(blob_dir)
-    all_gb = m.total_expert_bytes * 1.3 / 2**30 + 0.01
-    pool_gb = CAPPED * sum(la.num_experts * la.expert_bytes for la in m.layers) / 2**30
+    model_dir, blob_dir, _, all_gb, pool_gb = pull_model(args.small)
     resident, tokenizer = mlx_lm.load(str(model_dir))
     with daemon(blob_dir, all_gb):
         streamed, _ = load(blob_dir, pool_gb=pool_gb, pull="auto", prefetch="off")
         session = streamed.expertd_session
         try:
-            for layer in session.manifest.layers:
-                session.demand_absent(layer.index, np.arange(layer.num_experts, dtype=np.int32))
+            read_every_expert(session)
             for _ in range(2):  # warm-up: kernels compiled, pools settled
                 decode(resident, tokenizer, args.tokens, 0.0)
                 decode(streamed, tokenizer, args.tokens, 0.0, None, True)

@@ -171,13 +171,10 @@ TEMPLATE_OWN = {"conversation", "messages", "tokenize", "add_generation_prompt",
                 "continue_final_message", "return_dict", "tools"}
 
 
-def _speculation(session) -> dict | None:
+def _speculation(runtime) -> dict:
     """How the one-wait-a-step mode went: its mode, whether it speculates at the end, how
     often auto paused it and how often for cost (waiting per layer measured cheaper)."""
-    steps = session.steps
-    if steps is None:
-        return None
-    s = steps.speculation
+    s = runtime.steps.speculation
     return dict(mode=s.mode, active=s.active, paused=s.stopped,
                 paused_for_cost=s.stopped_by_cost)
 

@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from expertd.blobstore import check_trunk
 from expertd.choices import check_gib, check_wait
@@ -18,7 +18,7 @@ from .predict import check_choice, check_mode, make_guessers
 from .runtime import Runtime
 from .session import Session
 from .step import Steps, check_speculate, guarded
-from .switch import StreamedSwitch, expert_segments, install
+from .switch import StreamedSwitch, expert_segments
 
 COPY_AHEAD_MIN_BYTES = 512 * 1024  # see load(copy_ahead_bytes=)
 
@@ -139,27 +139,26 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
     :class:`~expertd.client.runtime.Runtime`. ``tuning``: the layers' guess width and
     copy-ahead threshold."""
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_config, load_model, load_tokenizer
 
     from expertd.tools.safetensors import read_header
 
     trunk = session.paths.blob_dir / "trunk"
     # Nothing unverified is computed with: the trunk's bytes are checked before mlx reads them.
     check_trunk(session.paths.blob_dir, session.manifest)
+    own_code = load_config(trunk).get("model_file")  # a model class of its own, run on trust
+    if own_code is not None and not trust_remote_code:
+        raise BlobStoreError(f"{trunk}: the model's class is code of its own ({own_code}); "
+                             "load it with --trust-remote-code (trust_remote_code=True) if you "
+                             "trust it")
     try:
         model, config = load_model(trunk, lazy=True, strict=False,
                                    trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        if trust_remote_code or "trust_remote_code" not in str(exc):
+    except Exception as exc:  # the model's own code: whatever it raises
+        if own_code is None:
             raise
-        raise BlobStoreError(f"{trunk}: the model's class is code of its own "
-                             f"({config_model_file(trunk)}); load it with --trust-remote-code "
-                             "(trust_remote_code=True) if you trust it") from None
-    except Exception as exc:  # the model's own code, run on trust: whatever it raises
-        if not trust_remote_code or config_model_file(trunk) == "None":
-            raise
-        raise BlobStoreError(f"{trunk}: the model's own code ({config_model_file(trunk)}, run "
-                             f"by --trust-remote-code) failed: {type(exc).__name__}: "
+        raise BlobStoreError(f"{trunk}: the model's own code ({own_code}, run by "
+                             f"--trust-remote-code) failed: {type(exc).__name__}: "
                              f"{exc}") from None
     layers = session.manifest.layers
     if pipeline_group is None:
@@ -176,6 +175,7 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
     staging = Staging()  # one host buffer for every device pool's moves
     streamed = []
     mode = StepMode()
+    installed = []  # (path, StreamedSwitch): put in place together, as mlx-lm replaces modules
     for layer, n, guesser, before in zip(layers, rows, guessers, [None] + guessers[:-1]):
         module = modules.get(layer.module)
         if not isinstance(module, (SwitchGLU, SwitchMLP)):
@@ -191,7 +191,8 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
         if streamed:
             streamed[-1].next, state.previous = state, streamed[-1]
         streamed.append(state)
-        install(model, layer.module, StreamedSwitch(module, state))
+        installed.append((layer.module, StreamedSwitch(module, state)))
+    model.update_modules(tree_unflatten(installed))
     steps = Steps(session, streamed, mode, speculate, pipeline=pipeline_group is not None)
     runtime = Runtime(session, streamed, steps, guessers)
     model = guarded(model, steps)
@@ -209,10 +210,3 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
     tokenizer = load_tokenizer(trunk, {"trust_remote_code": True} if trust_remote_code else None,
                                eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer, runtime
-
-
-def config_model_file(trunk) -> str:
-    """The custom model file a trunk's config names."""
-    import json
-
-    return str(json.loads((trunk / "config.json").read_text()).get("model_file"))

@@ -14,6 +14,7 @@ against.
 import argparse
 import dataclasses
 import errno
+import functools
 import json
 import logging
 import signal
@@ -516,8 +517,8 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         cli_args.pipeline = distributed
         session = model.expertd_session
         try:
-            rebind = lambda: _bind(host, port, blob_dir, cli_args.allowed_origins)  # noqa: E731
-            signum = _serve_loaded(httpd, loading, rebind, session,
+            signum = _serve_loaded(httpd, loading, functools.partial(
+                _bind, host, port, blob_dir, cli_args.allowed_origins), session,
                                    model, tokenizer, draft, cli_args, name, names,
                                    pipeline_group, out)
         finally:

@@ -247,10 +247,8 @@ class Session:
         status: a second hello, which keeps the client's token, leases and pins."""
         self.pool_bytes = pool_bytes
         self.check_alive()
-        try:
-            self.requester.hello(self._hello_body(self.conn.client_id), HELLO_TIMEOUT)
-        except DaemonDied as exc:
-            self._reconnect(str(exc))  # its hello carries pool_bytes
+        self._across_restarts(lambda: self.requester.hello(
+            self._hello_body(self.conn.client_id), HELLO_TIMEOUT))
 
     def _hello_body(self, client_id: bytes) -> dict:
         return {"version": PROTOCOL_VERSION, "client": client_id, "pid": os.getpid(),

@@ -120,6 +120,16 @@ class Speculation:
             self.window_steps = self.window_replays = 0
 
 
+def _parts(records: list) -> list:
+    """``(record, slice)`` per record: where its ids (``record[1]``) sit when the records'
+    are concatenated in order."""
+    out, at = [], 0
+    for record in records:
+        out.append((record, slice(at, at + record[1].size)))
+        at += record[1].size
+    return out
+
+
 def trim(cache, tokens: int) -> None:
     """Take a step's ``tokens`` back out of every KV cache of ``cache`` (None: no cache)."""
     for c in cache or []:
@@ -448,36 +458,27 @@ class Steps:
         Without ``promote`` (a pipelined step, another in flight) the pulled layers' counting
         waits in ``_deferred`` for the next step that promotes (:meth:`flush`): the pools do not
         change in between, so counting then decides what counting now would."""
-        plain = [r for r in records if r[2] is None]
-        pulled = [r for r in records if r[2] is not None]
+        # Each layer's part of the concatenated ids / statuses (see _flat), in record order.
+        plain = _parts([r for r in records if r[2] is None])
+        pulled = _parts([r for r in records if r[2] is not None])
         flat = list(flat)
         ids = flat.pop(0) if plain else None
-        at = 0
-        for layer, idx, _, _ in plain:
-            values = ids[at:at + idx.size]
-            at += idx.size
-            if (layer.pool.row_of[values] < 0).any():
+        for (layer, _, _, _), part in plain:
+            if (layer.pool.row_of[ids[part]] < 0).any():
                 return "pool"  # the replay does the bookkeeping, on the per-layer path
         if pulled:
             rows, experts, kinds = decode_status(flat.pop(0))  # every pulled layer at once
             if (kinds == ABSENT).any():
-                at = 0
-                for layer, idx, _, _ in pulled:
-                    lacked = experts[at:at + idx.size][kinds[at:at + idx.size] == ABSENT]
+                for (layer, _, _, _), part in pulled:
+                    lacked = experts[part][kinds[part] == ABSENT]
                     if lacked.size:
                         absent.append((layer, np.unique(lacked).astype(np.int32)))
-                    at += idx.size
                 return "absent"
-        at = 0
-        for layer, idx, _, _ in plain:
-            layer.after_speculation(ids[at:at + idx.size])
-            at += idx.size
-        at = 0
+        for (layer, _, _, _), part in plain:
+            layer.after_speculation(ids[part])
         if pulled and promote:
             self.flush()
-        for layer, idx, _, arrays in pulled:
-            part = slice(at, at + idx.size)
-            at += idx.size
+        for (layer, _, _, arrays), part in pulled:
             if promote:
                 layer.after_pull(rows[part], experts[part], arrays)
             else:

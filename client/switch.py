@@ -1,13 +1,13 @@
 """The streamed switch layer: mlx-lm's own SwitchGLU / SwitchMLP computation over a pool.
 
-A switch module is replaced in the model by a :class:`StreamedSwitch` (as mlx-lm replaces
-``Linear`` by ``QuantizedLinear``): a module of ours at the same path that takes over the
-switch's children (the projections, the activation), so parameter paths stay mlx-lm's, and
-computes with the switch class's own ``__call__``. The expert stacks are dropped from the
-children; at call time they are the layer's pool arrays (``(rows, *shape)``, at most every
-expert) and the router's ids are remapped to pool rows. Every family's ``gather_qmm`` /
-``gather_mm`` computation stays mlx-lm's. What makes the rows resident and guesses ahead is in
-layer.py.
+A switch module is replaced in the model by a :class:`StreamedSwitch` (with
+``update_modules``, as mlx-lm replaces ``Linear`` by ``QuantizedLinear``): a module of ours at
+the same path that takes over the switch's children (the projections, the activation), so
+parameter paths stay mlx-lm's, and computes with the switch class's own ``__call__``. The
+expert stacks are dropped from the children; at call time they are the layer's pool arrays
+(``(rows, *shape)``, at most every expert) and the router's ids are remapped to pool rows.
+Every family's ``gather_qmm`` / ``gather_mm`` computation stays mlx-lm's. What makes the rows
+resident and guesses ahead is in layer.py.
 """
 
 import mlx.core as mx
@@ -23,7 +23,7 @@ MLX_DTYPES = {
 
 
 class StreamedSwitch(nn.Module):
-    """The streamed replacement of an mlx-lm switch module (see :func:`install`).
+    """The streamed replacement of an mlx-lm switch module, installed at its path.
 
     Args:
         switch: the mlx-lm ``SwitchGLU`` / ``SwitchMLP`` it replaces; its children become this
@@ -46,18 +46,6 @@ class StreamedSwitch(nn.Module):
     def compute(self, x, rows):
         """mlx-lm's own computation of the replaced switch, on this module's children."""
         return self._compute(self, x, rows)
-
-
-def install(model: nn.Module, path: str, module: nn.Module) -> None:
-    """Put ``module`` at ``path`` (dotted, as ``named_modules`` spells it) in ``model``."""
-    *parents, last = path.split(".")
-    parent = model
-    for part in parents:
-        parent = parent[int(part)] if isinstance(parent, list) else parent[part]
-    if isinstance(parent, list):
-        parent[int(last)] = module
-    else:
-        parent[last] = module
 
 
 def compute(module, segments: list, arrays: list, x, rows):

@@ -63,11 +63,11 @@ class Connection:
         unread."""
         return self.channel.send(frames, quiet=not wait)
 
-    def send_quietly(self, op: Op, body: dict, rid: bytes | None = None) -> bool:
+    def send_quietly(self, op: Op, body: dict) -> bool:
         """Fire and forget without ever blocking on a daemon that is gone or flooded: whether
         the message was queued."""
         try:
-            return self.channel.send(request(rid or self.next_rid(), op, body), quiet=True)
+            return self.channel.send(request(self.next_rid(), op, body), quiet=True)
         except DaemonError:
             return False
 

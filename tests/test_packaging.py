@@ -9,6 +9,10 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
 
 ROOT = Path(__file__).resolve().parent.parent
+# The product's folders, by the installed package's names (client/, shm/ and tools/ map into
+# expertd).
+PRODUCT_TREES = {"expertd": ROOT / "expertd", "expertd.client": ROOT / "client",
+                 "expertd.shm": ROOT / "shm", "expertd.tools": ROOT / "tools"}
 
 
 def test_every_package_folder_is_listed_in_pyproject():
@@ -43,13 +47,9 @@ def _import_graph() -> dict:
     """Product modules (the installed package's names: client/, shm/ and tools/ map into
     expertd) -> the product modules each imports, function-level imports included."""
     import ast
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    trees = {"expertd": root / "expertd", "expertd.client": root / "client",
-             "expertd.shm": root / "shm", "expertd.tools": root / "tools"}
     files = {}
-    for package, folder in trees.items():
+    for package, folder in PRODUCT_TREES.items():
         for path in folder.rglob("*.py"):
             parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
             files[".".join([package, *parts])] = path
@@ -107,11 +107,8 @@ def test_no_product_module_changes_an_objects_class():
     import ast
 
     graph = _import_graph()
-    root = Path(__file__).resolve().parent.parent
-    folders = {"expertd": root / "expertd", "expertd.client": root / "client",
-               "expertd.shm": root / "shm", "expertd.tools": root / "tools"}
     found, read = [], 0
-    for folder in folders.values():
+    for folder in PRODUCT_TREES.values():
         for path in folder.rglob("*.py"):
             read += 1
             for node in ast.walk(ast.parse(path.read_text())):
@@ -120,11 +117,11 @@ def test_no_product_module_changes_an_objects_class():
                            else [])
                 for target in targets:
                     if isinstance(target, ast.Attribute) and target.attr == "__class__":
-                        found.append(f"{path.relative_to(root)}:{node.lineno}")
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
                 if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                         and node.func.id == "setattr" and len(node.args) > 1
                         and isinstance(node.args[1], ast.Constant)
                         and node.args[1].value == "__class__"):
-                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert read >= len(graph) > 50  # every product module was read
     assert found == []

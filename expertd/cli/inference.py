@@ -106,18 +106,13 @@ def _pipeline_group():
     return group
 
 
-def _same_dir(a: str, b: str) -> bool:
-    """``a`` and ``b`` name one directory (however spelled: ./b, b/, ~/b)."""
-    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-
-
 class _Once(argparse.Action):
     """A flag with two spellings (--blobs, --model) that names one thing: given twice with
     different values, refused (not the last one silently taken)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
         before = getattr(namespace, self.dest, None)
-        if before is not None and not _same_dir(before, values):
+        if before is not None and not argtypes.same_dir(before, values):
             parser.error(f"{option_string} {values} and an earlier --blobs/--model {before} "
                          "name two directories; give one")
         setattr(namespace, self.dest, values)

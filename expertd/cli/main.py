@@ -68,15 +68,15 @@ def _cmd_verify(args) -> int:
 
     from expertd.blobstore import DirectoryCheck
 
-    given = [Path(d).expanduser() for d in (args.blob_dir, args.blobs) if d is not None]
-    if not given or (len(given) == 2 and given[0].resolve() != given[1].resolve()):
+    given = [d for d in (args.blob_dir, args.blobs) if d is not None]
+    if not given or (len(given) == 2 and not argtypes.same_dir(*given)):
         # An argument error: argparse's status.
         print("expertd verify: error: " + ("give the blob directory: expertd verify BLOB_DIR, "
                                            "or expertd verify --blobs BLOB_DIR" if not given
                                            else f"{args.blob_dir} and --blobs {args.blobs} name "
                                            "two directories; give one"), file=sys.stderr)
         return 2
-    check = DirectoryCheck(given[0])
+    check = DirectoryCheck(Path(given[0]).expanduser())
     bad = 0
     with tqdm(total=check.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
               disable=True if args.quiet else None,  # None: on a terminal only

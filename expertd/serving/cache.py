@@ -203,23 +203,13 @@ class ExpertCache(EpochFills):
         now = self.clock()
         gen = self.side.book.next_generation(owner)
         for e in claim:
-            row, state = self.table.lookup(layer, e)
-            if state == SlotState.EMPTY:
-                continue
-            c.prefetch_merged += 1
-            if self.side.book.side[row]:
-                self.side.book.claim(row, owner, gen, now)
+            self._merge(layer, e, owner, gen, now)
         core = len(experts) if core is None else core
         want, n_core = [], 0
         for i, e in enumerate(experts):
-            row, state = self.table.lookup(layer, e)
-            if state == SlotState.EMPTY:
+            if not self._merge(layer, e, owner, gen, now):
                 want.append(e)
                 n_core += i < core
-                continue
-            c.prefetch_merged += 1
-            if self.side.book.side[row]:
-                self.side.book.claim(row, owner, gen, now)
         tail = len(want) - n_core
         if tail:
             keep = min(tail, max(0, self.workers - self.in_flight - n_core))
@@ -238,6 +228,17 @@ class ExpertCache(EpochFills):
             self._fill(row, layer, e, urgent=False)
             self.prefetch_rows.add(row)
         return len(rows)
+
+    def _merge(self, layer: int, expert: int, owner: bytes, gen: int, now: float) -> bool:
+        """A prefetch of ``expert`` resident or filling: merged (counted), its side row, if it
+        sits in one, claimed for ``owner``'s generation ``gen``; False if it is absent."""
+        row, state = self.table.lookup(layer, expert)
+        if state == SlotState.EMPTY:
+            return False
+        self.counters.prefetch_merged += 1
+        if self.side.book.side[row]:
+            self.side.book.claim(row, owner, gen, now)
+        return True
 
     # ---- fills -----------------------------------------------------------------------------
 
