@@ -31,7 +31,7 @@ MAX_SEED = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 MAX_BYTES = MAX_GIB * 2**30
 
 
-def ranged(parse, what: str, ok, doc: str, show=str):
+def _ranged(parse, what: str, ok, doc: str, show=str):
     """An argument type: ``parse(text)`` where ``ok`` of it, else argparse's one-line error.
     ``show`` writes a default of the type in --help (main.DefaultsHelpFormatter)."""
     def check(text: str):
@@ -48,17 +48,17 @@ def ranged(parse, what: str, ok, doc: str, show=str):
     return check
 
 
-positive_int = ranged(int, "an integer of at least 1", lambda v: v >= 1,
+positive_int = _ranged(int, "an integer of at least 1", lambda v: v >= 1,
                        "An integer of at least 1 (--max-tokens, --max-kv-size, "
                        "--prefill-step-size).")
-non_negative_int = ranged(int, "an integer of at least 0", lambda v: v >= 0,
+non_negative_int = _ranged(int, "an integer of at least 0", lambda v: v >= 0,
                            "An integer of at least 0 (--top-k, where 0 is off; "
                            "--quantized-kv-start).")
-non_negative_float = ranged(float, "a finite number of at least 0", lambda v: 0 <= v < math.inf,
+non_negative_float = _ranged(float, "a finite number of at least 0", lambda v: 0 <= v < math.inf,
                              "A finite number of at least 0 (--temp, where 0 is greedy).")
-probability = ranged(float, "a number between 0 and 1", lambda v: 0 <= v <= 1,
+probability = _ranged(float, "a number between 0 and 1", lambda v: 0 <= v <= 1,
                       "A number between 0 and 1 (--top-p, --min-p).")
-seed = ranged(int, f"an integer between 0 and {MAX_SEED}", lambda v: 0 <= v <= MAX_SEED,
+seed = _ranged(int, f"an integer between 0 and {MAX_SEED}", lambda v: 0 <= v <= MAX_SEED,
                "A random seed, as mx.random.seed takes it: 0 to 2**64 - 1.")
 
 
@@ -86,16 +86,16 @@ def true_or_false(text: str) -> bool:
 
 
 # A default of seconds reads as the user writes it: "(default: 10)", not 10.0.
-seconds = ranged(float, SECONDS, lambda v: 0 < v <= MAX_SECONDS,
+seconds = _ranged(float, SECONDS, lambda v: 0 < v <= MAX_SECONDS,
                   "A timeout or interval: seconds above 0, at most a day (status/stop --timeout, "
                   "--client-timeout, --lease-timeout, --heartbeat, --watch).", show="{:g}".format)
-wait_seconds = ranged(float, f"a number of seconds from 0 to {MAX_SECONDS:g} (a day)",
+wait_seconds = _ranged(float, f"a number of seconds from 0 to {MAX_SECONDS:g} (a day)",
                       lambda v: 0 <= v <= MAX_SECONDS,
                       "A wait: seconds from 0 (do not wait) to a day (--reconnect-timeout).",
                       show="{:g}".format)
 
 
-gib = ranged(float, GIB, lambda v: 0 < v <= MAX_GIB,
+gib = _ranged(float, GIB, lambda v: 0 < v <= MAX_GIB,
               "A memory budget in GiB above 0, bounded as --cache-gb is (--pool-gb).")
 
 
@@ -118,7 +118,7 @@ def byte_size(text: str) -> int:
     return int(value)
 
 
-port = ranged(int, "a port from 0 to 65535", lambda v: 0 <= v <= 65535,
+port = _ranged(int, "a port from 0 to 65535", lambda v: 0 <= v <= 65535,
                "A TCP port, 0 to 65535 (0: any free one).")
 
 
@@ -176,5 +176,5 @@ def new_file_path(text: str) -> str:
 
 
 
-xtc_threshold = ranged(float, "a number from 0 to 0.5", lambda v: 0 <= v <= 0.5,
+xtc_threshold = _ranged(float, "a number from 0 to 0.5", lambda v: 0 <= v <= 0.5,
                         "XTC's threshold: mlx-lm's sampler takes 0 to 0.5 (--xtc-threshold).")

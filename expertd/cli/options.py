@@ -51,11 +51,25 @@ class Option:
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         if self.bounds is not None:  # refused while parsing, as any bad value is
-            low, high = self.bounds
-            kwargs["type"] = argtypes.ranged(self.type or int, f"a whole number from {low} to "
-                                             f"{high}", lambda v: low <= v <= high,
-                                             f"{self.flag}: {low} to {high}.")
+            kwargs["type"] = _bounded(self.type or int, *self.bounds)
         parser.add_argument(self.flag, **kwargs)
+
+
+def _bounded(kind, low, high):
+    """An argparse type: ``kind``'s value, between ``low`` and ``high``."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number from {low} to {high}, "
+                                             f"not {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be from {low} to {high}, not {value}")
+        return value
+
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
 
 
 def _dest(flag: str) -> str:
