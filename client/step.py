@@ -19,8 +19,10 @@ activations leave the rank during the step), and sessions that replay too often
 """
 
 import logging
+import statistics
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -45,9 +47,9 @@ def check_speculate(mode: str) -> str:
 log = logging.getLogger("expertd")
 REPLAY_CAUSES = {"pool": "an expert missed its pool", "absent": "a pulled expert was absent "
                  "from the arena", "epoch": "the daemon revoked the step's epoch"}
-TIMING_WEIGHT = 0.2  # of a new measurement in the step times' moving averages
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
 PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
+TIMED_STEPS = 5  # the latest step times of each kind whose median the verdict weighs
 
 
 @dataclass
@@ -56,7 +58,11 @@ class Speculation:
     when they cost more than the waits speculation saves, judged from measured times: a
     speculative step costs ``spec_s`` and, replayed, a per-layer step ``layer_s`` more; a
     per-layer step costs ``layer_s``. Speculating pays while ``spec_s + rate * layer_s <
-    layer_s``. On a backend where the per-layer waits cost little (a CPU), that rate is low."""
+    layer_s``. On a backend where the per-layer waits cost little (a CPU), that rate is low.
+
+    Each cost is the median of the latest TIMED_STEPS steps of its kind, so that one slow step
+    (the first, which compiles the device's kernels: hundreds of milliseconds on CUDA) decides
+    nothing; and a restart after a stop measures its speculative steps afresh."""
 
     mode: str = "auto"
     active: bool = True
@@ -65,18 +71,24 @@ class Speculation:
     idle_steps: int = 0
     retry_after: int = RETRY_AFTER
     stopped: int = 0  # times auto stopped speculating
-    spec_s: float = 0.0  # moving average of a speculative decode step's seconds
-    layer_s: float = 0.0  # moving average of a per-layer decode step's seconds
     stopped_by_cost: int = 0  # of ``stopped``, times the measured costs decided
+    _spec: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
+    _layer: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
+
+    @property
+    def spec_s(self) -> float:
+        """A speculative decode step's seconds (its one wait included): the median of the
+        latest measured, 0 while none is."""
+        return statistics.median(self._spec) if self._spec else 0.0
+
+    @property
+    def layer_s(self) -> float:
+        """A per-layer decode step's seconds, as :attr:`spec_s`."""
+        return statistics.median(self._layer) if self._layer else 0.0
 
     def timed(self, speculative: bool, seconds: float) -> None:
         """A decode step's seconds: speculative (its one wait included), or per layer."""
-        old = self.spec_s if speculative else self.layer_s
-        new = seconds if not old else old + TIMING_WEIGHT * (seconds - old)
-        if speculative:
-            self.spec_s = new
-        else:
-            self.layer_s = new
+        (self._spec if speculative else self._layer).append(seconds)
 
     def pays(self) -> bool:
         """Speculating at this window's replay rate costs less than waiting per layer (True
@@ -98,6 +110,7 @@ class Speculation:
         self.idle_steps += 1
         if self.idle_steps >= self.retry_after:
             self.active, self.idle_steps = True, 0
+            self._spec.clear()  # measured afresh: what stopped it may have passed
         return self.active
 
     def record(self, replayed: bool) -> None:

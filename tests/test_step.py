@@ -265,6 +265,34 @@ def test_auto_weighs_replays_against_the_waits_they_save():
     assert fast.active and fast.stopped == 0
 
 
+def test_one_slow_step_decides_nothing_and_a_restart_measures_afresh():
+    """The first speculative step compiles the device's kernels (hundreds of milliseconds on
+    CUDA): one such step must not stop a speculation that pays, and a stop must not outlive
+    what caused it (on the H200 a moving average started by that step kept auto on the
+    per-layer path for hundreds of steps: 0.19 x resident)."""
+    first = Speculation("auto")
+    first.timed(True, 100.0)  # the compile
+    first.timed(False, 3.0)
+    for _ in range(WINDOW):
+        assert first.wanted()
+        first.timed(True, 1.0)
+        first.record(False)
+    assert first.active and first.stopped == 0 and first.spec_s == 1.0
+    # A stop by cost (the speculative steps were slow then) is weighed again on fresh times.
+    slow = Speculation("auto")
+    slow.timed(False, 3.0)
+    for _ in range(MIN_WINDOW):
+        slow.timed(True, 5.0)
+        slow.record(False)
+    assert not slow.active and slow.stopped_by_cost == 1
+    assert not any(slow.wanted() for _ in range(RETRY_AFTER - 1)) and slow.wanted()
+    assert slow.spec_s == 0.0  # the slow times are gone
+    for _ in range(WINDOW):
+        slow.timed(True, 1.0)
+        slow.record(False)
+    assert slow.active and slow.stopped == 1
+
+
 def test_a_session_that_misses_often_stops_speculating(models, isolated_env, tmp_path):
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
