@@ -79,7 +79,7 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
             nxt = steps.launch(forward, y[None], (), {"cache": cache})
             next_key = mx.random.state[0]
             next_y, next_logprobs = _sample(nxt.logits, sampler)
-            mx.async_eval(next_y, next_logprobs)
+            mx.async_eval(next_y, next_logprobs, *nxt.flat)  # the step and its check, at once
         if current is not None:
             if steps.settle(current, nxt) is not None:  # y is wrong, and nxt (abandoned)
                 trim(cache, 2)

@@ -277,8 +277,9 @@ class Steps:
     def launch(self, forward, inputs, args: tuple, kwargs: dict) -> Launched:
         """Build a decode step without waiting; its check comes later (:meth:`settle`), once the
         host has built the next step on its lazy token, as resident mlx-lm overlaps building
-        with computing. A step that cannot speculate runs as :meth:`run` runs it (nothing
-        left to check). At most two launched steps are unsettled at a time."""
+        with computing. The caller starts it computing: ``mx.async_eval`` of its token and of
+        the step's ``flat`` together. A step that cannot speculate runs as :meth:`run` runs it
+        (nothing left to check). At most two launched steps are unsettled at a time."""
         self.session.check_alive()
         counters = self.session.counters
         counters["steps"] += 1
@@ -303,9 +304,9 @@ class Steps:
                 mx.synchronize()  # no read of a step built in part may outlive its epoch
                 epoch.end()
             raise
-        flat = self._flat(records)
-        mx.async_eval(*flat)
-        return Launched(logits, records, flat, launched)
+        # Not started here: the caller starts what it samples from the logits and ``flat`` in
+        # one mx.async_eval (on CUDA each is a graph encoded and launched on this thread).
+        return Launched(logits, records, self._flat(records), launched)
 
     def plan(self, inputs, cache) -> bool:
         """Whether the next :meth:`launch` on ``inputs`` will speculate (decided now, once). A
