@@ -80,26 +80,55 @@ class ArenaView:
         native.copy_segments(self.raw, self._rows, self._stride, slots, offsets, nbytes, bases,
                              dest, positions)
 
+    def rows(self, layer: int, slots: np.ndarray, versions: np.ndarray) -> "ArenaRows":
+        """Rows ``slots`` of ``layer`` as a lookup or a lease found them (at ``versions``)."""
+        return ArenaRows(self, layer, slots, versions)
+
     def segment_table(self, layer: int) -> tuple:
         """``(offsets, nbytes)`` of ``layer``'s segments within a row."""
         return self._segments[layer]
 
-    def unchanged(self, slots: np.ndarray, versions: np.ndarray) -> bool:
-        """True if no row in ``slots`` changed since ``versions`` were read (seqlock check)."""
+    def _unchanged(self, slots: np.ndarray, versions: np.ndarray) -> bool:
         return native.validate(self.raw, self._slots, slots, versions)
 
-    def intact(self, slots: np.ndarray, versions: np.ndarray) -> np.ndarray:
-        """Per row of ``slots``, True if it did not change since ``versions`` were read: the
-        one rule a copy made without a lease is taken by (checked row by row only when the
-        whole group's check fails)."""
-        if self.unchanged(slots, versions):
-            return np.ones(len(slots), dtype=bool)
-        return np.array([self.unchanged(slots[i:i + 1], versions[i:i + 1])
-                         for i in range(len(slots))], dtype=bool)
-
-    def count_hits(self, slots: np.ndarray) -> None:
-        """Rows used without asking the daemon, counted through the table for its LFU."""
+    def _count_hits(self, slots: np.ndarray) -> None:
         native.bump_hits(self.raw, self._slots, slots)
 
     def close(self) -> None:
         self.arena.close()
+
+
+@dataclass(frozen=True)
+class ArenaRows:
+    """Rows of one layer of the arena, as a lookup or a lease found them: the one route by
+    which the client copies arena rows on the host (demands, rows written ahead, the host
+    puller), with one rule for taking a copy (:meth:`intact`) and one count of the rows used
+    without asking the daemon (:meth:`count_hits`). It holds the view it reads, so the
+    mapping outlives a reconnect while a copy of it is in flight."""
+
+    view: ArenaView
+    layer: int
+    slots: np.ndarray
+    versions: np.ndarray
+
+    def copy(self, dest: np.ndarray, bases: np.ndarray, positions: np.ndarray) -> None:
+        """Copy each row's segments into ``dest`` (GIL released; see ArenaView.copy)."""
+        self.view.copy(self.layer, self.slots, dest, bases, positions)
+
+    def intact(self) -> np.ndarray:
+        """Per row, True if it did not change since its version was read (the seqlock check:
+        the whole group at once, row by row only when that fails): a copy is taken only
+        where this holds (invariant 2)."""
+        view, slots, versions = self.view, self.slots, self.versions
+        if view._unchanged(slots, versions):
+            return np.ones(len(slots), dtype=bool)
+        return np.array([view._unchanged(slots[i:i + 1], versions[i:i + 1])
+                         for i in range(len(slots))], dtype=bool)
+
+    def count_hits(self, keep: np.ndarray | None = None) -> int:
+        """Count the rows (those at ``keep``, default all) as used without asking the daemon:
+        through the slot table, for its LFU. Returns how many."""
+        slots = self.slots if keep is None else self.slots[keep]
+        if len(slots):
+            self.view._count_hits(slots)
+        return len(slots)

@@ -19,7 +19,7 @@ import numpy as np
 from expertd.protocol import GUESS_WIDTH
 
 from .pool import PROMOTE_AFTER
-from .pull import HostPuller, check_first_pull
+from .pull import check_first_pull
 from .switch import compute, grouped
 
 DECODE_IDS = 64  # a call routing at most this many (token, slot) pairs is decoding
@@ -180,16 +180,18 @@ class StreamedLayer:
         return compute(module, self.segments, pool.arrays, x, rows)
 
     def _checked(self, puller, indices) -> bool:
-        """Metal's first pull of each layer is compared with the host copy (it runs on a
-        user's Mac, where nothing else tested it); a mismatch stops pulling in this process."""
+        """Metal's pulls of each layer are compared with the host copy until one with rows
+        from the arena agrees (it runs on a user's Mac, where nothing else tested it); a
+        mismatch stops pulling in this process."""
         if puller.name != "metal" or self.index in puller.checked:
             return True
-        puller.checked.add(self.index)
-        if check_first_pull(puller, HostPuller(puller.view, puller.layers), self.index,
-                            indices, self.pool):
-            return True
-        self.session.drop_puller()
-        return False
+        same = check_first_pull(puller, self.index, indices, self.pool)
+        if same:
+            puller.checked.add(self.index)  # a pull with rows from the arena agreed
+        elif same is False:
+            self.session.drop_puller()
+            return False
+        return True
 
     def _pair_rows(self, indices):
         """``0..n-1`` shaped as the router's ids: pair i computes with assembled row i."""
@@ -300,7 +302,7 @@ class StreamedLayer:
         self.guess_sent = (ranked, n_core)
         session.check_alive()
         # One lookup serves the daemon's read-ahead and the copy ahead into the pool.
-        found = session.view.lookup(nxt.index, ranked)
+        found = session.lookup(nxt.index, ranked)
         resident = (found.slots >= 0) | (found.filling >= 0)
         # An expert the next pool holds needs no read, even where the arena lacks it.
         read = self.guesser.guesses.plan(~resident & (nxt.pool.row_of[ranked] < 0), n_core)
@@ -312,7 +314,7 @@ class StreamedLayer:
         expert_bytes = session.manifest.layers[nxt.index].expert_bytes
         if n_core * expert_bytes >= self.copy_ahead_bytes:
             nxt.pool.write_ahead(ranked[:n_core], found.slots[:n_core], found.versions[:n_core],
-                                 session.view, session.epoch, self.copier)
+                                 session.epoch, self.copier)
 
     def _report(self, unique: np.ndarray, calls: int = 1) -> None:
         """Pooled experts reach the daemon's LFU every REPORT_EVERY calls (no message)."""

@@ -26,9 +26,7 @@ class Ahead:
     epoch: int
     experts: np.ndarray
     rows: np.ndarray
-    slots: np.ndarray
-    versions: np.ndarray
-    view: object  # the ArenaView the rows were read from
+    source: object  # the arena_view.ArenaRows being copied
     job: object  # the copier's CopyJob
     finish: object  # backing's callable(keep) issued on commit, or None
 
@@ -46,9 +44,10 @@ class ExpertPool:
         layer: the MoE layer's index in the manifest.
         num_experts: experts of the layer.
         backing: a :class:`HostRows` or :class:`DeviceRows` of at most ``num_experts`` rows.
-        source: where the rows' bytes come from: ``source.read_rows(layer, experts, dest,
-            bases, positions)`` copies the bytes of ``experts`` out of the arena (the session:
-            found there, or demanded from the daemon).
+        source: where the rows' bytes come from (the session): ``source.read_rows(layer,
+            experts, dest, bases, positions)`` copies the bytes of ``experts`` out of the arena
+            (found there, or demanded from the daemon), and ``source.arena_rows(layer, slots,
+            versions)`` gives rows a lookup found, to copy ahead.
     """
 
     def __init__(self, layer: int, num_experts: int, backing, source):
@@ -229,11 +228,11 @@ class ExpertPool:
 
     # ---- rows written ahead ----------------------------------------------------------------
 
-    def write_ahead(self, experts: np.ndarray, slots: np.ndarray, versions: np.ndarray, view,
+    def write_ahead(self, experts: np.ndarray, slots: np.ndarray, versions: np.ndarray,
                     epoch: int, copier) -> int:
         """Start writing the guessed ``experts`` that are absent from the pool but ready in the
-        arena ``view`` (at ``slots``, with ``versions``, as its lookup found them) into free or
-        cold rows, on ``copier``'s thread. Returns how many."""
+        arena (at ``slots``, with ``versions``, as a lookup of the source found them) into free
+        or cold rows, on ``copier``'s thread. Returns how many."""
         self.commit_ahead(epoch)  # rows read ahead from an arena before a reconnect are dropped
         present = self.row_of[experts] >= 0
         wanted = ~present & (slots >= 0)
@@ -243,14 +242,12 @@ class ExpertPool:
                 max(1, self.rows // 2), self.backing.ahead_limit)
         if n <= 0:
             return 0
-        slots, versions = slots[wanted][:n], versions[wanted][:n]
+        source = self.source.arena_rows(self.layer, slots[wanted][:n], versions[wanted][:n])
         wanted = experts[wanted][:n]
         victims = wanted.astype(np.int32) if self.identity else self.victims(n, keep)
         self._evict(victims)
-        run, finish = self.backing.staged_write(
-            victims, lambda dest, bases, pos: view.copy(self.layer, slots, dest, bases, pos))
-        self.ahead = Ahead(epoch, wanted, victims, slots, versions, view, copier.submit(run),
-                           finish)
+        run, finish = self.backing.staged_write(victims, source.copy)
+        self.ahead = Ahead(epoch, wanted, victims, source, copier.submit(run), finish)
         return n
 
     def commit_ahead(self, epoch: int | None = None) -> None:
@@ -261,14 +258,14 @@ class ExpertPool:
             return
         if not ahead.job.wait() or (epoch is not None and ahead.epoch != epoch):
             return
-        keep = np.flatnonzero(ahead.view.intact(ahead.slots, ahead.versions))
+        keep = np.flatnonzero(ahead.source.intact())
         if not len(keep):
             return
         if ahead.finish is not None:
             ahead.finish(keep)
         self._assign(ahead.experts[keep], ahead.rows[keep])
         self.ahead_flag[ahead.rows[keep]] = True
-        ahead.view.count_hits(ahead.slots[keep])
+        ahead.source.count_hits(keep)
         self.counters["ahead"] += len(keep)
 
     def forget(self) -> None:

@@ -369,9 +369,10 @@ class HostPuller(Puller):
         ok = found.slots >= 0
         if ok.any():
             at = np.flatnonzero(ok).astype(np.int32)
-            view.copy(layer, found.slots[at], host, bases, at)
+            rows = view.rows(layer, found.slots[at], found.versions[at])
+            rows.copy(host, bases, at)
             if checked:  # a row rewritten while copied is not taken
-                ok[at] = view.intact(found.slots[at], found.versions[at])
+                ok[at] = rows.intact()
         return [[host[b + i * nb:b + (i + 1) * nb] for b, nb in zip(bases.tolist(),
                                                                     nbytes.tolist())]
                 if ok[i] else None for i in range(n)]
@@ -479,21 +480,24 @@ class MetalPuller(_KernelPuller):
 
 
 
-def check_first_pull(puller, host: HostPuller, layer: int, ids, pool) -> bool:
-    """Compare a device pull of ``layer`` with the host copy of the same rows (once per layer
-    and process): False, after a warning, if they differ."""
+def check_first_pull(puller, layer: int, ids, pool) -> bool | None:
+    """Compare ``puller``'s pull of ``layer`` with the host copy of the same rows (once per
+    layer and process): False, after a warning, if they differ; None if they agree but no
+    row came from the arena (what is checked is how the device reads the arena, so the
+    layer's next pull is compared again); True once a pull with arena rows agreed."""
     arrays, status = puller.assemble(layer, ids, pool)
-    want, want_status = host.assemble(layer, ids, pool)
+    want, want_status = HostPuller(puller.view, puller.layers).assemble(layer, ids, pool)
     mx.eval(arrays, status, want, want_status)
     same = np.array_equal(np.array(status), np.array(want_status))
-    ok = decode_status(np.array(status))[2] != ABSENT
+    kinds = decode_status(np.array(status))[2]
+    ok = mx.array(np.flatnonzero(kinds != ABSENT))
     for a, b in zip(arrays, want):
-        same = same and bool(mx.array_equal(a[mx.array(np.flatnonzero(ok))],
-                                            b[mx.array(np.flatnonzero(ok))]).item())
+        same = same and bool(mx.array_equal(a[ok], b[ok]).item())
     if not same:
         print(f"expertd: the {puller.name} pull of layer {layer} differs from the host copy; "
               "this process copies rows on the host from now on", file=sys.stderr, flush=True)
-    return same
+        return False
+    return True if (kinds == PULLED).any() else None
 
 
 def make_puller(mode: str, view, layers: dict):

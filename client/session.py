@@ -389,13 +389,13 @@ class Session:
             started = time.perf_counter()
             self.counters["drained"] += view.drain(layer, experts, found, DRAIN_TIMEOUT)
             timing["fill_wait_s"] += time.perf_counter() - started
-        slots, versions = found.slots, found.versions
-        if not (slots < 0).any():
+        if not (found.slots < 0).any():
+            rows = view.rows(layer, found.slots, found.versions)
             started = time.perf_counter()
-            view.copy(layer, slots, dest, bases, positions)
+            rows.copy(dest, bases, positions)
             timing["copy_s"] += time.perf_counter() - started
-            if view.unchanged(slots, versions):
-                view.count_hits(slots)  # found without the daemon: counted for its LFU
+            if rows.intact().all():
+                rows.count_hits()  # found without the daemon: counted for its LFU
                 self.counters["fast_hits"] += len(experts)
                 return
             # A row was evicted and refilled while we copied it: lease the group instead.
@@ -407,12 +407,12 @@ class Session:
             try:
                 while True:
                     started = time.perf_counter()
-                    slots, versions = requester.demand(layer, experts, held)
+                    leased = view.rows(layer, *requester.demand(layer, experts, held))
                     copying = time.perf_counter()
-                    view.copy(layer, slots, dest, bases, positions)
+                    leased.copy(dest, bases, positions)
                     timing["fill_wait_s"] += copying - started
                     timing["copy_s"] += time.perf_counter() - copying
-                    if view.unchanged(slots, versions):
+                    if leased.intact().all():
                         return
                     # Our lease lapsed (held past the daemon's bound): lease them again.
                     self.counters["retries"] += 1
@@ -515,11 +515,20 @@ class Session:
     def report_hits(self, layer: int, experts: np.ndarray) -> None:
         """Tell the daemon's LFU that ``experts`` were used from a pool (through the slot
         table, no message): pooled experts stay warm in the shared cache for other clients."""
-        found = self.view.lookup(layer, experts)
-        slots = found.slots[found.slots >= 0]
-        if len(slots):
-            self.view.count_hits(slots)
-            self.counters["hits_reported"] += len(slots)
+        found = self.lookup(layer, experts)
+        ok = found.slots >= 0
+        self.counters["hits_reported"] += self.arena_rows(
+            layer, found.slots[ok], found.versions[ok]).count_hits()
+
+    def lookup(self, layer: int, experts: np.ndarray):
+        """Where ``experts`` (distinct int32) of ``layer`` are in the arena (a lock-free read
+        of its slot table: arena_view.Lookup)."""
+        return self.view.lookup(layer, experts)
+
+    def arena_rows(self, layer: int, slots: np.ndarray, versions: np.ndarray):
+        """Rows a :meth:`lookup` found, to copy (arena_view.ArenaRows, on the arena attached
+        now)."""
+        return self.view.rows(layer, slots, versions)
 
     # ---- requests ---------------------------------------------------------------------------
 

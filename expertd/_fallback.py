@@ -19,7 +19,7 @@ DRAIN_SPINS = 64
 DRAIN_YIELDS = 64
 DRAIN_FIRST_SLEEP = 1e-5
 DRAIN_MAX_SLEEP = 1e-3
-_STRONGLY_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+STRONGLY_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _slots(arena, slots_offset):
@@ -37,7 +37,7 @@ def remap(arena, slot_of_offset, slots_offset, n_experts, layer, experts, out_sl
         out_slots[i] = -1
         out_filling[i] = -1
         row = int(slot_of[layer * n_experts + int(e)])
-        if row < 0 or not _STRONGLY_ORDERED:
+        if row < 0 or not STRONGLY_ORDERED:
             missing += 1
             continue
         rec = slots[row]
@@ -70,7 +70,7 @@ def drain(arena, slots_offset, layer, experts, rows, out_slots, out_versions, ti
         row = int(row)
         tries = 0
         pause = DRAIN_FIRST_SLEEP
-        while row >= 0 and _STRONGLY_ORDERED:
+        while row >= 0 and STRONGLY_ORDERED:
             rec = table[row]
             v = int(rec["version"])
             if int(rec["layer"]) != layer or int(rec["expert"]) != int(experts[i]):

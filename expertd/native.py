@@ -24,7 +24,7 @@ begin_write, end_write = _chosen.begin_write, _chosen.end_write
 publish_u64, read_u64 = _chosen.publish_u64, _chosen.read_u64
 # The epoch records' step and lost fields are ordered against the arena's other writes: by the
 # extension's fences, or by the CPU itself (x86) under the pure twin, which has none.
-STEP_RECORDS_FENCED = IMPLEMENTATION != "python" or _chosen._STRONGLY_ORDERED
+STEP_RECORDS_FENCED = IMPLEMENTATION != "python" or _chosen.STRONGLY_ORDERED
 
 __all__ = ["IMPLEMENTATION", "PURE_PYTHON_FORCED", "remap", "validate", "drain",
            "copy_segments", "bump_hits", "begin_write", "end_write", "publish_u64", "read_u64",

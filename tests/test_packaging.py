@@ -125,3 +125,48 @@ def test_no_product_module_changes_an_objects_class():
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert read >= len(graph) > 50  # every product module was read
     assert found == []
+
+
+def test_no_product_module_reads_another_modules_private_names():
+    """Each part owns its state (issue 25): a name with a leading underscore that a product
+    module defines (a function, a class, a module or instance attribute) is read or written
+    through another object only inside that module. Libraries' own private names (argparse's,
+    ``os._exit``) are not ours and not checked."""
+    import ast
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    defined: dict = {}  # private name -> the modules defining it
+    trees = {}
+    for folder in PRODUCT_TREES.values():
+        for path in folder.rglob("*.py"):
+            tree = trees[path] = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                names = []
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names.append(node.name)
+                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.append(node.id)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                    names.append(node.attr)
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    names.append(node.target.id)
+                for name in filter(private, names):
+                    defined.setdefault(name, set()).add(path)
+    found = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and private(node.attr)):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if (isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name)
+                    and owner.func.id == "super"):
+                continue
+            where = defined.get(node.attr, set())
+            if where and path not in where:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert len(defined) > 100  # the product's private names were collected
+    assert found == []

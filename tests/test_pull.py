@@ -28,6 +28,7 @@ from expertd.client import load
 from expertd.client.pull import (
     ABSENT,
     PULLED,
+    HostPuller,
     cuda_source,
     decode_status,
     encode_miss,
@@ -118,6 +119,59 @@ def test_every_family_at_the_smallest_pools(models, isolated_env, tmp_path, fami
             for run in runs:
                 assert run["mismatch"] is None, f"prompt {run['length']}: step {run['mismatch']}"
             assert session.counters["pulled_steps"] > 0
+        finally:
+            session.close()
+
+
+class FirstPullChecked(HostPuller):
+    """A puller checked as Metal's is on a user's Mac (its first pull of each layer compared
+    with the host copy), whose output is the host copy's, or with ``drift`` that copy with one
+    byte of every pulled row changed (a device reading the arena wrong)."""
+
+    name = "metal"
+
+    def __init__(self, view, layers, drift: bool):
+        super().__init__(view, layers)
+        self.checked, self.drift = set(), drift
+
+    def assemble(self, layer, ids, pool):
+        arrays, status = super().assemble(layer, ids, pool)
+        if not self.drift:
+            return arrays, status
+        pulled = mx.array(decode_status(np.array(status))[2] == PULLED)
+        first = arrays[0]
+        flat = first.reshape(first.shape[0], -1)
+        changed = mx.where(pulled[:, None], flat + 1, flat).reshape(first.shape)
+        return [changed, *arrays[1:]], status
+
+
+@pytest.mark.parametrize("drift", [False, True], ids=["faithful", "drifting"])
+def test_a_first_pull_unlike_the_host_copy_stops_pulling(models, isolated_env, tmp_path, capfd,
+                                                         drift):
+    """Metal's safety on a user's Mac, run here through a puller checked as Metal's is: pulls
+    equal to the host copy keep pulling; one that differs switches the process to the host
+    path with one warning line, and no step's logits ever leave wrong. (A layer's first pull
+    may take every row from its pool: it was marked checked then, and its later pulls drifted
+    unseen; a layer is now checked until a pull with rows from the arena agrees.)"""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off",
+                        pool_backing="device", pull="host", speculate="on")
+        session = model.expertd_session
+        try:
+            checked = FirstPullChecked(session.view, session.puller.layers, drift)
+            session.session.puller = checked  # the client session's puller (the runtime's)
+            run = Lockstep(resident_model(model_dir), model, prompt_len=9)
+            for _ in range(8):
+                run.step()
+            warned = [line for line in capfd.readouterr().err.splitlines()
+                      if "differs from the host copy" in line]
+            if drift:
+                assert session.puller is None and session.pull_mode == "off"
+                assert len(warned) == 1 and "metal pull of layer" in warned[0]
+            else:
+                assert session.puller is checked and checked.checked and warned == []
+                assert session.counters["pulled_steps"] > 0
         finally:
             session.close()
 
