@@ -158,6 +158,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
                                     "ahead_used", "steps",
                                     "host_waits", "speculative_steps", "unchecked_steps",
                                     "replays", "replays_absent", "replays_epoch",
+                                    "replays_device",
                                     "pulled_rows", "pulled_bytes", "pull_s",
                                     "pull_timed_bytes")},
         pool_bytes=session.pool_bytes, timing=dict(session.timing),
@@ -268,7 +269,8 @@ def summary_line(s: dict) -> str:
                    f"{cost} for cost, {spec['paused'] - cost} for replays")
             line += (f" (speculation paused {spec['paused']} time"
                      f"{'s' * (spec['paused'] != 1)}: {why}; paused steps wait per layer)")
-        causes = [f"{s[k]} {k[8:]}" for k in ("replays_absent", "replays_epoch") if s.get(k)]
+        causes = [f"{s[k]} {k[8:]}" for k in ("replays_absent", "replays_epoch",
+                                                          "replays_device") if s.get(k)]
         if causes:
             line += f" ({', '.join(causes)})"
     if s.get("pulled_rows"):

@@ -19,7 +19,6 @@ import numpy as np
 from expertd.protocol import GUESS_WIDTH
 
 from .pool import PROMOTE_AFTER
-from .pull import check_first_pull
 from .switch import compute, grouped
 
 DECODE_IDS = 64  # a call routing at most this many (token, slot) pairs is decoding
@@ -116,13 +115,16 @@ class StreamedLayer:
             self.previous.guess_sent = None
             if self.incoming is not None:
                 self.incoming.record(ranked[:n_core], unique, ranked)
-        fetched = None
+        fetched = out = None
         if session.puller is not None:
             # Rows missing from the pool are pulled from the arena by the device into one
             # stack with a row for every expert (inside an epoch, once the daemon has read
-            # them); the prompt's recurring ones then join the pool.
+            # them); the prompt's recurring ones then join the pool. None: the device's pull
+            # differed from the host copy, and the host path takes over.
             out = self._pulled_call(module, x, indices, idx, unique)
             fetched = time.perf_counter()
+        if out is not None:
+            pass
         elif len(unique) > pool.rows and pool.backing.whole_array_writes is False:
             # Unified memory, a call routing to more experts than the pool holds (a prompt):
             # its rows are staged outside the pool, at their experts' own indices, and the
@@ -169,7 +171,7 @@ class StreamedLayer:
         if pool.ahead is not None:
             pool.commit_ahead(session.epoch)
         puller = session.puller
-        if puller is not None and not pool.complete and self._checked(puller, indices):
+        if puller is not None and not pool.complete:
             arrays, status = puller.assemble(self.index, indices, pool)
             if records is not None:
                 records.append((self, indices, status, arrays))
@@ -178,20 +180,6 @@ class StreamedLayer:
         if records is not None:
             records.append((self, indices, None, None))
         return compute(module, self.segments, pool.arrays, x, rows)
-
-    def _checked(self, puller, indices) -> bool:
-        """Metal's pulls of each layer are compared with the host copy until one with rows
-        from the arena agrees (it runs on a user's Mac, where nothing else tested it); a
-        mismatch stops pulling in this process."""
-        if puller.name != "metal" or self.index in puller.checked:
-            return True
-        same = check_first_pull(puller, self.index, indices, self.pool)
-        if same:
-            puller.checked.add(self.index)  # a pull with rows from the arena agreed
-        elif same is False:
-            self.session.drop_puller()
-            return False
-        return True
 
     def _pair_rows(self, indices):
         """``0..n-1`` shaped as the router's ids: pair i computes with assembled row i."""
@@ -262,13 +250,16 @@ class StreamedLayer:
         """A call whose missing experts are pulled from the arena: one stack with a row for
         every expert (Session.assemble_rows: pool hits copied on the device, misses pulled) and
         mlx-lm's one call on it with the router's own ids, as resident: exact on every backend,
-        where computing groups apart is not on CUDA. The prompt's pulls then join the pool."""
+        where computing groups apart is not on CUDA. The prompt's pulls then join the pool.
+        None if the device's pull differed from the host copy (it pulls no more)."""
         pool, session = self.pool, self.session
         present = pool.row_of[unique] >= 0
+        stack = session.assemble_rows(self.index, unique, pool)
+        if stack is None:
+            return None
         pool.touch(pool.row_of[unique[present]])
         pool.counters["hits"] += int(present.sum())
         pool.counters["pulled"] += int((~present).sum())
-        stack = session.assemble_rows(self.index, unique, pool)
         out = compute(module, self.segments, stack, x, indices)
         if (~present).any():
             counts = np.bincount(idx.reshape(-1), minlength=self.num_experts)

@@ -19,8 +19,10 @@ Backings, one per platform, behind that interface:
   ``mx.fast.cuda_kernel`` reads the slot table and the rows through the registered pointer.
 - :class:`MetalPuller`: the arena is adopted as an MLX array without a copy
   (``mx.asarray(..., copy=False)``, 16 KiB-aligned memory, MLX >= 0.32.4) and an
-  ``mx.fast.metal_kernel`` does the same work. Its first pull of each layer is compared with a
-  host copy; a mismatch switches the process to :class:`HostPuller` with one warning.
+  ``mx.fast.metal_kernel`` does the same work. Its pulls of each layer are compared with a
+  host copy, at the step's end (the check's wait) or in the prompt's call, until one with rows
+  from the arena agrees; a mismatch replays the step and switches the process to the host
+  path with one warning (:func:`verify_pull`).
 - :class:`HostPuller`: the host copy (the native extension's or its pure-Python twin's
   seqlock-checked copy) after one wait for the router's ids: what the CPU runs, and what CI
   tests the rest of the path with.
@@ -301,11 +303,19 @@ class Puller:
     """
 
     name = "host"
+    # Pulls are compared with the host copy until one with rows from the arena agrees, per
+    # layer (verify_pull): a backing that nothing but a user's machine runs (Metal).
+    verify_first = False
 
     def __init__(self, view, layers: dict):
         self.view = view
         self.layers = layers
         self.counters = dict(rows_pulled=0, bytes_pulled=0, pull_s=0.0, timed_bytes=0)
+        self.verified: set = set()  # layers whose pull agreed with the host copy
+
+    def unverified(self, layer: int) -> bool:
+        """``layer``'s pulls are still to be compared with the host copy."""
+        return self.verify_first and layer not in self.verified
 
     def close(self) -> None:
         pass
@@ -465,6 +475,7 @@ class MetalPuller(_KernelPuller):
     name = "metal"
     arena_input = "arena_rows"
     base = 0
+    verify_first = True
 
     def __init__(self, view, layers: dict):
         limit = mx.metal.device_info().get("max_buffer_length", 0)
@@ -473,31 +484,31 @@ class MetalPuller(_KernelPuller):
                                f"largest buffer ({limit} bytes)")
         self._arena = mx.asarray(view.raw, copy=False)  # adopted, not copied (16 KiB aligned)
         super().__init__(view, layers)
-        self.checked: set = set()  # layers whose first pull matched the host copy
 
     def extra_inputs(self) -> list:
         return [self._arena]
 
 
 
-def check_first_pull(puller, layer: int, ids, pool) -> bool | None:
-    """Compare ``puller``'s pull of ``layer`` with the host copy of the same rows (once per
-    layer and process): False, after a warning, if they differ; None if they agree but no
-    row came from the arena (what is checked is how the device reads the arena, so the
-    layer's next pull is compared again); True once a pull with arena rows agreed."""
-    arrays, status = puller.assemble(layer, ids, pool)
+def verify_pull(puller, layer: int, ids, pool, arrays, status) -> bool | None:
+    """Compare a pull of ``layer`` that ``puller`` made (``arrays`` and ``status``, evaluated,
+    for the router's ``ids`` over ``pool``) with the host copy of the same rows, made now:
+    False, after one warning line, if the bytes of a pair differ; True if pairs the device read
+    from the arena agreed; None if none could be compared (the layer's next pull is). An
+    expert's bytes are the same from its pool row or its arena row, so a pair is compared
+    wherever both sides have its bytes: one filled, refilled or taken into the pool between
+    the two pulls is a race, not a fault."""
     want, want_status = HostPuller(puller.view, puller.layers).assemble(layer, ids, pool)
-    mx.eval(arrays, status, want, want_status)
-    same = np.array_equal(np.array(status), np.array(want_status))
-    kinds = decode_status(np.array(status))[2]
-    ok = mx.array(np.flatnonzero(kinds != ABSENT))
-    for a, b in zip(arrays, want):
-        same = same and bool(mx.array_equal(a[ok], b[ok]).item())
-    if not same:
+    experts = np.array(ids).reshape(-1)
+    got = decode_status(np.array(status))[2]
+    host = decode_status(np.array(want_status))[2]
+    both = np.flatnonzero((experts >= 0) & (got != ABSENT) & (host != ABSENT))
+    at = mx.array(both)
+    if not all(bool(mx.array_equal(a[at], b[at]).item()) for a, b in zip(arrays, want)):
         print(f"expertd: the {puller.name} pull of layer {layer} differs from the host copy; "
               "this process copies rows on the host from now on", file=sys.stderr, flush=True)
         return False
-    return True if (kinds == PULLED).any() else None
+    return True if (got[both] == PULLED).any() else None
 
 
 def make_puller(mode: str, view, layers: dict):

@@ -613,18 +613,21 @@ def _serve_loaded(httpd, loading, listen, session, model, tokenizer, draft, cli_
 
 def _serve_until_signal(httpd) -> int:
     """Serve ``httpd`` until SIGINT or SIGTERM, either of which ends ``serve_forever`` in this
-    thread; the signal's number."""
-    caught = [signal.SIGINT]
+    thread; the signal's number. Only the first signal ends it: one that follows (a second
+    Ctrl-C) is ignored from then on, so it never interrupts the shutdown that the caller does
+    next (it did, between two signals sent back to back, and the generation thread was then
+    joined without being told to stop)."""
+    caught = []
 
     def interrupt(signum, frame):
-        caught[0] = signum
-        raise KeyboardInterrupt
+        if not caught:
+            caught.append(signum)
+            raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:
         pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return caught[0]
+    return caught[0] if caught else signal.SIGINT

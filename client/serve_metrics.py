@@ -123,6 +123,8 @@ CLIENT_METRICS = [
     ("replays", "speculative steps run again, exactly, because an expert missed its pools"),
     ("replays_absent", "of those, because a pulled expert was absent from the arena"),
     ("replays_epoch", "of those, because the daemon revoked the step's epoch (held too long)"),
+    ("replays_device", "of those, because the device's pull differed from the host copy (it "
+     "pulls no more)"),
     ("pulled_rows", "expert rows its device pulled from the arena (no host copy)"),
     ("pulled_bytes", "bytes its device pulled from the arena"),
 ]

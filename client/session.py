@@ -28,7 +28,14 @@ from expertd.client.heartbeat import Heartbeat
 from expertd.client.interrupts import HeldInterrupts
 from expertd.client.links import Links, weak_method
 from expertd.client.predict import check_choice
-from expertd.client.pull import ABSENT, PULL_MODES, StepEpoch, decode_status, make_puller
+from expertd.client.pull import (
+    ABSENT,
+    PULL_MODES,
+    StepEpoch,
+    decode_status,
+    make_puller,
+    verify_pull,
+)
 from expertd.client.requester import DaemonDied, Requester
 from expertd.client.switch import MLX_DTYPES
 from expertd.connection import Connection
@@ -106,7 +113,7 @@ class Session:
                              late_leases=0, prefetch_asked=0, misses=0, prefetch_saved=0,
                              hits_reported=0, steps=0, host_waits=0, speculative_steps=0,
                              unchecked_steps=0, replays=0, replays_absent=0,
-                             replays_epoch=0, pulled_steps=0)
+                             replays_epoch=0, replays_device=0, pulled_steps=0)
         # Where the main thread's time goes per MoE layer call (see layer.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
                            copier_wait_s=0.0, prestage_s=0.0, layers=0,
@@ -208,7 +215,7 @@ class Session:
         self.puller = puller
 
     def drop_puller(self) -> None:
-        """Stop pulling for the rest of this process (pull.check_first_pull said why)."""
+        """Stop pulling for the rest of this process (pull.verify_pull said why)."""
         self.pull_mode = "off"
         self._close_puller()
 
@@ -429,7 +436,8 @@ class Session:
         many at a time as it leases at once (each later pass copies the stack so far on the
         device). The call computes on it exactly as resident mlx-lm does (the same shapes,
         the same ids); the other rows are never read. Waits for the pulls, not for the
-        computation."""
+        computation. None if the device's pull differed from the host copy (pull.verify_pull:
+        the puller is dropped, and the caller takes the host path)."""
         present = pool.row_of[experts] >= 0
         missing = experts[~present]
         # Expert e's row is row e; -1: not wanted (yet). Each pass adds its chunk, and its
@@ -441,7 +449,10 @@ class Session:
                   for i in range(0, len(missing), self.demand_limit)] or [missing]
         for chunk in chunks:
             want[chunk] = chunk
-            source = Stack(self._assemble_pass(layer, chunk, want, source), want.copy())
+            arrays = self._assemble_pass(layer, chunk, want, source)
+            if arrays is None:
+                return None
+            source = Stack(arrays, want.copy())
         return source.arrays
 
     def _assemble_pass(self, layer: int, chunk: np.ndarray, want: np.ndarray, source) -> list:
@@ -455,11 +466,20 @@ class Session:
             started = time.perf_counter()
             if len(chunk):
                 epoch.begin()
+            drifted = False
             try:
                 arrays, status = puller.assemble(layer, mx.array(want), source)
                 mx.eval(arrays, status)
+                if puller.unverified(layer):  # compared while the epoch holds its rows
+                    same = verify_pull(puller, layer, want, source, arrays, status)
+                    drifted = same is False
+                    if same:
+                        puller.verified.add(layer)
             finally:
                 lost = epoch.end()
+            if drifted:
+                self.drop_puller()
+                return None
             puller.counters["pull_s"] += time.perf_counter() - started
             kinds = decode_status(np.array(status)[wanted])[2]
             if not lost and not (kinds == ABSENT).any():

@@ -31,7 +31,7 @@ from expertd.choices import SPECULATE_MODES
 
 from .layer import DECODE_IDS, StepMode
 from .predict import check_choice
-from .pull import ABSENT, decode_status
+from .pull import ABSENT, PULLED, decode_status, verify_pull
 
 WINDOW = 16  # speculative steps per verdict
 MAX_REPLAYS = 4  # replays in a window above which auto stops speculating (a replay costs a
@@ -46,7 +46,8 @@ def check_speculate(mode: str) -> str:
 
 log = logging.getLogger("expertd")
 REPLAY_CAUSES = {"pool": "an expert missed its pool", "absent": "a pulled expert was absent "
-                 "from the arena", "epoch": "the daemon revoked the step's epoch"}
+                 "from the arena", "epoch": "the daemon revoked the step's epoch",
+                 "device": "the device's pull differed from the host copy"}
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
 PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
 TIMED_STEPS = 5  # the latest step times of each kind whose median the verdict weighs
@@ -266,6 +267,8 @@ class Steps:
                 return logits
             self._count_replay(cause)
             trim(cache, tokens)
+            if cause == "device":
+                self.session.drop_puller()  # the replay and every later step copy on the host
             if cause != "absent" or attempt:
                 break
             for layer, experts in absent:
@@ -357,6 +360,8 @@ class Steps:
             self._settled = None
             if after is not None:
                 self.abandon(after)
+            if cause == "device":
+                session.drop_puller()  # once nothing in flight reads through it
             counters["steps"] -= 1  # the replay through the model counts it (as run() does)
             self._count_replay(cause)
             for layer, experts in absent:
@@ -488,6 +493,8 @@ class Steps:
                     if lacked.size:
                         absent.append((layer, np.unique(lacked).astype(np.int32)))
                 return "absent"
+            if self._drifted(pulled, kinds):
+                return "device"
         for (layer, _, _, _), part in plain:
             layer.after_speculation(ids[part])
         if pulled and promote:
@@ -499,6 +506,22 @@ class Steps:
                 self._deferred.setdefault(layer.index, (layer, []))[1].append(
                     (rows[part], experts[part]))
         return None
+
+    def _drifted(self, pulled: list, kinds: np.ndarray) -> bool:
+        """A pull of a layer whose pulls are still compared with the host copy (Metal's:
+        pull.verify_pull) differed from it: the step's logits are wrong. A layer whose pull
+        with rows from the arena agreed is compared no more."""
+        puller = self.session.puller
+        if puller is None or not puller.verify_first:
+            return False
+        for (layer, ids, status, arrays), part in pulled:
+            if puller.unverified(layer.index) and (kinds[part] == PULLED).any():
+                same = verify_pull(puller, layer.index, ids, layer.pool, arrays, status)
+                if same is False:
+                    return True
+                if same:
+                    puller.verified.add(layer.index)
+        return False
 
     def flush(self) -> None:
         """Count the pulled steps whose bookkeeping waited (see :meth:`_check`)."""

@@ -157,6 +157,12 @@ def test_no_product_module_reads_another_modules_private_names():
     found = []
     for path, tree in trees.items():
         for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):  # from .other import _name
+                for alias in node.names:
+                    where = defined.get(alias.name, set())
+                    if private(alias.name) and where and path not in where:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {alias.name}")
+                continue
             if not (isinstance(node, ast.Attribute) and private(node.attr)):
                 continue
             owner = node.value

@@ -123,18 +123,21 @@ def test_every_family_at_the_smallest_pools(models, isolated_env, tmp_path, fami
             session.close()
 
 
-class FirstPullChecked(HostPuller):
-    """A puller checked as Metal's is on a user's Mac (its first pull of each layer compared
-    with the host copy), whose output is the host copy's, or with ``drift`` that copy with one
-    byte of every pulled row changed (a device reading the arena wrong)."""
+class CheckedPuller(HostPuller):
+    """A puller checked as Metal's is on a user's Mac (its pulls compared with the host copy
+    until one with rows from the arena agrees), whose output is the host copy's, or with
+    ``drift`` that copy with one byte of every pulled row changed (a device reading the arena
+    wrong)."""
 
     name = "metal"
+    verify_first = True
 
     def __init__(self, view, layers, drift: bool):
         super().__init__(view, layers)
-        self.checked, self.drift = set(), drift
+        self.drift, self.assembled = drift, 0
 
     def assemble(self, layer, ids, pool):
+        self.assembled += 1
         arrays, status = super().assemble(layer, ids, pool)
         if not self.drift:
             return arrays, status
@@ -145,33 +148,42 @@ class FirstPullChecked(HostPuller):
         return [changed, *arrays[1:]], status
 
 
+@pytest.mark.parametrize("prompt,speculate", [(1, "on"), (40, "on"), (9, "off")],
+                         ids=["speculative", "long-prompt", "per-layer"])
 @pytest.mark.parametrize("drift", [False, True], ids=["faithful", "drifting"])
-def test_a_first_pull_unlike_the_host_copy_stops_pulling(models, isolated_env, tmp_path, capfd,
-                                                         drift):
-    """Metal's safety on a user's Mac, run here through a puller checked as Metal's is: pulls
-    equal to the host copy keep pulling; one that differs switches the process to the host
-    path with one warning line, and no step's logits ever leave wrong. (A layer's first pull
-    may take every row from its pool: it was marked checked then, and its later pulls drifted
-    unseen; a layer is now checked until a pull with rows from the arena agrees.)"""
+def test_a_pull_unlike_the_host_copy_stops_pulling(models, isolated_env, tmp_path, capfd,
+                                                   drift, prompt, speculate):
+    """Metal's safety on a user's Mac, run here through a puller checked as Metal's is, on the
+    speculative path (the step's end), a prompt's per-layer calls and the per-layer decode:
+    pulls equal to the host copy keep pulling, and once a pull with arena rows agreed a layer
+    is compared no more; one that differs switches the process to the host path with one
+    warning line, and no step's logits ever leave wrong."""
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
         model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off",
-                        pool_backing="device", pull="host", speculate="on")
+                        pool_backing="device", pull="host", speculate=speculate)
         session = model.expertd_session
         try:
-            checked = FirstPullChecked(session.view, session.puller.layers, drift)
+            checked = CheckedPuller(session.view, session.puller.layers, drift)
             session.session.puller = checked  # the client session's puller (the runtime's)
-            run = Lockstep(resident_model(model_dir), model, prompt_len=9)
-            for _ in range(8):
+            if prompt == 1:  # every expert in the arena: the first steps pull, speculatively
+                for layer in session.manifest.layers:
+                    session.demand_absent(layer.index,
+                                          np.arange(layer.num_experts, dtype=np.int32))
+            run = Lockstep(resident_model(model_dir), model, prompt_len=prompt)
+            for _ in range(12):
                 run.step()
             warned = [line for line in capfd.readouterr().err.splitlines()
                       if "differs from the host copy" in line]
             if drift:
                 assert session.puller is None and session.pull_mode == "off"
                 assert len(warned) == 1 and "metal pull of layer" in warned[0]
+                if speculate == "on" and prompt == 1:  # caught at the step's end
+                    assert session.counters["replays_device"] == 1
             else:
-                assert session.puller is checked and checked.checked and warned == []
-                assert session.counters["pulled_steps"] > 0
+                assert session.puller is checked and warned == []
+                assert checked.verified == set(range(len(session.pools)))
+                assert session.counters["replays_device"] == 0
         finally:
             session.close()
 

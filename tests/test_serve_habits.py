@@ -107,6 +107,32 @@ def test_ctrl_c_ends_a_stream_in_flight_with_an_error_and_exits_130(models, isol
     assert all("choices" in json.loads(e) for e in events[:3])
 
 
+def test_only_the_first_signal_ends_serving():
+    """Ctrl-C twice: the first ends the serving loop, and one that comes after it (before the
+    shutdown set SIGINT to be ignored) must not raise in the middle of that shutdown. It did
+    under load in CI: the generation thread was then joined without being told to stop, and a
+    stream in flight never ended."""
+    from expertd.client.serve import _serve_until_signal
+
+    class Loop:
+        def serve_forever(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            signal.sigtimedwait([], 0)  # a point where Python runs the pending handler
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert _serve_until_signal(Loop()) == signal.SIGINT
+        for later in (signal.SIGINT, signal.SIGTERM):  # during the shutdown
+            try:
+                os.kill(os.getpid(), later)
+                signal.sigtimedwait([], 0)
+            except KeyboardInterrupt:
+                pytest.fail(f"signal {later} interrupted the shutdown")
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
 def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
     """A request without "model" is answered with the served id; n=2, messages as a string and
     a prompt that is not text are refused 400 naming the parameter, never ignored."""
