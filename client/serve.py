@@ -625,7 +625,8 @@ def _serve_until_signal(httpd) -> int:
             raise KeyboardInterrupt
 
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, interrupt)
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # ignored when started so: stays
+            signal.signal(signum, interrupt)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

@@ -16,7 +16,15 @@ import threading
 import time
 
 import pytest
-from harness import SMALL_CACHE_GB, Daemon, RawClient, expected_bytes, expertd_cli, wait_until
+from harness import (
+    SMALL_CACHE_GB,
+    Daemon,
+    RawClient,
+    expected_bytes,
+    expertd_cli,
+    sigint_as_usual,
+    wait_until,
+)
 from range_server import RangeServer, _Handler
 
 from expertd.errors import DaemonError
@@ -215,16 +223,19 @@ def test_ctrl_c_of_fetch_is_prompt_while_the_server_hangs(tiny, tmp_path):
         server.fault("stall")
         proc = subprocess.Popen([sys.executable, "-m", "expertd", "fetch", "--blobs", str(out),
                                  "-q"], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=sigint_as_usual)
         try:
             wait_until(lambda: any(r["fault"] == "stall" for r in server.requests[before:]),
                        60, "a download to hang")
             proc.send_signal(signal.SIGINT)
             # With --timeout 30 and its retries, waiting out the downloads takes minutes.
             try:
-                proc.communicate(timeout=60)
+                _, err = proc.communicate(timeout=60)
             except subprocess.TimeoutExpired:
                 pytest.fail("Ctrl-C of expertd fetch waited for the hung downloads")
+            # Ended by the Ctrl-C, not by its downloads' own timeouts.
+            assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -242,7 +253,8 @@ def test_ctrl_c_of_convert_lazy_is_prompt_while_the_trunk_trickles(tiny, tmp_pat
         out = tmp_path / "lazy"
         proc = subprocess.Popen([sys.executable, "-m", "expertd", "convert", server.url,
                                  str(out), "--lazy", "-q"], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=sigint_as_usual)
         try:
             wait_until(lambda: server.trickling() >= 1, 30, "the trunk's download")
             proc.send_signal(signal.SIGINT)

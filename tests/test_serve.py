@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx_lm
 import pytest
-from harness import SMALL_CACHE_GB, Daemon, expertd_cli, stop_process, wait_until
+from harness import SMALL_CACHE_GB, Daemon, expertd_cli, sigint_as_usual, stop_process, wait_until
 from openai import APIError, APIStatusError, NotFoundError, OpenAI
 
 pytestmark = pytest.mark.timeout(240)
@@ -45,7 +45,9 @@ class Server:
         cmd = [sys.executable, "-m", "expertd", "serve", "--blobs", str(blob_dir), "--port",
                "0", "--log-level", "WARNING", *map(str, flags)]
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+            # Sent Ctrl-C by some tests: SIGINT as a shell's foreground job has it.
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                         preexec_fn=sigint_as_usual)
         try:
             line = wait_until(self._listening, START_TIMEOUT, "expertd serve to listen")
         except BaseException:

@@ -120,6 +120,8 @@ def test_only_the_first_signal_ends_serving():
             signal.sigtimedwait([], 0)  # a point where Python runs the pending handler
 
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a shell's foreground job
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         assert _serve_until_signal(Loop()) == signal.SIGINT
         for later in (signal.SIGINT, signal.SIGTERM):  # during the shutdown
