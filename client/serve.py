@@ -501,7 +501,9 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         print(f"expertd serve (loading {name}): {_url(httpd)}/health answers 503 until the "
               "model is ready", file=out, flush=True)
     signum = None
-    if not distributed:  # SIGTERM while loading ends it as Ctrl-C does, but as a clean stop
+    # SIGTERM while loading ends it as Ctrl-C does, but as a clean stop (unless it was ignored
+    # when serve started: it stays ignored).
+    if not distributed and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
         signal.signal(signal.SIGTERM, _terminated)
     try:
         # A daemon that dies later is waited for by the model, not by the requests (see

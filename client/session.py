@@ -14,6 +14,7 @@ together by runtime.py, not by the session.
 import logging
 import os
 import sys
+import threading
 import time
 import weakref
 
@@ -130,6 +131,7 @@ class Session:
             layer.index: [(MLX_DTYPES[seg.dtype], tuple(seg.shape), seg.nbytes)
                           for seg in layer.segments] for layer in self.manifest.layers}
         self._pulled_before = dict(rows_pulled=0, bytes_pulled=0, pull_s=0.0, timed_bytes=0)
+        self._pull_lock = threading.Lock()  # the puller's swap against pull_counters' reads
         self.max_group = None
         self.closed = False
         self._segment_tables = [
@@ -214,16 +216,22 @@ class Session:
         self.step_epoch = StepEpoch(view.raw, g.epochs_offset + slot * EPOCH_DTYPE.itemsize)
         self.puller = puller
 
-    def drop_puller(self) -> None:
-        """Stop pulling for the rest of this process (pull.verify_pull said why)."""
+    def drop_puller(self, layer: int) -> None:
+        """Stop pulling for the rest of this process: the device's pull of ``layer`` differed
+        from the host copy (pull.verify_pull). Says so in one line."""
+        name = self.puller.name if self.puller is not None else "device"
+        notice(f"expertd: the {name} pull of layer {layer} differs from the host copy; this "
+               "process copies rows on the host from now on")
         self.pull_mode = "off"
         self._close_puller()
 
     def _close_puller(self) -> None:
-        puller, self.puller, self.step_epoch = self.puller, None, None
+        with self._pull_lock:  # a /metrics scrape (another thread) sees the counts whole
+            puller, self.puller, self.step_epoch = self.puller, None, None
+            if puller is not None:
+                for key in self._pulled_before:
+                    self._pulled_before[key] += puller.counters[key]
         if puller is not None:
-            for key in self._pulled_before:
-                self._pulled_before[key] += puller.counters[key]
             puller.close()
 
     def stage(self, rows: int, like):
@@ -246,8 +254,9 @@ class Session:
     def pull_counters(self) -> dict:
         """Rows and bytes pulled from the arena (every attach so far), and the seconds the
         timed pulls (a prompt's) took."""
-        now = self.puller.counters if self.puller is not None else {}
-        return {k: v + now.get(k, 0) for k, v in self._pulled_before.items()}
+        with self._pull_lock:
+            now = self.puller.counters if self.puller is not None else {}
+            return {k: v + now.get(k, 0) for k, v in self._pulled_before.items()}
 
     def announce_pools(self, pool_bytes: int) -> None:
         """Tell the daemon this client's expert memory (its pools' ``pool_bytes``), for
@@ -477,8 +486,8 @@ class Session:
                         puller.verified.add(layer)
             finally:
                 lost = epoch.end()
-            if drifted:
-                self.drop_puller()
+            if drifted and not lost:  # a revoked epoch's rows may have been refilled: retried
+                self.drop_puller(layer)
                 return None
             puller.counters["pull_s"] += time.perf_counter() - started
             kinds = decode_status(np.array(status)[wanted])[2]

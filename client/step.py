@@ -231,6 +231,7 @@ class Steps:
         # layer index -> (layer, [(rows, experts)] of its pulled steps not yet counted)
         self._deferred: dict = {}
         self._top_k = session.manifest.top_k
+        self._drift_layer = None  # the layer whose pull differed, for a "device" replay
 
     def run(self, forward, inputs, args: tuple, kwargs: dict):
         # A step starts attached: after a daemon's death or a failed or interrupted wait for
@@ -267,8 +268,8 @@ class Steps:
                 return logits
             self._count_replay(cause)
             trim(cache, tokens)
-            if cause == "device":
-                self.session.drop_puller()  # the replay and every later step copy on the host
+            if cause == "device":  # the replay and every later step copy on the host
+                self.session.drop_puller(self._drift_layer)
             if cause != "absent" or attempt:
                 break
             for layer, experts in absent:
@@ -361,7 +362,7 @@ class Steps:
             if after is not None:
                 self.abandon(after)
             if cause == "device":
-                session.drop_puller()  # once nothing in flight reads through it
+                session.drop_puller(self._drift_layer)  # once nothing in flight reads it
             counters["steps"] -= 1  # the replay through the model counts it (as run() does)
             self._count_replay(cause)
             for layer, experts in absent:
@@ -493,7 +494,8 @@ class Steps:
                     if lacked.size:
                         absent.append((layer, np.unique(lacked).astype(np.int32)))
                 return "absent"
-            if self._drifted(pulled, kinds):
+            self._drift_layer = self._drifted(pulled, kinds)
+            if self._drift_layer is not None:
                 return "device"
         for (layer, _, _, _), part in plain:
             layer.after_speculation(ids[part])
@@ -507,21 +509,22 @@ class Steps:
                     (rows[part], experts[part]))
         return None
 
-    def _drifted(self, pulled: list, kinds: np.ndarray) -> bool:
-        """A pull of a layer whose pulls are still compared with the host copy (Metal's:
-        pull.verify_pull) differed from it: the step's logits are wrong. A layer whose pull
-        with rows from the arena agreed is compared no more."""
+    def _drifted(self, pulled: list, kinds: np.ndarray) -> int | None:
+        """The layer whose pull differed from the host copy, of those whose pulls are still
+        compared with it (Metal's: pull.verify_pull): the step's logits are wrong. None if
+        none did. A layer whose pull with rows from the arena agreed is compared no more.
+        (The step's epoch held: a revoked one is replayed before this is asked.)"""
         puller = self.session.puller
         if puller is None or not puller.verify_first:
-            return False
+            return None
         for (layer, ids, status, arrays), part in pulled:
             if puller.unverified(layer.index) and (kinds[part] == PULLED).any():
                 same = verify_pull(puller, layer.index, ids, layer.pool, arrays, status)
                 if same is False:
-                    return True
+                    return layer.index
                 if same:
                     puller.verified.add(layer.index)
-        return False
+        return None
 
     def flush(self) -> None:
         """Count the pulled steps whose bookkeeping waited (see :meth:`_check`)."""

@@ -188,6 +188,49 @@ def test_a_pull_unlike_the_host_copy_stops_pulling(models, isolated_env, tmp_pat
             session.close()
 
 
+class TornOnce(CheckedPuller):
+    """A checked puller whose first pull inside an epoch finds the epoch revoked (as the
+    daemon marks it when it gives up on a step) and its bytes torn, as a row refilled while
+    the device read it would leave them."""
+
+    def __init__(self, view, layers, session):
+        super().__init__(view, layers, drift=False)
+        self.session, self.torn = session, False
+
+    def assemble(self, layer, ids, pool):
+        epoch = self.session.step_epoch
+        self.drift = not self.torn and epoch is not None and epoch.inside
+        if self.drift:
+            native.publish_u64(epoch._raw, epoch._lost_at, epoch.step)  # the daemon gave up
+            self.torn = True
+        return super().assemble(layer, ids, pool)
+
+
+def test_a_torn_read_in_a_revoked_epoch_is_retried_not_blamed_on_the_device(
+        models, isolated_env, tmp_path, capfd):
+    """A prompt's pull whose epoch was revoked may read rows refilled under it: its bytes
+    differ from the host copy, and the pass is retried (found by a review: it was taken for
+    device drift, and the process stopped pulling for good)."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off",
+                        pool_backing="device", pull="host", speculate="off")
+        session = model.expertd_session.session
+        try:
+            for layer in session.manifest.layers:  # the prompt's pulls find every expert
+                session.demand_absent(layer.index, np.arange(layer.num_experts, dtype=np.int32))
+            puller = session.puller = TornOnce(session.view, session.puller.layers, session)
+            retries = session.counters["retries"]
+            run = Lockstep(resident_model(model_dir), model, prompt_len=9)
+            for _ in range(3):
+                run.step()
+            assert puller.torn and session.counters["retries"] > retries
+            assert session.puller is puller
+            assert "differs from the host copy" not in capfd.readouterr().err
+        finally:
+            session.close()
+
+
 def test_two_clients_evicting_each_others_rows(models, isolated_env, tmp_path):
     """Two clients pulling from an arena of a few rows, each exact while the other's demands
     evict the rows it pulls from."""
