@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 from importlib.metadata import version
 from pathlib import Path
 
@@ -476,3 +477,35 @@ def test_top_p_reads_the_same_in_every_help():
         text = " ".join(done.stdout.split())
         at = text.index("--top-p TOP_P ")
         assert "(default: off (mlx-lm's " in text[at:at + 120], (command, text[at:at + 120])
+
+
+def test_an_interrupt_python_swallows_is_delivered_again():
+    """A KeyboardInterrupt raised inside a callback Python runs for itself (here a weakref
+    callback, as an import lock's is) is printed as "Exception ignored" and lost; under
+    expertd's hook it reaches the command's own code (synth once went on to exit 0)."""
+    program = textwrap.dedent("""
+        import sys, time, weakref
+        from expertd.cli.main import deliver_lost_interrupts
+        hooked = sys.argv[1] == "hooked"
+        if hooked:
+            deliver_lost_interrupts()
+        class Lock: pass
+        def callback(ref):
+            raise KeyboardInterrupt  # a SIGINT landing in the callback
+        held = Lock()
+        ref = weakref.ref(held, callback)
+        try:
+            del held
+            # The command's own work: a second without the hook (it goes on, and ends), up
+            # to a minute with it (the interrupt ends it as soon as it is delivered).
+            end = time.monotonic() + (60 if hooked else 1)
+            while time.monotonic() < end:
+                pass
+            print("went on")
+        except KeyboardInterrupt:
+            print("interrupted")
+    """)
+    got = {how: subprocess.run([sys.executable, "-c", program, how], capture_output=True,
+                               text=True, timeout=120).stdout.strip()
+           for how in ("plain", "hooked")}
+    assert got == {"plain": "went on", "hooked": "interrupted"}

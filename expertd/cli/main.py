@@ -268,7 +268,29 @@ def main(argv=None) -> int:
     return code
 
 
+def deliver_lost_interrupts() -> None:
+    """Ctrl-C is never lost. A SIGINT whose KeyboardInterrupt is raised inside a callback
+    Python runs for itself (an import lock's weakref callback, a finalizer) is only printed as
+    "Exception ignored", and the command would go on as if never interrupted (synth did, in
+    CI). Such a one is sent again, from a helper thread a moment later, so that it lands in
+    the command's own code (sending it from the hook would raise it in the hook, lost again)."""
+    import _thread
+    import threading
+
+    fallback = sys.unraisablehook
+
+    def hook(unraisable):
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type,
+                                                          KeyboardInterrupt):
+            threading.Timer(0.005, _thread.interrupt_main).start()
+        else:
+            fallback(unraisable)
+
+    sys.unraisablehook = hook
+
+
 def _run(argv) -> int:
+    deliver_lost_interrupts()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
