@@ -506,6 +506,6 @@ def test_an_interrupt_python_swallows_is_delivered_again():
             print("interrupted")
     """)
     got = {how: subprocess.run([sys.executable, "-c", program, how], capture_output=True,
-                               text=True, timeout=120).stdout.strip()
+                               text=True, timeout=120, preexec_fn=sigint_as_usual).stdout.strip()
            for how in ("plain", "hooked")}
     assert got == {"plain": "went on", "hooked": "interrupted"}
