@@ -72,6 +72,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
     from expertd.client import load
 
     from .decode import stream_generate
+    from .step import REPLAY_COUNTERS
 
     if seed is not None:  # as mlx_lm.generate: no seed, no seeding; seeded before the load
         mx.random.seed(seed)  # (adapters draw their initial values from it)
@@ -157,10 +158,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
         **{k: counters[k] for k in ("fast_hits", "demanded", "pool_hits", "pool_moved",
                                     "ahead_used", "steps",
                                     "host_waits", "speculative_steps", "unchecked_steps",
-                                    "replays", "replays_absent", "replays_epoch",
-                                    "replays_device",
-                                    "pulled_rows", "pulled_bytes", "pull_s",
-                                    "pull_timed_bytes")},
+                                    "replays", *REPLAY_COUNTERS, "pulled_rows",
+                                    "pulled_bytes", "pull_s", "pull_timed_bytes")},
         pool_bytes=session.pool_bytes, timing=dict(session.timing),
         speculation=_speculation(session),
         prediction=session.prediction(),
@@ -250,6 +249,8 @@ def check_draft(draft: tuple, tokenizer, name: str) -> None:
 
 
 def summary_line(s: dict) -> str:
+    from .step import REPLAY_COUNTERS
+
     line = (f"[expertd] prompt {s['prompt_tokens']} tok @ {s['prompt_tps']:.1f} tok/s | "
             f"generation {s['generation_tokens']} tok @ {s['generation_tps']:.1f} tok/s | "
             f"hit rate {s['hit_rate']:.1%} | read {s['bytes_read'] / 2**20:.1f} MiB")
@@ -269,8 +270,7 @@ def summary_line(s: dict) -> str:
                    f"{cost} for cost, {spec['paused'] - cost} for replays")
             line += (f" (speculation paused {spec['paused']} time"
                      f"{'s' * (spec['paused'] != 1)}: {why}; paused steps wait per layer)")
-        causes = [f"{s[k]} {k[8:]}" for k in ("replays_absent", "replays_epoch",
-                                                          "replays_device") if s.get(k)]
+        causes = [f"{s[k]} {k[8:]}" for k in REPLAY_COUNTERS if s.get(k)]
         if causes:
             line += f" ({', '.join(causes)})"
     if s.get("pulled_rows"):

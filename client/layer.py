@@ -115,7 +115,7 @@ class StreamedLayer:
             self.previous.guess_sent = None
             if self.incoming is not None:
                 self.incoming.record(ranked[:n_core], unique, ranked)
-        fetched = out = None
+        out = None
         if session.puller is not None:
             # Rows missing from the pool are pulled from the arena by the device into one
             # stack with a row for every expert (inside an epoch, once the daemon has read
@@ -123,28 +123,8 @@ class StreamedLayer:
             # differed from the host copy, and the host path takes over.
             out = self._pulled_call(module, x, indices, idx, unique)
             fetched = time.perf_counter()
-        if out is not None:
-            pass
-        elif len(unique) > pool.rows and pool.backing.whole_array_writes is False:
-            # Unified memory, a call routing to more experts than the pool holds (a prompt):
-            # its rows are staged outside the pool, at their experts' own indices, and the
-            # call runs as resident's does, in one piece (not in groups of half the pool).
-            out = self._staged_call(module, x, indices, unique)
-            fetched = time.perf_counter()
-        elif len(unique) <= pool.rows:
-            rows = pool.place(unique)
-            fetched = time.perf_counter()
-            # A pool with a row for every expert holds each at its index: the router's ids
-            # are the rows, already on the device.
-            out = compute(module, self.segments, pool.arrays, x, indices if pool.identity
-                          else mx.array(pool.row_of[idx].astype(idx.dtype)))
-            pool.computing(rows, out)
-            if self.start_early:
-                mx.async_eval(out)
-        else:
-            out = grouped(module, self.segments, pool.arrays, x, idx, unique,
-                          max(1, pool.rows // 2), self.num_experts,
-                          pool.place, pool.computing)
+        if out is None:
+            out, fetched = self._host_call(module, x, indices, idx, unique)
         if guess is not None:
             ahead = time.perf_counter()
             self._guess_ahead(np.array(guess), indices.shape[-1])
@@ -160,6 +140,31 @@ class StreamedLayer:
         if session.timeline is not None:
             session.timeline.append((self.index, started, synced, fetched, time.perf_counter()))
         return out
+
+    def _host_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray) -> tuple:
+        """The call with its rows moved by the host: ``(out, when its rows were in place)``,
+        the time None for a call in groups (each group's rows move as it computes)."""
+        pool = self.pool
+        if len(unique) > pool.rows and pool.backing.whole_array_writes is False:
+            # Unified memory, a call routing to more experts than the pool holds (a prompt):
+            # its rows are staged outside the pool, at their experts' own indices, and the
+            # call runs as resident's does, in one piece (not in groups of half the pool).
+            out = self._staged_call(module, x, indices, unique)
+            return out, time.perf_counter()
+        if len(unique) <= pool.rows:
+            rows = pool.place(unique)
+            fetched = time.perf_counter()
+            # A pool with a row for every expert holds each at its index: the router's ids
+            # are the rows, already on the device.
+            out = compute(module, self.segments, pool.arrays, x, indices if pool.identity
+                          else mx.array(pool.row_of[idx].astype(idx.dtype)))
+            pool.computing(rows, out)
+            if self.start_early:
+                mx.async_eval(out)
+            return out, fetched
+        return grouped(module, self.segments, pool.arrays, x, idx, unique,
+                       max(1, pool.rows // 2), self.num_experts, pool.place,
+                       pool.computing), None
 
     def _speculative(self, module, x, indices, records: list | None):
         """No host wait. With a puller, its one primitive assembles the pairs' rows (pool hits

@@ -32,7 +32,6 @@ DESIGN.md "Epochs"): the daemon refills no row evicted during a step before the 
 step held past the lease bound loses its epoch and is replayed. A device never waits for a row.
 """
 
-
 import mlx.core as mx
 import numpy as np
 
@@ -488,16 +487,15 @@ class MetalPuller(_KernelPuller):
         return [self._arena]
 
 
-
 def verify_pull(puller, layer: int, ids, pool, arrays, status) -> bool | None:
     """Compare a pull of ``layer`` that ``puller`` made (``arrays`` and ``status``, evaluated,
     for the router's ``ids`` over ``pool``) with the host copy of the same rows, made now:
     False if the bytes of a pair differ (the caller decides: within a revoked epoch that is a
-    torn read, else the device's fault); True if pairs the device read
-    from the arena agreed; None if none could be compared (the layer's next pull is). An
-    expert's bytes are the same from its pool row or its arena row, so a pair is compared
-    wherever both sides have its bytes: one filled, refilled or taken into the pool between
-    the two pulls is a race, not a fault."""
+    torn read, else the device's fault); True if pairs the device read from the arena agreed;
+    None if none could be compared (the layer's next pull is). An expert's bytes are the same
+    from its pool row or its arena row, so a pair is compared wherever both sides have its
+    bytes: one filled, refilled or taken into the pool between the two pulls is a race, not a
+    fault."""
     want, want_status = HostPuller(puller.view, puller.layers).assemble(layer, ids, pool)
     experts = np.array(ids).reshape(-1)
     got = decode_status(np.array(status))[2]

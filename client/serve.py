@@ -330,9 +330,9 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True  # a client holding a stream open must not keep the process alive
 
-    def __init__(self, address, handler, blob_dir: Path, allowed_origins=("*",)):
+    def __init__(self, address, handler, blob_dir: Path, cli_args: argparse.Namespace):
         super().__init__(address, handler)
-        self.blob_dir, self.allowed_origins = blob_dir, list(allowed_origins)
+        self.blob_dir, self.cli_args = blob_dir, cli_args  # mlx_lm.server's settings
         self.session = self.counters = self.names = self.watch = None  # set by ready()
 
     def ready(self, handler, *, session, counters: ServerCounters, names: set,
@@ -379,15 +379,15 @@ class LoadingHandler(BaseHTTPRequestHandler):
     llama-server answers), an OpenAI error body elsewhere; HEAD the same without the body, and
     OPTIONS (a browser's preflight) 204. With mlx_lm.server's CORS headers, as once loaded."""
 
+    @property
+    def response_generator(self):
+        """What mlx_lm.server's CORS headers read their ``cli_args`` from: the server."""
+        return self.server
+
     def _cors(self) -> None:
-        allowed, origin = self.server.allowed_origins, self.headers.get("Origin")
-        if "*" in allowed:
-            self.send_header("Access-Control-Allow-Origin", "*")
-        elif origin in allowed:
-            self.send_header("Access-Control-Allow-Origin", origin)
-            self.send_header("Vary", "Origin")
-        self.send_header("Access-Control-Allow-Methods", "*")
-        self.send_header("Access-Control-Allow-Headers", "*")
+        from mlx_lm.server import APIHandler
+
+        APIHandler._set_cors_headers(self)  # mlx_lm.server's own, as once loaded
 
     def do_GET(self, body: bool = True):
         reply = ({"status": "loading"} if self.path == "/health" else
@@ -418,14 +418,14 @@ class LoadingHandler(BaseHTTPRequestHandler):
         pass
 
 
-def _bind(host: str, port: int, blob_dir: Path, allowed_origins=("*",)) -> ExpertdHTTPServer:
+def _bind(host: str, port: int, blob_dir: Path, cli_args) -> ExpertdHTTPServer:
     """Listen on ``host:port`` (IPv4 or IPv6, as mlx_lm.server resolves it), answering
     :class:`LoadingHandler` until :meth:`ExpertdHTTPServer.ready`."""
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                       flags=socket.AI_PASSIVE)[0]
         server_class = type("Server", (ExpertdHTTPServer,), {"address_family": family})
-        return server_class(address, LoadingHandler, blob_dir, allowed_origins)
+        return server_class(address, LoadingHandler, blob_dir, cli_args)
     except socket.gaierror as exc:
         raise OSError(f"--host {host}: not an address or a name this machine resolves "
                       f"({exc.strerror or exc}); e.g. 127.0.0.1, ::1 or 0.0.0.0") from None
@@ -494,7 +494,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         # Listening at once: /health answers 503 {"status": "loading"} until the model is
         # ready (a load waits for the daemon's answers, and a large trunk takes a while). A
         # pipeline's rank 0 listens once every rank has loaded (mlx-lm's distributed server).
-        httpd = _bind(host, port, blob_dir, cli_args.allowed_origins)
+        httpd = _bind(host, port, blob_dir, cli_args)
         loading = threading.Thread(target=httpd.serve_forever, name="expertd-serve-loading",
                                    daemon=True)
         loading.start()
@@ -520,7 +520,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         session = model.expertd_session
         try:
             signum = _serve_loaded(httpd, loading, functools.partial(
-                _bind, host, port, blob_dir, cli_args.allowed_origins), session,
+                _bind, host, port, blob_dir, cli_args), session,
                                    model, tokenizer, draft, cli_args, name, names,
                                    pipeline_group, out)
         finally:

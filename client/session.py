@@ -38,6 +38,7 @@ from expertd.client.pull import (
     verify_pull,
 )
 from expertd.client.requester import DaemonDied, Requester
+from expertd.client.step import REPLAY_COUNTERS
 from expertd.client.switch import MLX_DTYPES
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning
@@ -113,8 +114,8 @@ class Session:
         self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0,
                              late_leases=0, prefetch_asked=0, misses=0, prefetch_saved=0,
                              hits_reported=0, steps=0, host_waits=0, speculative_steps=0,
-                             unchecked_steps=0, replays=0, replays_absent=0,
-                             replays_epoch=0, replays_device=0, pulled_steps=0)
+                             unchecked_steps=0, replays=0, pulled_steps=0,
+                             **dict.fromkeys(REPLAY_COUNTERS, 0))
         # Where the main thread's time goes per MoE layer call (see layer.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
                            copier_wait_s=0.0, prestage_s=0.0, layers=0,
@@ -148,7 +149,7 @@ class Session:
     def _attach(self) -> None:
         """Say hello and map the arena. Nothing of a failed or interrupted attach stays
         open, and the session changes only once every part is ready."""
-        self._check_not_dead()
+        check_served(self.paths)
         conn = Connection(self.paths.blob_dir, at_exit=False)  # the session's finalizer shuts it
         view = heartbeat = None
         attached = False
@@ -269,9 +270,6 @@ class Session:
     def _hello_body(self, client_id: bytes) -> dict:
         return {"version": PROTOCOL_VERSION, "client": client_id, "pid": os.getpid(),
                 "pool_bytes": self.pool_bytes}
-
-    def _check_not_dead(self) -> None:
-        check_served(self.paths)
 
     def _detach(self) -> None:
         # Detached first: should an interrupt cut what follows short, the next call still

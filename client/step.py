@@ -48,6 +48,8 @@ log = logging.getLogger("expertd")
 REPLAY_CAUSES = {"pool": "an expert missed its pool", "absent": "a pulled expert was absent "
                  "from the arena", "epoch": "the daemon revoked the step's epoch",
                  "device": "the device's pull differed from the host copy"}
+# The counters of replays by cause beside "replays" (a pool miss counts in "replays" alone).
+REPLAY_COUNTERS = tuple(f"replays_{cause}" for cause in REPLAY_CAUSES if cause != "pool")
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
 PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
 TIMED_STEPS = 5  # the latest step times of each kind whose median the verdict weighs

@@ -43,6 +43,14 @@ def test_the_client_library_imports_nothing_of_the_command_line_or_the_daemon():
     assert done.stdout.strip() == "[]"
 
 
+def _parsed_product_files() -> dict:
+    """Every product module's path -> its parsed tree."""
+    import ast
+
+    return {path: ast.parse(path.read_text())
+            for folder in PRODUCT_TREES.values() for path in folder.rglob("*.py")}
+
+
 def _import_graph() -> dict:
     """Product modules (the installed package's names: client/, shm/ and tools/ map into
     expertd) -> the product modules each imports, function-level imports included."""
@@ -107,23 +115,22 @@ def test_no_product_module_changes_an_objects_class():
     import ast
 
     graph = _import_graph()
-    found, read = [], 0
-    for folder in PRODUCT_TREES.values():
-        for path in folder.rglob("*.py"):
-            read += 1
-            for node in ast.walk(ast.parse(path.read_text())):
-                targets = (node.targets if isinstance(node, ast.Assign) else
-                           [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign))
-                           else [])
-                for target in targets:
-                    if isinstance(target, ast.Attribute) and target.attr == "__class__":
-                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                        and node.func.id == "setattr" and len(node.args) > 1
-                        and isinstance(node.args[1], ast.Constant)
-                        and node.args[1].value == "__class__"):
+    found = []
+    trees = _parsed_product_files()
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                       else [])
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr == "__class__":
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert read >= len(graph) > 50  # every product module was read
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "setattr" and len(node.args) > 1
+                    and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value == "__class__"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert len(trees) >= len(graph) > 50  # every product module was read
     assert found == []
 
 
@@ -138,22 +145,20 @@ def test_no_product_module_reads_another_modules_private_names():
         return name.startswith("_") and not name.startswith("__")
 
     defined: dict = {}  # private name -> the modules defining it
-    trees = {}
-    for folder in PRODUCT_TREES.values():
-        for path in folder.rglob("*.py"):
-            tree = trees[path] = ast.parse(path.read_text())
-            for node in ast.walk(tree):
-                names = []
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    names.append(node.name)
-                elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                    names.append(node.id)
-                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                    names.append(node.attr)
-                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                    names.append(node.target.id)
-                for name in filter(private, names):
-                    defined.setdefault(name, set()).add(path)
+    trees = _parsed_product_files()
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.append(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.append(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.append(node.attr)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.append(node.target.id)
+            for name in filter(private, names):
+                defined.setdefault(name, set()).add(path)
     found = []
     for path, tree in trees.items():
         for node in ast.walk(tree):

@@ -69,12 +69,13 @@ def _cmd_verify(args) -> int:
     from expertd.blobstore import DirectoryCheck
 
     given = [d for d in (args.blob_dir, args.blobs) if d is not None]
-    if not given or (len(given) == 2 and not argtypes.same_dir(*given)):
-        # An argument error: argparse's status.
-        print("expertd verify: error: " + ("give the blob directory: expertd verify BLOB_DIR, "
-                                           "or expertd verify --blobs BLOB_DIR" if not given
-                                           else f"{args.blob_dir} and --blobs {args.blobs} name "
-                                           "two directories; give one"), file=sys.stderr)
+    why = None
+    if not given:
+        why = "give the blob directory: expertd verify BLOB_DIR, or expertd verify --blobs BLOB_DIR"
+    elif len(given) == 2 and not argtypes.same_dir(*given):
+        why = f"{args.blob_dir} and --blobs {args.blobs} name two directories; give one"
+    if why is not None:  # an argument error: argparse's status
+        print(f"expertd verify: error: {why}", file=sys.stderr)
         return 2
     check = DirectoryCheck(Path(given[0]).expanduser())
     bad = 0

@@ -14,7 +14,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -25,6 +24,7 @@ from expertd.errors import DaemonError
 from expertd.protocol import Op
 from expertd.tools.convert import convert
 from expertd.tools.synth import SynthConfig, synthesize
+from harness.core import wait_until
 from harness.inprocess import FakeClock, InProcessDaemon
 from harness.raw import RawClient
 
@@ -48,12 +48,11 @@ def layout(c):
     return [[int(r["layer"]), int(r["expert"]), int(r["state"]), int(r["version"])] for r in s]
 
 def settle(c):
-    for _ in range(2000):
+    def idle():
         st = c.request(Op.STATS, {})
-        if st["in_flight"] == 0 and st["queued"] == 0:
-            return
-        time.sleep(0.005)
-    raise RuntimeError("fills never settled")
+        return st["in_flight"] == 0 and st["queued"] == 0
+
+    wait_until(idle, 10, "the fills to settle", interval=0.005)
 
 def scenario(blob_dir, pct, root):
     os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="xr", dir="/tmp")
