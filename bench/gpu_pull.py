@@ -142,10 +142,11 @@ def resident_split(model, tokenizer, steps: int = 32) -> dict:
                 wait_ms=1e3 * (launch + wait) / steps)
 
 
-def streamed_split(model, tokenizer, steps: int = 32) -> dict:
+def streamed_split(model, tokenizer, steps: int = 32, profile: bool = True) -> dict:
     """A streamed speculative decode step launched (its ``mx.async_eval`` timed apart), then
     evaluated with nothing else in flight, then checked (ms each): the device's share of a step
-    against resident's ``wait_ms``. The launches' profile (top functions by own time) prints."""
+    against resident's ``wait_ms``. With ``profile``, the launches run under cProfile (their
+    times then include its overhead) and its top functions by own time print."""
     import cProfile
     import pstats
 
@@ -169,16 +170,18 @@ def streamed_split(model, tokenizer, steps: int = 32) -> dict:
         encode[0] += time.perf_counter() - t
 
     done = 0
-    profile = cProfile.Profile()
+    prof = cProfile.Profile() if profile else None
     mx.async_eval = timed
     try:
         for _ in range(steps):
             t = time.perf_counter()
-            profile.enable()
+            if prof is not None:
+                prof.enable()
             launched = guard.launch(forward, y[:, None], (), {"cache": cache})
             y = launched.logits[:, -1].argmax(-1)
             mx.async_eval(y, *launched.flat)  # as client/decode.py starts a step
-            profile.disable()
+            if prof is not None:
+                prof.disable()
             t1 = time.perf_counter()
             mx.eval(y, *launched.flat)
             t2 = time.perf_counter()
@@ -188,7 +191,8 @@ def streamed_split(model, tokenizer, steps: int = 32) -> dict:
             done += 1
     finally:
         mx.async_eval = real
-    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
     n = max(1, done)
     return dict(build_ms=1e3 * build / n, launch_ms=1e3 * encode[0] / n,
                 wait_ms=1e3 * wait / n, book_ms=1e3 * book / n, steps=done)

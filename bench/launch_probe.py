@@ -1,0 +1,148 @@
+"""Where a streamed decode token's extra host time goes on CUDA (issue 24), in one process.
+
+    PYTHONSAFEPATH=1 python bench/launch_probe.py [--tokens 48] [--rounds 3] [--out FILE.json]
+
+The Qwen3-30B-A3B-shaped model of bench/gpu_pull.py, pools at 25% of the experts, an arena
+holding every expert. Two parts:
+
+- one layer's pull alone, repeated: host microseconds to build it (the kernel call's Python and
+  binding) and to launch it (``mx.async_eval``: MLX's CUDA encoder), with the router's ids
+  contiguous and strided (a slice, as the router hands them over), against the same rows
+  gathered from the pool by MLX's own ``take`` and against a one-op baseline;
+- one decode step at a time, resident's and the streamed one's, built, launched, waited for
+  and checked apart, with no profiler;
+- whole decodes, resident mlx-lm against expertd's loop, alternating round by round, for each
+  variant of the loop's knobs (``--drains``: steps between two drained ones): tok/s and ratio,
+  with tokens compared.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import daemon
+from gpu_pools import decode
+from gpu_pull import pull_model, read_every_expert, resident_split, streamed_split
+
+
+def _per_call(make, calls: int = 200) -> dict:
+    """Median host µs to build what ``make()`` returns and to launch it (async_eval)."""
+    import mlx.core as mx
+
+    mx.eval(make())  # compiled, warm
+    build, launch = [], []
+    kept = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        out = make()
+        t1 = time.perf_counter()
+        mx.async_eval(out)
+        t2 = time.perf_counter()
+        build.append(t1 - t)
+        launch.append(t2 - t1)
+        kept.append(out)
+        if len(kept) >= 16:
+            mx.eval(kept)
+            kept = []
+    mx.eval(kept)
+    return dict(build_us=1e6 * statistics.median(build), launch_us=1e6 * statistics.median(launch))
+
+
+def pull_alone(session) -> dict:
+    import mlx.core as mx
+    import numpy as np
+
+    layer = session.manifest.layers[0].index
+    pool = session.pools[0]
+    puller = session.puller
+    rng = np.random.default_rng(0)
+    ids = np.sort(rng.choice(pool.num_experts, 8, replace=False)).astype(np.uint32)
+    flat = mx.array(ids.reshape(1, 1, 8))
+    wide = mx.array(np.concatenate([ids, ids]).reshape(1, 1, 16))
+    strided = wide[..., :8]  # a slice, as the router's top-k
+    table = pool.pull_table()
+    rows = mx.array(np.maximum(pool.row_of[ids], 0).astype(np.int32))
+    out = {
+        "pull, contiguous ids": _per_call(lambda: puller.assemble(layer, flat, pool)),
+        "pull, strided ids": _per_call(lambda: puller.assemble(layer, strided, pool)),
+        "take of pool rows (9 ops)": _per_call(lambda: [a[rows] for a in pool.arrays]),
+        "one op": _per_call(lambda: flat + 1),
+        "table lookup op": _per_call(lambda: table[flat]),
+    }
+    return out
+
+
+def decodes(resident, streamed, tokenizer, args) -> list:
+    from expertd.client import decode as loop
+
+    rows = []
+    original = loop.DRAIN_EVERY
+    try:
+        for drain in args.drains:
+            loop.DRAIN_EVERY = drain
+            for model, own in ((resident, False), (streamed, True)):
+                decode(model, tokenizer, args.tokens, 0.0, None, own)  # warm
+            res, st = [], []
+            for _ in range(args.rounds):
+                a = decode(resident, tokenizer, args.tokens, 0.0)
+                b = decode(streamed, tokenizer, args.tokens, 0.0, None, True)
+                if a["tokens"] != b["tokens"]:
+                    raise AssertionError("streamed tokens differ from resident ones")
+                res.append(a["tps"])
+                st.append(b["tps"])
+            ratios = [s / r for s, r in zip(st, res)]
+            rows.append(dict(drain=drain, resident_tps=statistics.median(res),
+                             streamed_tps=statistics.median(st),
+                             ratio=statistics.median(ratios), ratios=ratios))
+            print(rows[-1], flush=True)
+    finally:
+        loop.DRAIN_EVERY = original
+    return rows
+
+
+def main() -> None:
+    import mlx.core as mx
+    import mlx_lm
+
+    from expertd.client import load
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--drains", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    model_dir, blob_dir, _, all_gb, pool_gb = pull_model(False)
+    resident, tokenizer = mlx_lm.load(str(model_dir))
+    result = dict(device=str(mx.default_device()), mlx=mx.__version__)
+    with daemon(blob_dir, all_gb):
+        streamed, _ = load(blob_dir, pool_gb=pool_gb, pull="auto", prefetch="off")
+        session = streamed.expertd_session
+        try:
+            read_every_expert(session)
+            decode(streamed, tokenizer, 8, 0.0, None, True)  # kernels compiled
+            result["alone"] = pull_alone(session)
+            for k, v in result["alone"].items():
+                print(f"{k:28} build {v['build_us']:7.1f} us  launch {v['launch_us']:7.1f} us",
+                      flush=True)
+            # One step at a time, nothing else in flight, no profiler: build, launch (encode),
+            # wait, check (ms), resident's and the streamed step's, twice each.
+            result["split"] = [dict(resident=resident_split(resident, tokenizer),
+                                    streamed=streamed_split(streamed, tokenizer, profile=False))
+                               for _ in range(2)]
+            print(json.dumps(result["split"]), flush=True)
+            result["decodes"] = decodes(resident, streamed, tokenizer, args)
+            result["counters"] = {k: v for k, v in session.counters.items() if v}
+        finally:
+            session.close()
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
