@@ -12,8 +12,8 @@ holding every expert. Two parts:
 - one decode step at a time, resident's and the streamed one's, built, launched, waited for
   and checked apart, with no profiler;
 - whole decodes, resident mlx-lm against expertd's loop, alternating round by round, for each
-  variant of the loop's knobs (``--drains``: steps between two drained ones): tok/s and ratio,
-  with tokens compared.
+  variant of the loop's knobs (``--drains``: the most steps between two drained ones; 8 never
+  backs off): tok/s and ratio, with tokens compared.
 """
 
 import argparse
@@ -78,13 +78,15 @@ def pull_alone(session) -> dict:
 
 
 def decodes(resident, streamed, tokenizer, args) -> list:
-    from expertd.client import decode as loop
+    from expertd.client import step
 
     rows = []
-    original = loop.DRAIN_EVERY
+    original = step.MAX_DRAIN_EVERY
+    steps = streamed.__dict__["_expertd_steps"]
     try:
         for drain in args.drains:
-            loop.DRAIN_EVERY = drain
+            step.MAX_DRAIN_EVERY = drain  # step.DRAIN_EVERY: drains never back off
+            steps.drains = step.Drains()
             for model, own in ((resident, False), (streamed, True)):
                 decode(model, tokenizer, args.tokens, 0.0, None, own)  # warm
             res, st = [], []
@@ -96,12 +98,13 @@ def decodes(resident, streamed, tokenizer, args) -> list:
                 res.append(a["tps"])
                 st.append(b["tps"])
             ratios = [s / r for s, r in zip(st, res)]
-            rows.append(dict(drain=drain, resident_tps=statistics.median(res),
+            rows.append(dict(max_drain_every=drain, drain_every_now=steps.drains.every,
+                             resident_tps=statistics.median(res),
                              streamed_tps=statistics.median(st),
                              ratio=statistics.median(ratios), ratios=ratios))
             print(rows[-1], flush=True)
     finally:
-        loop.DRAIN_EVERY = original
+        step.MAX_DRAIN_EVERY = original
     return rows
 
 

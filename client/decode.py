@@ -7,9 +7,9 @@ mlx-lm's loop each step waits for its own check, and the device idles while the 
 next step. This loop keeps both: it launches step n+1 on step n's lazy token (step.py,
 ``Steps.launch``), then checks step n (``Steps.settle``), and a token leaves only once its step
 is checked. A bad step and the one built on its token are trimmed from the KV cache together,
-and the bad one runs again on the checked path (``Steps.run``). Every ``DRAIN_EVERY`` steps one
-is checked before the next is launched, so that recurring pulls are promoted into the pools
-(a promotion must not rewrite a pool that a step in flight reads).
+and the bad one runs again on the checked path (``Steps.run``). Now and then (step.Drains) a
+step is checked before the next is launched, so that recurring pulls are promoted into the
+pools (a promotion must not rewrite a pool that a step in flight reads).
 
 ``stream_generate`` is mlx-lm's, with this loop for a streamed model; what this loop does not do
 (a draft model, logits processors, a quantized KV cache, input embeddings, a pipeline rank, a
@@ -22,7 +22,6 @@ import mlx.core as mx
 
 from .step import StepGuard, trim
 
-DRAIN_EVERY = 8  # launched steps between two checked with nothing in flight (promotions)
 OWN = {"sampler", "max_kv_size", "prompt_cache", "prefill_step_size"}  # the rest: mlx-lm's
 
 
@@ -65,9 +64,9 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
     made = 0
     while True:
         last = max_tokens != -1 and made + 1 >= max_tokens
-        # Settled before the next is launched: the last token's step, one in DRAIN_EVERY, and
-        # one followed by a step that will not speculate (it may demand rows; see Steps.plan).
-        if current is not None and (last or steps.session.counters["steps"] % DRAIN_EVERY == 0
+        # Settled before the next is launched: the last token's step, a drain (Steps.drains),
+        # and one followed by a step that will not speculate (it may demand rows; Steps.plan).
+        if current is not None and (last or steps.drains.due()
                                     or not steps.plan(y[None], cache)):
             if steps.settle(current) is not None:
                 trim(cache, 1)

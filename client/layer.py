@@ -196,18 +196,21 @@ class StreamedLayer:
             self._rows_cache[key] = rows
         return rows
 
-    def after_pull(self, rows: np.ndarray, experts: np.ndarray, arrays: list) -> None:
+    def after_pull(self, rows: np.ndarray, experts: np.ndarray, arrays: list) -> int:
         """The bookkeeping of a step's pulled call, from its decoded statuses (``rows``,
         ``experts``: see pull.decode_status): pool hits counted, pulled experts that keep
-        coming back promoted into the pool (a device copy), use reported."""
+        coming back promoted into the pool (a device copy), use reported. Returns how many
+        were promoted."""
         pool = self.pool
         hit = np.unique(rows[rows >= 0])
         self._count(hit, None, experts)
         pulled, first = np.unique(experts[experts >= 0], return_index=True)
+        promoted = 0
         if len(pulled):
-            pool.promote(pulled.astype(np.int32), arrays,
-                         np.flatnonzero(experts >= 0)[first])
+            promoted = pool.promote(pulled.astype(np.int32), arrays,
+                                    np.flatnonzero(experts >= 0)[first])
         self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))
+        return promoted
 
     def after_pulled_steps(self, rows: np.ndarray, experts: np.ndarray) -> None:
         """The counting of several steps' pulled calls at once (``(steps, pairs)`` each, as

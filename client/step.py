@@ -53,6 +53,8 @@ REPLAY_COUNTERS = tuple(f"replays_{cause}" for cause in REPLAY_CAUSES if cause !
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
 PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
 TIMED_STEPS = 5  # the latest step times of each kind whose median the verdict weighs
+DRAIN_EVERY = 8  # pipelined steps between two drained ones, while drains promote
+MAX_DRAIN_EVERY = 64  # the most, reached by doubling after each drain that promoted nothing
 
 
 @dataclass
@@ -134,6 +136,27 @@ class Speculation:
             self.retry_after = RETRY_AFTER  # a window that paid: a later stop waits little
         if self.window_steps >= WINDOW or not self.active:
             self.window_steps = self.window_replays = 0
+
+
+@dataclass
+class Drains:
+    """When expertd's pipelined loop (client/decode.py) drains: checks a step with nothing else
+    in flight, so that the experts its pulls keep bringing are promoted into the pools (a
+    promotion must not rewrite a pool that a step in flight reads). A drain costs the device an
+    idle spell (the host's bookkeeping, then the next step's build), so one that promoted
+    nothing doubles the interval, up to MAX_DRAIN_EVERY; one that promoted brings it back to
+    DRAIN_EVERY. Pure logic."""
+
+    every: int = DRAIN_EVERY
+    pipelined: int = 0  # steps settled with another in flight since the last drain
+
+    def due(self) -> bool:
+        """The step to settle next should be drained."""
+        return self.pipelined + 1 >= self.every
+
+    def drained(self, promoted: int) -> None:
+        self.pipelined = 0
+        self.every = DRAIN_EVERY if promoted else min(2 * self.every, MAX_DRAIN_EVERY)
 
 
 def _parts(records: list) -> list:
@@ -234,6 +257,8 @@ class Steps:
         self._deferred: dict = {}
         self._top_k = session.manifest.top_k
         self._drift_layer = None  # the layer whose pull differed, for a "device" replay
+        self.drains = Drains()
+        self._promoted = 0  # experts the latest check promoted into the pools
 
     def run(self, forward, inputs, args: tuple, kwargs: dict):
         # A step starts attached: after a daemon's death or a failed or interrupted wait for
@@ -359,6 +384,11 @@ class Steps:
         session.timing["step_book_s"] += time.perf_counter() - checked
         if cause != "absent":
             self.speculation.record(cause is not None)
+        if cause is None and step.launched is not None:
+            if more:
+                self.drains.pipelined += 1
+            else:
+                self.drains.drained(self._promoted)
         if cause is not None:
             self._settled = None
             if after is not None:
@@ -503,9 +533,10 @@ class Steps:
             layer.after_speculation(ids[part])
         if pulled and promote:
             self.flush()
+        self._promoted = 0
         for (layer, _, _, arrays), part in pulled:
             if promote:
-                layer.after_pull(rows[part], experts[part], arrays)
+                self._promoted += layer.after_pull(rows[part], experts[part], arrays)
             else:
                 self._deferred.setdefault(layer.index, (layer, []))[1].append(
                     (rows[part], experts[part]))

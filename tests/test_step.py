@@ -18,11 +18,14 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 from expertd.client import load
 from expertd.client.step import (
+    DRAIN_EVERY,
+    MAX_DRAIN_EVERY,
     MAX_REPLAYS,
     MIN_WINDOW,
     PROBE_AT,
     RETRY_AFTER,
     WINDOW,
+    Drains,
     Speculation,
     replayable,
 )
@@ -291,6 +294,32 @@ def test_one_slow_step_decides_nothing_and_a_restart_measures_afresh():
         slow.timed(True, 1.0)
         slow.record(False)
     assert slow.active and slow.stopped == 1
+
+
+def _interval(drains: Drains) -> int:
+    """Steps from one drain to the next (the drained one included), as the loop sees them."""
+    n = 1
+    while not drains.due():
+        drains.pipelined += 1
+        n += 1
+    return n
+
+
+def test_drains_back_off_while_they_promote_nothing_and_return_when_one_does():
+    """A drain that promoted nothing (the pools hold what the steps use) doubles the interval
+    to the next, up to MAX_DRAIN_EVERY: each is an idle spell of the device. A drain that
+    promoted brings it back to DRAIN_EVERY."""
+    drains = Drains()
+    assert _interval(drains) == DRAIN_EVERY
+    seen = []
+    while not seen or seen[-1] < MAX_DRAIN_EVERY:
+        drains.drained(0)
+        seen.append(_interval(drains))
+    assert seen == [DRAIN_EVERY * 2**i for i in range(1, len(seen) + 1)]
+    drains.drained(0)
+    assert _interval(drains) == MAX_DRAIN_EVERY  # no further
+    drains.drained(3)
+    assert _interval(drains) == DRAIN_EVERY
 
 
 def test_a_session_that_misses_often_stops_speculating(models, isolated_env, tmp_path):
