@@ -77,6 +77,41 @@ def pull_alone(session) -> dict:
     return out
 
 
+class Phases:
+    """Host seconds a pipelined decode spends building steps (Steps.launch), launching them
+    (mx.async_eval) and settling them (Steps.settle: the wait and the check), by thin wrappers
+    (a microsecond each)."""
+
+    def __init__(self, steps):
+        import mlx.core as mx
+
+        self.steps, self.mx = steps, mx
+        self.t = dict(launch=0.0, async_eval=0.0, settle=0.0, drained=0)
+        self._real = (mx.async_eval, steps.launch, steps.settle)
+
+    def _wrap(self, key, real):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                self.t[key] += time.perf_counter() - t
+                if key == "settle" and len(a) + len(k) == 1:
+                    self.t["drained"] += 1
+        return timed
+
+    def __enter__(self):
+        aev, launch, settle = self._real
+        self.mx.async_eval = self._wrap("async_eval", aev)
+        self.steps.launch = self._wrap("launch", launch)
+        self.steps.settle = self._wrap("settle", settle)
+        return self.t
+
+    def __exit__(self, *exc):
+        self.mx.async_eval = self._real[0]
+        del self.steps.launch, self.steps.settle
+
+
 def decodes(resident, streamed, tokenizer, args) -> list:
     from expertd.client import step
 
@@ -90,9 +125,13 @@ def decodes(resident, streamed, tokenizer, args) -> list:
             for model, own in ((resident, False), (streamed, True)):
                 decode(model, tokenizer, args.tokens, 0.0, None, own)  # warm
             res, st = [], []
+            phases = dict(launch=0.0, async_eval=0.0, settle=0.0, drained=0)
             for _ in range(args.rounds):
                 a = decode(resident, tokenizer, args.tokens, 0.0)
-                b = decode(streamed, tokenizer, args.tokens, 0.0, None, True)
+                with Phases(steps) as t:
+                    b = decode(streamed, tokenizer, args.tokens, 0.0, None, True)
+                for k in phases:
+                    phases[k] += t[k]
                 if a["tokens"] != b["tokens"]:
                     raise AssertionError("streamed tokens differ from resident ones")
                 res.append(a["tps"])
@@ -101,7 +140,10 @@ def decodes(resident, streamed, tokenizer, args) -> list:
             rows.append(dict(max_drain_every=drain, drain_every_now=steps.drains.every,
                              resident_tps=statistics.median(res),
                              streamed_tps=statistics.median(st),
-                             ratio=statistics.median(ratios), ratios=ratios))
+                             ratio=statistics.median(ratios), ratios=ratios,
+                             ms_per_token={k: 1e3 * v / (args.rounds * args.tokens)
+                                           for k, v in phases.items() if k != "drained"},
+                             drained=phases["drained"]))
             print(rows[-1], flush=True)
     finally:
         step.MAX_DRAIN_EVERY = original
@@ -119,12 +161,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--drains", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--small", action="store_true", help="a tiny model (a CPU smoke run)")
+    parser.add_argument("--pull", default="auto", help="host: a CPU smoke run")
     args = parser.parse_args()
-    model_dir, blob_dir, _, all_gb, pool_gb = pull_model(False)
+    model_dir, blob_dir, _, all_gb, pool_gb = pull_model(args.small)
     resident, tokenizer = mlx_lm.load(str(model_dir))
     result = dict(device=str(mx.default_device()), mlx=mx.__version__)
     with daemon(blob_dir, all_gb):
-        streamed, _ = load(blob_dir, pool_gb=pool_gb, pull="auto", prefetch="off")
+        streamed, _ = load(blob_dir, pool_gb=pool_gb, pull=args.pull, prefetch="off")
         session = streamed.expertd_session
         try:
             read_every_expert(session)
