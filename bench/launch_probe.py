@@ -77,6 +77,15 @@ def pull_alone(session) -> dict:
     return out
 
 
+def _tally(session) -> dict:
+    """What a streamed session did so far: rows pulled, pool hits, promotions, steps, replays."""
+    pools = session.pools
+    return dict(rows_pulled=session.pull_counters()["rows_pulled"],
+                hits=sum(p.counters["hits"] for p in pools),
+                promoted=sum(p.counters["promoted"] for p in pools),
+                steps=session.counters["steps"], replays=session.counters["replays"])
+
+
 class Phases:
     """Host seconds a pipelined decode spends building steps (Steps.launch), launching them
     (mx.async_eval) and settling them (Steps.settle: the wait and the check), by thin wrappers
@@ -126,12 +135,22 @@ def decodes(resident, streamed, tokenizer, args) -> list:
                 decode(model, tokenizer, args.tokens, 0.0, None, own)  # warm
             res, st = [], []
             phases = dict(launch=0.0, async_eval=0.0, settle=0.0, drained=0)
+            session = streamed.expertd_session
+            per_round = []
             for _ in range(args.rounds):
                 a = decode(resident, tokenizer, args.tokens, 0.0)
+                before = _tally(session)
                 with Phases(steps) as t:
                     b = decode(streamed, tokenizer, args.tokens, 0.0, None, True)
+                after = _tally(session)
                 for k in phases:
                     phases[k] += t[k]
+                per_round.append(dict(ratio=b["tps"] / a["tps"], resident_tps=a["tps"],
+                                      **{k: round(1e3 * v / args.tokens, 3) if k != "drained"
+                                         else v for k, v in t.items()},
+                                      **{k: (after[k] - before[k]) / args.tokens
+                                         for k in after}))
+                print(per_round[-1], flush=True)
                 if a["tokens"] != b["tokens"]:
                     raise AssertionError("streamed tokens differ from resident ones")
                 res.append(a["tps"])
@@ -143,7 +162,7 @@ def decodes(resident, streamed, tokenizer, args) -> list:
                              ratio=statistics.median(ratios), ratios=ratios,
                              ms_per_token={k: 1e3 * v / (args.rounds * args.tokens)
                                            for k, v in phases.items() if k != "drained"},
-                             drained=phases["drained"]))
+                             drained=phases["drained"], per_round=per_round))
             print(rows[-1], flush=True)
     finally:
         step.MAX_DRAIN_EVERY = original
@@ -162,6 +181,7 @@ def main() -> None:
     parser.add_argument("--drains", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--small", action="store_true", help="a tiny model (a CPU smoke run)")
+    parser.add_argument("--skip-split", action="store_true", help="no one-step split")
     parser.add_argument("--pull", default="auto", help="host: a CPU smoke run")
     args = parser.parse_args()
     model_dir, blob_dir, _, all_gb, pool_gb = pull_model(args.small)
@@ -179,7 +199,7 @@ def main() -> None:
                       flush=True)
             # One step at a time, nothing else in flight, no profiler: build, launch (encode),
             # wait, check (ms), resident's and the streamed step's, twice each.
-            result["split"] = [dict(resident=resident_split(resident, tokenizer),
+            result["split"] = [] if args.skip_split else [dict(resident=resident_split(resident, tokenizer),
                                     streamed=streamed_split(streamed, tokenizer, profile=False))
                                for _ in range(2)]
             print(json.dumps(result["split"]), flush=True)
