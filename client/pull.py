@@ -433,7 +433,9 @@ class _KernelPuller(Puller):
                      source=_kernel_source(self.name, n_segments, vector))
 
     def assemble(self, layer: int, ids, pool):
-        return self._launch(layer, ids.reshape(-1), pool.pull_table(), pool.arrays, ids.size)
+        # The kernel reads the ids in row order, whatever their shape: no reshape (one MLX
+        # operation a layer less to build and encode).
+        return self._launch(layer, ids, pool.pull_table(), pool.arrays, ids.size)
 
 
 class CudaPuller(_KernelPuller):
