@@ -20,7 +20,7 @@ import time
 
 import mlx.core as mx
 
-from .step import StepGuard, trim
+from .step import Drains, StepGuard, trim
 
 OWN = {"sampler", "max_kv_size", "prompt_cache", "prefill_step_size"}  # the rest: mlx-lm's
 
@@ -38,6 +38,7 @@ def pipelined_step(prompt, model, *, max_tokens: int = 256, sampler=None, prompt
     from mlx_lm.models.cache import make_prompt_cache
 
     steps = model.__dict__["_expertd_steps"]
+    steps.drains = Drains()  # each generation starts draining often: its experts are new
     forward = super(StepGuard, model).__call__  # the model unguarded: launch checks later
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size)
@@ -66,7 +67,9 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
         last = max_tokens != -1 and made + 1 >= max_tokens
         # Settled before the next is launched: the last token's step, a drain (Steps.drains),
         # and one followed by a step that will not speculate (it may demand rows; Steps.plan).
-        if current is not None and (last or steps.drains.due()
+        # A step that pulled nothing (no puller: none to promote) is never drained.
+        if current is not None and (last or (current.launched is not None
+                                             and steps.drains.due())
                                     or not steps.plan(y[None], cache)):
             if steps.settle(current) is not None:
                 trim(cache, 1)

@@ -215,14 +215,21 @@ class StreamedLayer:
     def after_pulled_steps(self, rows: np.ndarray, experts: np.ndarray) -> None:
         """The counting of several steps' pulled calls at once (``(steps, pairs)`` each, as
         :meth:`after_pull` takes one step's), nothing promoted: each step's distinct hits and
-        pulls counted once, as that step's own bookkeeping would."""
-        steps = rows.shape[0]
+        pulls counted once (ExpertPool.count_steps), and the experts used reported to the
+        daemon at the rate step-by-step counting reports them (one report per REPORT_EVERY
+        steps, each of the experts those steps used)."""
+        pool = self.pool
         hit, times = np.unique(_distinct_per_row(rows), return_counts=True)
         pulled, counts = np.unique(_distinct_per_row(experts), return_counts=True)
-        self._count(hit, times, experts)
-        if len(pulled):
-            self.pool.note_pulls(pulled, counts)
-        self._report(np.union1d(self.pool.expert_of[hit], pulled).astype(np.int32), steps)
+        pool.counters["hits"] += int(times.sum())
+        pool.count_steps(hit, times, pulled, counts)
+        n_missed = int((experts >= 0).sum())
+        pool.counters["pulled"] += n_missed
+        self.session.count_pulled(self.index, n_missed)
+        for start in range(0, rows.shape[0], REPORT_EVERY):
+            r, e = rows[start:start + REPORT_EVERY], experts[start:start + REPORT_EVERY]
+            used = np.union1d(pool.expert_of[r[r >= 0]], e[e >= 0]).astype(np.int32)
+            self._report(used, len(r))
 
     def _count(self, hit: np.ndarray, times, experts: np.ndarray) -> None:
         """Count pool hits (``times`` each, default once) and the pulled pairs of

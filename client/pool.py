@@ -177,6 +177,26 @@ class ExpertPool:
             self.pulls >>= 1
             self._touches = 0
 
+    def count_steps(self, rows: np.ndarray, times: np.ndarray, pulled: np.ndarray,
+                    counts: np.ndarray) -> None:
+        """Several steps' uses and pulls counted at once (``times`` uses of each of ``rows``,
+        ``counts`` pulls of each of ``pulled``; step.py's deferred counting). The decays
+        those steps' touches bring are applied first, then the uses and the pulls alike:
+        step by step each step's counts would come before the decays after it, so neither
+        kind is favoured over the other (decaying the uses and not the pulls made a long
+        batch's pulled experts look hotter than the rows they would replace)."""
+        touches = self._touches + int(times.sum())
+        decays, self._touches = divmod(touches, DECAY_EVERY * self.rows)
+        if decays:
+            self.uses >>= min(decays, 62)
+            self.pulls >>= min(decays, 62)
+        self.uses[rows] += times
+        flagged = self.ahead_flag[rows]
+        if flagged.any():
+            self.counters["ahead_used"] += int(flagged.sum())
+            self.ahead_flag[rows] = False
+        self.pulls[pulled] += counts
+
     def begin_call(self) -> None:
         """A call of the layer starts: the outputs recorded from now on are this call's."""
         self._call += 1

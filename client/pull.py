@@ -427,14 +427,17 @@ class _KernelPuller(Puller):
     def make_kernel(self, n_segments: int, vector: bool):
         """The pull kernel in this puller's language (``name``: "cuda" or "metal")."""
         build = getattr(mx.fast, f"{self.name}_kernel")
+        # Row-contiguous inputs: the kernel reads the router's ids in row order whatever
+        # their shape or strides (MLX copies a strided slice first).
         return build(name=f"expertd_pull_{n_segments}_{int(vector)}",
                      input_names=input_names(n_segments, self.arena_input),
                      output_names=output_names(n_segments),
-                     source=_kernel_source(self.name, n_segments, vector))
+                     source=_kernel_source(self.name, n_segments, vector),
+                     ensure_row_contiguous=True)
 
     def assemble(self, layer: int, ids, pool):
-        # The kernel reads the ids in row order, whatever their shape: no reshape (one MLX
-        # operation a layer less to build and encode).
+        # No reshape of the ids (one MLX operation a layer less to build and encode): the
+        # kernel reads them in row order (see make_kernel).
         return self._launch(layer, ids, pool.pull_table(), pool.arrays, ids.size)
 
 

@@ -53,7 +53,7 @@ REPLAY_COUNTERS = tuple(f"replays_{cause}" for cause in REPLAY_CAUSES if cause !
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
 PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
 TIMED_STEPS = 5  # the latest step times of each kind whose median the verdict weighs
-DRAIN_EVERY = 8  # pipelined steps between two drained ones, while drains promote
+DRAIN_EVERY = 8  # one step in this many is drained (pipelined loop), while drains promote
 MAX_DRAIN_EVERY = 64  # the most, reached by doubling after each drain that promoted nothing
 
 
@@ -356,7 +356,10 @@ class Steps:
         launched on its token) abandoned and then the experts the arena lacked demanded (the
         daemon may have to evict for them, and ``after``'s epoch would hold those rows). With
         ``after`` pulling, the epoch record advances by two and stays odd, and pulled experts
-        are counted but not promoted (a promotion rewrites a pool the step in flight reads)."""
+        are counted but not promoted (a promotion rewrites a pool the step in flight reads).
+        A pulled step that was not replayed moves :attr:`drains` on: settled with ``after``
+        pulling, a pipelined one; without, a drain (what it promoted sets the next
+        interval)."""
         if step.records is None:
             return None
         more = after is not None and after.launched is not None
@@ -509,7 +512,8 @@ class Steps:
         host's bookkeeping of the step (pool use counts, promotions, reports to the daemon).
         Without ``promote`` (a pipelined step, another in flight) the pulled layers' counting
         waits in ``_deferred`` for the next step that promotes (:meth:`flush`): the pools do not
-        change in between, so counting then decides what counting now would."""
+        change in between, so counting then decides what counting now would, but for the
+        order of the uses' decays against the counts (ExpertPool.count_steps)."""
         # Each layer's part of the concatenated ids / statuses (see _flat), in record order.
         plain = _parts([r for r in records if r[2] is None])
         pulled = _parts([r for r in records if r[2] is not None])

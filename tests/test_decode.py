@@ -206,3 +206,49 @@ def test_a_pipelining_record_advances_by_two_and_sees_a_loss_of_any_step_in_flig
     assert epoch.check(first + 2, more=True)  # launched while first + 2 showed: lost too
     assert not epoch.check(first + 4, more=False)  # launched after the loss: not covered
     assert not epoch.inside and epoch.step == first + 7 == native.read_u64(raw, step_at)
+
+
+def test_a_puller_dropped_at_a_drain_leaves_the_loop_pipelining(models, isolated_env, tmp_path):
+    """A pull found to differ from the host copy (Metal's check; forced here) at a drain drops
+    the puller for the rest of the process: later steps pull nothing, so they are never
+    drained (there is nothing to promote), and the loop goes on launching each step before
+    checking the one before. (The drains' interval moved only on pulled steps, so one that
+    was due when the puller went stayed due for good: every later step waited for the one
+    before, the device idle while the host built.) Each generation starts draining at the
+    shortest interval."""
+    from expertd.client.step import DRAIN_EVERY, MAX_DRAIN_EVERY, Drains
+
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    ids = prompt(resident_model(model_dir).args.vocab_size)
+    want = reference(model_dir, ids, 40)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        session = model.expertd_session
+        steps = model.__dict__["_expertd_steps"]
+        try:
+            steps.drains = Drains(every=MAX_DRAIN_EVERY)  # a previous generation's
+            loop = pipelined_step(ids, model, max_tokens=40)
+            next(loop)
+            assert steps.drains.every == DRAIN_EVERY
+            loop.close()
+            settles, dropped = [], []
+            settle, drifted = steps.settle, steps._drifted
+
+            def recorded(step, after=None):
+                settles.append((bool(dropped), after is not None))
+                return settle(step, after)
+
+            def drifting_at_a_drain(pulled, kinds):
+                if not dropped and steps._settled is None and steps.drains.due():
+                    dropped.append(True)
+                    return pulled[0][0][0].index  # the step is replayed, the puller dropped
+                return drifted(pulled, kinds)
+
+            steps.settle, steps._drifted = recorded, drifting_at_a_drain
+            got = list(pipelined_step(ids, model, max_tokens=40))
+            assert_same(got, want)
+            assert dropped and session.puller is None
+            later = [pipelined for was_dropped, pipelined in settles if was_dropped]
+            assert len(later) > 10 and sum(later) > len(later) // 2
+        finally:
+            session.close()

@@ -221,3 +221,62 @@ def test_counting_pipelined_steps_together_counts_what_each_alone_would(steps):
     assert (a.pool.uses == b.pool.uses).all() and (a.pool.pulls == b.pool.pulls).all()
     assert a.pool.counters == b.pool.counters and alone.pulled == together.pulled
     assert a._used == b._used and a._calls == b._calls and alone.reported == together.reported
+
+
+def _steps_table(steps: int, rows: int = 8) -> tuple:
+    """``(rows, experts)`` of ``steps`` pipelined steps of 8 pairs on a pool of ``rows`` rows:
+    row 0 hit in the even steps, expert 20 pulled in the odd ones, the other pairs hits on
+    rows 1-7 (touches enough to decay the counts several times over)."""
+    hits = np.tile(np.arange(8) % (rows - 1) + 1, (steps, 1))
+    hits[0::2, 0] = 0
+    pulls = np.full((steps, 8), -1)
+    pulls[1::2, 0] = 20
+    hits[1::2, 0] = -1
+    return hits, pulls
+
+
+def _layer(reports):
+    from expertd.client.layer import StepMode, StreamedLayer
+
+    pool = new_pool("host", rows=8)
+    pool.place(np.arange(8, dtype=np.int32))
+    pool.uses[:] = 0
+    return StreamedLayer(reports, StepMode(), 0, pool, [], 32)
+
+
+def test_a_long_batch_of_steps_decays_uses_and_pulls_alike():
+    """64 steps counted at once cross the decay's threshold several times: the uses and the
+    pulls they bring weigh alike, as counted step by step (there, an expert pulled as often as
+    a row is hit ends within one of it). Decaying the uses but adding the pulls after made the
+    pulled expert look several times hotter than the row, and a drain after a long stretch
+    promoted what step-by-step counting would not."""
+    rows, experts = _steps_table(64)
+    alone, together = _layer(Reports()), _layer(Reports())
+    for layer in (alone, together):  # counts from before the batch: the decays apply to them
+        layer.pool.uses[0] = layer.pool.pulls[20] = 16
+    for r, e in zip(rows, experts):
+        hit = np.unique(r[r >= 0])
+        alone.pool.touch(hit)
+        alone.pool.note_pulls(np.unique(e[e >= 0]))
+    together.after_pulled_steps(rows, experts)
+    assert abs(int(alone.pool.pulls[20]) - int(alone.pool.uses[0])) <= 1
+    assert abs(int(together.pool.pulls[20]) - int(together.pool.uses[0])) <= 1
+    assert together.pool.uses[0] < 16 + 32  # the batch decayed (the case this test is about)
+
+
+def test_a_long_batch_of_steps_reports_to_the_daemon_as_step_by_step_counting_does():
+    """The experts a layer used reach the daemon's LFU once per REPORT_EVERY steps, each
+    report naming those steps' experts, whether the steps are counted one by one or 64 at a
+    time (a pipelined loop whose drains backed off)."""
+    from expertd.client.layer import REPORT_EVERY
+
+    rows, experts = _steps_table(4 * REPORT_EVERY)
+    experts[5, 3] = 25  # pulled once, in the first window only
+    alone, together = Reports(), Reports()
+    a, b = _layer(alone), _layer(together)
+    for r, e in zip(rows, experts):
+        hit = np.unique(r[r >= 0])
+        a._report(np.union1d(a.pool.expert_of[hit], e[e >= 0]).astype(np.int32))
+    b.after_pulled_steps(rows, experts)
+    assert len(alone.reported) == 4 and together.reported == alone.reported
+    assert 25 in together.reported[0] and 25 not in together.reported[1]
