@@ -194,6 +194,16 @@ def replayable(cache, tokens: int) -> bool:
 
 
 @dataclass
+class Findings:
+    """What a step's check found that its replay acts on, beside the cause: the (layer,
+    experts) the arena lacked (demanded once nothing in flight holds rows), and the layer
+    whose pull differed from the host copy (its puller is dropped)."""
+
+    absent: list = field(default_factory=list)
+    drifted: int | None = None
+
+
+@dataclass
 class Launched:
     """A decode step built and computing, its check still to come (:meth:`Steps.launch`)."""
 
@@ -256,7 +266,6 @@ class Steps:
         # layer index -> (layer, [(rows, experts)] of its pulled steps not yet counted)
         self._deferred: dict = {}
         self._top_k = session.manifest.top_k
-        self._drift_layer = None  # the layer whose pull differed, for a "device" replay
         self.drains = Drains()
         self._promoted = 0  # experts the latest check promoted into the pools
 
@@ -284,7 +293,7 @@ class Steps:
         tokens = self._tokens(inputs)
         for attempt in range(2):
             started = time.perf_counter()
-            logits, cause, absent = self._speculative_step(forward, inputs, args, kwargs)
+            logits, cause, found = self._speculative_step(forward, inputs, args, kwargs)
             self.speculation.timed(True, time.perf_counter() - started)
             # A pull that found its expert absent from the arena is a read from the disk the
             # step had to wait for anyway, not a wrong guess: it does not count against
@@ -296,10 +305,10 @@ class Steps:
             self._count_replay(cause)
             trim(cache, tokens)
             if cause == "device":  # the replay and every later step copy on the host
-                self.session.drop_puller(self._drift_layer)
+                self.session.drop_puller(found.drifted)
             if cause != "absent" or attempt:
                 break
-            for layer, experts in absent:
+            for layer, experts in found.absent:
                 self.session.demand_absent(layer.index, experts)
         return self._per_layer(forward, inputs, args, kwargs)
 
@@ -379,8 +388,8 @@ class Steps:
         if self._settled is not None:  # a pipelined step's cost: from one check to the next
             self.speculation.timed(True, checked - self._settled)
         self._settled = checked if more else None
-        absent = []
-        cause = "epoch" if lost else self._check(step.records, absent,
+        found = Findings()
+        cause = "epoch" if lost else self._check(step.records, found,
                                                  *(np.array(f) for f in step.flat),
                                                  promote=not more)
         session.timing["step_wait_s"] += checked - waited
@@ -397,10 +406,10 @@ class Steps:
             if after is not None:
                 self.abandon(after)
             if cause == "device":
-                session.drop_puller(self._drift_layer)  # once nothing in flight reads it
+                session.drop_puller(found.drifted)  # once nothing in flight reads it
             counters["steps"] -= 1  # the replay through the model counts it (as run() does)
             self._count_replay(cause)
-            for layer, experts in absent:
+            for layer, experts in found.absent:
                 session.demand_absent(layer.index, experts)
         return cause
 
@@ -436,9 +445,8 @@ class Steps:
         return logits
 
     def _speculative_step(self, forward, inputs, args: tuple, kwargs: dict) -> tuple:
-        """One step without waits: ``(logits, cause, absent)``; ``cause`` is None, or why the
-        step must be replayed (see :meth:`_check`), ``absent`` the (layer, experts) the arena
-        lacked."""
+        """One step without waits: ``(logits, cause, found)``; ``cause`` is None, or why the
+        step must be replayed (see :meth:`_check`), ``found`` its :class:`Findings`."""
         session, counters = self.session, self.session.counters
         epoch = session.step_epoch if session.puller is not None else None
         if epoch is not None:
@@ -457,13 +465,13 @@ class Steps:
         counters["host_waits"] += 1
         counters["speculative_steps"] += 1
         counters["pulled_steps"] += any(status is not None for _, _, status, _ in records)
-        absent = []
-        cause = "epoch" if lost else self._check(records, absent, *(np.array(f) for f in flat))
+        found = Findings()
+        cause = "epoch" if lost else self._check(records, found, *(np.array(f) for f in flat))
         timing = session.timing
         timing["step_build_s"] += built - started
         timing["step_wait_s"] += waited - built
         timing["step_book_s"] += time.perf_counter() - waited
-        return logits, cause, absent
+        return logits, cause, found
 
     def _without_waits(self, forward, inputs, args: tuple, kwargs: dict, records):
         """The forward with every layer on its speculative path; ``records`` (a list, or None
@@ -505,10 +513,11 @@ class Steps:
             return False
         return cache is None or replayable(cache, depth * tokens)
 
-    def _check(self, records: list, absent: list, *flat: np.ndarray,
+    def _check(self, records: list, found: Findings, *flat: np.ndarray,
                promote: bool = True) -> str | None:
         """Why the speculative step must be replayed ("pool": an id missed its pool without a
-        puller; "absent": a pulled expert had no ready row in the arena), or None after the
+        puller; "absent": a pulled expert had no ready row in the arena; "device": a pull
+        differed from the host copy), what the replay acts on in ``found``, or None after the
         host's bookkeeping of the step (pool use counts, promotions, reports to the daemon).
         Without ``promote`` (a pipelined step, another in flight) the pulled layers' counting
         waits in ``_deferred`` for the next step that promotes (:meth:`flush`): the pools do not
@@ -528,10 +537,10 @@ class Steps:
                 for (layer, _, _, _), part in pulled:
                     lacked = experts[part][kinds[part] == ABSENT]
                     if lacked.size:
-                        absent.append((layer, np.unique(lacked).astype(np.int32)))
+                        found.absent.append((layer, np.unique(lacked).astype(np.int32)))
                 return "absent"
-            self._drift_layer = self._drifted(pulled, kinds)
-            if self._drift_layer is not None:
+            found.drifted = self._drifted(pulled, kinds)
+            if found.drifted is not None:
                 return "device"
         for (layer, _, _, _), part in plain:
             layer.after_speculation(ids[part])
