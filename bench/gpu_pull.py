@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import ROOT, daemon, ensure_model, write_section
-from gpu_pools import PROMPT, QWEN3_30B_SHAPES, TINY, side_by_side
+from gpu_pools import PROMPT, QWEN3_30B_SHAPES, TINY, side_by_side, summarize
 from overlap import arena_gb
 
 CAPPED = 0.25
@@ -96,6 +96,9 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
                 read_every_expert(session)
             first = mark(session)
             runs = side_by_side(resident, streamed, tokenizer, ids, args)
+            # Host waits per decode step over the decode windows (first token to last: the
+            # prompts' per-layer waits are outside them), the issue's "per token".
+            decode_waits = summarize(runs, len(session.manifest.layers))["host_waits_per_token"]
             counts = window_counts(session, first)
             split = streamed_split(streamed, tokenizer) if getattr(args, "own_loop", False) \
                 else None
@@ -114,15 +117,7 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
                 resident_ttft_s=statistics.median(runs["res_ttft"]),
                 streamed_ttft_s=statistics.median(runs["st_ttft"]),
                 per_step={k: v / steps for k, v in counts.items() if k != "steps"},
-                decode_host_waits=decode_waits(runs["windows"]), split=split, **counts)
-
-
-def decode_waits(windows: list) -> float:
-    """Host waits per decode step over the streamed decodes' windows (first token to last:
-    the prompts' per-layer waits, the 512-token prompts' included, are outside them), the
-    issue's "host waits per token"."""
-    steps = sum(w["steps"] for w in windows)
-    return sum(w["host_waits"] for w in windows) / steps if steps else float("nan")
+                decode_host_waits=decode_waits, split=split, **counts)
 
 
 def resident_split(model, tokenizer, steps: int = 32) -> dict:

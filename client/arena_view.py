@@ -102,9 +102,9 @@ class ArenaView:
 class ArenaRows:
     """Rows of one layer of the arena, as a lookup or a lease found them: the one route by
     which the client copies arena rows on the host (demands, rows written ahead, the host
-    puller), with one rule for taking a copy (:meth:`intact`) and one count of the rows used
-    without asking the daemon (:meth:`count_hits`). It holds the view it reads, so the
-    mapping outlives a reconnect while a copy of it is in flight."""
+    puller), with one rule for taking a copy (:meth:`unchanged`; :meth:`intact` row by row)
+    and one count of the rows used without asking the daemon (:meth:`count_hits`). It holds
+    the view it reads, so the mapping outlives a reconnect while a copy of it is in flight."""
 
     view: ArenaView
     layer: int
@@ -115,13 +115,18 @@ class ArenaRows:
         """Copy each row's segments into ``dest`` (GIL released; see ArenaView.copy)."""
         self.view.copy(self.layer, self.slots, dest, bases, positions)
 
+    def unchanged(self) -> bool:
+        """No row changed since its version was read (the seqlock check, the whole group at
+        once): a copy of them all is taken only where this holds (invariant 2)."""
+        return self.view._unchanged(self.slots, self.versions)
+
     def intact(self) -> np.ndarray:
-        """Per row, True if it did not change since its version was read (the seqlock check:
-        the whole group at once, row by row only when that fails): a copy is taken only
-        where this holds (invariant 2)."""
+        """Per row, True if it did not change since its version was read (:meth:`unchanged`,
+        row by row only when the whole group's check fails): a copy of a row is taken only
+        where this holds."""
+        if self.unchanged():
+            return np.ones(len(self.slots), dtype=bool)
         view, slots, versions = self.view, self.slots, self.versions
-        if view._unchanged(slots, versions):
-            return np.ones(len(slots), dtype=bool)
         return np.array([view._unchanged(slots[i:i + 1], versions[i:i + 1])
                          for i in range(len(slots))], dtype=bool)
 

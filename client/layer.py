@@ -203,7 +203,8 @@ class StreamedLayer:
         were promoted."""
         pool = self.pool
         hit = np.unique(rows[rows >= 0])
-        self._count(hit, None, experts)
+        pool.touch(hit)
+        self._count(len(hit), experts)
         pulled, first = np.unique(experts[experts >= 0], return_index=True)
         promoted = 0
         if len(pulled):
@@ -221,22 +222,18 @@ class StreamedLayer:
         pool = self.pool
         hit, times = np.unique(_distinct_per_row(rows), return_counts=True)
         pulled, counts = np.unique(_distinct_per_row(experts), return_counts=True)
-        pool.counters["hits"] += int(times.sum())
         pool.count_steps(hit, times, pulled, counts)
-        n_missed = int((experts >= 0).sum())
-        pool.counters["pulled"] += n_missed
-        self.session.count_pulled(self.index, n_missed)
+        self._count(int(times.sum()), experts)
         for start in range(0, rows.shape[0], REPORT_EVERY):
             r, e = rows[start:start + REPORT_EVERY], experts[start:start + REPORT_EVERY]
             used = np.union1d(pool.expert_of[r[r >= 0]], e[e >= 0]).astype(np.int32)
             self._report(used, len(r))
 
-    def _count(self, hit: np.ndarray, times, experts: np.ndarray) -> None:
-        """Count pool hits (``times`` each, default once) and the pulled pairs of
-        ``experts`` (an expert id, or -1 for a hit)."""
+    def _count(self, hits: int, experts: np.ndarray) -> None:
+        """Count ``hits`` pool hits and the pulled pairs of ``experts`` (an expert id, or -1
+        for a hit)."""
         pool = self.pool
-        pool.counters["hits"] += len(hit) if times is None else int(times.sum())
-        pool.touch(hit, times)
+        pool.counters["hits"] += hits
         n_missed = int((experts >= 0).sum())
         pool.counters["pulled"] += n_missed
         self.session.count_pulled(self.index, n_missed)

@@ -163,18 +163,12 @@ class ExpertPool:
         self.touch(rows)
         return rows
 
-    def touch(self, rows: np.ndarray, times: np.ndarray | None = None) -> None:
-        """Count a use of each row (``times`` uses each, default one: LFU), and a
-        written-ahead row's first use."""
-        self.uses[rows] += 1 if times is None else times
-        flagged = self.ahead_flag[rows]
-        if flagged.any():
-            self.counters["ahead_used"] += int(flagged.sum())
-            self.ahead_flag[rows] = False
-        self._touches += len(rows) if times is None else int(times.sum())
+    def touch(self, rows: np.ndarray) -> None:
+        """Count a use of each row (LFU), and a written-ahead row's first use."""
+        self._use(rows, 1)
+        self._touches += len(rows)
         if self._touches >= DECAY_EVERY * self.rows:
-            self.uses >>= 1
-            self.pulls >>= 1
+            self._decay(1)
             self._touches = 0
 
     def count_steps(self, rows: np.ndarray, times: np.ndarray, pulled: np.ndarray,
@@ -185,17 +179,26 @@ class ExpertPool:
         step by step each step's counts would come before the decays after it, so neither
         kind is favoured over the other (decaying the uses and not the pulls made a long
         batch's pulled experts look hotter than the rows they would replace)."""
-        touches = self._touches + int(times.sum())
-        decays, self._touches = divmod(touches, DECAY_EVERY * self.rows)
-        if decays:
-            self.uses >>= min(decays, 62)
-            self.pulls >>= min(decays, 62)
+        decays, self._touches = divmod(self._touches + int(times.sum()),
+                                       DECAY_EVERY * self.rows)
+        self._decay(decays)
+        self._use(rows, times)
+        self.pulls[pulled] += counts
+
+    def _use(self, rows: np.ndarray, times) -> None:
+        """``times`` uses of each of ``rows`` (an int or one per row); a written-ahead row's
+        first use counted."""
         self.uses[rows] += times
         flagged = self.ahead_flag[rows]
         if flagged.any():
             self.counters["ahead_used"] += int(flagged.sum())
             self.ahead_flag[rows] = False
-        self.pulls[pulled] += counts
+
+    def _decay(self, times: int) -> None:
+        """Halve the uses and the pulls ``times`` times over."""
+        if times:
+            self.uses >>= min(times, 62)
+            self.pulls >>= min(times, 62)
 
     def begin_call(self) -> None:
         """A call of the layer starts: the outputs recorded from now on are this call's."""

@@ -315,6 +315,17 @@ class Puller:
         """``layer``'s pulls are still to be compared with the host copy."""
         return self.verify_first and layer not in self.verified
 
+    def differs(self, layer: int, ids, pool, arrays, status) -> bool:
+        """Where ``layer``'s pulls are still compared with the host copy, compare this one
+        (:func:`verify_pull`): True if it differed; one that agreed with rows from the arena
+        ends the comparing for the layer."""
+        if not self.unverified(layer):
+            return False
+        same = verify_pull(self, layer, ids, pool, arrays, status)
+        if same:
+            self.verified.add(layer)
+        return same is False
+
     def close(self) -> None:
         pass
 

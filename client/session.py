@@ -35,7 +35,6 @@ from expertd.client.pull import (
     StepEpoch,
     decode_status,
     make_puller,
-    verify_pull,
 )
 from expertd.client.requester import DaemonDied, Requester
 from expertd.client.step import REPLAY_COUNTERS
@@ -408,7 +407,7 @@ class Session:
             started = time.perf_counter()
             rows.copy(dest, bases, positions)
             timing["copy_s"] += time.perf_counter() - started
-            if rows.intact().all():
+            if rows.unchanged():
                 rows.count_hits()  # found without the daemon: counted for its LFU
                 self.counters["fast_hits"] += len(experts)
                 return
@@ -426,7 +425,7 @@ class Session:
                     leased.copy(dest, bases, positions)
                     timing["fill_wait_s"] += copying - started
                     timing["copy_s"] += time.perf_counter() - copying
-                    if leased.intact().all():
+                    if leased.unchanged():
                         return
                     # Our lease lapsed (held past the daemon's bound): lease them again.
                     self.counters["retries"] += 1
@@ -473,15 +472,11 @@ class Session:
             started = time.perf_counter()
             if len(chunk):
                 epoch.begin()
-            drifted = False
             try:
                 arrays, status = puller.assemble(layer, mx.array(want), source)
                 mx.eval(arrays, status)
-                if puller.unverified(layer):  # compared while the epoch holds its rows
-                    same = verify_pull(puller, layer, want, source, arrays, status)
-                    drifted = same is False
-                    if same:
-                        puller.verified.add(layer)
+                # Compared while the epoch holds its rows.
+                drifted = puller.differs(layer, want, source, arrays, status)
             finally:
                 lost = epoch.end()
             if drifted and not lost:  # a revoked epoch's rows may have been refilled: retried

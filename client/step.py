@@ -31,7 +31,7 @@ from expertd.choices import SPECULATE_MODES
 
 from .layer import DECODE_IDS, StepMode
 from .predict import check_choice
-from .pull import ABSENT, PULLED, decode_status, verify_pull
+from .pull import ABSENT, PULLED, decode_status
 
 WINDOW = 16  # speculative steps per verdict
 MAX_REPLAYS = 4  # replays in a window above which auto stops speculating (a replay costs a
@@ -195,12 +195,14 @@ def replayable(cache, tokens: int) -> bool:
 
 @dataclass
 class Findings:
-    """What a step's check found that its replay acts on, beside the cause: the (layer,
-    experts) the arena lacked (demanded once nothing in flight holds rows), and the layer
-    whose pull differed from the host copy (its puller is dropped)."""
+    """What a step's check found beside its cause: what a replay acts on (the (layer,
+    experts) the arena lacked, demanded once nothing in flight holds rows; the layer whose
+    pull differed from the host copy, whose puller is dropped), and what it promoted (a
+    drain's promotions set the next drain's interval)."""
 
     absent: list = field(default_factory=list)
     drifted: int | None = None
+    promoted: int = 0  # experts the check promoted into the pools (a drain's)
 
 
 @dataclass
@@ -267,7 +269,6 @@ class Steps:
         self._deferred: dict = {}
         self._top_k = session.manifest.top_k
         self.drains = Drains()
-        self._promoted = 0  # experts the latest check promoted into the pools
 
     def run(self, forward, inputs, args: tuple, kwargs: dict):
         # A step starts attached: after a daemon's death or a failed or interrupted wait for
@@ -400,7 +401,7 @@ class Steps:
             if more:
                 self.drains.pipelined += 1
             else:
-                self.drains.drained(self._promoted)
+                self.drains.drained(found.promoted)
         if cause is not None:
             self._settled = None
             if after is not None:
@@ -546,10 +547,9 @@ class Steps:
             layer.after_speculation(ids[part])
         if pulled and promote:
             self.flush()
-        self._promoted = 0
         for (layer, _, _, arrays), part in pulled:
             if promote:
-                self._promoted += layer.after_pull(rows[part], experts[part], arrays)
+                found.promoted += layer.after_pull(rows[part], experts[part], arrays)
             else:
                 self._deferred.setdefault(layer.index, (layer, []))[1].append(
                     (rows[part], experts[part]))
@@ -564,12 +564,9 @@ class Steps:
         if puller is None or not puller.verify_first:
             return None
         for (layer, ids, status, arrays), part in pulled:
-            if puller.unverified(layer.index) and (kinds[part] == PULLED).any():
-                same = verify_pull(puller, layer.index, ids, layer.pool, arrays, status)
-                if same is False:
-                    return layer.index
-                if same:
-                    puller.verified.add(layer.index)
+            if (kinds[part] == PULLED).any() and puller.differs(layer.index, ids, layer.pool,
+                                                                arrays, status):
+                return layer.index
         return None
 
     def flush(self) -> None:
