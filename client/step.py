@@ -145,7 +145,8 @@ class Drains:
     promotion must not rewrite a pool that a step in flight reads). A drain costs the device an
     idle spell (the host's bookkeeping, then the next step's build), so one that promoted
     nothing doubles the interval, up to MAX_DRAIN_EVERY; one that promoted brings it back to
-    DRAIN_EVERY. Pure logic."""
+    DRAIN_EVERY. A pulled step checked by :meth:`Steps.run` (a replay, a prompt's last token)
+    has nothing in flight either, so it counts as a drain. Pure logic."""
 
     every: int = DRAIN_EVERY
     pipelined: int = 0  # steps settled with another in flight since the last drain
@@ -465,9 +466,12 @@ class Steps:
         waited = time.perf_counter()
         counters["host_waits"] += 1
         counters["speculative_steps"] += 1
-        counters["pulled_steps"] += any(status is not None for _, _, status, _ in records)
+        pulled = any(status is not None for _, _, status, _ in records)
+        counters["pulled_steps"] += pulled
         found = Findings()
         cause = "epoch" if lost else self._check(records, found, *(np.array(f) for f in flat))
+        if cause is None and pulled:  # checked with nothing in flight: a drain's bookkeeping
+            self.drains.drained(found.promoted)
         timing = session.timing
         timing["step_build_s"] += built - started
         timing["step_wait_s"] += waited - built

@@ -252,3 +252,43 @@ def test_a_puller_dropped_at_a_drain_leaves_the_loop_pipelining(models, isolated
             assert len(later) > 10 and sum(later) > len(later) // 2
         finally:
             session.close()
+
+
+def test_a_replay_that_promoted_brings_the_drains_back_to_the_shortest_interval(
+        models, isolated_env, tmp_path):
+    """A replayed step (and the prompt's last) runs checked with nothing in flight, so it is a
+    drain: what it promoted sets the interval as a pipelined loop's drain does (a promotion in
+    a replay left the interval where 64 steps of promoting nothing had put it)."""
+    from expertd.client.step import DRAIN_EVERY, MAX_DRAIN_EVERY, Drains
+
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    ids = prompt(resident_model(model_dir).args.vocab_size)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        session = model.expertd_session
+        steps = model.__dict__["_expertd_steps"]
+        try:
+            cache = mlx_cache(model)
+            model(ids[:-1][None], cache=cache)  # the prompt, on the checked path
+            promoted = []
+            for layer in steps.layers:
+                real = layer.after_pull
+
+                def after_pull(rows, experts, arrays, real=real):
+                    promoted.append(real(rows, experts, arrays))
+                    return 1  # as if the policy had promoted one of them
+
+                layer.after_pull = after_pull
+            steps.drains = Drains(every=MAX_DRAIN_EVERY, pipelined=5)
+            pulled = session.counters["pulled_steps"]
+            mx.eval(model(ids[-1:][None], cache=cache))  # a decode step through Steps.run
+            assert session.counters["pulled_steps"] > pulled and promoted
+            assert steps.drains == Drains(every=DRAIN_EVERY, pipelined=0)
+        finally:
+            session.close()
+
+
+def mlx_cache(model):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(model)
