@@ -8,6 +8,7 @@ so another user can neither predict nor squat it.
 
 import errno
 import hashlib
+import logging
 import os
 import stat
 import sys
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DaemonError
+
+log = logging.getLogger("expertd")
 
 MAX_SOCKET_PATH = 103  # macOS sockaddr_un holds 104 bytes including the terminating NUL
 # Fallbacks tried after /tmp/expertd-<uid> when another user owns it: /tmp/expertd-<uid>-1, ...
@@ -34,48 +37,83 @@ def _claim_dir(path: Path) -> bool:
         pass
     except PermissionError:
         return False
+    return _ours(path, private=True)
+
+
+def _ours(path: Path, private: bool = False) -> bool:
+    """``path`` is a real directory (not a symlink) that this user owns; with ``private`` it
+    is made 0700. False if it is missing, someone else's, or not a directory."""
     try:
         # O_NOFOLLOW | O_DIRECTORY: a symlink or a file planted at the name is refused, and the
         # checks below apply to what we opened, not to whatever the name points to later.
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR):
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
             return False
         raise
     try:
         info = os.fstat(fd)
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
             return False
-        if stat.S_IMODE(info.st_mode) != 0o700:
+        if private and stat.S_IMODE(info.st_mode) != 0o700:
             os.fchmod(fd, 0o700)
         return True
     finally:
         os.close(fd)
 
 
+def _xdg_runtime_dir() -> Path | None:
+    """``$XDG_RUNTIME_DIR`` if it can hold our sockets safely, else None (with a warning where
+    it is set). The XDG spec's rules: an absolute path (a relative one is ignored: a daemon runs
+    from ``/``, its clients from anywhere), a directory of this user's that no one else may
+    write to (another user could otherwise rename our directory in it and plant theirs). A
+    missing one is created, 0700."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if not xdg:
+        return None
+    path = Path(xdg)
+    why = None
+    if not path.is_absolute():
+        why = "is not an absolute path"
+    else:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not _ours(path):
+            why = "is not a directory of yours"
+        elif os.stat(path).st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            why = "is writable by other users"
+    if why is None:
+        return path
+    log.warning("XDG_RUNTIME_DIR=%s %s; expertd ignores it (as the XDG spec asks) and keeps its "
+                "sockets in /tmp", xdg, why)
+    return None
+
+
 def runtime_dir() -> Path:
     """The per-user 0700 directory for sockets, locks, run files and logs (created if missing).
 
-    ``$XDG_RUNTIME_DIR/expertd`` when XDG_RUNTIME_DIR is set. Otherwise ``/tmp/expertd-<uid>``
-    (macOS: in the per-user temporary directory); if another user took that name first, the
-    first of ``expertd-<uid>-1``, ``-2``, ... that is ours or can be created. Daemons and clients
-    follow the same rule, so they meet in the same directory.
+    ``$XDG_RUNTIME_DIR/expertd`` when XDG_RUNTIME_DIR is set and safe (see
+    :func:`_xdg_runtime_dir`). Otherwise ``/tmp/expertd-<uid>`` (macOS: in the per-user
+    temporary directory); if another user took that name first, one of ``expertd-<uid>-1``,
+    ``-2``, ...: the first that is already ours, else the first that can be created. Daemons
+    and clients follow the same rule, so they meet in the same directory, and a daemon's
+    directory stays the one its clients find when names before it come free later (another
+    user's squat removed).
 
     Raises:
         DaemonError: if every candidate belongs to someone else (set XDG_RUNTIME_DIR).
     """
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        path = Path(xdg) / "expertd"
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    xdg = _xdg_runtime_dir()
+    if xdg is not None:
+        path = xdg / "expertd"
         if _claim_dir(path):
             return path
         raise DaemonError(f"{path} is not a directory of yours; remove it, or point "
                           "XDG_RUNTIME_DIR at a private directory of yours")
     base = Path(tempfile.gettempdir() if sys.platform == "darwin" else "/tmp")
     first = base / f"expertd-{os.getuid()}"
-    for i in range(RUNTIME_FALLBACKS + 1):
-        path = first if i == 0 else first.with_name(f"{first.name}-{i}")
+    names = [first] + [first.with_name(f"{first.name}-{i}")
+                       for i in range(1, RUNTIME_FALLBACKS + 1)]
+    for path in [p for p in names if _ours(p)] + names:
         if _claim_dir(path):
             return path
     raise DaemonError(f"{first} and its {RUNTIME_FALLBACKS} fallbacks ({first.name}-1 ... "
@@ -91,6 +129,9 @@ def state_dir() -> Path:
         DaemonError: if it exists but is not a directory of ours.
     """
     xdg = os.environ.get("XDG_STATE_HOME")
+    if xdg and not Path(xdg).is_absolute():  # the XDG spec: ignored (a daemon runs from /)
+        log.warning("XDG_STATE_HOME=%s is not an absolute path; expertd ignores it", xdg)
+        xdg = None
     base = Path(xdg) if xdg else Path.home() / ".local" / "state"
     path = base / "expertd"
     base.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -218,7 +218,7 @@ def leftover(paths) -> dict | None:
         return None
     finally:
         shm.close_fd()
-    path = f"{SHM_DIR}/{info.arena}" if os.path.isdir(SHM_DIR) else info.arena
+    path = f"{SHM_DIR}/{info.arena.lstrip('/')}" if os.path.isdir(SHM_DIR) else info.arena
     return {"arena": info.arena, "path": path, "bytes": size, "pid": info.pid,
             "socket": str(paths.socket) if paths.socket.exists() else None}
 

@@ -96,10 +96,12 @@ def test_a_killed_daemons_arena_is_named_by_status_and_removed_by_stop(models, i
         d.kill()
         text = expertd_cli("status", "--blobs", blobs)
         assert text.returncode != 0
-        assert f"its arena /dev/shm/{d.arena}" in text.stderr, text.stderr
+        path = f"/dev/shm/{d.arena.lstrip('/')}"
+        assert f"its arena {path} " in text.stderr and "//" not in text.stderr, text.stderr
         assert f"expertd stop --blobs {paths.blob_dir}" in text.stderr
         left = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)[0]["leftover"]
         assert left["arena"] == d.arena and left["bytes"] == size and left["pid"] == d.pid
+        assert left["path"] == path and os.path.exists(path)
         stopped = expertd_cli("stop", "--blobs", blobs)
         assert stopped.returncode == 0 and f"arena {d.arena}" in stopped.stdout, stopped.stdout
         assert not shm_exists(d.arena) and not paths.runfile.exists()
@@ -329,6 +331,15 @@ def test_a_squatted_runtime_dir_and_arena_name_do_not_stop_start(models, tmp_pat
             status = _in_namespace(ns, "status", "--blobs", "/tmp/blobs", env=env)
             assert status.returncode == 0 and arena in _in_namespace(
                 ns, "status", "--blobs", "/tmp/blobs", "--json", env=env).stdout
+            # The names before ours come free (the other user removed them): clients keep
+            # finding the daemon in its own directory, not in a new one at the first name.
+            (root_tmp / f"expertd-{uid}").rmdir()
+            (root_tmp / f"expertd-{uid}-1").unlink()
+            status = _in_namespace(ns, "status", "--blobs", "/tmp/blobs", "--json", env=env)
+            assert status.returncode == 0 and arena in status.stdout, status.stderr
+            assert not (root_tmp / f"expertd-{uid}").exists()
+            _squat(root_tmp / f"expertd-{uid}")
+            _squat(root_tmp / f"expertd-{uid}-1")
             stopped = _in_namespace(ns, "stop", "--blobs", "/tmp/blobs", env=env)
             assert stopped.returncode == 0, stopped.stderr
             assert not shm_exists(arena)
@@ -359,3 +370,77 @@ def _stop_pid_of(run_file: Path) -> None:
         os.kill(info["pid"], signal.SIGKILL)
         wait_until(lambda: not lock_held(lock), 10, "the daemon to die")
     unlink_arena(info["arena"])
+
+
+def test_runtime_dir_ignores_an_xdg_runtime_dir_that_is_relative_or_open_to_others(
+        tmp_path, monkeypatch, caplog):
+    """The XDG spec's rules for XDG_RUNTIME_DIR: an absolute path (a daemon runs from /, its
+    clients from anywhere: a relative one would part them) to a directory of this user's that
+    nobody else may write to (another user could rename our directory in it and plant
+    theirs). One that breaks them is ignored, with a warning saying why."""
+    from expertd.paths import _xdg_runtime_dir
+
+    good = tmp_path / "run"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(good))
+    assert _xdg_runtime_dir() == good and _mode(good) == 0o700  # created, private
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o1777)
+    monkeypatch.chdir(tmp_path)
+    for value, why in ((str(open_dir), "writable by other users"),
+                       ("run", "not an absolute path")):
+        monkeypatch.setenv("XDG_RUNTIME_DIR", value)
+        caplog.clear()
+        assert _xdg_runtime_dir() is None
+        assert why in caplog.text and "ignores it" in caplog.text
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, NOBODY, NOBODY)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(theirs))
+        assert _xdg_runtime_dir() is None and "not a directory of yours" in caplog.text
+
+
+def test_daemon_environment_keeps_relative_python_path_entries_meaning_the_same(tmp_path,
+                                                                              monkeypatch):
+    from expertd.cli.service_plan import daemon_environment
+
+    monkeypatch.chdir(tmp_path)
+    env = daemon_environment({"PYTHONPATH": os.pathsep.join(["lib", "/abs", ""]), "X": "1"})
+    assert env == {"PYTHONPATH": os.pathsep.join([str(tmp_path / "lib"), "/abs",
+                                                  str(tmp_path)]), "X": "1"}
+    assert daemon_environment({"X": "1"}) == {"X": "1"}
+
+
+@pytest.mark.timeout(120)
+def test_a_start_from_a_directory_others_write_runs_expertd_not_a_planted_package(
+        models, isolated_env, tmp_path):
+    """``expertd start`` relaunches itself as ``python -m expertd``, and ``-m`` puts the
+    working directory first on sys.path: started from a directory another user can write to,
+    the daemon imported an ``expertd`` package planted there, running that user's code as
+    ours. The daemon runs from / instead, its paths made absolute first (a relative --blobs
+    still names the same directory)."""
+    blobs = models.blobs()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # like /tmp
+    planted = shared / "expertd"
+    planted.mkdir()
+    ran = tmp_path / "planted-code-ran"
+    (planted / "__init__.py").write_text("")
+    (planted / "__main__.py").write_text(f"open({str(ran)!r}, 'w').write('yes')\n")
+    # The console script's interpreter: nothing from the working directory on sys.path (-I;
+    # the environment's XDG variables still apply).
+    entry = [sys.executable, "-I", "-c",
+             "import sys; from expertd.cli.main import main; sys.exit(main())"]
+    env = {**os.environ, **isolated_env}
+    try:
+        started = subprocess.run([*entry, "start", "--blobs", os.path.relpath(blobs, shared),
+                                  "--cache-gb", CACHE_GB], cwd=shared, env=env,
+                                 capture_output=True, text=True, timeout=90)
+        assert not ran.exists(), "the planted package ran"
+        assert started.returncode == 0, started.stderr
+        pid = serving_pid(daemon_paths(blobs))
+        assert pid is not None and os.readlink(f"/proc/{pid}/cwd") == "/"
+    finally:
+        expertd_cli("stop", "--blobs", blobs)

@@ -70,7 +70,8 @@ def test_install_writes_the_unit_and_prints_the_exact_commands(awkward_blobs, ho
     blobs = str(awkward_blobs).replace("%", "%%").replace("$", "$$")
     assert (f'ExecStart={python} -m expertd start --blobs "{blobs}" --cache-gb "80%%" '
             "--workers 2 --foreground\n") in text
-    for line in ("Type=simple", "Restart=on-failure", f"TimeoutStopSec={STOP_GRACE_S}",
+    for line in ("Type=simple", "WorkingDirectory=/", "Restart=on-failure",
+                 f"TimeoutStopSec={STOP_GRACE_S}",
                  "WantedBy=default.target",
                  f"Environment=XDG_RUNTIME_DIR={os.environ['XDG_RUNTIME_DIR']}"):
         assert f"\n{line}\n" in text, line
@@ -187,6 +188,7 @@ def test_macos_agent_content_and_commands(awkward_blobs, home, tmp_path, monkeyp
         "--pin-file", str(pins), "--log-file", str(logs / f"{label}.log"), "--foreground"]
     assert all(Path(a).is_absolute() for a in agent["ProgramArguments"] if "/" in a)
     assert agent["Label"] == label and agent["RunAtLoad"] is True
+    assert agent["WorkingDirectory"] == "/"  # -m puts it first on sys.path
     assert agent["KeepAlive"] == {"SuccessfulExit": False}
     assert agent["ExitTimeOut"] == STOP_GRACE_S
     assert agent["StandardErrorPath"] == str(logs / f"{label}.launchd.log")
@@ -222,7 +224,7 @@ def test_the_agents_command_line_runs_a_daemon_that_logs_where_it_says(awkward_b
     plan.log.parent.mkdir(parents=True)  # as `expertd service install` does
     with open(os.devnull, "wb") as quiet:
         proc = subprocess.Popen(agent["ProgramArguments"], env=env, stdin=subprocess.DEVNULL,
-                                stdout=quiet, stderr=quiet)
+                                stdout=quiet, stderr=quiet, cwd=agent["WorkingDirectory"])
     try:
         stats = wait_until(lambda: proc.poll() is None and try_stats(awkward_blobs), 60,
                            "the agent's daemon to answer")

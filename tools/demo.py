@@ -37,7 +37,7 @@ def run_demo(workdir: Path | None = None, rebuild: bool = False) -> int:
     from .convert import convert
     from .synth import synthesize
 
-    workdir = workdir or default_workdir()
+    workdir = Path(workdir or default_workdir()).expanduser().absolute()  # the daemon runs from /
     model_dir, blob_dir, state = workdir / "model", workdir / "blobs", workdir / "state.json"
     if rebuild:
         shutil.rmtree(workdir, ignore_errors=True)

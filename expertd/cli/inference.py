@@ -202,7 +202,8 @@ def add_client_subcommands(sub) -> None:
     p.add_argument("--prompt", "-p", default=argtypes.DEFAULT_PROMPT,
                    type=argtypes.prompt_text,
                    help="the prompt text ('-' reads it from stdin; \\n and \\t typed in it "
-                   "are a newline and a tab, as in mlx_lm.generate)")
+                   "are a newline and a tab, as in mlx_lm.generate). Other users of this "
+                   "machine can read a command line, so give a private prompt with '-'")
     p.add_argument("--prefill-response", metavar="TEXT",
                    help="the start of the assistant's reply, continued by the model (with the "
                    "chat template)")

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from expertd.cli.service_plan import DAEMON_CWD, daemon_environment
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.paths import daemon_paths, runtime_dir
@@ -155,7 +156,8 @@ def start_detached(blob_dir, argv: list, log_file: Path | None = None,
         proc = subprocess.Popen([sys.executable, "-m", "expertd", *argv, "--foreground",
                                  "--log-file", str(log_file)],
                                 stdin=subprocess.DEVNULL, stdout=errors, stderr=errors,
-                                start_new_session=True, close_fds=True)
+                                start_new_session=True, close_fds=True, cwd=DAEMON_CWD,
+                                env=daemon_environment(os.environ))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

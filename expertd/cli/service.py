@@ -14,6 +14,7 @@ from pathlib import Path
 from expertd.cli.daemon_control import config_from_args, snapshot
 from expertd.cli.options import add_start_flags, start_flags
 from expertd.cli.service_plan import (  # noqa: F401 (service's names for them)
+    DAEMON_CWD,
     PLATFORMS,
     RUNTIME_VARS,
     STOP_GRACE_S,
@@ -54,6 +55,7 @@ def render_unit(plan: ServicePlan) -> str:
         "[Service]\n"
         "Type=simple\n"
         f"ExecStart={' '.join(systemd_quote(a) for a in plan.argv)}\n"
+        f"WorkingDirectory={DAEMON_CWD}\n"
         f"{env}"
         "Restart=on-failure\n"
         "RestartSec=2\n"
@@ -70,6 +72,7 @@ def plist_dict(plan: ServicePlan) -> dict:
     return {
         "Label": plan.name,
         "ProgramArguments": list(plan.argv),
+        "WorkingDirectory": DAEMON_CWD,
         "EnvironmentVariables": dict(plan.environment),
         "RunAtLoad": True,
         # Restart after a crash, not after a clean stop (SIGTERM exits 0).

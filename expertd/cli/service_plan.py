@@ -33,6 +33,22 @@ def service_id(blob_dir: Path) -> str:
     return hashlib.sha256(f"{real}\0{os.getuid()}".encode()).hexdigest()[:16]
 
 
+# A daemon runs from the root directory: ``-m`` puts the working directory first on sys.path,
+# so a daemon started from a directory another user can write to would import an ``expertd``
+# planted there; and a daemon holds no user's directory (or its volume) busy.
+DAEMON_CWD = "/"
+
+
+def daemon_environment(environ) -> dict:
+    """``environ`` for a daemon that runs from :data:`DAEMON_CWD`: PYTHONPATH's relative
+    entries (an empty one means the working directory) made absolute, as they were meant."""
+    env = dict(environ)
+    if env.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or os.curdir)
+                                            for p in env["PYTHONPATH"].split(os.pathsep))
+    return env
+
+
 def expertd_command() -> list:
     """The absolute command that runs this expertd: this interpreter with ``-m expertd``.
 
