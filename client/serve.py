@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import errno
 import functools
+import ipaddress
 import json
 import logging
 import signal
@@ -33,6 +34,7 @@ from expertd.client.serve_errors import (
     ServerStopping,
     ShapedErrors,
     abandon,
+    authorized,
     error_object,
 )
 from expertd.client.serve_metrics import ServerCounters, render_metrics
@@ -287,7 +289,13 @@ def _server_classes():
                 body = {"status": "unavailable", **error_object(503, self.server.watch.refusal())}
                 self._send(503, "application/json", json.dumps(body).encode())
 
+        def do_POST(self):
+            if authorized(self, self.server.api_key):
+                super().do_POST()
+
         def do_GET(self):
+            if not authorized(self, self.server.api_key):
+                return
             if self.path == "/metrics":
                 self._send(200, PROMETHEUS_TYPE, self.server.metrics().encode())
             elif self.path == "/v1/models" or self.path.startswith("/v1/models/"):
@@ -333,6 +341,7 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
     def __init__(self, address, handler, blob_dir: Path, cli_args: argparse.Namespace):
         super().__init__(address, handler)
         self.blob_dir, self.cli_args = blob_dir, cli_args  # mlx_lm.server's settings
+        self.api_key = getattr(cli_args, "api_key", None)  # what requests must bear, or None
         self.session = self.counters = self.names = self.watch = None  # set by ready()
 
     def ready(self, handler, *, session, counters: ServerCounters, names: set,
@@ -390,6 +399,8 @@ class LoadingHandler(BaseHTTPRequestHandler):
         APIHandler._set_cors_headers(self)  # mlx_lm.server's own, as once loaded
 
     def do_GET(self, body: bool = True):
+        if not authorized(self, self.server.api_key):
+            return
         reply = ({"status": "loading"} if self.path == "/health" else
                  error_object(503, "expertd serve is loading its model; try again shortly",
                               "model_loading"))
@@ -444,7 +455,8 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
           pool_gb: float | None = None, speculate: str = "auto", pull: str = "auto",
           reconnect_timeout: float | None = None,
           options: dict | None = None, out=sys.stdout, pipeline_group=None,
-          adapter_path: str | None = None, trust_remote_code: bool = False) -> int:
+          adapter_path: str | None = None, trust_remote_code: bool = False,
+          api_key: str | None = None) -> int:
     """Serve the model of ``blob_dir`` over HTTP until SIGINT or SIGTERM.
 
     Args:
@@ -453,6 +465,8 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         prefetch: the client's prefetch mode (see ``expertd.client.load``).
         pool_gb: the client's expert pools (see ``expertd.client.load``).
         speculate: one host wait per decode step (see ``expertd.client.load``).
+        api_key: the key every request but /health must bear (``Authorization: Bearer
+            KEY``; serve_errors.read_api_key), or None: whoever reaches the port may use it.
         options: mlx_lm.server settings by their argparse names (``temp``, ``max_tokens``,
             ``chat_template``, ...); the rest keep mlx_lm.server's defaults.
         out: where the "listening" line goes.
@@ -473,6 +487,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     cli_args = mlx_server_args(blob_dir, options or {})
     cli_args.adapter_path = adapter_path  # loaded with the model (a request may name them)
     cli_args.trust_remote_code = trust_remote_code
+    cli_args.api_key = api_key
     # The command line has configured logging already (then this only sets the level).
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(message)s")
     root = logging.getLogger()  # `expertd -v serve` keeps its debug lines
@@ -545,6 +560,19 @@ def _url(httpd) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}"  # IPv6 in brackets
 
 
+def _access(httpd) -> str:
+    """Who may use the server, in a few words for its ready line."""
+    if httpd.api_key is not None:
+        return "requests need its API key"
+    host = httpd.server_address[0]
+    try:
+        local = ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        local = False
+    return ("no API key: every user of this machine may use it" if local else
+            "no API key: whoever reaches this port may use it (--api-key-file)")
+
+
 def _stop_loading(httpd, loading) -> None:
     """End the loop that answered while the model loaded (the socket keeps listening)."""
     if loading is not None and loading.is_alive():
@@ -596,7 +624,8 @@ def _serve_loaded(httpd, loading, listen, session, model, tokenizer, draft, cli_
                                                   **k),
                     session=session, counters=counters, names=names, watch=watch)
         print(f"expertd serve: {name} on {_url(httpd)}/v1 (blob dir {session.paths.blob_dir}, "
-              f"daemon pid {session.daemon_pid}); stop with Ctrl-C", file=out, flush=True)
+              f"daemon pid {session.daemon_pid}); {_access(httpd)}; stop with Ctrl-C",
+              file=out, flush=True)
         if distributed:
             httpd.serve_forever()  # until a signal ends the process
             return None

@@ -1,12 +1,19 @@
 """What ``expertd serve`` answers when something is wrong: OpenAI-shaped error bodies, and
 whether the daemon serves at all (a request is refused at once rather than left waiting)."""
 
+import hmac
 import json
+import os
+import stat
+from pathlib import Path
 
 from expertd.runfile import serving_epoch
 
+API_KEY_ENV = "EXPERTD_API_KEY"  # the key, where --api-key-file is not given
+
 # The "code" of an error body, by HTTP status, where no finer one applies.
-ERROR_CODES = {400: "invalid_request", 404: "not_found", 411: "length_required",
+ERROR_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found",
+               411: "length_required",
                500: "internal_error", 503: "daemon_unavailable"}
 
 
@@ -100,3 +107,57 @@ def abandon(response_queue, on_stopped) -> None:
             return
         put(item)
 
+
+
+def read_api_key(path: str | None, environ=os.environ) -> str | None:
+    """The key every request but /health must bear (``Authorization: Bearer KEY``, as OpenAI's
+    clients send their ``api_key``): the one line of the file ``path``, else $EXPERTD_API_KEY,
+    else None (no key: whoever reaches the port uses the model, as with mlx_lm.server). Not a
+    flag's value, which every user of the machine could read in the process list.
+
+    Raises:
+        ValueError: the file cannot be read, others may read it (as ssh refuses such a private
+            key), or it holds no single word.
+    """
+    if path is None:
+        return environ.get(API_KEY_ENV) or None
+    file = Path(path).expanduser()
+    try:
+        with open(file, "rb") as f:  # the mode of what was opened, not of a name swapped in
+            mode = os.fstat(f.fileno()).st_mode
+            text = f.read(4096).decode(errors="replace")
+    except OSError as exc:
+        raise ValueError(f"--api-key-file {path}: {exc.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"--api-key-file {path}: other users may read it (mode "
+                         f"{stat.S_IMODE(mode):o}); chmod 600 {path}")
+    words = text.split()
+    if len(words) != 1:
+        raise ValueError(f"--api-key-file {path}: it must hold the key alone, one word "
+                         f"(it holds {len(words)})")
+    return words[0]
+
+
+def authorized(handler, key: str | None) -> bool:
+    """Whether ``handler``'s request may be served under ``key`` (None: every request; else a
+    request bearing it, or /health, which load balancers ask without one). A refused request
+    is answered 401 in OpenAI's shape, its connection then closed (its body is not read)."""
+    if key is None or handler.path.split("?", 1)[0] == "/health":
+        return True
+    scheme, _, given = handler.headers.get("Authorization", "").strip().partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
+        return True
+    message = ("this server needs its API key: send the header Authorization: Bearer KEY "
+               "(OpenAI clients: api_key=KEY)" if not given else "the API key is not this "
+               "server's")
+    body = json.dumps(error_object(401, message)).encode()
+    handler.close_connection = True
+    handler.send_response(401)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.send_header("WWW-Authenticate", "Bearer")
+    handler.send_header("Connection", "close")
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(body)
+    return False

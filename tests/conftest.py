@@ -65,6 +65,7 @@ def _private_dirs(state: Path, monkeypatch):
     runtime = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    monkeypatch.delenv("EXPERTD_API_KEY", raising=False)  # a developer's would guard serve
     try:
         yield {"XDG_RUNTIME_DIR": str(runtime), "XDG_STATE_HOME": str(state)}
     finally:

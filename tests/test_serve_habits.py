@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 from harness import SMALL_CACHE_GB, Daemon, stop_process, wait_until
-from openai import BadRequestError
+from openai import AuthenticationError, BadRequestError, OpenAI
 from test_serve import START_TIMEOUT, STOP_TIMEOUT, Server
 
 pytestmark = pytest.mark.timeout(240)
@@ -265,3 +265,72 @@ def test_status_json_names_a_daemon_that_does_not_answer(models, isolated_env):
     entry, = json.loads(one.stdout)
     assert entry["answering"] is False and entry["blob_dir"] == str(blobs.resolve())
     assert any(d.get("answering") is False for d in json.loads(every.stdout)), every.stdout
+
+
+def _ask(url: str, key: str | None = None, data: bytes | None = None) -> tuple[int, dict, bytes]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, reply.headers, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read()
+
+
+def test_an_api_key_guards_every_request_but_health(models, isolated_env, tmp_path):
+    """Without its key a server answered any user of the machine (the model, /metrics' daemon
+    stats, and the prompt cache's cached_tokens, an oracle for others' prompts). With
+    --api-key-file, every request but /health must bear the key: 401 in OpenAI's shape
+    otherwise, wrong key or none."""
+    blobs = models.blobs()
+    key = "k3y-" + os.urandom(8).hex()
+    key_file = tmp_path / "key"
+    key_file.write_text(key + "\n")
+    os.chmod(key_file, 0o600)
+    with (Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB),
+          Server(blobs, tmp_path, "--api-key-file", key_file) as server):
+        assert "requests need its API key" in server.out.read_text()
+        assert _ask(server.base + "/health")[0] == 200
+        completion = json.dumps({"prompt": "Once", "max_tokens": 2}).encode()
+        for path, data in (("/v1/models", None), ("/metrics", None),
+                           ("/v1/completions", completion)):
+            for given in (None, "not-" + key, key[:-1]):
+                status, headers, body = _ask(server.base + path, given, data)
+                assert status == 401, (path, given, status)
+                error = json.loads(body)["error"]
+                assert error["code"] == "invalid_api_key" and "param" in error, error
+                assert headers["WWW-Authenticate"] == "Bearer"
+            status, _, body = _ask(server.base + path, key, data)
+            assert status == 200, (path, body)
+        with pytest.raises(AuthenticationError):
+            server.client.models.list()  # the fixture's client has another key
+        client = OpenAI(base_url=server.url, api_key=key, max_retries=0, timeout=60)
+        reply = client.completions.create(model=blobs.name, prompt="Once", max_tokens=2)
+        assert reply.choices[0].text is not None and reply.model == blobs.name
+
+
+def test_an_api_key_file_must_be_private_and_hold_one_key(tmp_path):
+    from expertd.client.serve_errors import read_api_key
+
+    key_file = tmp_path / "key"
+    key_file.write_text("abc\n")
+    os.chmod(key_file, 0o640)
+    with pytest.raises(ValueError, match="other users may read it .*chmod 600"):
+        read_api_key(str(key_file))
+    os.chmod(key_file, 0o600)
+    assert read_api_key(str(key_file)) == "abc"
+    for text, words in (("", 0), ("a b\n", 2)):
+        key_file.write_text(text)
+        with pytest.raises(ValueError, match=f"holds {words}"):
+            read_api_key(str(key_file))
+    with pytest.raises(ValueError, match="No such file"):
+        read_api_key(str(tmp_path / "missing"))
+    assert read_api_key(None, {"EXPERTD_API_KEY": "xyz"}) == "xyz"
+    assert read_api_key(None, {}) is None
+    refused = subprocess.run([sys.executable, "-m", "expertd", "serve", "--blobs",
+                              str(tmp_path), "--api-key-file", str(tmp_path / "missing")],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "--api-key-file" in refused.stderr
+    assert "Traceback" not in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr

@@ -274,12 +274,14 @@ def add_client_subcommands(sub) -> None:
 
 def _cmd_serve(args) -> int:
     from expertd.client.serve import serve
+    from expertd.client.serve_errors import read_api_key
 
+    api_key = read_api_key(args.api_key_file)
     status = serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,
                    options=serve_options(args), pool_gb=args.pool_gb, speculate=args.speculate,
                    pull=args.pull, reconnect_timeout=args.reconnect_timeout,
                    adapter_path=args.adapter_path, trust_remote_code=args.trust_remote_code,
-                   pipeline_group=_pipeline_group() if args.pipeline else None)
+                   api_key=api_key, pipeline_group=_pipeline_group() if args.pipeline else None)
     # Everything is closed (the daemon got its goodbye): skip the C++ static destructors. With
     # MLX 0.32 on Linux they abort ("terminate called without an active exception") once
     # mlx-lm has decoded requests in a batch; `mlx_lm.server` itself exits that way.
@@ -314,11 +316,18 @@ def add_serving_subcommands(sub) -> None:
                        "/health), its experts streamed through the running expertd, plus "
                        "/metrics in the Prometheus text format. Several servers, generate "
                        "runs and Python clients share one daemon. Like mlx_lm.server, it "
-                       "only implements basic security checks: keep it on a trusted network.")
+                       "only implements basic security checks: keep it on a trusted network, "
+                       "and give it an API key (--api-key-file) where other users of this "
+                       "machine or network could reach its port.")
     add_model_flag(p)
     p.add_argument("--host", type=argtypes.host, default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=argtypes.port, default=8080, help="port to listen on, 0 to 65535 "
                    "(0: any free port, printed at start)")
+    p.add_argument("--api-key-file", metavar="FILE",
+                   help="a file (mode 600) holding the key every request but /health must "
+                   "bear, as 'Authorization: Bearer KEY' (OpenAI clients: api_key=KEY); "
+                   "default: $EXPERTD_API_KEY, else no key (whoever reaches the port, any user "
+                   "of this machine included, may use the model)")
     add_prefetch_flag(p, prefetch_help)
     p.add_argument("--pipeline", action="store_true",
                    help="run under mlx.launch, one pipeline stage per rank, each rank's BLOB_DIR "
