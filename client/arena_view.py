@@ -43,6 +43,7 @@ class ArenaView:
         self.epoch = self.arena.epoch
         self._slot_of, self._slots = g.slot_of_offset, g.slots_offset
         self._rows, self._stride, self._n_experts = g.rows_offset, g.stride, g.n_experts
+        self._n_rows = g.total_rows
         self._segments = segment_tables
 
     @property
@@ -55,8 +56,8 @@ class ArenaView:
         slots = np.empty(n, np.int32)
         versions = np.empty(n, np.uint64)
         filling = np.empty(n, np.int32)
-        missing = native.remap(self.raw, self._slot_of, self._slots, self._n_experts, layer,
-                               experts, slots, versions, filling)
+        missing = native.remap(self.raw, self._slot_of, self._slots, self._n_experts,
+                               self._n_rows, layer, experts, slots, versions, filling)
         return Lookup(missing, slots, versions, filling)
 
     def drain(self, layer: int, experts: np.ndarray, found: Lookup, timeout: float) -> int:

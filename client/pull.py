@@ -71,8 +71,8 @@ U64 = 2**64 - 1
 
 # Parameters every kernel reads from one int64 array (index -> meaning); the segments' offsets
 # within a row and sizes follow, two per segment.
-P_LAYER, P_EXPERTS, P_SLOT_OF, P_SLOTS, P_ROWS, P_STRIDE, P_BASE = range(7)
-N_FIXED = 7
+P_LAYER, P_EXPERTS, P_SLOT_OF, P_SLOTS, P_ROWS, P_STRIDE, P_BASE, P_N_ROWS = range(8)
+N_FIXED = 8
 
 _SLOT_VERSION = SLOT_DTYPE.fields["version"][1]
 _SLOT_LAYER = SLOT_DTYPE.fields["layer"][1]
@@ -155,7 +155,8 @@ def kernel_params(view, layer: int, base: int) -> np.ndarray:
     ``base`` (a device address, or 0 where the arena is an input array of its own)."""
     g = view.arena.geometry
     offsets, nbytes = view.segment_table(layer)
-    fixed = [layer, g.n_experts, g.slot_of_offset, g.slots_offset, g.rows_offset, g.stride, base]
+    fixed = [layer, g.n_experts, g.slot_of_offset, g.slots_offset, g.rows_offset, g.stride, base,
+             g.total_rows]
     pairs = np.stack([offsets, nbytes], axis=1).ravel()
     return np.concatenate([np.array(fixed, np.int64), pairs.astype(np.int64)])
 
@@ -181,7 +182,7 @@ def _lookup_source(kind: str) -> str:
     }} else if (e >= 0 && e < nexp) {{
       I64 layer = params[{P_LAYER}];
       int slot = ((ARENA int*)(arena + params[{P_SLOT_OF}]))[layer * nexp + e];
-      if (slot >= 0) {{
+      if (slot >= 0 && slot < params[{P_N_ROWS}]) {{  // out of range: a client's scribble
         ARENA unsigned char* rec = arena + params[{P_SLOTS}] + (I64)slot * {SLOT_DTYPE.itemsize};
         U64 version = *((ARENA U64*)(rec + {_SLOT_VERSION}));
         int rl = *((ARENA int*)(rec + {_SLOT_LAYER}));

@@ -103,9 +103,12 @@ cdef inline uint8_t* _slot(uint8_t* base, Py_ssize_t slots_offset, Py_ssize_t ro
 
 
 def remap(uint8_t[::1] arena, Py_ssize_t slot_of_offset, Py_ssize_t slots_offset,
-          Py_ssize_t n_experts, int layer, const int32_t[::1] experts,
+          Py_ssize_t n_experts, Py_ssize_t n_rows, int layer, const int32_t[::1] experts,
           int32_t[::1] out_slots, uint64_t[::1] out_versions, int32_t[::1] out_filling):
     """Look experts of one layer up in the slot table, lock-free.
+
+    A row number in ``slot_of`` outside ``[0, n_rows)`` (no daemon writes one; a client may
+    scribble on the arena it maps read-write) is a miss, never a read past the records.
 
     For each expert: its row and the even seqlock version seen, or -1 when it is not READY.
     ``out_filling`` gets the row of an expert that is being filled right now (else -1), so the
@@ -124,7 +127,7 @@ def remap(uint8_t[::1] arena, Py_ssize_t slot_of_offset, Py_ssize_t slots_offset
             out_filling[i] = -1
             row = (<volatile int32_t*>slot_of)[layer * n_experts + e]
             out_slots[i] = -1
-            if row < 0:
+            if row < 0 or row >= n_rows:
                 missing += 1
                 continue
             rec = _slot(base, slots_offset, row)

@@ -27,7 +27,7 @@ def _slots(arena, slots_offset):
     return np.frombuffer(arena, dtype=SLOT_DTYPE, count=n, offset=slots_offset)
 
 
-def remap(arena, slot_of_offset, slots_offset, n_experts, layer, experts, out_slots,
+def remap(arena, slot_of_offset, slots_offset, n_experts, n_rows, layer, experts, out_slots,
           out_versions, out_filling):
     slot_of = np.frombuffer(arena, dtype="<i4", count=(slots_offset - slot_of_offset) // 4,
                             offset=slot_of_offset)
@@ -37,7 +37,7 @@ def remap(arena, slot_of_offset, slots_offset, n_experts, layer, experts, out_sl
         out_slots[i] = -1
         out_filling[i] = -1
         row = int(slot_of[layer * n_experts + int(e)])
-        if row < 0 or not STRONGLY_ORDERED:
+        if row < 0 or row >= n_rows or not STRONGLY_ORDERED:
             missing += 1
             continue
         rec = slots[row]

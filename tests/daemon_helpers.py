@@ -81,8 +81,8 @@ def lockfree_worker(args) -> dict:
         slots = np.empty(4, np.int32)
         versions = np.empty(4, np.uint64)
         filling = np.empty(4, np.int32)
-        native.remap(raw, g.slot_of_offset, g.slots_offset, g.n_experts, layer, experts, slots,
-                     versions, filling)
+        native.remap(raw, g.slot_of_offset, g.slots_offset, g.n_experts, g.total_rows, layer,
+                     experts, slots, versions, filling)
         found = slots >= 0
         if not found.any():
             continue
@@ -131,8 +131,8 @@ def prefetch_worker(args) -> dict:
             slots = np.empty(4, np.int32)
             versions = np.empty(4, np.uint64)
             filling = np.empty(4, np.int32)
-            native.remap(raw, g.slot_of_offset, g.slots_offset, g.n_experts, layer, used,
-                         slots, versions, filling)
+            native.remap(raw, g.slot_of_offset, g.slots_offset, g.n_experts, g.total_rows,
+                         layer, used, slots, versions, filling)
             found = slots >= 0
             missing = [int(e) for e in used[~found]]
             if found.any():

@@ -14,6 +14,7 @@ import random
 import re
 import signal
 
+import numpy as np
 import pytest
 from harness import (
     TINY_CACHE_GB,
@@ -21,17 +22,20 @@ from harness import (
     FakeClock,
     InProcessDaemon,
     RawClient,
+    expected_bytes,
     expertd_cli,
     kill_serving_daemon,
     shm_exists,
     wait_until,
 )
 
+from expertd import native
 from expertd.connection import Connection
 from expertd.errors import DaemonError
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
 from expertd.protocol import PROTOCOL_VERSION, ErrorCode, Op, request
+from expertd.shm.layout import SlotState
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -236,3 +240,44 @@ def test_state_file_left_by_a_stopped_daemon_holds_no_client_pin(blobs, isolated
         assert d.stats()["pinned"] == 0
         assert d.stop() == 0
     assert json.loads(state.read_text())["policy"]["pins"] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_client_scribbling_on_the_slot_table_stops_no_daemon_and_misleads_no_lookup(
+        blobs, isolated_env):
+    """Every client maps the arena read-write (its use counters, its epoch record), so a buggy
+    one can write anywhere in it. The daemon decides from its own copy of the slot table, and
+    a client's lookup bounds the row numbers it reads: a key out of range with a use counted
+    (it stopped the daemon at its next harvest), a use counter moved back (2**64 - 1 uses:
+    every STATS reply failed), a row number past the records in slot_of (a DEMAND failed
+    inside the daemon; the native lookup read past the records), every row marked filling
+    (nothing was evictable: demands waited for good). Each misleads nothing."""
+    want = expected_bytes(blobs)
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d, \
+            RawClient(blobs) as hostile, RawClient(blobs) as honest:
+        honest.fill_cache(0)
+        g = hostile.arena.geometry
+        recs = hostile.arena.slots[:g.total_rows]
+        ready = np.flatnonzero(recs["state"] == SlotState.READY)
+        uses = d.stats()["client_hits"]
+        recs["layer"][ready[0]] = 999
+        recs["hits"][ready[0]] += 1  # a use of a row whose key is out of range
+        back = recs["hits"][ready[1]]
+        recs["hits"][ready[1]] = back - 1 if back else 2**64 - 1  # a counter moved back
+        wait_until(lambda: d.stats()["client_hits"] == uses + 1, 30,
+                   "the use to be harvested (the daemon's own key credits it)")
+
+        layer, expert = 1, 3
+        hostile.arena.slot_of[layer * g.n_experts + expert] = 2**31 - 1
+        slots, versions, filling = (np.empty(1, t) for t in (np.int32, np.uint64, np.int32))
+        missing = native.remap(honest.raw, g.slot_of_offset, g.slots_offset, g.n_experts,
+                               g.total_rows, layer, np.array([expert], np.int32), slots,
+                               versions, filling)
+        assert (missing, slots[0], filling[0]) == (1, -1, -1)  # a miss, nothing read
+        recs["state"][:] = SlotState.FILLING  # every row, as if being filled for good
+        for layer in range(1, len(honest.manifest.layers)):  # more experts than rows
+            for e in range(honest.manifest.layers[layer].num_experts):
+                assert honest.fetch(layer, [e]) == [want[(layer, e)]], (layer, e)
+        stats = d.stats()
+        assert stats["internal_errors"] == 0 and d.proc.poll() is None
+        assert stats["client_hits"] < 2**32

@@ -212,3 +212,44 @@ def test_a_bug_in_a_handler_is_logged_answered_and_survived(blobs, isolated_env,
             assert c.request(Op.STATS)["internal_errors"] == 1
         assert "KeyError: 'a bug'" in caplog.text
     assert d.poll() is not None  # its loop stopped
+
+
+def test_a_client_cannot_take_the_rows_freed_for_a_queued_demand(blobs, isolated_env):
+    """Every cache row is leased; a demand for two rows waits in the queue. A client that
+    frees one row and demands one new expert each time took that row every time (a new
+    demand was started before the queue was looked at), so the queued demand never found two
+    rows and waited past every bound. Now the rows that come free are owed to the queued
+    demand: the newcomer waits behind it, and the second row freed completes it."""
+    want = expected_bytes(blobs)
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, clock=FakeClock()) as d, \
+            RawClient(blobs) as honest:
+        rows, cap = honest.hello["cache_rows"], honest.hello["client_cap"]
+        m = honest.manifest
+        keys = iter([(layer.index, e) for layer in m.layers[:-1]
+                     for e in range(layer.num_experts)])
+        holders, leases = [], []
+        try:
+            while d.stats()["leased_rows"] < rows:  # every cache row leased, one a lease
+                if not holders or len(leases[-1]) == cap:
+                    holders.append(RawClient(blobs))
+                    leases.append([])
+                layer, e = next(keys)
+                leases[-1].append(holders[-1].demand(layer, [e])["lease"])
+            last = m.layers[-1].index
+            rid = honest.conn.send(Op.DEMAND, {"layer": last, "experts": [0, 1]})
+            wait_until(lambda: d.stats()["queued"] == 1, 10, "the demand to be queued")
+            jumper = holders[0]
+            jumper.release(leases[0].pop())  # one row free: the queued demand needs two
+            jumper.heartbeat()  # (its connection's messages are handled in order)
+            layer, e = next(keys)
+            jumper.conn.send(Op.DEMAND, {"layer": layer, "experts": [e]})
+            jumper.heartbeat()
+            jumper.release(leases[0].pop())  # a second row free
+            jumper.heartbeat()
+            reply = honest.conn.wait(rid, 10.0)  # never came: the jumper held the first row
+            got = [honest.row_bytes(row, last) for row in reply["rows"]]
+            assert got == [want[(last, 0)], want[(last, 1)]]
+            assert d.stats()["queued"] == 1  # the newcomer, behind it
+        finally:
+            for holder in holders:
+                holder.close()

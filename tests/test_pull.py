@@ -27,6 +27,8 @@ from expertd import native
 from expertd.client import load
 from expertd.client.pull import (
     ABSENT,
+    N_FIXED,
+    P_N_ROWS,
     PULLED,
     HostPuller,
     cuda_source,
@@ -299,6 +301,8 @@ def test_kernel_arguments():
             assert name in source
         assert f"* {SLOT_DTYPE.itemsize}" in source  # the slot record's size
         assert "-1 - 2 * code" in source and "-2 - 2 * code" in source
+        # A row number out of the arena's range in slot_of (a client's scribble) is a miss.
+        assert f"slot < params[{P_N_ROWS}]" in source
     assert "uint4" in cuda_source(1, True) and "uint4" not in cuda_source(1, False)
     assert "threadgroup_position_in_grid" in metal_source(1, False)
     assert "blockIdx" in cuda_source(1, False)
@@ -313,10 +317,11 @@ def test_kernel_params_follow_the_arena(models, isolated_env, tmp_path):
             g = view.arena.geometry
             params = kernel_params(view, 1, 12345)
             offsets, nbytes = view.segment_table(1)
-            assert params[:7].tolist() == [1, g.n_experts, g.slot_of_offset, g.slots_offset,
-                                           g.rows_offset, g.stride, 12345]
-            assert params[7::2].tolist() == offsets.tolist()
-            assert params[8::2].tolist() == nbytes.tolist()
+            assert params[:N_FIXED].tolist() == [1, g.n_experts, g.slot_of_offset,
+                                                 g.slots_offset, g.rows_offset, g.stride, 12345,
+                                                 g.total_rows]
+            assert params[N_FIXED::2].tolist() == offsets.tolist()
+            assert params[N_FIXED + 1::2].tolist() == nbytes.tolist()
             assert vector_copy(view, 1) == all(x % 16 == 0 for x in (*offsets, *nbytes))
             # On this CPU, auto keeps the per-layer host path, and device says why it cannot.
             assert make_puller("auto", view, {}) is None

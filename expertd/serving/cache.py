@@ -84,8 +84,10 @@ class ExpertCache(EpochFills):
 
     # ---- demands ---------------------------------------------------------------------------
 
-    def start(self, d: Demand) -> bool:
-        """Lease what is resident, fill the rest; False (nothing held) if rows are short."""
+    def start(self, d: Demand, owed: bool = False) -> bool:
+        """Lease what is resident, fill the rest; False (nothing held) if rows are short, or if
+        rows must be filled and ``owed`` (the rows free now are owed to a demand that waits
+        before this one: LeaseBook.owed)."""
         if not self.book.fits(d.owner, len(d.experts)):
             return False
         rows, need, waiting, side_used, absorbed = [], [], set(), [], []
@@ -103,6 +105,8 @@ class ExpertCache(EpochFills):
                 rows.append(-1)
                 need.append(i)
         if need:
+            if owed:
+                return False
             eligible = self._evictable()
             eligible[[r for r in rows if r >= 0]] = False  # never evict what this demand uses
             victims = self.policy.victims(len(need), eligible, self.table.row_keys(), d.layer,
@@ -157,9 +161,15 @@ class ExpertCache(EpochFills):
                                     misses=d.misses, saved=d.saved))
 
     def retry_queued(self, alive) -> None:
-        """Start the queued demands that fit now, oldest first; ``alive(owner)`` filters."""
+        """Start the queued demands that fit now, in the queue's order (those of clients
+        holding the fewest rows first, then the oldest); ``alive(owner)`` filters. Once one
+        does not fit, those after it start only if they need no row filled: the rows that
+        come free are owed to it, or a stream of smaller demands would starve it."""
         self.room_changed = False
-        still = [d for d in self.book.take_queue() if alive(d.owner) and not self.start(d)]
+        still = []
+        for d in self.book.take_queue():
+            if alive(d.owner) and not self.start(d, owed=bool(still)):
+                still.append(d)
         self.book.requeue_front(still)
 
     def release(self, lease: int, owner: bytes) -> None:

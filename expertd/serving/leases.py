@@ -187,6 +187,14 @@ class LeaseBook:
     def queued(self) -> int:
         return len(self._queue) - self._dropped
 
+    def owed(self, owner: bytes) -> bool:
+        """A queued demand goes before a new one of ``owner`` that needs rows filled: one
+        whose owner holds no more rows (take_queue's order). Else a client that releases a
+        lease and demands again in one batch takes the freed row each time, and a demand
+        queued for room waits past every bound."""
+        mine = self._held.get(owner, 0)
+        return any(not d.dropped and self._held.get(d.owner, 0) <= mine for d in self._queue)
+
     def take_queue(self) -> list:
         """Every queued demand, removed from the queue (re-enqueue what waits with
         :meth:`requeue_front`): those of clients holding the fewest rows first, then the

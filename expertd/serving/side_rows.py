@@ -63,7 +63,7 @@ class SideRows:
         see SideBook)."""
         if self.cache_full:
             return
-        states = self.table.records["state"]
+        states = self.table.states()
         empty = np.flatnonzero(~self.book.side & (states == SlotState.EMPTY)
                                & (self.leases.leased == 0))
         if not len(empty):
@@ -83,7 +83,7 @@ class SideRows:
         """Up to ``n`` side rows to read prefetches into: neither leased nor filling, as the
         book picks them (fewer, or none, when every one is held)."""
         side = self.book.side_rows()
-        states = self.table.records["state"][side]
+        states = self.table.states(side)
         busy = np.zeros(self.book.total_rows, dtype=bool)
         busy[side] = (self.leases.leased[side] > 0) | (states == SlotState.FILLING)
         empty = np.zeros_like(busy)

@@ -10,10 +10,21 @@ import numpy as np
 from expertd import native
 from expertd.shm.layout import SlotState
 
+# Uses harvested from one row at once, at most: a client adds one a use, so more (or fewer
+# than none: a counter moved back) is a write no client of ours makes, and is ignored.
+MAX_HARVEST = 1 << 40
+
 
 class SlotTable:
     """Every row of the arena (LFU cache rows and prefetch side rows alike) and the experts they
     hold; which row plays which role is the side-row book's business (``expertd.serving.side``).
+
+    The daemon decides from its own copy of the table (which row holds which expert, and in
+    what state) and publishes every change to the arena's; it reads nothing back from the
+    arena but the clients' use counters (``hits``), whose deltas it bounds. A client can write
+    the whole arena (its mapping is read-write, for the hits and its epoch record), so what a
+    buggy or hostile client writes there misleads clients, never the daemon: no bad key, row
+    number or state in the arena can stop it, wedge it or make it fail a request.
 
     Args:
         arena: the daemon's :class:`~expertd.shm.layout.Arena`.
@@ -25,45 +36,50 @@ class SlotTable:
         self.n_experts = g.n_experts
         self._raw = arena.raw
         self._slots_offset = g.slots_offset
-        self.records = arena.slots
-        self.slot_of = arena.slot_of.reshape(g.n_layers, g.n_experts)
+        self.records = arena.slots  # the published table (clients read it)
+        self._published_slot_of = arena.slot_of.reshape(g.n_layers, g.n_experts)
+        # The daemon's own copy, which only this class writes.
+        self._layer = np.full(self.n_rows, -1, np.int64)
+        self._expert = np.full(self.n_rows, -1, np.int64)
+        self._state = np.full(self.n_rows, int(SlotState.EMPTY), np.uint32)
+        self._slot_of = np.full((g.n_layers, g.n_experts), -1, np.int64)
         # Clients add to ``hits`` lock-free; what was harvested last is kept per row, so a row's
         # uses are credited to the expert it held when it was used.
         self._harvested = np.zeros(self.n_rows, dtype=np.uint64)
 
     def lookup(self, layer: int, expert: int) -> tuple:
         """``(row, state)`` of the row holding (layer, expert), or ``(-1, EMPTY)``."""
-        row = int(self.slot_of[layer, expert])
+        row = int(self._slot_of[layer, expert])
         if row >= 0:
-            rec = self.records[row]
-            if rec["layer"] == layer and rec["expert"] == expert:
-                return row, int(rec["state"])
+            return row, int(self._state[row])
         return -1, SlotState.EMPTY
 
     def key(self, row: int) -> tuple | None:
         """The (layer, expert) a row holds or is being filled with; None if it is empty."""
-        rec = self.records[row]
-        if rec["state"] == SlotState.EMPTY:
+        if self._state[row] == SlotState.EMPTY:
             return None
-        return int(rec["layer"]), int(rec["expert"])
+        return int(self._layer[row]), int(self._expert[row])
 
     def row_keys(self) -> np.ndarray:
         """Flat key ``layer * n_experts + expert`` of every row, -1 where empty."""
-        recs = self.records[:self.n_rows]
-        keys = recs["layer"].astype(np.int64) * self.n_experts + recs["expert"]
-        keys[recs["state"] == SlotState.EMPTY] = -1
+        keys = self._layer * self.n_experts + self._expert
+        keys[self._state == SlotState.EMPTY] = -1
         return keys
+
+    def states(self, rows=slice(None)) -> np.ndarray:
+        """The state of ``rows`` (all by default), a SlotState value each."""
+        return self._state[rows]
 
     def filling(self) -> np.ndarray:
         """Bool per row: a fill is in flight."""
-        return self.records["state"][:self.n_rows] == SlotState.FILLING
+        return self._state == SlotState.FILLING
 
     def versions(self, rows) -> list:
         return [int(v) for v in self.records["version"][rows]]
 
     def rows_used(self, among: np.ndarray | None = None) -> int:
         """Rows that hold (or are being filled with) an expert; only ``among`` (bool per row)."""
-        used = self.records["state"][:self.n_rows] != SlotState.EMPTY
+        used = self._state != SlotState.EMPTY
         return int(np.count_nonzero(used if among is None else used & among))
 
     def begin_fill(self, row: int, layer: int, expert: int) -> tuple | None:
@@ -72,35 +88,45 @@ class SlotTable:
         Returns:
             ``(old_key, hits)``: the key the row held and its uses not harvested yet, or None.
         """
-        rec = self.records[row:row + 1]
         evicted = None
-        if rec["state"][0] != SlotState.EMPTY:
-            old_layer, old_expert = int(rec["layer"][0]), int(rec["expert"][0])
-            if self.slot_of[old_layer, old_expert] == row:
-                self.slot_of[old_layer, old_expert] = -1
-            evicted = ((old_layer, old_expert), self._harvest_row(row))
+        if self._state[row] != SlotState.EMPTY:
+            old = int(self._layer[row]), int(self._expert[row])
+            self._unmap(row, *old)
+            evicted = (old, self._harvest_row(row))
         native.begin_write(self._raw, self._slots_offset, row)
-        rec["layer"], rec["expert"], rec["state"] = layer, expert, SlotState.FILLING
-        self.slot_of[layer, expert] = row
+        self._set(row, layer, expert, SlotState.FILLING)
+        self._slot_of[layer, expert] = self._published_slot_of[layer, expert] = row
         return evicted
 
     def end_fill(self, row: int, ok: bool) -> None:
         """The fill of ``row`` is over: READY, or EMPTY (and unmapped) if it failed."""
-        rec = self.records[row:row + 1]
         if ok:
-            rec["state"] = SlotState.READY
+            self._set(row, int(self._layer[row]), int(self._expert[row]), SlotState.READY)
         else:
-            layer, expert = int(rec["layer"][0]), int(rec["expert"][0])
-            if self.slot_of[layer, expert] == row:
-                self.slot_of[layer, expert] = -1
-            rec["layer"], rec["expert"], rec["state"] = -1, -1, SlotState.EMPTY
+            self._unmap(row, int(self._layer[row]), int(self._expert[row]))
+            self._set(row, -1, -1, SlotState.EMPTY)
         native.end_write(self._raw, self._slots_offset, row)
 
+    def _set(self, row: int, layer: int, expert: int, state: SlotState) -> None:
+        """Our copy of ``row``, and the arena's (inside the caller's seqlock write)."""
+        self._layer[row], self._expert[row], self._state[row] = layer, expert, state
+        rec = self.records[row:row + 1]
+        rec["layer"], rec["expert"], rec["state"] = layer, expert, state
+
+    def _unmap(self, row: int, layer: int, expert: int) -> None:
+        if self._slot_of[layer, expert] == row:
+            self._slot_of[layer, expert] = self._published_slot_of[layer, expert] = -1
+
+    def _deltas(self, rows) -> np.ndarray:
+        """Uses of ``rows`` since their last harvest (int64), now harvested; a delta out of
+        [0, MAX_HARVEST] is a counter no client of ours wrote: 0, the counter taken as it is."""
+        hits = self.records["hits"][rows].copy()
+        delta = (hits - self._harvested[rows]).view(np.int64)
+        self._harvested[rows] = hits
+        return np.where((delta >= 0) & (delta <= MAX_HARVEST), delta, 0)
+
     def _harvest_row(self, row: int) -> int:
-        hits = self.records["hits"][row]
-        delta = int(hits - self._harvested[row])
-        self._harvested[row] = hits
-        return delta
+        return int(self._deltas(np.array([row]))[0])
 
     def harvest(self, rows: np.ndarray | None = None) -> tuple:
         """Uses of READY rows since the last harvest: ``(rows, counts)``, both arrays.
@@ -108,15 +134,7 @@ class SlotTable:
         Args:
             rows: harvest only these rows (int array), e.g. the side rows before a prefetch.
         """
-        if rows is not None:
-            hits = self.records["hits"][rows]
-            delta = hits - self._harvested[rows]
-            self._harvested[rows] = hits
-            used = (delta != 0) & (self.records["state"][rows] == SlotState.READY)
-            return rows[used], delta[used]
-        hits = self.records["hits"][:self.n_rows].copy()
-        delta = hits - self._harvested
-        self._harvested = hits
-        rows = np.flatnonzero(delta)
-        ready = self.records["state"][rows] == SlotState.READY
-        return rows[ready], delta[rows[ready]]
+        rows = np.arange(self.n_rows) if rows is None else rows
+        delta = self._deltas(rows)
+        used = (delta != 0) & (self._state[rows] == SlotState.READY)
+        return rows[used], delta[used]
