@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from expertd.serving.epochs import U64, EpochBook, lost_covers, released
+from expertd.serving.epochs import PROBATION, U64, EpochBook, lost_covers, released
 from expertd.serving.stats import EpochStats
 from expertd.shm.layout import EPOCH_SLOTS
 
@@ -83,10 +83,37 @@ def test_a_record_past_the_hold_loses_its_epoch_once_and_then_blocks_nothing_in_
     assert book.poll({a: 5}, now=11.0 + 1e-6) == ([1, 2], [(a, 5)])  # row 2 waits no longer
     assert book.stats().epochs_lost == 1
     assert not book.retire(3, {a: 5, b: 0}, now=11.5)  # a lost step 5: nothing waits for it
-    assert book.retire(3, {a: 7, b: 0}, now=12.0)  # its next step protects its reads again
+    assert book.retire(3, {a: 7, b: 0}, now=12.0)  # its next step (on probation: see below)
     assert book.poll({a: 7}, now=13.5) == ([3], [(a, 7)])
     assert book.stats() == EpochStats(deferred_fills=3, epochs_lost=2, epoch_clients=2,
                                       epoch_wait_max_s=1.5)
+
+
+def test_a_record_that_lost_its_epoch_is_not_waited_for_again_until_its_probation_ends():
+    """A client that advanced its record by two each time its epoch was lost (as a pipelining
+    client does) made every eviction wait the whole hold, one after another. After a loss
+    that a row waited for, the record's next blocks are given up on at the next poll (the
+    client replays, as after any loss) for PROBATION holds; losses on probation do not
+    extend it, and a record attached anew starts clean."""
+    book = EpochBook(HOLD)
+    a, b = book.attach(A), book.attach(B)
+    assert book.retire(1, {a: 1, b: 1}, now=0.0)
+    assert book.poll({a: 1, b: 2}, now=0.5) == ([], [])
+    assert book.poll({a: 1}, now=1.5) == ([1], [(a, 1)])  # waited the hold: probation
+    assert book.retire(2, {a: 3, b: 3}, now=2.0)
+    assert book.poll({a: 3, b: 3}, now=2.0) == ([], [(a, 3)])  # at once; b is waited for
+    assert book.blocking() == [b]
+    assert book.poll({b: 4}, now=2.1) == ([2], [])
+    end = 1.5 + PROBATION * HOLD
+    assert book.retire(3, {a: 5}, now=end - 0.1)
+    assert book.poll({a: 5}, now=end - 0.1) == ([3], [(a, 5)])  # (no extension)
+    assert book.retire(4, {a: 7}, now=end + 0.1)  # probation over: waited for again
+    assert book.poll({a: 7}, now=end + 0.1 + HOLD / 2) == ([], [])
+    assert book.poll({a: 7}, now=end + 0.2 + HOLD) == ([4], [(a, 7)])
+    book.detach(B)
+    b2 = book.attach(B)
+    assert book.retire(5, {b2: 1}, now=end + 0.3)
+    assert book.poll({b2: 1}, now=end + 0.3) == ([], [])  # a new attachment: no probation
 
 
 def test_detaching_a_record_lifts_its_blocks_and_forgets_what_it_lost():
@@ -137,6 +164,7 @@ class EpochMachine(RuleBasedStateMachine):
         self.attachment = {}  # record -> which attachment of it this is (1, 2, ...)
         self.attachments = 0
         self.last_even = {}  # record -> the latest even step it showed (nothing in flight)
+        self.probation = {}  # record -> until when a block of it is given up on at once
 
     @rule(owner=st.sampled_from(OWNERS))
     def attach(self, owner):
@@ -161,6 +189,7 @@ class EpochMachine(RuleBasedStateMachine):
             del self.steps[record]
             del self.attachment[record]
             self.lost.pop(record, None)
+            self.probation.pop(record, None)
             for waits in self.rows.values():
                 waits.pop(record, None)
 
@@ -184,7 +213,8 @@ class EpochMachine(RuleBasedStateMachine):
             entry = self.rows.setdefault(row, {})
             for r, s in waits.items():
                 if entry.get(r, (None,))[0] != s:
-                    entry[r] = (s, self.now)
+                    on_probation = self.probation.get(r, self.now) > self.now
+                    entry[r] = (s, float("-inf") if on_probation else self.now)
             self.at_retire.setdefault(row, []).extend(
                 (self.attachment[r], r, s) for r, s in waits.items())
 
@@ -193,15 +223,19 @@ class EpochMachine(RuleBasedStateMachine):
         self.now += dt
         steps = {r: self.steps[r] for r in self.book.blocking()}
         freed, lost = self.book.poll(steps, self.now)
-        want_lost = {}
+        want_lost, waited = {}, set()
         for waits in self.rows.values():
             for r, (s, since) in waits.items():
                 now = self.steps[r]
                 if (self.now - since > HOLD and now & 1 and now - s < 4
                         and self.lost.get(r) != now):
                     want_lost[r] = now
+                    if since != float("-inf"):
+                        waited.add(r)
         assert sorted(lost) == sorted(want_lost.items()) and len(lost) == len(want_lost)
         self.lost.update(want_lost)
+        for r in waited:
+            self.probation[r] = self.now + PROBATION * HOLD
         want_freed = []
         for row, waits in list(self.rows.items()):
             for r, (s, _) in list(waits.items()):

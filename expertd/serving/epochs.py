@@ -13,7 +13,12 @@ step it had in flight when it showed ``s`` is checked by ``s + 4``. A serial cli
 even, odd, so nothing changes for it. A client whose record has not moved that far within
 ``max_hold`` seconds (the lease bound) loses its epoch: the daemon stops waiting for it and
 writes the step it shows into ``lost``; the client replays every step it launched at or
-before that one. A client that goes away frees its record, and its blocks with it.
+before that one. A record that lost its epoch is then on probation for ``PROBATION`` holds: a
+row it would block is not held back for it but given up on at once (its step written into
+``lost``, so the client replays as before). A client moves its record on only to go on
+computing, so without probation one that advanced it by two each time its epoch was lost (as
+a pipelining client does) made every eviction wait the whole bound, one after another. A
+client that goes away frees its record, and its blocks with it.
 """
 
 from collections import deque
@@ -24,6 +29,7 @@ from expertd.shm.layout import EPOCH_SLOTS
 
 U64 = 2**64 - 1
 PIPELINE_ADVANCE = 4  # two checks of a client with two steps in flight
+PROBATION = 10  # holds (max_hold each) for which a record that lost its epoch is not waited for
 
 
 def released(step: int, now: int) -> bool:
@@ -72,6 +78,7 @@ class EpochBook:
         self._free: deque = deque(range(slots))
         self._rows: dict = {}  # row -> Retired, in retire order
         self._lost: dict = {}  # record -> the step it lost (no row waits for that step again)
+        self._probation: dict = {}  # record -> until when it is not waited for (see PROBATION)
         self.deferred = 0
         self.lost = 0
         self.longest_wait = 0.0
@@ -108,6 +115,7 @@ class EpochBook:
         del self._owner_of[record]
         self._free.append(record)
         self._lost.pop(record, None)
+        self._probation.pop(record, None)
         for entry in self._rows.values():
             entry.waits.pop(record, None)
         return record
@@ -134,7 +142,10 @@ class EpochBook:
             self.deferred += 1
         for record, step in waits.items():
             if entry.waits.get(record, (None,))[0] != step:
-                entry.waits[record] = (step, now)
+                # On probation: given up on at the next poll, as if it had waited the bound.
+                waited_from = (now if self._probation.get(record, now) <= now
+                               else float("-inf"))
+                entry.waits[record] = (step, waited_from)
         return True
 
     def waiting(self) -> int:
@@ -163,14 +174,20 @@ class EpochBook:
         """
         if not self._rows:
             return [], []
-        lost = []
+        due: dict = {}  # record -> (the step it loses, whether a row waited the bound for it)
         for entry in self._rows.values():
             for record, (step, since) in entry.waits.items():
                 current = int(steps.get(record, step))
                 if (now - since > self.max_hold and not released(step, current)
                         and self._lost.get(record) != current):
-                    self._lost[record] = current
-                    lost.append((record, current))
+                    waited = since != float("-inf") or due.get(record, (0, False))[1]
+                    due[record] = (current, waited)
+        lost = []
+        for record, (current, waited) in due.items():
+            self._lost[record] = current
+            if waited:  # given up on after a wait (not on probation): probation starts
+                self._probation[record] = now + PROBATION * self.max_hold
+            lost.append((record, current))
         self.lost += len(lost)
         freed = []
         for row, entry in list(self._rows.items()):
