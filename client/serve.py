@@ -394,7 +394,7 @@ class LoadingHandler(BaseHTTPRequestHandler):
         return self.server
 
     def _cors(self) -> None:
-        from mlx_lm.server import APIHandler
+        from mlx_lm.server import APIHandler  # imported already, before listening (serve())
 
         APIHandler._set_cors_headers(self)  # mlx_lm.server's own, as once loaded
 
@@ -509,6 +509,12 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         # Listening at once: /health answers 503 {"status": "loading"} until the model is
         # ready (a load waits for the daemon's answers, and a large trunk takes a while). A
         # pipeline's rank 0 listens once every rank has loaded (mlx-lm's distributed server).
+        # mlx_lm.server (which the loading handler's CORS headers come from) is imported here,
+        # before anything answers: imported by the HTTP thread while this one imports mlx-lm
+        # to load the model, it failed half-initialized ("cannot import name ... from
+        # partially initialized module") and serve died at the README's first /health poll.
+        import mlx_lm.server  # noqa: F401
+
         httpd = _bind(host, port, blob_dir, cli_args)
         loading = threading.Thread(target=httpd.serve_forever, name="expertd-serve-loading",
                                    daemon=True)

@@ -334,3 +334,35 @@ def test_an_api_key_file_must_be_private_and_hold_one_key(tmp_path):
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "--api-key-file" in refused.stderr
     assert "Traceback" not in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
+
+
+def test_health_polled_from_the_first_moment_never_breaks_the_load(models, isolated_env,
+                                                                   tmp_path):
+    """The README's snippet polls /health while serve loads. The loading handler imported
+    mlx_lm.server on the HTTP thread while the main thread imported mlx-lm to load the model,
+    and serve died ("cannot import name ... from partially initialized module"). Polled as
+    fast as it answers from the moment it listens: 503 loading, then 200, and serve lives."""
+    blobs = models.blobs()
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB):
+        out = tmp_path / "serve.out"
+        with open(out, "w") as stdout, open(tmp_path / "serve.err", "w") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "expertd", "serve", "--blobs", str(blobs), "--port", "0",
+                 "--log-level", "WARNING"], stdout=stdout, stderr=stderr,
+                stdin=subprocess.DEVNULL, env={**os.environ, **isolated_env})
+        try:
+            line = wait_until(lambda: next((x for x in out.read_text().splitlines()
+                                            if x.startswith("expertd serve (loading")), None),
+                              START_TIMEOUT, "the loading line", interval=0.002)
+            base = line.split(": ", 1)[1].split("/health")[0]
+            seen = []
+
+            def ready() -> bool:
+                assert proc.poll() is None, (tmp_path / "serve.err").read_text()
+                seen.append(get(base + "/health"))
+                return seen[-1] == (200, {"status": "ok"})
+
+            wait_until(ready, START_TIMEOUT, "serve to be ready", interval=0.002)
+            assert set(map(str, seen[:-1])) <= {str((503, {"status": "loading"}))}, seen
+        finally:
+            stop_process(proc, STOP_TIMEOUT)
