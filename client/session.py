@@ -40,8 +40,8 @@ from expertd.client.requester import DaemonDied, Requester
 from expertd.client.step import REPLAY_COUNTERS
 from expertd.client.switch import MLX_DTYPES
 from expertd.connection import Connection
-from expertd.errors import DaemonError, DaemonNotRunning
-from expertd.manifest import Manifest
+from expertd.errors import BlobStoreError, DaemonError, DaemonNotRunning
+from expertd.manifest import Manifest, blob_dir_problem
 from expertd.paths import daemon_paths
 from expertd.protocol import PROTOCOL_VERSION, Op
 from expertd.runfile import serving_epoch
@@ -62,6 +62,9 @@ def check_served(paths) -> None:
     killed with SIGKILL leaves its socket and run files: nothing should wait on them)."""
     if serving_epoch(paths) is None:
         blob = paths.blob_dir
+        problem = blob_dir_problem(blob)
+        if problem is not None:  # not a daemon to start: a directory to make first
+            raise BlobStoreError(problem)
         raise DaemonNotRunning(f"no expertd serves {blob} (its lock is free): start one with: "
                                f"expertd start --blobs {blob}")
 

@@ -123,6 +123,13 @@ class Remote:
                           for name, f in sorted(self.files.items())}}
 
 
+def blob_dir_problem(blob_dir) -> str | None:
+    """Why ``blob_dir`` is not a blob directory (see :func:`_not_blobs`), or None if it has
+    its manifest (which :meth:`Manifest.load` checks)."""
+    path = Path(blob_dir) / "manifest.json"
+    return None if path.is_file() else _not_blobs(Path(blob_dir), path)
+
+
 def _not_blobs(blob_dir: Path, path: Path) -> str:
     """Why ``blob_dir`` is not a blob directory, said for what it is."""
     if blob_dir.exists() and not blob_dir.is_dir():

@@ -38,6 +38,7 @@ class RunInfo:
     arena: str  # the shared-memory name, random per start
     epoch: int  # random per start, also in the arena header; never 0
     ready: bool  # False while the server is still being built
+    blob_dir: str | None = None  # what it serves (for status to name a killed one's leftover)
 
 
 def new_arena_name() -> str:
@@ -123,11 +124,13 @@ def read_run_info(paths) -> RunInfo | None:
     """
     try:
         data = json.loads(read_private(paths.runfile))
-        info = RunInfo(data["pid"], data["arena"], data["epoch"], data["ready"])
-    except (OSError, ValueError, KeyError, TypeError):
+        info = RunInfo(data["pid"], data["arena"], data["epoch"], data["ready"],
+                       data.get("blob_dir"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if (type(info.pid) is not int or type(info.epoch) is not int or type(info.ready) is not bool
-            or not isinstance(info.arena, str) or not ARENA_NAME.fullmatch(info.arena)):
+            or not isinstance(info.arena, str) or not ARENA_NAME.fullmatch(info.arena)
+            or not isinstance(info.blob_dir, (str, type(None)))):
         return None
     return info
 
@@ -201,8 +204,9 @@ def take_lock(lock: Path, patience: float = 0.0) -> int | None:
 
 def leftover(paths) -> dict | None:
     """What a daemon killed without its clean-up left for ``paths`` (its arena holds its
-    whole ``--cache-gb`` of memory until removed): ``{"arena", "path", "bytes", "socket"}``,
-    or None. Only meaningful while nobody holds the lock (see :func:`lock_held`)."""
+    whole ``--cache-gb`` of memory until removed): ``{"arena", "path", "bytes", "pid",
+    "socket", "blob_dir"}`` (``blob_dir`` None where its run file does not say), or None. Only
+    meaningful while nobody holds the lock (see :func:`lock_held`)."""
     import posix_ipc
 
     info = read_run_info(paths)
@@ -220,7 +224,8 @@ def leftover(paths) -> dict | None:
         shm.close_fd()
     path = f"{SHM_DIR}/{info.arena.lstrip('/')}" if os.path.isdir(SHM_DIR) else info.arena
     return {"arena": info.arena, "path": path, "bytes": size, "pid": info.pid,
-            "socket": str(paths.socket) if paths.socket.exists() else None}
+            "socket": str(paths.socket) if paths.socket.exists() else None,
+            "blob_dir": info.blob_dir}
 
 
 def remove_leftovers(paths, everything: bool = False) -> list:

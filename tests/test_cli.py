@@ -38,8 +38,14 @@ def test_stop_and_status_without_a_daemon(blobs, isolated_env):
     plain = expertd_cli("status", "--blobs", blobs)
     assert plain.returncode == 3 and "no expertd serves" in plain.stderr
     assert f"log: {daemon_paths(blobs).log}" in plain.stderr and "Traceback" not in plain.stderr
-    every = expertd_cli("status", "--json")
-    assert every.returncode == 0 and json.loads(every.stdout) == []
+    every = expertd_cli("status", "--json")  # nothing runs: 3, as in text
+    assert every.returncode == 3 and json.loads(every.stdout) == []
+    # Not a blob directory: said, not "start one" (start would refuse it).
+    for wrong, said in ((blobs / "nope", "does not exist"),
+                        (blobs / "trunk", "run expertd convert first")):
+        plain = expertd_cli("status", "--blobs", wrong)
+        assert plain.returncode == 3 and said in plain.stderr, plain.stderr
+        assert "expertd start" not in plain.stderr
 
 
 @pytest.mark.timeout(120)
@@ -294,7 +300,7 @@ def closed_pipe_run(*args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args, code", [
-    (("status", "--json"), 0),  # no daemon at all: an empty list
+    (("status", "--json"), 3),  # no daemon at all: an empty list
     (("status", "--blobs", "BLOBS", "--json"), 3),  # this one does not run
     (("verify", "-q", "--blobs", "BLOBS"), 0),
 ])

@@ -102,6 +102,15 @@ def test_a_killed_daemons_arena_is_named_by_status_and_removed_by_stop(models, i
         left = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)[0]["leftover"]
         assert left["arena"] == d.arena and left["bytes"] == size and left["pid"] == d.pid
         assert left["path"] == path and os.path.exists(path)
+        assert left["blob_dir"] == str(paths.blob_dir)
+        # Without --blobs too (every daemon of this user): named, with the command.
+        every = expertd_cli("status")
+        assert every.returncode == 3 and f"its arena {path} " in every.stderr, every.stderr
+        assert f"expertd stop --blobs {paths.blob_dir}" in every.stderr
+        listed = expertd_cli("status", "--json")
+        assert listed.returncode == 3 and json.loads(listed.stdout) == [
+            {"running": False, "socket": str(paths.socket), "blob_dir": str(paths.blob_dir),
+             "leftover": left}]
         stopped = expertd_cli("stop", "--blobs", blobs)
         assert stopped.returncode == 0 and f"arena {d.arena}" in stopped.stdout, stopped.stdout
         assert not shm_exists(d.arena) and not paths.runfile.exists()

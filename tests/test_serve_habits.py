@@ -366,3 +366,14 @@ def test_health_polled_from_the_first_moment_never_breaks_the_load(models, isola
             assert set(map(str, seen[:-1])) <= {str((503, {"status": "loading"}))}, seen
         finally:
             stop_process(proc, STOP_TIMEOUT)
+
+
+def test_serve_on_a_checkpoint_says_convert_it_first(models, isolated_env):
+    """An mlx-lm checkpoint given for --blobs: serve said start a daemon for it, which start
+    then refused (run expertd convert first): the user was sent round in a circle."""
+    checkpoint = models.blobs() / "trunk"  # config.json and safetensors: a checkpoint's look
+    done = subprocess.run([sys.executable, "-m", "expertd", "serve", "--blobs", str(checkpoint),
+                           "--port", "0"], capture_output=True, text=True, timeout=120,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 1 and "run expertd convert first" in done.stderr, done.stderr
+    assert "expertd start" not in done.stderr and "Traceback" not in done.stderr

@@ -313,15 +313,18 @@ def snapshot(args) -> tuple:
     ``args`` has ``blobs`` (None: every daemon of this user), ``json`` and ``timeout``; the
     code is 0, or NOT_RUNNING when nothing answers.
     """
+    from types import SimpleNamespace
+
     from expertd.cli.lifecycle import list_sockets
     from expertd.connection import Connection
+    from expertd.manifest import blob_dir_problem
     from expertd.paths import daemon_paths
     from expertd.protocol import Op
-    from expertd.runfile import lock_held
+    from expertd.runfile import leftover, lock_held
 
     targets = [dict(blob_dir=args.blobs)] if args.blobs else [
         dict(socket=str(s)) for s in list_sockets()]
-    results, notes, silent = [], [], []
+    results, notes, silent, down = [], [], [], []
     for target in targets:
         # A free lock means no daemon (a killed one leaves its socket behind): say so at once
         # rather than wait for an answer that cannot come.
@@ -330,10 +333,18 @@ def snapshot(args) -> tuple:
         if not lock_held(lock):
             if args.blobs:
                 blob_dir = Path(args.blobs).expanduser().resolve()
+                advice = blob_dir_problem(blob_dir) or (f"start one with: expertd start "
+                                                        f"--blobs {blob_dir}")
                 return _not_running(args, f"no expertd serves {blob_dir}: not running (its lock "
-                                          f"is free); start one with: expertd start --blobs "
-                                          f"{blob_dir}")
-            notes.append(f"{target['socket']}: not running (its lock is free)")
+                                          f"is free); {advice}")
+            socket = Path(target["socket"])
+            left = leftover(SimpleNamespace(runfile=socket.with_suffix(".run"), socket=socket))
+            if left is not None:  # a killed daemon's arena: memory held by nothing
+                down.append({"running": False, "socket": str(socket),
+                             "blob_dir": left["blob_dir"], "leftover": left})
+                notes.append(f"{socket}: not running; {_leftover_text(left)}")
+            else:
+                notes.append(f"{socket}: not running (its lock is free)")
             continue
         try:
             with Connection(**target) as conn:
@@ -350,8 +361,10 @@ def snapshot(args) -> tuple:
                 raise
             notes.append(f"{target.get('socket', args.blobs)}: not answering ({exc})")
     if args.json:
-        # One shape: a list of daemons, with --blobs or without.
-        return (1 if args.blobs and silent else 0), results + silent
+        # One shape: a list of daemons, with --blobs or without (killed ones that left an
+        # arena included); exit status 3 when none runs, as in text.
+        code = 1 if args.blobs and silent else 0 if results or silent else NOT_RUNNING
+        return code, results + silent + down
     if not results:
         return NOT_RUNNING, "\n".join(notes + ["no expertd is running"])
     # A blank line between two daemons.
@@ -373,11 +386,17 @@ def _not_running(args, message: str) -> tuple:
         return NOT_RUNNING, [down]
     text = f"{message}\n  log: {down['log']}"
     if left:
-        text += (f"\n  left behind by a killed expertd (pid {left['pid']}): its arena "
-                 f"{left['path']} ({size_text(left['bytes'])} of memory held by nothing)"
-                 f"{', its socket' if left['socket'] else ''} and run files; remove them "
-                 f"with: expertd stop --blobs {blob_dir}")
+        text += f"\n  {_leftover_text({**left, 'blob_dir': blob_dir})}"
     return NOT_RUNNING, text
+
+
+def _leftover_text(left: dict) -> str:
+    """What a killed daemon left (runfile.leftover), and the command that removes it."""
+    blob_dir = left["blob_dir"] or "ITS_BLOB_DIR"
+    return (f"left behind by a killed expertd (pid {left['pid']}): its arena {left['path']} "
+            f"({size_text(left['bytes'])} of memory held by nothing)"
+            f"{', its socket' if left['socket'] else ''} and run files; remove them with: "
+            f"expertd stop --blobs {blob_dir}")
 
 
 def _cmd_status(args) -> int:

@@ -114,9 +114,9 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
         write_atomically(paths.pidfile, str(os.getpid()).encode())
         # Written before the arena exists, so that a start killed half-way is cleaned up by
         # the next one; marked ready once the server answers.
-        write_run_info(paths, RunInfo(os.getpid(), arena, epoch, ready=False))
+        write_run_info(paths, RunInfo(os.getpid(), arena, epoch, False, str(paths.blob_dir)))
         server = ExpertServer(config, paths, state_file or paths.state_file, arena, epoch)
-        write_run_info(paths, RunInfo(os.getpid(), arena, epoch, ready=True))
+        write_run_info(paths, RunInfo(os.getpid(), arena, epoch, True, str(paths.blob_dir)))
         signal.signal(signal.SIGTERM, server.request_stop)
         signal.signal(signal.SIGINT, server.request_stop)
         server.serve()
