@@ -79,8 +79,17 @@ def test_start_status_restart_stop(blobs, isolated_env):
         second = query_stats(blobs)
         assert second["pid"] != first["pid"] and second["arena_rows"] > first["arena_rows"]
 
+        # Without flags, restart keeps those the daemon was started with (as pg_ctl does): it
+        # came back at the default size.
+        kept = expertd_cli("restart", "--blobs", blobs)
+        assert kept.returncode == 0, kept.stderr
+        assert "the flags it was started with: --cache-gb 100% --workers 2" in kept.stdout
+        third = query_stats(blobs)
+        assert third["pid"] != second["pid"] and third["arena_rows"] == second["arena_rows"]
+        assert third["workers"] == 2
+
         stopped = expertd_cli("stop", "--blobs", blobs)
-        assert stopped.returncode == 0 and f"stopped expertd pid {second['pid']}" in stopped.stdout
+        assert stopped.returncode == 0 and f"stopped expertd pid {third['pid']}" in stopped.stdout
     finally:
         kill_serving_daemon(blobs)
 

@@ -174,7 +174,7 @@ def _cmd_start(args) -> int:
     state_file = Path(args.state_file).expanduser() if args.state_file else None
     if args.foreground:
         log_file = Path(args.log_file).expanduser().absolute() if args.log_file else None
-        return run_foreground(config, state_file, log_file=log_file)
+        return run_foreground(config, state_file, log_file=log_file, flags=start_flags(args))
     log_file = _log_file(args, config)
     argv = [*(["-v"] if args.verbose else []), "start", "--blobs", str(config.blob_dir),
             *start_flags(args)]
@@ -240,11 +240,16 @@ def _cmd_stop(args) -> int:
         return 0
     print(f"stopped expertd pid {pid}")
     if clients:
-        named = ", ".join(f"{kind} pid {client}" for client, kind in clients)
-        print(f"{len(clients)} client{'s' * (len(clients) != 1)} attached ({named}); "
-              f"{'they wait' if len(clients) != 1 else 'it waits'} for a daemon to come back "
-              f"(expertd start --blobs {args.blobs}) up to its --reconnect-timeout")
+        print(f"{_named(clients)}; {'they wait' if len(clients) != 1 else 'it waits'} for a "
+              f"daemon to come back (expertd start --blobs {args.blobs}) up to its "
+              "--reconnect-timeout")
     return 0
+
+
+def _named(clients: list) -> str:
+    """``N clients attached (serve pid P, ...)`` of :func:`attached_clients`' list."""
+    named = ", ".join(f"{kind} pid {client}" for client, kind in clients)
+    return f"{len(clients)} client{'s' * (len(clients) != 1)} attached ({named})"
 
 
 def _cmd_restart(args) -> int:
@@ -253,12 +258,39 @@ def _cmd_restart(args) -> int:
     if args.foreground:
         raise ValueError("restart starts the daemon detached; for --foreground, run stop "
                          "then start --foreground")
+    args, kept = _kept_flags(args)
     config_from_args(args)  # refuse bad flags before stopping a daemon that works
+    clients = attached_clients(Path(args.blobs))
     try:
         print(f"stopped expertd pid {stop(Path(args.blobs), timeout=args.timeout)}")
     except DaemonNotRunning as exc:
         print(f"{exc}; starting one")
-    return _cmd_start(args)
+    if kept:
+        print(f"starting it with the flags it was started with: {' '.join(kept)}")
+    status = _cmd_start(args)
+    if clients:
+        print(f"{_named(clients)}; each attaches to the new daemon at its next request")
+    return status
+
+
+def _kept_flags(args) -> tuple:
+    """``(args, kept)``: a restart given no start flags keeps those the running daemon was
+    started with (its run file), as ``pg_ctl restart`` keeps a server's options; ``kept`` is
+    that list, or None where the restart's own flags (or none) apply."""
+    from expertd.paths import daemon_paths
+    from expertd.runfile import read_run_info, serving_epoch
+
+    if start_flags(args) or args.log_file:
+        return args, None
+    paths = daemon_paths(args.blobs)
+    info = read_run_info(paths) if serving_epoch(paths) else None
+    if info is None or not info.flags:
+        return args, None
+    from expertd.cli.main import build_parser
+
+    again = build_parser().parse_args(["restart", "--blobs", str(args.blobs), *info.flags])
+    again.verbose, again.timeout = args.verbose, args.timeout
+    return again, info.flags
 
 
 # ---- status ------------------------------------------------------------------------------------
@@ -446,8 +478,9 @@ def add_subcommands(sub) -> None:
 
     p = sub.add_parser("restart", help="stop the daemon if it runs, then start it",
                        description="Stop the daemon of BLOB_DIR if one runs (as `stop`), then "
-                       "start one detached with the given flags (as `start`). Bad flags are "
-                       "refused before the running daemon is stopped.")
+                       "start one detached (as `start`) with the given flags, or, given none, "
+                       "with those the running daemon was started with (as pg_ctl restart "
+                       "does). Bad flags are refused before the running daemon is stopped.")
     add_start_flags(p)
     p.add_argument("--timeout", type=argtypes.seconds, default=10.0,
                    help="seconds before SIGKILL of the old daemon")

@@ -82,11 +82,14 @@ def _raise_fd_limit() -> None:
             pass  # keep the soft limit we have
 
 
-def run_foreground(config, state_file: Path | None = None, log_file: Path | None = None) -> int:
+def run_foreground(config, state_file: Path | None = None, log_file: Path | None = None,
+                   flags: list | None = None) -> int:
     """Serve until SIGTERM/SIGINT or a shutdown request. Returns the exit status.
 
     Args:
         log_file: log to this rotating file instead of stderr (detached daemons, launchd).
+        flags: the start flags it was given (options.start_flags), published in the run file
+            for ``expertd restart`` to keep.
     Raises:
         DaemonError: if a daemon already serves the directory, or start-up fails.
     """
@@ -114,9 +117,11 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
         write_atomically(paths.pidfile, str(os.getpid()).encode())
         # Written before the arena exists, so that a start killed half-way is cleaned up by
         # the next one; marked ready once the server answers.
-        write_run_info(paths, RunInfo(os.getpid(), arena, epoch, False, str(paths.blob_dir)))
+        write_run_info(paths, RunInfo(os.getpid(), arena, epoch, False, str(paths.blob_dir),
+                                      flags))
         server = ExpertServer(config, paths, state_file or paths.state_file, arena, epoch)
-        write_run_info(paths, RunInfo(os.getpid(), arena, epoch, True, str(paths.blob_dir)))
+        write_run_info(paths, RunInfo(os.getpid(), arena, epoch, True, str(paths.blob_dir),
+                                      flags))
         signal.signal(signal.SIGTERM, server.request_stop)
         signal.signal(signal.SIGINT, server.request_stop)
         server.serve()
