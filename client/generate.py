@@ -231,13 +231,18 @@ def load_draft(name: str) -> tuple:
     import mlx_lm
 
     path = os.path.expanduser(name)
-    if not os.path.exists(path) and (os.path.isabs(path) or name.startswith((".", "~"))):
-        raise ValueError(f"--draft-model {name}: no such directory")
+    local = os.path.exists(path)
+    # A Hugging Face id reads ORG/NAME: anything else that is not here is a mistyped path.
+    if not local and (os.path.isabs(path) or name.startswith((".", "~"))
+                      or name.strip("/").count("/") != 1):
+        raise ValueError(f"--draft-model {name}: no such directory (nor a Hugging Face id, "
+                         "which reads ORG/NAME)")
     try:
         model, tokenizer = mlx_lm.load(path)[:2]
     except Exception as exc:  # mlx-lm's own errors: not a model, not downloadable
-        raise ValueError(f"--draft-model {name}: cannot load it with mlx-lm: "
-                         f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        where = "" if local else "no such directory here, and as a Hugging Face id "
+        raise ValueError(f"--draft-model {name}: {where}mlx-lm cannot load it: {why}") from None
     return model, tokenizer
 
 

@@ -477,6 +477,22 @@ def test_an_unknown_flag_gets_the_closest_and_an_mlx_lm_flag_says_so(capsys):
                            "expertd generate does not take it: ")
     said = refusal(capsys, "chat", "--blobs", "B", "--draft-model=D")
     assert "--draft-model is mlx-lm's, and expertd chat does not take it" in said
+    # mlx_lm.chat's and mlx_lm.generate's flags that these commands lack: said so, not "no
+    # flag" (or a near name that means something else).
+    for command, flag in (("chat", "--xtc-probability"), ("chat", "--pipeline"),
+                          ("generate", "--use-default-chat-template")):
+        said = refusal(capsys, command, "--blobs", "B", flag)
+        assert said.startswith(f"expertd {command}: error: {flag} is mlx-lm's, and "), said
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("typed", ["--num-draft-tokens", "--num-draft-tokens=4", "--num-draft"])
+def test_num_draft_tokens_without_a_draft_model_is_refused(capsys, command, typed):
+    """It was accepted and did nothing."""
+    said = refusal(capsys, command, "--blobs", "B", *([typed, "4"] if "=" not in typed
+                                                       else [typed]))
+    assert said == (f"expertd {command}: error: --num-draft-tokens needs --draft-model (see "
+                    f"expertd {command} --help)")
 
 
 def test_v_after_the_subcommand_says_where_it_goes(capsys):

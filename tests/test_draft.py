@@ -110,3 +110,13 @@ def test_serve_takes_a_draft_model_and_answers_resident_tokens(models, isolated_
     # Drafted tokens checked several at a call: fewer model calls than tokens (the prompt's
     # calls included).
     assert values["expertd_client_steps_total"] < len(want)
+
+
+def test_a_mistyped_draft_model_is_not_sent_to_the_network():
+    """A name that is neither here nor a Hugging Face id (ORG/NAME) was handed to the Hub,
+    and the user read a DNS error."""
+    from expertd.client.generate import load_draft
+
+    for name in ("nosuchdir", "a/b/c", "./draft", "~/nowhere/draft"):
+        with pytest.raises(ValueError, match="no such directory .nor a Hugging Face id"):
+            load_draft(name)

@@ -215,7 +215,7 @@ def add_client_subcommands(sub) -> None:
                    help="use the raw prompt, without the tokenizer's chat template")
     p.add_argument("--max-tokens", "-m", type=argtypes.positive_int, default=100,
                    help="tokens to generate")
-    add_sampling_flags(p, top_p=0.0, seed=None)  # mlx_lm.generate's
+    add_sampling_flags(p, top_p=1.0, seed=None)  # mlx_lm.generate's (0.32)
     p.add_argument("--min-p", type=argtypes.probability, default=0.0,
                    help="sampling min-p (0: off)")
     p.add_argument("--top-k", type=argtypes.non_negative_int, default=0,
