@@ -201,9 +201,11 @@ class Requester:
             if not self.alive():
                 raise DaemonDied(f"{self._daemon} serving {self.blob_dir} died")
             if self.heartbeat is not None and self.heartbeat.stuck:
-                raise DaemonError(f"{self._daemon} serving {self.blob_dir} has "
-                                  f"answered no heartbeat for {self.heartbeat.time_to_dead:g} "
-                                  f"s; restart it with: expertd restart --blobs {self.blob_dir}")
+                # As a daemon gone: the session waits (up to its reconnect timeout) for one to
+                # answer again, this one resumed (a SIGSTOP, a stall) or a new one. Raised as
+                # an error, it killed serve's generation thread for good.
+                raise DaemonDied(f"{self._daemon} serving {self.blob_dir} has answered no "
+                                 f"heartbeat for {self.heartbeat.time_to_dead:g} s")
             if time.monotonic() > deadline:
                 raise DaemonError(f"{self._daemon} serving {self.blob_dir} holds its lock but "
                                   f"has not answered for {timeout:g} s (stopped, or stuck?); "

@@ -148,7 +148,7 @@ class Session:
 
     # ---- attachment ------------------------------------------------------------------------
 
-    def _attach(self) -> None:
+    def _attach(self, hello_timeout: float = HELLO_TIMEOUT) -> None:
         """Say hello and map the arena. Nothing of a failed or interrupted attach stays
         open, and the session changes only once every part is ready."""
         check_served(self.paths)
@@ -159,7 +159,7 @@ class Session:
         # is attached, the daemon counts as alive while it holds the directory's lock.
         requester = Requester(conn, self.paths.blob_dir, self._requester_alive, self.counters)
         try:
-            hello = requester.hello(self._hello_body(conn.client_id), timeout=HELLO_TIMEOUT)
+            hello = requester.hello(self._hello_body(conn.client_id), timeout=hello_timeout)
             if hello["blob_dir"] != str(self.paths.blob_dir):
                 raise DaemonError(f"the daemon serves {hello['blob_dir']}, not "
                                   f"{self.paths.blob_dir}")
@@ -304,13 +304,21 @@ class Session:
         waiting = False
         while True:
             try:
-                self._attach()
+                # A daemon that holds its lock but does not answer (stopped) is asked no longer
+                # than the wait has left.
+                self._attach(min(HELLO_TIMEOUT, max(0.1, deadline - time.monotonic())))
                 self.counters["reconnects"] += 1
                 notice(f"expertd: re-attached to the daemon serving {blob} "
                        f"(pid {self.daemon_pid})")
                 return
             except (DaemonNotRunning, DaemonError, OSError, ValueError) as exc:
+                held = serving_epoch(self.paths) is not None  # alive, not answering
                 if time.monotonic() > deadline:
+                    if held:
+                        raise DaemonNotRunning(
+                            f"{why}, and it did not answer within {self.reconnect_timeout:g} s "
+                            f"(stopped, or stuck?); restart it with: expertd restart --blobs "
+                            f"{blob}") from None
                     gone = (f"expertd serving {blob} is gone and did not come back within "
                             f"{self.reconnect_timeout:g} s")
                     if isinstance(exc, DaemonNotRunning):
@@ -318,8 +326,10 @@ class Session:
                                                f"{blob}") from None
                     raise DaemonNotRunning(f"{gone}: {exc}") from None
                 if not waiting:
+                    hint = (f"expertd restart --blobs {blob} if it is stuck" if held else
+                            f"expertd start --blobs {blob}")
                     notice(f"expertd: {why}; waiting up to {self.reconnect_timeout:g} s for it "
-                           f"to come back (expertd start --blobs {blob})")
+                           f"to answer again ({hint})")
                     waiting = True
                 time.sleep(0.1)
 

@@ -9,11 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 
 import pytest
-from harness import SMALL_CACHE_GB, Daemon, stop_process, wait_until
+from harness import SMALL_CACHE_GB, TINY_CACHE_GB, Daemon, stop_process, wait_until
 from openai import AuthenticationError, BadRequestError, OpenAI
 from test_serve import START_TIMEOUT, STOP_TIMEOUT, Server
 
@@ -377,3 +378,32 @@ def test_serve_on_a_checkpoint_says_convert_it_first(models, isolated_env):
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 1 and "run expertd convert first" in done.stderr, done.stderr
     assert "expertd start" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_daemon_paused_past_its_heartbeats_leaves_serve_serving(models, isolated_env,
+                                                                  tmp_path):
+    """A daemon stopped (SIGSTOP) for longer than the client's time-to-dead while a request
+    waited on it: the client raised an error inside the model, which killed mlx_lm.server's
+    generation thread for good (every later request: "generation thread died"). Now the
+    session waits for it as for a daemon gone, says so, and the request completes once the
+    daemon is resumed; so does the next."""
+    blobs = models.blobs()
+    body = json.dumps({"prompt": "Zebra quantum xylophone banana", "max_tokens": 4}).encode()
+    with (Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--client-timeout", "2",
+                 "--heartbeat", "0.2") as daemon,
+          Server(blobs, tmp_path) as server):
+        url = server.url + "/completions"
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            done = {}
+            waiter = threading.Thread(target=lambda: done.setdefault("first", _ask(url, None,
+                                                                                   body)))
+            waiter.start()
+            wait_until(lambda: "answered no heartbeat" in server.err.read_text(), 60,
+                       "serve's session to say it waits for the daemon")
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        waiter.join(120)
+        assert done["first"][0] == 200, done
+        status, _, reply = _ask(url, None, body)
+        assert status == 200 and json.loads(reply)["choices"], reply
