@@ -254,7 +254,7 @@ def _server_classes():
                 raise RequestRefused("prompt", "prompt must be a string")
 
         def handle_completion(self, request, stop_words):
-            if not self.server.watch.serving():
+            if not self.server.daemon_serves():
                 self.server.counters.add(daemon_refusals=1)
                 self._send_error(503, self.server.watch.refusal())
                 return
@@ -283,7 +283,7 @@ def _server_classes():
                 self._send_error(status, message, code)
 
         def handle_health_check(self):
-            if self.server.watch.serving():
+            if self.server.daemon_serves():
                 super().handle_health_check()
             else:
                 body = {"status": "unavailable", **error_object(503, self.server.watch.refusal())}
@@ -343,12 +343,26 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
         self.blob_dir, self.cli_args = blob_dir, cli_args  # mlx_lm.server's settings
         self.api_key = getattr(cli_args, "api_key", None)  # what requests must bear, or None
         self.session = self.counters = self.names = self.watch = None  # set by ready()
+        self._down = False  # the last look found no daemon (see daemon_serves)
 
     def ready(self, handler, *, session, counters: ServerCounters, names: set,
               watch: DaemonWatch) -> None:
         """The model is loaded: requests from now on are served by ``handler``."""
         self.session, self.counters, self.names, self.watch = session, counters, names, watch
         self.RequestHandlerClass = handler
+
+    def daemon_serves(self) -> bool:
+        """Whether a daemon serves the blob directory now; the first look that finds none
+        says so on stderr (requests are answered 503 until one is back), and the first that
+        finds one again says that."""
+        serving = self.watch.serving()
+        if serving == self._down:
+            self._down = not serving
+            blob = self.blob_dir
+            logging.warning("expertd serve: %s", f"a daemon serves {blob} again" if serving else
+                            f"no expertd serves {blob} now; requests are answered 503 until one "
+                            f"is back (expertd start --blobs {blob})")
+        return serving
 
     def handle_error(self, request, client_address):
         # A client that hangs up before its reply is written is no error of the server's.

@@ -318,9 +318,12 @@ def test_serve_without_its_daemon(models, isolated_env, tmp_path):
 
             daemon.kill()
             assert_unavailable(server, blobs)
+            down = f"no expertd serves {blobs.resolve()} now; requests are answered 503"
+            assert server.err.read_text().count(down) == 1  # said once, on the first refusal
             daemon.close()
             daemon = Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB)
             assert server.get("/health")[::2] == (200, '{"status": "ok"}')
+            assert f"a daemon serves {blobs.resolve()} again" in server.err.read_text()
             assert complete().choices[0].text == before  # through the restarted daemon
 
             # Stopped (SIGTERM, as `expertd stop`) under a stream: the stream ends in an error.

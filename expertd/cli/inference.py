@@ -169,7 +169,8 @@ def add_prefetch_flag(p, help_text: str) -> None:
     p.add_argument("--reconnect-timeout", type=argtypes.wait_seconds, default=None,
                    metavar="S", help="seconds to wait for the daemon when it dies or restarts, "
                    "announced when the wait starts; 0 fails at once (default: 60; serve: a "
-                   "day, answering 503 meanwhile)")
+                   "day, for a request in flight; serve itself never gives up: while no daemon "
+                   "runs it answers 503, and says so once)")
     p.add_argument("--pull", choices=PULL_MODES, default="auto",
                    help="who reads an expert missing from a pool out of the daemon's cache: "
                    "auto (default) the GPU itself where it can (CUDA with the cuda extra, "
