@@ -36,6 +36,7 @@ from expertd.client.serve_errors import (
     abandon,
     authorized,
     error_object,
+    unsupported,
 )
 from expertd.client.serve_metrics import ServerCounters, render_metrics
 from expertd.client.session import check_served
@@ -252,6 +253,9 @@ def _server_classes():
                                          "objects, each with a role and its content")
             elif not isinstance(body.get("prompt"), str):
                 raise RequestRefused("prompt", "prompt must be a string")
+            refused = unsupported(body, self.path.endswith("/chat/completions"))
+            if refused is not None:  # what it would otherwise ignore
+                raise refused
 
         def handle_completion(self, request, stop_words):
             if not self.server.daemon_serves():

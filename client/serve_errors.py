@@ -29,6 +29,47 @@ class RequestRefused(ValueError):
         self.param = param
 
 
+# What a request may hold. mlx_lm.server's own parameters (it reads each of them)...
+_MLX_FIELDS = {"model", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+               "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+               "repetition_context_size", "presence_penalty", "presence_context_size",
+               "frequency_penalty", "frequency_context_size", "xtc_probability",
+               "xtc_threshold", "logit_bias", "logprobs", "top_logprobs", "seed", "stop", "n",
+               "draft_model", "num_draft_tokens", "adapters", "chat_template_kwargs"}
+_CHAT_FIELDS = _MLX_FIELDS | {"messages", "tools", "role_mapping"}
+_COMPLETION_FIELDS = _MLX_FIELDS | {"prompt"}
+# ... OpenAI's that change no output (bookkeeping on OpenAI's side), taken and ignored...
+_BOOKKEEPING = {"user", "metadata", "store", "service_tier", "prediction"}
+# ... and OpenAI's that mean something mlx_lm.server does not do: accepted at the value that
+# asks for nothing (these values), refused at any other.
+_INERT = {"response_format": ({"type": "text"},), "echo": (False,), "best_of": (1,),
+          "suffix": ("",), "tool_choice": ("auto",), "parallel_tool_calls": (True,),
+          "modalities": (["text"],)}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def unsupported(body: dict, chat: bool) -> "RequestRefused | None":
+    """Why this server refuses a request ``body`` (a chat completion's, or a completion's)
+    for holding what it would otherwise ignore (an unknown field, a response format, echo,
+    best_of, a suffix, a role no template knows), as RequestRefused naming the parameter; or
+    None. OpenAI refuses an unknown field too ("Unrecognized request argument")."""
+    known = (_CHAT_FIELDS if chat else _COMPLETION_FIELDS) | _BOOKKEEPING
+    for name, value in body.items():
+        if name in _INERT:
+            if value is not None and value not in _INERT[name]:
+                return RequestRefused(name, f"{name}={json.dumps(value)} is not supported by "
+                                      f"this server (mlx_lm.server); leave it out")
+        elif name not in known:
+            return RequestRefused(name, f"Unrecognized request argument supplied: {name}")
+    if chat:
+        for i, message in enumerate(body.get("messages") or ()):
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in ROLES:
+                return RequestRefused(f"messages[{i}].role", f"messages[{i}].role must be one "
+                                      f"of {', '.join(ROLES)}, not {role!r}")
+    return None
+
+
 class ServerStopping(Exception):
     """The server is shutting down (Ctrl-C or SIGTERM) with this request unfinished."""
 

@@ -154,6 +154,16 @@ def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
             "max_tokens": dict(model=blobs.name, prompt="Once", max_tokens="2"),
             "stop": dict(model=blobs.name, prompt="Once", max_tokens=2, stop=[1, "a"]),
             "stop ": dict(model=blobs.name, prompt="Once", max_tokens=2, stop=""),
+            # What mlx_lm.server would take and ignore: refused, never ignored.
+            "response_format": dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                    response_format={"type": "json_object"}),
+            "frobnicate": dict(prompt="Once", max_tokens=2, frobnicate=1),
+            "messages[1].role": dict(messages=[{"role": "user", "content": "Hi"},
+                                               {"role": "wizard", "content": "Hi"}],
+                                     max_tokens=2),
+            "echo": dict(prompt="Once", max_tokens=2, echo=True),
+            "best_of": dict(prompt="Once", max_tokens=2, best_of=2),
+            "suffix": dict(prompt="Once", max_tokens=2, suffix="end"),
         }
         for param, fields in refusals.items():
             param = param.strip()  # a second case of one parameter
@@ -167,6 +177,11 @@ def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
             assert error["param"] == param and error["type"] == "invalid_request_error", error
         with pytest.raises(BadRequestError, match="n must be 1"):
             server.client.completions.create(model=blobs.name, prompt="Once", max_tokens=2, n=2)
+        # What asks for nothing is taken: bookkeeping fields, inert values.
+        reply = server.client.chat.completions.create(
+            model=blobs.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+            user="someone", metadata={"k": "v"}, response_format={"type": "text"})
+        assert reply.choices
 
 
 def test_stop_names_the_clients_left_waiting(models, isolated_env, tmp_path):
