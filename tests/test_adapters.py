@@ -244,5 +244,5 @@ def test_generate_refusing_its_adapters_prints_nothing_on_stdout(qwen, isolated_
              "hi", "--adapter-path", str(tmp_path / "empty")],
             env={**os.environ, **isolated_env}, stdin=subprocess.DEVNULL,
             capture_output=True, text=True, timeout=120)
-    assert (done.returncode, done.stdout) == (1, ""), done
+    assert (done.returncode, done.stdout) == (2, ""), done
     assert done.stderr.count("\n") == 1 and "--adapter-path" in done.stderr

@@ -70,7 +70,7 @@ def test_start_status_restart_stop(blobs, isolated_env):
 
         # Bad flags are refused before the working daemon is stopped.
         refused = expertd_cli("restart", "--blobs", blobs, "--cache-gb", "0")
-        assert refused.returncode == 1 and "smallest cache that serves" in refused.stderr
+        assert refused.returncode == 2 and "smallest cache that serves" in refused.stderr
         assert query_stats(blobs)["pid"] == first["pid"]
 
         again = expertd_cli("restart", "--blobs", blobs, "--cache-gb", "100%", "--workers", "2")
@@ -205,7 +205,7 @@ def test_a_size_above_every_expert_is_cut_and_start_says_so(blobs, isolated_env)
                                   "8X"])
 def test_bad_cache_sizes_name_the_smallest_that_works(blobs, isolated_env, size):
     got = expertd_cli("start", "--blobs", blobs, f"--cache-gb={size}", timeout=30)
-    assert got.returncode == 1, got
+    assert got.returncode == 2, got
     assert got.stderr.count("\n") == 1 and "Traceback" not in got.stderr
     assert (f"expertd start: error: --cache-gb {size} is not a cache size: give a finite "
             "number of GiB above 0 (e.g. 8), or 8G, 512M, 30% (of the experts' 0.75 MiB); "
@@ -214,7 +214,7 @@ def test_bad_cache_sizes_name_the_smallest_that_works(blobs, isolated_env, size)
 
 def test_a_cache_too_small_says_how_small_it_may_be(blobs, isolated_env):
     got = expertd_cli("start", "--blobs", blobs, "--cache-gb", "10%", timeout=30)
-    assert got.returncode == 1 and got.stderr.count("\n") == 1, got
+    assert got.returncode == 2 and got.stderr.count("\n") == 1, got
     assert (f"--cache-gb 10% is too small for {blobs}: the smallest cache that serves it is "
             "0.27 MiB (8 rows of 16384 bytes") in got.stderr
 
@@ -261,7 +261,7 @@ def test_a_big_enough_arena_gets_two_read_ahead_widths_of_side_rows(models, isol
 @pytest.mark.parametrize("rows", ["-1", "257"])
 def test_side_rows_out_of_range_are_refused_in_one_line(blobs, isolated_env, rows):
     got = expertd_cli("start", "--blobs", blobs, "--side-rows", rows, timeout=30)
-    assert got.returncode == 1 and got.stderr.count("\n") == 1, got
+    assert got.returncode == 2 and got.stderr.count("\n") == 1, got
     assert f"--side-rows must be between 0 and 256 (64 x top_k = 4), not {rows}" in got.stderr
 
 

@@ -86,7 +86,7 @@ def test_a_rotating_kv_cache_is_not_quantized():
     """mlx-lm would fail in mid-generation; the pair is refused before the model loads."""
     done = expertd_cli("generate", "--blobs", "B", "-p", "hi", "--kv-bits", "4",
                        "--max-kv-size", "64")
-    assert done.returncode == 1 and done.stdout == ""
+    assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == ("expertd generate: error: --kv-bits and --max-kv-size do not go "
                            "together: mlx-lm cannot quantize a rotating KV cache\n")
 
@@ -96,7 +96,7 @@ def test_auto_pin_is_refused_beyond_a_quarter_of_the_cache(models, isolated_env)
     for n in ("100000", "13", "-1"):
         done = expertd_cli("start", "--blobs", blobs, "--cache-gb", SMALL_CACHE_GB,
                            "--auto-pin", n, timeout=60)
-        assert done.returncode == 1 and done.stdout == "", done
+        assert done.returncode == 2 and done.stdout == "", done
         assert done.stderr == (f"expertd start: error: --auto-pin must be between 0 and 12 (a "
                                f"quarter of this cache's 48 rows), not {n}\n")
     # The bound is the daemon's own: it starts with it.

@@ -254,7 +254,7 @@ def test_layers_errors_are_one_line_and_leave_nothing(models, tmp_path, spec, me
     model = models.model(family="deepseek_v3", layers=4)
     proc = subprocess.run([EXPERTD, "convert", str(model), str(tmp_path / "out"), "--layers",
                            spec, "-q"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"expertd convert: error: {message}")
     assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -252,7 +252,7 @@ def test_prefill_response_without_a_chat_template_is_refused(models, isolated_en
                                   str(blob_dir), "--chat-template-config", config],
                                  env={**os.environ, **isolated_env}, capture_output=True,
                                  text=True, timeout=120)
-        assert bad.returncode == 1 and said in bad.stderr, bad.stderr
+        assert bad.returncode == 2 and said in bad.stderr, bad.stderr
         assert "Traceback" not in bad.stderr
 
 
@@ -344,7 +344,7 @@ def test_a_saved_prompt_cache_continues_as_in_mlx_lm(models, isolated_env, tmp_p
                                  text=True, timeout=120)
     assert got["tokens"] == want
     assert got["prompt_tokens"] == len(tokenizer.encode(" live on the disk"))
-    assert refused.returncode == 1 and "made for another model" in refused.stderr
+    assert refused.returncode == 2 and "made for another model" in refused.stderr
     assert "Traceback" not in refused.stderr
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_text("garbage")
@@ -355,5 +355,5 @@ def test_a_saved_prompt_cache_continues_as_in_mlx_lm(models, isolated_env, tmp_p
                                   str(blob_dir), "--prompt-cache-file", str(path)],
                                  env={**os.environ, **isolated_env}, capture_output=True,
                                  text=True, timeout=120)
-        assert bad.returncode == 1 and said in bad.stderr, bad.stderr
+        assert bad.returncode == 2 and said in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1

@@ -80,11 +80,11 @@ def test_cache_gb_is_validated_and_the_smallest_budget_named(models, isolated_en
     blobs = models.blobs()
     for bad in ("nan", "inf", "-inf", "0", "-1"):
         refused = expertd_cli("start", "--blobs", blobs, f"--cache-gb={bad}", timeout=30)
-        assert refused.returncode == 1, refused
+        assert refused.returncode == 2, refused
         assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
         assert "finite number of GiB above 0" in refused.stderr
     small = expertd_cli("start", "--blobs", blobs, "--cache-gb", "0.0001", timeout=30)
-    assert small.returncode == 1 and small.stderr.count("\n") == 1, small
+    assert small.returncode == 2 and small.stderr.count("\n") == 1, small
     least = re.search(r"smallest cache that serves it is ([0-9.]+ [MG])iB", small.stderr)
     assert least, small.stderr
     assert "8 rows" in small.stderr  # 2 x top_k for the tiny model (top_k = 4)
@@ -263,5 +263,5 @@ def test_start_refuses_careless_flags_in_one_line(models, isolated_env, tmp_path
     flags = [str(tmp_path / "bad.json") if f == "{bad}" else f for f in flags]
     (tmp_path / "bad.json").write_text("{not json")
     got = expertd_cli("start", "--blobs", models.blobs(), *flags, timeout=30)
-    assert got.returncode == 1 and message in got.stderr, got.stderr
+    assert got.returncode == 2 and message in got.stderr, got.stderr
     assert "Traceback" not in got.stderr and len(got.stderr.strip().splitlines()) == 1

@@ -257,7 +257,7 @@ def test_generate_pipeline_outside_mlx_launch_is_one_line(models, isolated_env, 
     proc = subprocess.run([sys.executable, "-m", "expertd", "generate", "--pipeline", "--blobs",
                            str(tmp_path / "stage0"), "--prompt", PROMPT],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "expertd generate: error: --pipeline runs one pipeline stage per process: start one "
         "process per stage with mlx.launch (README: Several machines)"]

@@ -158,10 +158,10 @@ def test_install_with_the_real_systemctl_reports_its_failure(awkward_blobs, home
 
 
 def test_install_refuses_bad_flags_before_writing_anything(awkward_blobs, home):
-    for flags, message, code in ((["--cache-gb", "nan"], "smallest cache that serves", 1),
+    for flags, message, code in ((["--cache-gb", "nan"], "smallest cache that serves", 2),
                                  (["--workers", "0"], "--workers: must be from 1 to", 2),
                                  (["--log-file", "x.log"], "--log-file is chosen by the service",
-                                  1)):
+                                  2)):
         got = expertd_cli("service", "install", "--blobs", awkward_blobs, *flags, "--no-start")
         assert got.returncode == code and message in got.stderr, got
         assert len(got.stderr.strip().splitlines()) == 1 and "Traceback" not in got.stderr

@@ -155,7 +155,10 @@ def config_from_args(args):
     check_bounds(args)
     settings = config_settings(args)
     if settings["pin_file"]:  # here too, so a bad pin file is named before anything starts
-        read_pin_file(settings["pin_file"])
+        try:
+            read_pin_file(settings["pin_file"])
+        except ValueError as exc:
+            raise ValueError(f"--pin-file {exc}") from None
     return ServerConfig(blob_dir=blob_dir, cache_bytes=budget, **settings)
 
 

@@ -3,6 +3,7 @@
 import argparse
 import difflib
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -305,6 +306,9 @@ def deliver_lost_interrupts() -> None:
     sys.unraisablehook = hook
 
 
+USAGE = 2  # argparse's exit status for a bad argument
+
+
 def _run(argv) -> int:
     deliver_lost_interrupts()
     parser = build_parser()
@@ -319,7 +323,9 @@ def _run(argv) -> int:
         raise  # not an error of the command: main() exits quietly
     except (ExpertdError, OSError, ValueError) as exc:
         print(f"expertd {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        # A flag's value found wrong once the command knew more (the model, a file, the
+        # network) ends as argparse ends one it refuses while parsing: status 2.
+        return USAGE if re.match(r"--[a-z][a-z0-9-]*[ :]", str(exc) + " ") else 1
     except KeyboardInterrupt:
         print(f"expertd {args.command}: interrupted", file=sys.stderr)
         return 130
