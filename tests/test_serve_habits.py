@@ -194,6 +194,12 @@ def test_stop_names_the_clients_left_waiting(models, isolated_env, tmp_path):
             Server(blobs, tmp_path) as server:
         status = expertd_cli("status", "--blobs", blobs, timeout=60)
         assert f"serve pid {server.proc.pid}" in status.stdout, status.stdout
+        # JSON: the same kind, and every key whether or not a heartbeat has reported yet.
+        entry, = json.loads(expertd_cli("status", "--blobs", blobs, "--json",
+                                        timeout=60).stdout)[0]["client_pools"]
+        assert entry["kind"] == "serve" and entry["pid"] == server.proc.pid
+        assert {"pool_bytes", "steps", "host_waits", "replays", "pulled_rows",
+                "pulled_bytes"} <= entry.keys(), entry
         done = expertd_cli("stop", "--blobs", blobs, timeout=60)
     assert done.returncode == 0, done.stderr
     assert f"1 client attached (serve pid {server.proc.pid}); it waits for a daemon" in done.stdout

@@ -384,6 +384,8 @@ def snapshot(args) -> tuple:
         try:
             with Connection(**target) as conn:
                 stats = conn.request(Op.STATS, timeout=args.timeout)
+            for client in stats.get("client_pools", []):  # named as the text names it
+                client["kind"] = process_kind(client["pid"])
             results.append({"running": True, **stats, "log": log_location(stats["blob_dir"])})
         except DaemonError as exc:
             if args.blobs and isinstance(exc, DaemonNotRunning):

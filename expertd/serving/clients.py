@@ -17,6 +17,10 @@ from expertd.serving.stats import ClientStats
 MAX_CLIENTS = 96
 
 
+# The counts a heartbeat reports beside steps and host waits (protocol.Heartbeat's fields).
+HEARTBEAT_COUNTS = {"replays": 0, "pulled_rows": 0, "pulled_bytes": 0}
+
+
 @dataclass(eq=False)
 class Client:
     identity: bytes  # the routing id of its request socket
@@ -70,9 +74,9 @@ class ClientRegistry:
         """How many clients, and per client its pid, its own expert memory and its host waits
         (for status)."""
         return ClientStats(len(self._clients), [
-            dict(pid=c.pid, pool_bytes=c.pool_bytes, steps=c.steps, host_waits=c.host_waits,
-                 **(c.counts or {}))
-            for c in self._clients.values()])
+            {"pid": c.pid, "pool_bytes": c.pool_bytes, "steps": c.steps,
+             "host_waits": c.host_waits, **HEARTBEAT_COUNTS, **(c.counts or {})}
+            for c in self._clients.values()])  # every key, before a heartbeat too
 
     def seen(self, identity: bytes, now: float) -> Client | None:
         """A request from ``identity``: it is alive. None if it never said hello."""
