@@ -282,6 +282,9 @@ def main(argv=None) -> int:
         sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
     except BrokenPipeError:
         mute_stdout()
+    except KeyboardInterrupt:  # before the command ran (building the parser: its imports)
+        print("expertd: interrupted", file=sys.stderr)
+        return 130
     return code
 
 
