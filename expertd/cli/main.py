@@ -214,9 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=argtypes.positive_int, default=16,
                    help="routed experts per layer (default: 16)")
     p.add_argument("--top-k", type=argtypes.positive_int, default=4, help="experts per token (default: 4)")
-    p.add_argument("--hidden", type=argtypes.positive_int, default=128, help="hidden size (default: 128)")
+    p.add_argument("--hidden", type=argtypes.positive_int, default=128,
+                   help="hidden size: a multiple of 64 for affine quantization (the default), "
+                   "else of 32 (default: 128)")
     p.add_argument("--moe-inter", type=argtypes.positive_int, default=64,
-                   help="expert intermediate size (default: 64)")
+                   help="expert intermediate size: a multiple of 64 for affine quantization (the "
+                   "default), else of 32 (default: 64)")
     p.add_argument("--bits", type=argtypes.positive_int, default=None,
                    help="quantization bits: 2, 3, 4, 5, 6 or 8 for affine, 4 for mxfp4 and "
                    "nvfp4, 8 for mxfp8 (default: the mode's own, 4 for affine)")
