@@ -120,7 +120,7 @@ class StreamedLayer:
             # Rows missing from the pool are pulled from the arena by the device into one
             # stack with a row for every expert (inside an epoch, once the daemon has read
             # them); the prompt's recurring ones then join the pool. None: the device's pull
-            # differed from the host copy, and the host path takes over.
+            # differed from the host copy, or kept losing its rows: the host path takes over.
             out = self._pulled_call(module, x, indices, idx, unique)
             fetched = time.perf_counter()
         if out is None:

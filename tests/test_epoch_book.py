@@ -5,7 +5,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from expertd.serving.epochs import PROBATION, U64, EpochBook, lost_covers, released
+from expertd.serving.epochs import (
+    PROBATION,
+    PROBATION_WAIT,
+    U64,
+    EpochBook,
+    lost_covers,
+    released,
+)
 from expertd.serving.stats import EpochStats
 from expertd.shm.layout import EPOCH_SLOTS
 
@@ -89,27 +96,35 @@ def test_a_record_past_the_hold_loses_its_epoch_once_and_then_blocks_nothing_in_
                                       epoch_wait_max_s=1.5)
 
 
-def test_a_record_that_lost_its_epoch_is_not_waited_for_again_until_its_probation_ends():
+def test_a_record_that_lost_its_epoch_is_waited_for_briefly_until_its_probation_ends():
     """A client that advanced its record by two each time its epoch was lost (as a pipelining
     client does) made every eviction wait the whole hold, one after another. After a loss
-    that a row waited for, the record's next blocks are given up on at the next poll (the
-    client replays, as after any loss) for PROBATION holds; losses on probation do not
-    extend it, and a record attached anew starts clean."""
+    that a row waited the hold for, the record's next blocks wait PROBATION_WAIT of a hold
+    (then the client replays, as after any loss), for PROBATION holds; a step that ends
+    within the short wait loses nothing; losses on probation do not extend it; letting a row
+    go does not end it (the next one would be held the whole hold again); a record attached
+    anew starts clean."""
+    short = PROBATION_WAIT * HOLD
     book = EpochBook(HOLD)
     a, b = book.attach(A), book.attach(B)
     assert book.retire(1, {a: 1, b: 1}, now=0.0)
     assert book.poll({a: 1, b: 2}, now=0.5) == ([], [])
     assert book.poll({a: 1}, now=1.5) == ([1], [(a, 1)])  # waited the hold: probation
     assert book.retire(2, {a: 3, b: 3}, now=2.0)
-    assert book.poll({a: 3, b: 3}, now=2.0) == ([], [(a, 3)])  # at once; b is waited for
+    assert book.poll({a: 3, b: 3}, now=2.0 + short / 2) == ([], [])  # within the short wait
+    assert book.poll({a: 3, b: 3}, now=2.0 + 2 * short) == ([], [(a, 3)])  # b: waited for
     assert book.blocking() == [b]
     assert book.poll({b: 4}, now=2.1) == ([2], [])
+    assert book.retire(3, {a: 5}, now=2.2)
+    assert book.poll({a: 6}, now=2.2 + short / 2) == ([3], [])  # ended in time: nothing lost
+    assert book.retire(4, {a: 7}, now=2.3)  # still on probation
+    assert book.poll({a: 7}, now=2.3 + 2 * short) == ([4], [(a, 7)])
     end = 1.5 + PROBATION * HOLD
-    assert book.retire(3, {a: 5}, now=end - 0.1)
-    assert book.poll({a: 5}, now=end - 0.1) == ([3], [(a, 5)])  # (no extension)
-    assert book.retire(4, {a: 7}, now=end + 0.1)  # probation over: waited for again
-    assert book.poll({a: 7}, now=end + 0.1 + HOLD / 2) == ([], [])
-    assert book.poll({a: 7}, now=end + 0.2 + HOLD) == ([4], [(a, 7)])
+    assert book.retire(3, {a: 9}, now=end - 0.1)
+    assert book.poll({a: 9}, now=end - 0.1 + 2 * short) == ([3], [(a, 9)])  # no extension
+    assert book.retire(6, {a: 11}, now=end + 0.1)  # probation over: waited for again
+    assert book.poll({a: 11}, now=end + 0.1 + HOLD / 2) == ([], [])
+    assert book.poll({a: 11}, now=end + 0.2 + HOLD) == ([6], [(a, 11)])
     book.detach(B)
     b2 = book.attach(B)
     assert book.retire(5, {b2: 1}, now=end + 0.3)
@@ -159,7 +174,7 @@ class EpochMachine(RuleBasedStateMachine):
         self.record = {}  # owner -> record
         self.steps = {}  # record -> its step, as the client publishes it
         self.lost = {}  # record -> the step the book said it lost
-        self.rows = {}  # row -> {record: (step, since)}: what it waits for, in the model
+        self.rows = {}  # row -> {record: (step, since, on probation)}: what it waits for
         self.at_retire = {}  # row -> [(attachment, record, step)] that blocked it when retired
         self.attachment = {}  # record -> which attachment of it this is (1, 2, ...)
         self.attachments = 0
@@ -214,7 +229,9 @@ class EpochMachine(RuleBasedStateMachine):
             for r, s in waits.items():
                 if entry.get(r, (None,))[0] != s:
                     on_probation = self.probation.get(r, self.now) > self.now
-                    entry[r] = (s, float("-inf") if on_probation else self.now)
+                    since = (self.now - (1 - PROBATION_WAIT) * HOLD if on_probation
+                             else self.now)
+                    entry[r] = (s, since, on_probation)
             self.at_retire.setdefault(row, []).extend(
                 (self.attachment[r], r, s) for r, s in waits.items())
 
@@ -225,12 +242,12 @@ class EpochMachine(RuleBasedStateMachine):
         freed, lost = self.book.poll(steps, self.now)
         want_lost, waited = {}, set()
         for waits in self.rows.values():
-            for r, (s, since) in waits.items():
+            for r, (s, since, on_probation) in waits.items():
                 now = self.steps[r]
                 if (self.now - since > HOLD and now & 1 and now - s < 4
                         and self.lost.get(r) != now):
                     want_lost[r] = now
-                    if since != float("-inf"):
+                    if not on_probation:
                         waited.add(r)
         assert sorted(lost) == sorted(want_lost.items()) and len(lost) == len(want_lost)
         self.lost.update(want_lost)
@@ -238,7 +255,7 @@ class EpochMachine(RuleBasedStateMachine):
             self.probation[r] = self.now + PROBATION * HOLD
         want_freed = []
         for row, waits in list(self.rows.items()):
-            for r, (s, _) in list(waits.items()):
+            for r, (s, _, _) in list(waits.items()):
                 now, gave_up = self.steps[r], self.lost.get(r, 0)
                 if not now & 1 or now - s >= 4 or (gave_up & 1 and 0 <= gave_up - s < 4):
                     del waits[r]

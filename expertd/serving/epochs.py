@@ -13,12 +13,15 @@ step it had in flight when it showed ``s`` is checked by ``s + 4``. A serial cli
 even, odd, so nothing changes for it. A client whose record has not moved that far within
 ``max_hold`` seconds (the lease bound) loses its epoch: the daemon stops waiting for it and
 writes the step it shows into ``lost``; the client replays every step it launched at or
-before that one. A record that lost its epoch is then on probation for ``PROBATION`` holds: a
-row it would block is not held back for it but given up on at once (its step written into
-``lost``, so the client replays as before). A client moves its record on only to go on
-computing, so without probation one that advanced it by two each time its epoch was lost (as
-a pipelining client does) made every eviction wait the whole bound, one after another. A
-client that goes away frees its record, and its blocks with it.
+before that one. A record that lost its epoch after a row waited the whole bound for it is
+then on probation for ``PROBATION`` holds: a row it blocks waits for it ``PROBATION_WAIT`` of
+a hold at most, then its step is written into ``lost`` (the client replays as after any
+loss). Without probation, a client that advanced its record by two each time its epoch was
+lost (as a pipelining client does) made every eviction wait the whole bound, one after
+another. An honest client's steps end well within the short wait (and one that does not is
+told, as after any loss); probation ends with its time only, since a record that could end it
+by letting one row go would then hold the next for the whole bound again. A client that goes
+away frees its record, and its blocks with it.
 """
 
 from collections import deque
@@ -29,7 +32,8 @@ from expertd.shm.layout import EPOCH_SLOTS
 
 U64 = 2**64 - 1
 PIPELINE_ADVANCE = 4  # two checks of a client with two steps in flight
-PROBATION = 10  # holds (max_hold each) for which a record that lost its epoch is not waited for
+PROBATION = 10  # holds (max_hold each) for which a record that lost its epoch is waited less
+PROBATION_WAIT = 0.01  # of a hold: how long a row waits for a record on probation
 
 
 def released(step: int, now: int) -> bool:
@@ -49,7 +53,8 @@ class Retired:
     """A row unmapped while records were inside a step: its refill waits for them."""
 
     since: float  # when it was first retired (for the longest wait)
-    waits: dict = field(default_factory=dict)  # record -> (the odd step it showed, since when)
+    # record -> (the odd step it showed, since when, whether it was on probation then)
+    waits: dict = field(default_factory=dict)
 
 
 class EpochBook:
@@ -78,7 +83,7 @@ class EpochBook:
         self._free: deque = deque(range(slots))
         self._rows: dict = {}  # row -> Retired, in retire order
         self._lost: dict = {}  # record -> the step it lost (no row waits for that step again)
-        self._probation: dict = {}  # record -> until when it is not waited for (see PROBATION)
+        self._probation: dict = {}  # record -> until when it is waited for less (PROBATION)
         self.deferred = 0
         self.lost = 0
         self.longest_wait = 0.0
@@ -142,10 +147,10 @@ class EpochBook:
             self.deferred += 1
         for record, step in waits.items():
             if entry.waits.get(record, (None,))[0] != step:
-                # On probation: given up on at the next poll, as if it had waited the bound.
-                waited_from = (now if self._probation.get(record, now) <= now
-                               else float("-inf"))
-                entry.waits[record] = (step, waited_from)
+                # On probation: as if all of the bound but PROBATION_WAIT had passed.
+                short = self._probation.get(record, now) > now
+                since = now - (1 - PROBATION_WAIT) * self.max_hold if short else now
+                entry.waits[record] = (step, since, short)
         return True
 
     def waiting(self) -> int:
@@ -176,12 +181,11 @@ class EpochBook:
             return [], []
         due: dict = {}  # record -> (the step it loses, whether a row waited the bound for it)
         for entry in self._rows.values():
-            for record, (step, since) in entry.waits.items():
+            for record, (step, since, short) in entry.waits.items():
                 current = int(steps.get(record, step))
                 if (now - since > self.max_hold and not released(step, current)
                         and self._lost.get(record) != current):
-                    waited = since != float("-inf") or due.get(record, (0, False))[1]
-                    due[record] = (current, waited)
+                    due[record] = (current, not short or due.get(record, (0, False))[1])
         lost = []
         for record, (current, waited) in due.items():
             self._lost[record] = current
@@ -191,7 +195,7 @@ class EpochBook:
         self.lost += len(lost)
         freed = []
         for row, entry in list(self._rows.items()):
-            for record, (step, _) in list(entry.waits.items()):
+            for record, (step, _, _) in list(entry.waits.items()):
                 if (released(step, int(steps.get(record, step)))
                         or lost_covers(self._lost.get(record, 0), step)):
                     del entry.waits[record]
