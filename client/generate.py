@@ -239,7 +239,9 @@ def load_draft(name: str) -> tuple:
                          "which reads ORG/NAME)")
     try:
         model, tokenizer = mlx_lm.load(path)[:2]
-    except Exception as exc:  # mlx-lm's own errors: not a model, not downloadable
+    except (OSError, MemoryError) as exc:  # the machine's or the network's: not the flag's
+        raise OSError(f"cannot load the draft model {name}: {exc}") from None
+    except Exception as exc:  # mlx-lm's own errors: not a model, no such repo
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         where = "" if local else "no such directory here, and as a Hugging Face id "
         raise ValueError(f"--draft-model {name}: {where}mlx-lm cannot load it: {why}") from None

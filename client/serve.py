@@ -456,6 +456,9 @@ def _bind(host: str, port: int, blob_dir: Path, cli_args) -> ExpertdHTTPServer:
         server_class = type("Server", (ExpertdHTTPServer,), {"address_family": family})
         return server_class(address, LoadingHandler, blob_dir, cli_args)
     except socket.gaierror as exc:
+        if exc.errno == socket.EAI_AGAIN:  # the resolver failed for now: not the flag's fault
+            raise OSError(f"cannot resolve {host} now ({exc.strerror or exc}); try again, or "
+                          "give --host an address (127.0.0.1, ::1, 0.0.0.0)") from None
         raise OSError(f"--host {host}: not an address or a name this machine resolves "
                       f"({exc.strerror or exc}); e.g. 127.0.0.1, ::1 or 0.0.0.0") from None
     except OSError as exc:

@@ -1,6 +1,7 @@
 """What ``expertd serve`` answers when something is wrong: OpenAI-shaped error bodies, and
 whether the daemon serves at all (a request is refused at once rather than left waiting)."""
 
+import errno
 import hmac
 import json
 import os
@@ -10,6 +11,7 @@ from pathlib import Path
 from expertd.runfile import serving_epoch
 
 API_KEY_ENV = "EXPERTD_API_KEY"  # the key, where --api-key-file is not given
+MAX_KEY_FILE = 4096  # bytes: a key file's most (HTTP headers are read as latin-1: ASCII keys)
 
 # The "code" of an error body, by HTTP status, where no finer one applies.
 ERROR_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found",
@@ -161,22 +163,28 @@ def read_api_key(path: str | None, environ=os.environ) -> str | None:
             key), or it holds no single word.
     """
     if path is None:
-        return environ.get(API_KEY_ENV) or None
+        key = environ.get(API_KEY_ENV) or None
+        if key is not None and not (key.isascii() and key.split() == [key]):
+            raise ValueError(f"${API_KEY_ENV} must be one word of ASCII")
+        return key
     file = Path(path).expanduser()
     try:
         with open(file, "rb") as f:  # the mode of what was opened, not of a name swapped in
             mode = os.fstat(f.fileno()).st_mode
-            text = f.read(4096).decode(errors="replace")
+            data = f.read(MAX_KEY_FILE + 1)
     except OSError as exc:
-        raise ValueError(f"--api-key-file {path}: {exc.strerror}") from None
+        if exc.errno in (errno.ENOENT, errno.EACCES, errno.EISDIR, errno.ENOTDIR):
+            raise ValueError(f"--api-key-file {path}: {exc.strerror}") from None
+        raise OSError(f"cannot read the API key file {path}: {exc.strerror}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ValueError(f"--api-key-file {path}: other users may read it (mode "
                          f"{stat.S_IMODE(mode):o}); chmod 600 {path}")
-    words = text.split()
-    if len(words) != 1:
-        raise ValueError(f"--api-key-file {path}: it must hold the key alone, one word "
-                         f"(it holds {len(words)})")
-    return words[0]
+    words = data.split()
+    if len(data) > MAX_KEY_FILE or len(words) != 1 or not words[0].isascii():
+        raise ValueError(f"--api-key-file {path}: it must hold the key alone, one word of "
+                         f"ASCII of at most {MAX_KEY_FILE} bytes (it holds {len(words)} words, "
+                         f"{len(data)} bytes)")
+    return words[0].decode()
 
 
 def authorized(handler, key: str | None) -> bool:
@@ -198,6 +206,11 @@ def authorized(handler, key: str | None) -> bool:
     handler.send_header("Content-Length", str(len(body)))
     handler.send_header("WWW-Authenticate", "Bearer")
     handler.send_header("Connection", "close")
+    # mlx_lm.server's CORS headers (the loading handler's own name for them), so that a
+    # browser's script reads the 401 rather than a CORS failure.
+    cors = getattr(handler, "_set_cors_headers", None) or getattr(handler, "_cors", None)
+    if cors is not None:
+        cors()
     handler.end_headers()
     if handler.command != "HEAD":
         handler.wfile.write(body)

@@ -76,16 +76,25 @@ def _xdg_runtime_dir() -> Path | None:
     if not path.is_absolute():
         why = "is not an absolute path"
     else:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if not _ours(path):
-            why = "is not a directory of yours"
-        elif os.stat(path).st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            why = "is writable by other users"
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:  # a file at the name, a parent we may not write
+            why = f"cannot be made ({exc.strerror})"
+        else:
+            if not _ours(path):
+                why = "is not a directory of yours"
+            elif os.stat(path).st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                why = "is writable by other users"
     if why is None:
         return path
-    log.warning("XDG_RUNTIME_DIR=%s %s; expertd ignores it (as the XDG spec asks) and keeps its "
-                "sockets in /tmp", xdg, why)
+    if xdg not in _WARNED:  # once a process, though every path asks
+        _WARNED.add(xdg)
+        log.warning("XDG_RUNTIME_DIR=%s %s; expertd ignores it (as the XDG spec asks) and "
+                    "keeps its sockets in /tmp", xdg, why)
     return None
+
+
+_WARNED: set = set()  # XDG_RUNTIME_DIR values warned of
 
 
 def runtime_dir() -> Path:

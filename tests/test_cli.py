@@ -87,6 +87,18 @@ def test_start_status_restart_stop(blobs, isolated_env):
         third = query_stats(blobs)
         assert third["pid"] != second["pid"] and third["arena_rows"] == second["arena_rows"]
         assert third["workers"] == 2
+        # Recorded flags that no longer parse (another version's): said, nothing stopped.
+        from dataclasses import replace
+
+        from expertd.runfile import read_run_info, write_run_info
+
+        info = read_run_info(daemon_paths(blobs))
+        write_run_info(daemon_paths(blobs), replace(info, flags=["--no-such-flag", "1"]))
+        stale = expertd_cli("restart", "--blobs", blobs)
+        assert stale.returncode == 1 and "unrecognized arguments: --no-such-flag" in stale.stderr, \
+            stale.stderr
+        assert "restart it with the flags it should have" in stale.stderr
+        assert query_stats(blobs)["pid"] == third["pid"]
 
         stopped = expertd_cli("stop", "--blobs", blobs)
         assert stopped.returncode == 0 and f"stopped expertd pid {third['pid']}" in stopped.stdout

@@ -110,7 +110,7 @@ def test_a_killed_daemons_arena_is_named_by_status_and_removed_by_stop(models, i
         listed = expertd_cli("status", "--json")
         assert listed.returncode == 3 and json.loads(listed.stdout) == [
             {"running": False, "socket": str(paths.socket), "blob_dir": str(paths.blob_dir),
-             "leftover": left}]
+             "log": str(paths.log), "leftover": left}]
         stopped = expertd_cli("stop", "--blobs", blobs)
         assert stopped.returncode == 0 and f"arena {d.arena}" in stopped.stdout, stopped.stdout
         assert not shm_exists(d.arena) and not paths.runfile.exists()
@@ -396,8 +396,10 @@ def test_runtime_dir_ignores_an_xdg_runtime_dir_that_is_relative_or_open_to_othe
     open_dir.mkdir()
     os.chmod(open_dir, 0o1777)
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
     for value, why in ((str(open_dir), "writable by other users"),
-                       ("run", "not an absolute path")):
+                       ("run", "not an absolute path"),
+                       (str(tmp_path / "a-file" / "run"), "cannot be made")):
         monkeypatch.setenv("XDG_RUNTIME_DIR", value)
         caplog.clear()
         assert _xdg_runtime_dir() is None

@@ -324,6 +324,7 @@ def test_an_api_key_guards_every_request_but_health(models, isolated_env, tmp_pa
                 error = json.loads(body)["error"]
                 assert error["code"] == "invalid_api_key" and "param" in error, error
                 assert headers["WWW-Authenticate"] == "Bearer"
+                assert headers["Access-Control-Allow-Origin"] == "*"  # a browser reads it
             status, _, body = _ask(server.base + path, key, data)
             assert status == 200, (path, body)
         with pytest.raises(AuthenticationError):
@@ -345,11 +346,17 @@ def test_an_api_key_file_must_be_private_and_hold_one_key(tmp_path):
     assert read_api_key(str(key_file)) == "abc"
     for text, words in (("", 0), ("a b\n", 2)):
         key_file.write_text(text)
-        with pytest.raises(ValueError, match=f"holds {words}"):
+        with pytest.raises(ValueError, match=f"holds {words} words"):
             read_api_key(str(key_file))
     with pytest.raises(ValueError, match="No such file"):
         read_api_key(str(tmp_path / "missing"))
+    for text in ("k\u00e9y", "k" * 5000):  # a header is read as latin-1; a file has a bound
+        key_file.write_text(text)
+        with pytest.raises(ValueError, match="one word of ASCII of at most 4096 bytes"):
+            read_api_key(str(key_file))
     assert read_api_key(None, {"EXPERTD_API_KEY": "xyz"}) == "xyz"
+    with pytest.raises(ValueError, match="one word of ASCII"):
+        read_api_key(None, {"EXPERTD_API_KEY": "a b"})
     assert read_api_key(None, {}) is None
     refused = subprocess.run([sys.executable, "-m", "expertd", "serve", "--blobs",
                               str(tmp_path), "--api-key-file", str(tmp_path / "missing")],

@@ -6,6 +6,9 @@ exits 3 when nothing runs (and still answers in JSON with ``--json``), ``start``
 say where the log is.
 """
 
+import argparse
+import contextlib
+import io
 import json
 import math
 import re
@@ -177,7 +180,10 @@ def _cmd_start(args) -> int:
     state_file = Path(args.state_file).expanduser() if args.state_file else None
     if args.foreground:
         log_file = Path(args.log_file).expanduser().absolute() if args.log_file else None
-        return run_foreground(config, state_file, log_file=log_file, flags=start_flags(args))
+        # What restart keeps (see _kept_flags): -v, the start flags, the log file.
+        kept = ((["-v"] if args.verbose else []) + start_flags(args)
+                + (["--log-file", str(log_file)] if log_file else []))
+        return run_foreground(config, state_file, log_file=log_file, flags=kept)
     log_file = _log_file(args, config)
     argv = [*(["-v"] if args.verbose else []), "start", "--blobs", str(config.blob_dir),
             *start_flags(args)]
@@ -262,14 +268,20 @@ def _cmd_restart(args) -> int:
         raise ValueError("restart starts the daemon detached; for --foreground, run stop "
                          "then start --foreground")
     args, kept = _kept_flags(args)
-    config_from_args(args)  # refuse bad flags before stopping a daemon that works
+    if kept:
+        print(f"keeping the flags it was started with: {' '.join(kept)}")
+    try:
+        config_from_args(args)  # refuse bad flags before stopping a daemon that works
+    except ValueError as exc:
+        if not kept:
+            raise
+        raise ValueError(f"{exc} (a flag the running daemon was started with; restart it "
+                         "with the flags it should have)") from None
     clients = attached_clients(Path(args.blobs))
     try:
         print(f"stopped expertd pid {stop(Path(args.blobs), timeout=args.timeout)}")
     except DaemonNotRunning as exc:
         print(f"{exc}; starting one")
-    if kept:
-        print(f"starting it with the flags it was started with: {' '.join(kept)}")
     status = _cmd_start(args)
     if clients:
         print(f"{_named(clients)}; each attaches to the new daemon at its next request")
@@ -289,10 +301,21 @@ def _kept_flags(args) -> tuple:
     info = read_run_info(paths) if serving_epoch(paths) else None
     if info is None or not info.flags:
         return args, None
-    from expertd.cli.main import build_parser
-
-    again = build_parser().parse_args(["restart", "--blobs", str(args.blobs), *info.flags])
-    again.verbose, again.timeout = args.verbose, args.timeout
+    rest = [f for f in info.flags if f != "-v"]
+    parser = argparse.ArgumentParser(prog="expertd restart", add_help=False)
+    add_start_flags(parser)  # restart's own flags (see add_subcommands), but --timeout
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            again = parser.parse_args(["--blobs", str(args.blobs), *rest])
+    except SystemExit:  # written by another expertd version, or a file gone since
+        why = said.getvalue().strip().splitlines()[-1].split(": error: ", 1)[-1]
+        raise ValueError(f"the flags the running daemon was started with ({' '.join(rest)}) "
+                         f"do not go now ({why}); restart it with the flags it should "
+                         "have") from None
+    for name in ("command", "func", "foreground", "timeout"):
+        setattr(again, name, getattr(args, name))
+    again.verbose = args.verbose or "-v" in info.flags
     return again, info.flags
 
 
@@ -376,7 +399,9 @@ def snapshot(args) -> tuple:
             left = leftover(SimpleNamespace(runfile=socket.with_suffix(".run"), socket=socket))
             if left is not None:  # a killed daemon's arena: memory held by nothing
                 down.append({"running": False, "socket": str(socket),
-                             "blob_dir": left["blob_dir"], "leftover": left})
+                             "blob_dir": left["blob_dir"],
+                             "log": left["blob_dir"] and log_location(left["blob_dir"]),
+                             "leftover": left})
                 notes.append(f"{socket}: not running; {_leftover_text(left)}")
             else:
                 notes.append(f"{socket}: not running (its lock is free)")

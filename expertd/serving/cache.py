@@ -166,10 +166,15 @@ class ExpertCache(EpochFills):
         does not fit, those after it start only if they need no row filled: the rows that
         come free are owed to it, or a stream of smaller demands would starve it."""
         self.room_changed = False
-        still = []
+        still, owed = [], False
         for d in self.book.take_queue():
-            if alive(d.owner) and not self.start(d, owed=bool(still)):
+            if not alive(d.owner):
+                continue
+            if not self.book.fits(d.owner, len(d.experts)):
+                still.append(d)  # its own cap: it waits for its own releases, owed nothing
+            elif not self.start(d, owed=owed):
                 still.append(d)
+                owed = True
         self.book.requeue_front(still)
 
     def release(self, lease: int, owner: bytes) -> None:
