@@ -10,6 +10,7 @@ the arena's.
 
 import os
 import resource
+import subprocess
 import sys
 
 import pytest
@@ -157,18 +158,46 @@ def test_a_thousand_connections_holding_frames_open(blobs, isolated_env):
         assert query_stats(blobs)["internal_errors"] == 0
 
 
-def _hello(conn: Connection) -> dict:
+def _hello(conn: Connection, pid: int | None = None) -> dict:
     conn.send(Op.HELLO, {"version": PROTOCOL_VERSION, "client": conn.client_id,
-                         "pid": os.getpid()})
+                         "pid": os.getpid() if pid is None else pid})
     assert conn.poll(10.0), "no reply to a hello"
     return conn.recv()[2]
+
+
+def test_one_process_attaches_a_few_clients_at_most_and_is_known_by_its_real_pid(
+        blobs, isolated_env):
+    """One process saying hello on 96 connections filled every client slot of the daemon
+    (others were refused as busy). The kernel names a connection's process: one process has
+    16 clients at most, another still gets in, and status shows the real pid whatever the
+    hello claimed."""
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):
+        held = [Connection(blobs) for _ in range(20)]
+        try:
+            replies = [_hello(conn, pid=424242) for conn in held]
+            assert [r["ok"] for r in replies] == [True] * 16 + [False] * 4
+            assert f"process {os.getpid()} has 16 clients attached already" in \
+                replies[-1]["error"]
+            assert {c["pid"] for c in query_stats(blobs)["client_pools"]} == {os.getpid()}
+            other = subprocess.run(
+                [sys.executable, "-c", "import sys; from expertd.connection import Connection; "
+                 "from expertd.protocol import PROTOCOL_VERSION, Op\n"
+                 f"with Connection({str(blobs)!r}) as c:\n"
+                 "    r = c.request(Op.HELLO, {'version': PROTOCOL_VERSION, "
+                 "'client': c.client_id, 'pid': 1})\n"
+                 "    print(r['ok'])"], capture_output=True, text=True, timeout=60)
+            assert other.stdout.strip() == "True", other.stderr
+        finally:
+            for conn in held:
+                conn.close()
 
 
 def test_hellos_are_capped_and_clients_go_with_their_connections(blobs, isolated_env):
     """At most MAX_CLIENTS clients: past that a hello is refused as busy, and STATS is still
     answered. A client is forgotten when its connection closes (the socket monitor), so
     connecting, saying hello and leaving in a loop fills nothing."""
-    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB,
+                "--clients-per-process", str(2 * MAX_CLIENTS)) as d:
         held = [Connection(blobs) for _ in range(MAX_CLIENTS + 20)]
         try:
             replies = [_hello(conn) for conn in held]

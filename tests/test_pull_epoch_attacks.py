@@ -222,7 +222,8 @@ def test_every_client_the_daemon_admits_gets_a_record(blobs, isolated_env):
     """The daemon admits MAX_CLIENTS at once, fewer than the table's records: each admitted
     client gets a record of its own, the next is refused (busy) while the others are served,
     and 300 clients coming and going never run the table out."""
-    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB) as d:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB,
+                         "--clients-per-process", str(2 * MAX_CLIENTS)) as d:
         clients = []
         try:
             while True:

@@ -133,6 +133,8 @@ START_OPTIONS = (
     # Hidden, for tests: a long hold leaves a client's death as the only thing that frees its
     # side rows, a short one lets a test see the hold lapse without waiting a second.
     _setting("--side-hold", "", type=argtypes.seconds, hidden=True),
+    # Hidden, for tests that attach more clients from their own process than a process may.
+    _setting("--clients-per-process", "", type=argtypes.positive_int, hidden=True),
     Option("--state-file", "where the hot set is saved", is_path=True,
            shown="per-user state dir"),
     Option("--log-file", "rotating log file", type=argtypes.new_file_path, metavar="PATH",

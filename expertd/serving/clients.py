@@ -58,6 +58,10 @@ class ClientRegistry:
     def get(self, identity: bytes) -> Client | None:
         return self._clients.get(identity)
 
+    def of_process(self, pid: int) -> int:
+        """How many clients process ``pid`` has attached."""
+        return sum(c.pid == pid for c in self._clients.values())
+
     def hello(self, identity: bytes, pid: int, now: float, pool_bytes: int = 0) -> Client | None:
         """Register a client (a second hello keeps its token, and the daemon its pins); None if
         full."""

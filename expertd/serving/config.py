@@ -33,6 +33,9 @@ class ServerConfig:
     prefetch: str = "auto"
     side_rows: int | None = None  # prefetch rows per generation; None: Geometry.default_side_rows
     side_hold: float = SIDE_HOLD  # seconds a prefetch claim protects its side row at most
+    # Clients one process may have attached at once (the kernel names the process: a flood of
+    # hellos from one filled every client slot); a process runs one session a model.
+    clients_per_process: int = 16
 
     def __post_init__(self):
         if self.cache_bytes <= 0:
@@ -51,6 +54,8 @@ class ServerConfig:
             raise ValueError("client timeout must exceed the heartbeat interval")
         if self.auto_pin < 0:
             raise ValueError("auto-pin must not be negative")
+        if self.clients_per_process < 1:
+            raise ValueError("clients per process must be at least 1")
         if self.side_rows is not None and self.side_rows < 0:
             raise ValueError("side rows must not be negative")
         if self.prefetch not in PREFETCH_MODES:

@@ -23,6 +23,9 @@ its message was placed is gone once that message is handled.
 """
 
 import os
+import socket
+import struct
+import sys
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -44,6 +47,7 @@ BATCH_FRAMES = 1024  # frames read before a batch is dispatched (256 requests of
 MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
              | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_SOL_LOCAL, _LOCAL_PEERPID = 0, 2  # macOS <sys/un.h>: a unix socket's peer's pid
 
 
 class Message:
@@ -217,6 +221,26 @@ class Peers:
                 self.counters.handshakes_failed += 1
             elif kind == zmq.EVENT_ACCEPT_FAILED:
                 self.counters.accepts_failed += 1
+
+    def peer_pid(self, identity: bytes) -> int | None:
+        """The pid of the process at the other end of ``identity``'s connection, as the
+        kernel says (SO_PEERCRED on Linux, LOCAL_PEERPID on macOS): what a client claims is
+        only what it says. None where the platform or the connection cannot tell."""
+        fd = self._fd_of.get(identity)
+        if fd is None:
+            return None
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sys.platform.startswith("linux"):
+                    pid, _, _ = struct.unpack("3i", sock.getsockopt(
+                        socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+                elif sys.platform == "darwin":
+                    pid = struct.unpack("i", sock.getsockopt(_SOL_LOCAL, _LOCAL_PEERPID, 4))[0]
+                else:
+                    return None
+        except OSError:
+            return None
+        return pid if pid > 0 else None
 
     def _closed(self, fd: int) -> None:
         self._open[fd] = False

@@ -240,11 +240,18 @@ class ExpertServer:
                                     f"(this expertd speaks {PROTOCOL_VERSION})", ErrorCode.VERSION)
             if req.client != identity:
                 raise ProtocolError("the client id must be the socket's routing id")
-            client = self.clients.hello(identity, req.pid, now, req.pool_bytes)
+            # The kernel's word for the process, where it has one: a client's claim is only
+            # what it says (status shows it, and the per-process cap counts it).
+            pid = self.peers.peer_pid(identity) or req.pid
+            cap = self.config.clients_per_process
+            if identity not in self.clients and self.clients.of_process(pid) >= cap:
+                raise ProtocolError(f"process {pid} has {cap} clients attached already, the "
+                                    "most one process may; close one first", ErrorCode.BUSY)
+            client = self.clients.hello(identity, pid, now, req.pool_bytes)
             if client is None:
                 raise ProtocolError(f"{self.clients.max_clients} clients are connected "
                                     "already; try again later", ErrorCode.BUSY)
-            slot = self.cache.attach_client(identity, req.pid)  # a second hello keeps its own
+            slot = self.cache.attach_client(identity, pid)  # a second hello keeps its own
             self._send(identity, reply_ok(rid, op, token=client.token, epoch_slot=slot, **self._hello()))
             return
         if op is Op.STATS:
