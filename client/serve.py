@@ -260,7 +260,7 @@ def _server_classes():
         def handle_completion(self, request, stop_words):
             if not self.server.daemon_serves():
                 self.server.counters.add(daemon_refusals=1)
-                self._send_error(503, self.server.watch.refusal())
+                self._send_error(503, self.server.refusal())
                 return
             try:
                 super().handle_completion(request, stop_words)
@@ -290,7 +290,7 @@ def _server_classes():
             if self.server.daemon_serves():
                 super().handle_health_check()
             else:
-                body = {"status": "unavailable", **error_object(503, self.server.watch.refusal())}
+                body = {"status": "unavailable", **error_object(503, self.server.refusal())}
                 self._send(503, "application/json", json.dumps(body).encode())
 
         def do_POST(self):
@@ -300,18 +300,30 @@ def _server_classes():
         def do_GET(self):
             if not authorized(self, self.server.api_key):
                 return
-            if self.path == "/metrics":
+            path = self.path.split("?", 1)[0]  # a query changes no route
+            if path == "/metrics":
                 self._send(200, PROMETHEUS_TYPE, self.server.metrics().encode())
-            elif self.path == "/v1/models" or self.path.startswith("/v1/models/"):
-                self._models()
-            else:
-                super().do_GET()
+            elif path == "/v1/models" or path.startswith("/v1/models/"):
+                self._models(path)
+            elif path == "/health":
+                self.handle_health_check()
+            else:  # never mlx_lm.server's own GET: it lists a Hugging Face cache's models
+                self._send_error(404, f"no such endpoint: GET {path}", "not_found")
 
-        def _models(self):
+        def do_HEAD(self):
+            """/health's status alone (a load balancer's probe); other paths: 405."""
+            if not authorized(self, self.server.api_key):
+                return
+            ok = self.path.split("?", 1)[0] == "/health"
+            self.send_response((200 if self.server.daemon_serves() else 503) if ok else 405)
+            self._set_cors_headers()
+            self.end_headers()
+
+        def _models(self, path: str):
             name = self.response_generator.cli_args.model_id
             entry = {"id": name, "object": "model", "created": self.created,
                      "owned_by": "expertd"}
-            wanted = self.path[len("/v1/models/"):]
+            wanted = path[len("/v1/models/"):]
             if not wanted:
                 body = {"object": "list", "data": [entry]}
             elif wanted in self.server.names:
@@ -356,17 +368,33 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
         self.RequestHandlerClass = handler
 
     def daemon_serves(self) -> bool:
-        """Whether a daemon serves the blob directory now; the first look that finds none
-        says so on stderr (requests are answered 503 until one is back), and the first that
-        finds one again says that."""
-        serving = self.watch.serving()
+        """Whether a daemon serves the blob directory now and answers (one that holds its
+        lock but has answered no heartbeat for the time-to-dead, stopped or stuck, does not:
+        /health said ok while requests hung on it); the first look that finds none says so
+        on stderr (requests are answered 503 until one is back), the first that finds one
+        again says that."""
+        serving = self.watch.serving() and not self._stuck()
         if serving == self._down:
             self._down = not serving
-            blob = self.blob_dir
-            logging.warning("expertd serve: %s", f"a daemon serves {blob} again" if serving else
-                            f"no expertd serves {blob} now; requests are answered 503 until one "
-                            f"is back (expertd start --blobs {blob})")
+            logging.warning("expertd serve: %s", f"a daemon serves {self.blob_dir} again"
+                            if serving else f"{self.refusal()}; requests are answered 503")
         return serving
+
+    def refusal(self) -> str:
+        """Why requests are refused now (see :meth:`daemon_serves`)."""
+        if self.watch.serving() and self._stuck():
+            return (f"the expertd serving {self.blob_dir} does not answer (stopped, or "
+                    f"stuck?); restart it with: expertd restart --blobs {self.blob_dir}")
+        return self.watch.refusal()
+
+    def _stuck(self) -> bool:
+        """The session's daemon holds its lock but does not answer: no heartbeat answered for
+        the time-to-dead, or the session detached to wait for it (Session._reconnect)."""
+        session = self.session
+        if session is None:
+            return False
+        heartbeat = session._heartbeat
+        return heartbeat.stuck if heartbeat is not None else session.conn is None
 
     def handle_error(self, request, client_address):
         # A client that hangs up before its reply is written is no error of the server's.
@@ -419,7 +447,7 @@ class LoadingHandler(BaseHTTPRequestHandler):
     def do_GET(self, body: bool = True):
         if not authorized(self, self.server.api_key):
             return
-        reply = ({"status": "loading"} if self.path == "/health" else
+        reply = ({"status": "loading"} if self.path.split("?", 1)[0] == "/health" else
                  error_object(503, "expertd serve is loading its model; try again shortly",
                               "model_loading"))
         data = json.dumps(reply).encode()

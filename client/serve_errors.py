@@ -69,6 +69,13 @@ def unsupported(body: dict, chat: bool) -> "RequestRefused | None":
             if role not in ROLES:
                 return RequestRefused(f"messages[{i}].role", f"messages[{i}].role must be one "
                                       f"of {', '.join(ROLES)}, not {role!r}")
+            content = message.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":  # mlx_lm.server would fetch an image's URL, for nothing
+                    return RequestRefused(f"messages[{i}].content[{j}].type",
+                                          f"messages[{i}].content[{j}] is {kind!r}: this "
+                                          "server's model reads text parts only")
     return None
 
 
@@ -163,9 +170,12 @@ def read_api_key(path: str | None, environ=os.environ) -> str | None:
             key), or it holds no single word.
     """
     if path is None:
-        key = environ.get(API_KEY_ENV) or None
+        key = environ.get(API_KEY_ENV)
         if key is not None and not (key.isascii() and key.split() == [key]):
-            raise ValueError(f"${API_KEY_ENV} must be one word of ASCII")
+            # Set but empty (a failed $(cat FILE)) would leave the server open: refused.
+            raise ValueError(f"${API_KEY_ENV} must be one word of ASCII (it is set, to "
+                             f"{'nothing' if not key.strip() else 'more than one word or non-ASCII'}); "
+                             "unset it for a server without a key")
         return key
     file = Path(path).expanduser()
     try:
@@ -182,8 +192,8 @@ def read_api_key(path: str | None, environ=os.environ) -> str | None:
     words = data.split()
     if len(data) > MAX_KEY_FILE or len(words) != 1 or not words[0].isascii():
         raise ValueError(f"--api-key-file {path}: it must hold the key alone, one word of "
-                         f"ASCII of at most {MAX_KEY_FILE} bytes (it holds {len(words)} words, "
-                         f"{len(data)} bytes)")
+                         f"ASCII of at most {MAX_KEY_FILE} bytes (it holds {len(words)} "
+                         f"word{'s' * (len(words) != 1)}, {len(data)} bytes)")
     return words[0].decode()
 
 
@@ -196,9 +206,9 @@ def authorized(handler, key: str | None) -> bool:
     scheme, _, given = handler.headers.get("Authorization", "").strip().partition(" ")
     if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
         return True
-    message = ("this server needs its API key: send the header Authorization: Bearer KEY "
-               "(OpenAI clients: api_key=KEY)" if not given else "the API key is not this "
-               "server's")
+    message = ("the API key is not this server's" if scheme.lower() == "bearer" and given else
+               "this server needs its API key: send the header Authorization: Bearer KEY "
+               "(OpenAI clients: api_key=KEY)")
     body = json.dumps(error_object(401, message)).encode()
     handler.close_connection = True
     handler.send_response(401)

@@ -318,8 +318,9 @@ def test_serve_without_its_daemon(models, isolated_env, tmp_path):
 
             daemon.kill()
             assert_unavailable(server, blobs)
-            down = f"no expertd serves {blobs.resolve()} now; requests are answered 503"
-            assert server.err.read_text().count(down) == 1  # said once, on the first refusal
+            said = server.err.read_text()  # once, on the first refusal
+            assert said.count(f"expertd serve: no expertd serves {blobs.resolve()} now") == 1
+            assert "; requests are answered 503" in said
             daemon.close()
             daemon = Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB)
             assert server.get("/health")[::2] == (200, '{"status": "ok"}')

@@ -164,6 +164,12 @@ def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
             "echo": dict(prompt="Once", max_tokens=2, echo=True),
             "best_of": dict(prompt="Once", max_tokens=2, best_of=2),
             "suffix": dict(prompt="Once", max_tokens=2, suffix="end"),
+            # An image part: mlx_lm.server fetched its URL (any a caller named) for a model
+            # that reads text only.
+            "messages[0].content[1].type": dict(messages=[{"role": "user", "content": [
+                {"type": "text", "text": "Hi"},
+                {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x"}}]}],
+                max_tokens=2),
         }
         for param, fields in refusals.items():
             param = param.strip()  # a second case of one parameter
@@ -177,6 +183,15 @@ def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
             assert error["param"] == param and error["type"] == "invalid_request_error", error
         with pytest.raises(BadRequestError, match="n must be 1"):
             server.client.completions.create(model=blobs.name, prompt="Once", max_tokens=2, n=2)
+        # Routes: a query changes none; a path of no endpoint is a 404 of ours (mlx_lm.server's
+        # GET listed a Hugging Face cache, or failed); HEAD /health is a probe's status.
+        assert get(server.base + "/v1/models?limit=2") == get(server.base + "/v1/models")
+        assert get(server.base + "/health?x=1") == (200, {"status": "ok"})
+        status, body = get(server.base + "/v1/modelsX")
+        assert status == 404 and body["error"]["code"] == "not_found"
+        head = urllib.request.Request(server.base + "/health", method="HEAD")
+        with urllib.request.urlopen(head, timeout=30) as reply:
+            assert (reply.status, reply.read()) == (200, b"")
         # What asks for nothing is taken: bookkeeping fields, inert values.
         reply = server.client.chat.completions.create(
             model=blobs.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
@@ -429,6 +444,9 @@ def test_a_daemon_paused_past_its_heartbeats_leaves_serve_serving(models, isolat
             waiter.start()
             wait_until(lambda: "answered no heartbeat" in server.err.read_text(), 60,
                        "serve's session to say it waits for the daemon")
+            # Meanwhile /health says so (it said ok while requests hung on the daemon).
+            status, health = get(server.base + "/health")
+            assert status == 503 and "does not answer" in health["error"]["message"], health
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
         waiter.join(120)
