@@ -87,6 +87,14 @@ def test_start_status_restart_stop(blobs, isolated_env):
         third = query_stats(blobs)
         assert third["pid"] != second["pid"] and third["arena_rows"] == second["arena_rows"]
         assert third["workers"] == 2
+        # A flag given anew replaces its recorded one; the others are kept.
+        anew = expertd_cli("restart", "--blobs", blobs, "--workers", "3")
+        assert anew.returncode == 0, anew.stderr
+        assert "the flags it was started with: --cache-gb 100%; with --workers 3 anew" in \
+            anew.stdout, anew.stdout
+        fourth = query_stats(blobs)
+        assert fourth["workers"] == 3 and fourth["arena_rows"] == third["arena_rows"]
+        third = fourth
         # Recorded flags that no longer parse (another version's): said, nothing stopped.
         from dataclasses import replace
 
@@ -552,3 +560,17 @@ def test_an_interrupt_python_swallows_is_delivered_again():
                                text=True, timeout=120, preexec_fn=sigint_as_usual).stdout.strip()
            for how in ("plain", "hooked")}
     assert got == {"plain": "went on", "hooked": "interrupted"}
+
+
+def test_status_names_the_log_file_the_daemon_was_started_with(blobs, isolated_env, tmp_path):
+    """A daemon started with --log-file logs there; status named the default log (another
+    run's, or none)."""
+    log = tmp_path / "mine.log"
+    try:
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", "50%", "--log-file", log)
+        assert started.returncode == 0, started.stderr
+        status, = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)
+        assert status["log"] == str(log) and log.stat().st_size > 0
+        assert f"log          {log}" in expertd_cli("status", "--blobs", blobs).stdout
+    finally:
+        kill_serving_daemon(blobs)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from expertd.cli import argtypes
 from expertd.cli.options import add_start_flags, check_bounds, config_settings, start_flags
@@ -180,9 +181,13 @@ def _cmd_start(args) -> int:
     state_file = Path(args.state_file).expanduser() if args.state_file else None
     if args.foreground:
         log_file = Path(args.log_file).expanduser().absolute() if args.log_file else None
-        # What restart keeps (see _kept_flags): -v, the start flags, the log file.
+        # What restart keeps (see _kept_flags) and status reads (log_location): -v, the start
+        # flags, a log file of the user's (not the one a detached start passes by default).
+        from expertd.paths import daemon_paths
+
+        own_log = log_file is not None and log_file != daemon_paths(config.blob_dir).log
         kept = ((["-v"] if args.verbose else []) + start_flags(args)
-                + (["--log-file", str(log_file)] if log_file else []))
+                + (["--log-file", str(log_file)] if own_log else []))
         return run_foreground(config, state_file, log_file=log_file, flags=kept)
     log_file = _log_file(args, config)
     argv = [*(["-v"] if args.verbose else []), "start", "--blobs", str(config.blob_dir),
@@ -267,9 +272,11 @@ def _cmd_restart(args) -> int:
     if args.foreground:
         raise ValueError("restart starts the daemon detached; for --foreground, run stop "
                          "then start --foreground")
+    given = start_flags(args) + (["--log-file", args.log_file] if args.log_file else [])
     args, kept = _kept_flags(args)
     if kept:
-        print(f"keeping the flags it was started with: {' '.join(kept)}")
+        anew = f"; with {' '.join(given)} anew" if given else ""
+        print(f"keeping the flags it was started with: {' '.join(kept)}{anew}")
     try:
         config_from_args(args)  # refuse bad flags before stopping a daemon that works
     except ValueError as exc:
@@ -289,14 +296,13 @@ def _cmd_restart(args) -> int:
 
 
 def _kept_flags(args) -> tuple:
-    """``(args, kept)``: a restart given no start flags keeps those the running daemon was
-    started with (its run file), as ``pg_ctl restart`` keeps a server's options; ``kept`` is
-    that list, or None where the restart's own flags (or none) apply."""
+    """``(args, kept)``: a restart keeps the flags the running daemon was started with (its
+    run file), as ``pg_ctl restart`` keeps a server's options, but for those it is given
+    anew; ``kept`` is the list it keeps, or None where there is none to keep."""
+    from expertd.cli.options import START_OPTIONS
     from expertd.paths import daemon_paths
     from expertd.runfile import read_run_info, serving_epoch
 
-    if start_flags(args) or args.log_file:
-        return args, None
     paths = daemon_paths(args.blobs)
     info = read_run_info(paths) if serving_epoch(paths) else None
     if info is None or not info.flags:
@@ -316,7 +322,17 @@ def _kept_flags(args) -> tuple:
     for name in ("command", "func", "foreground", "timeout"):
         setattr(again, name, getattr(args, name))
     again.verbose = args.verbose or "-v" in info.flags
-    return again, info.flags
+    given = set()  # the options given anew: they replace the recorded ones
+    for option in START_OPTIONS:
+        value = getattr(args, option.dest)
+        if value is not None and value != option.default:
+            setattr(again, option.dest, value)
+            given.add(option.flag)
+    # The recorded flags not given anew (start_flags writes each with its value).
+    kept = (["-v"] if "-v" in info.flags else []) + [
+        word for flag, value in zip(rest[::2], rest[1::2]) if flag not in given
+        for word in (flag, value)]
+    return again, kept or None
 
 
 # ---- status ------------------------------------------------------------------------------------
@@ -356,13 +372,19 @@ def status_lines(s: dict) -> list:
 
 
 def log_location(blob_dir) -> str:
-    """Where the daemon of ``blob_dir`` logs: its service's log if one is installed here, else
-    the runtime directory's rotating log of detached daemons."""
+    """Where the daemon of ``blob_dir`` logs: the --log-file it was started with (its run
+    file), else its service's log if one is installed here, else the runtime directory's
+    rotating log of detached daemons."""
     from expertd.cli.service_plan import make_plan
     from expertd.paths import daemon_paths
+    from expertd.runfile import read_run_info
 
+    paths = daemon_paths(blob_dir)
+    flags = (read_run_info(paths) or SimpleNamespace(flags=None)).flags or []
+    if "--log-file" in flags[:-1]:
+        return flags[flags.index("--log-file") + 1]
     plan = make_plan(blob_dir)
-    return plan.log_hint if plan.path.exists() else str(daemon_paths(blob_dir).log)
+    return plan.log_hint if plan.path.exists() else str(paths.log)
 
 
 def snapshot(args) -> tuple:
@@ -371,8 +393,6 @@ def snapshot(args) -> tuple:
     ``args`` has ``blobs`` (None: every daemon of this user), ``json`` and ``timeout``; the
     code is 0, or NOT_RUNNING when nothing answers.
     """
-    from types import SimpleNamespace
-
     from expertd.cli.lifecycle import list_sockets
     from expertd.connection import Connection
     from expertd.manifest import blob_dir_problem
@@ -508,9 +528,10 @@ def add_subcommands(sub) -> None:
 
     p = sub.add_parser("restart", help="stop the daemon if it runs, then start it",
                        description="Stop the daemon of BLOB_DIR if one runs (as `stop`), then "
-                       "start one detached (as `start`) with the given flags, or, given none, "
-                       "with those the running daemon was started with (as pg_ctl restart "
-                       "does). Bad flags are refused before the running daemon is stopped.")
+                       "start one detached (as `start`) with the flags the running daemon was "
+                       "started with (as pg_ctl restart does), those given here replacing "
+                       "theirs; to drop one, stop then start. Bad flags are refused before the "
+                       "running daemon is stopped.")
     add_start_flags(p)
     p.add_argument("--timeout", type=argtypes.seconds, default=10.0,
                    help="seconds before SIGKILL of the old daemon")
