@@ -388,13 +388,8 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
         return self.watch.refusal()
 
     def _stuck(self) -> bool:
-        """The session's daemon holds its lock but does not answer: no heartbeat answered for
-        the time-to-dead, or the session detached to wait for it (Session._reconnect)."""
-        session = self.session
-        if session is None:
-            return False
-        heartbeat = session._heartbeat
-        return heartbeat.stuck if heartbeat is not None else session.conn is None
+        """The session's daemon holds its lock but does not answer (Session.unanswered)."""
+        return self.session is not None and self.session.unanswered()
 
     def handle_error(self, request, client_address):
         # A client that hangs up before its reply is written is no error of the server's.

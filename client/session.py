@@ -356,6 +356,16 @@ class Session:
         requester = self.requester
         return requester.reap() if requester is not None else False
 
+    def unanswered(self) -> bool:
+        """The daemon this session attached to still holds its lock but does not answer: no
+        heartbeat answered for the time-to-dead, or the session detached to wait for it
+        (a new daemon holding the lock is not this one: it answers the next attach)."""
+        heartbeat = self._heartbeat
+        if heartbeat is not None:
+            return heartbeat.stuck
+        epoch = getattr(self, "epoch", None)  # set by the first attach
+        return self.conn is None and epoch is not None and serving_epoch(self.paths) == epoch
+
     def check_alive(self) -> None:
         """Attach again now if detached (an earlier wait for the daemon failed or was
         interrupted) or if the heartbeat saw the daemon die (while every expert was in the
