@@ -342,6 +342,11 @@ def test_an_api_key_guards_every_request_but_health(models, isolated_env, tmp_pa
                 assert headers["Access-Control-Allow-Origin"] == "*"  # a browser reads it
             status, _, body = _ask(server.base + path, key, data)
             assert status == 200, (path, body)
+        basic = urllib.request.Request(server.base + "/v1/models",
+                                       headers={"Authorization": f"Basic {key}"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(basic, timeout=30)
+        assert "send the header Authorization: Bearer KEY" in refused.value.read().decode()
         with pytest.raises(AuthenticationError):
             server.client.models.list()  # the fixture's client has another key
         client = OpenAI(base_url=server.url, api_key=key, max_retries=0, timeout=60)
@@ -370,8 +375,9 @@ def test_an_api_key_file_must_be_private_and_hold_one_key(tmp_path):
         with pytest.raises(ValueError, match="one word of ASCII of at most 4096 bytes"):
             read_api_key(str(key_file))
     assert read_api_key(None, {"EXPERTD_API_KEY": "xyz"}) == "xyz"
-    with pytest.raises(ValueError, match="one word of ASCII"):
-        read_api_key(None, {"EXPERTD_API_KEY": "a b"})
+    for value in ("a b", ""):  # "": a failed $(cat FILE) would leave the server open
+        with pytest.raises(ValueError, match="one word of ASCII"):
+            read_api_key(None, {"EXPERTD_API_KEY": value})
     assert read_api_key(None, {}) is None
     refused = subprocess.run([sys.executable, "-m", "expertd", "serve", "--blobs",
                               str(tmp_path), "--api-key-file", str(tmp_path / "missing")],
