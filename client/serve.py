@@ -36,6 +36,7 @@ from expertd.client.serve_errors import (
     abandon,
     authorized,
     error_object,
+    route,
     unsupported,
 )
 from expertd.client.serve_metrics import ServerCounters, render_metrics
@@ -294,13 +295,13 @@ def _server_classes():
                 self._send(503, "application/json", json.dumps(body).encode())
 
         def do_POST(self):
-            if authorized(self, self.server.api_key):
+            if authorized(self, self.server.api_key, self._set_cors_headers):
                 super().do_POST()
 
         def do_GET(self):
-            if not authorized(self, self.server.api_key):
+            if not authorized(self, self.server.api_key, self._set_cors_headers):
                 return
-            path = self.path.split("?", 1)[0]  # a query changes no route
+            path = route(self)
             if path == "/metrics":
                 self._send(200, PROMETHEUS_TYPE, self.server.metrics().encode())
             elif path == "/v1/models" or path.startswith("/v1/models/"):
@@ -312,9 +313,9 @@ def _server_classes():
 
         def do_HEAD(self):
             """/health's status alone (a load balancer's probe); other paths: 405."""
-            if not authorized(self, self.server.api_key):
+            if not authorized(self, self.server.api_key, self._set_cors_headers):
                 return
-            ok = self.path.split("?", 1)[0] == "/health"
+            ok = route(self) == "/health"
             self.send_response((200 if self.server.daemon_serves() else 503) if ok else 405)
             self._set_cors_headers()
             self.end_headers()
@@ -434,15 +435,15 @@ class LoadingHandler(BaseHTTPRequestHandler):
         """What mlx_lm.server's CORS headers read their ``cli_args`` from: the server."""
         return self.server
 
-    def _cors(self) -> None:
+    def _set_cors_headers(self) -> None:
         from mlx_lm.server import APIHandler  # imported already, before listening (serve())
 
         APIHandler._set_cors_headers(self)  # mlx_lm.server's own, as once loaded
 
     def do_GET(self, body: bool = True):
-        if not authorized(self, self.server.api_key):
+        if not authorized(self, self.server.api_key, self._set_cors_headers):
             return
-        reply = ({"status": "loading"} if self.path.split("?", 1)[0] == "/health" else
+        reply = ({"status": "loading"} if route(self) == "/health" else
                  error_object(503, "expertd serve is loading its model; try again shortly",
                               "model_loading"))
         data = json.dumps(reply).encode()
@@ -450,7 +451,7 @@ class LoadingHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.send_header("Retry-After", "1")
-        self._cors()
+        self._set_cors_headers()
         self.end_headers()
         if body:
             self.wfile.write(data)
@@ -463,7 +464,7 @@ class LoadingHandler(BaseHTTPRequestHandler):
 
     def do_OPTIONS(self):
         self.send_response(204)
-        self._cors()
+        self._set_cors_headers()
         self.end_headers()
 
     def log_message(self, format, *args):  # quiet, as mlx_lm.server's --log-level WARNING

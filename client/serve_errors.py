@@ -197,11 +197,17 @@ def read_api_key(path: str | None, environ=os.environ) -> str | None:
     return words[0].decode()
 
 
-def authorized(handler, key: str | None) -> bool:
+def route(handler) -> str:
+    """The path a request asks for, its query left out (a query changes no route)."""
+    return handler.path.split("?", 1)[0]
+
+
+def authorized(handler, key: str | None, cors) -> bool:
     """Whether ``handler``'s request may be served under ``key`` (None: every request; else a
     request bearing it, or /health, which load balancers ask without one). A refused request
-    is answered 401 in OpenAI's shape, its connection then closed (its body is not read)."""
-    if key is None or handler.path.split("?", 1)[0] == "/health":
+    is answered 401 in OpenAI's shape, with the CORS headers ``cors()`` writes, its
+    connection then closed (its body is not read)."""
+    if key is None or route(handler) == "/health":
         return True
     scheme, _, given = handler.headers.get("Authorization", "").strip().partition(" ")
     if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
@@ -216,11 +222,7 @@ def authorized(handler, key: str | None) -> bool:
     handler.send_header("Content-Length", str(len(body)))
     handler.send_header("WWW-Authenticate", "Bearer")
     handler.send_header("Connection", "close")
-    # mlx_lm.server's CORS headers (the loading handler's own name for them), so that a
-    # browser's script reads the 401 rather than a CORS failure.
-    cors = getattr(handler, "_set_cors_headers", None) or getattr(handler, "_cors", None)
-    if cors is not None:
-        cors()
+    cors()  # mlx_lm.server's CORS headers: a browser's script reads the 401
     handler.end_headers()
     if handler.command != "HEAD":
         handler.wfile.write(body)

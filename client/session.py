@@ -127,6 +127,7 @@ class Session:
         self._links.copier = Copier()  # the model's layers' (its thread starts when used)
         self.timeline = None  # a list to record (layer, t0, t_sync, t_fetched, t_done) per call
         self.conn = self.view = self.requester = self._heartbeat = None
+        self.epoch = None  # the attached daemon's (kept across a detach: see unanswered)
         self.pull_mode = check_choice("pull", pull, PULL_MODES)
         self.puller = self.step_epoch = None  # made at each attach (see pull.py)
         self._stages: dict = {}  # (rows, segment sizes) -> backing.Stage
@@ -363,8 +364,8 @@ class Session:
         heartbeat = self._heartbeat
         if heartbeat is not None:
             return heartbeat.stuck
-        epoch = getattr(self, "epoch", None)  # set by the first attach
-        return self.conn is None and epoch is not None and serving_epoch(self.paths) == epoch
+        return (self.conn is None and self.epoch is not None
+                and serving_epoch(self.paths) == self.epoch)
 
     def check_alive(self) -> None:
         """Attach again now if detached (an earlier wait for the daemon failed or was

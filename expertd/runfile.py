@@ -123,8 +123,13 @@ def read_run_info(paths) -> RunInfo | None:
 
     It may be a dead daemon's: ask :func:`serving_epoch` whether one holds the lock.
     """
+    return read_run_file(paths.runfile)
+
+
+def read_run_file(runfile: Path) -> RunInfo | None:
+    """The run file ``runfile`` (see :func:`read_run_info`)."""
     try:
-        data = json.loads(read_private(paths.runfile))
+        data = json.loads(read_private(runfile))
         info = RunInfo(data["pid"], data["arena"], data["epoch"], data["ready"],
                        data.get("blob_dir"), data.get("flags"))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -205,14 +210,15 @@ def take_lock(lock: Path, patience: float = 0.0) -> int | None:
         os.close(fd)  # unlinked under us: lock the new file instead
 
 
-def leftover(paths) -> dict | None:
-    """What a daemon killed without its clean-up left for ``paths`` (its arena holds its
-    whole ``--cache-gb`` of memory until removed): ``{"arena", "path", "bytes", "pid",
-    "socket", "blob_dir"}`` (``blob_dir`` None where its run file does not say), or None. Only
-    meaningful while nobody holds the lock (see :func:`lock_held`)."""
+def leftover(runfile: Path, socket: Path) -> dict | None:
+    """What a daemon killed without its clean-up left, named by its ``runfile`` and
+    ``socket`` (its arena holds its whole ``--cache-gb`` of memory until removed): ``{"arena",
+    "path", "bytes", "pid", "socket", "blob_dir"}`` (``blob_dir`` None where its run file
+    does not say), or None. Only meaningful while nobody holds the lock (see
+    :func:`lock_held`)."""
     import posix_ipc
 
-    info = read_run_info(paths)
+    info = read_run_file(runfile)
     if info is None:
         return None
     try:
@@ -227,7 +233,7 @@ def leftover(paths) -> dict | None:
         shm.close_fd()
     path = f"{SHM_DIR}/{info.arena.lstrip('/')}" if os.path.isdir(SHM_DIR) else info.arena
     return {"arena": info.arena, "path": path, "bytes": size, "pid": info.pid,
-            "socket": str(paths.socket) if paths.socket.exists() else None,
+            "socket": str(socket) if socket.exists() else None,
             "blob_dir": info.blob_dir}
 
 

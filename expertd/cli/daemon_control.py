@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 from expertd.cli import argtypes
 from expertd.cli.options import add_start_flags, check_bounds, config_settings, start_flags
@@ -272,8 +271,7 @@ def _cmd_restart(args) -> int:
     if args.foreground:
         raise ValueError("restart starts the daemon detached; for --foreground, run stop "
                          "then start --foreground")
-    given = start_flags(args) + (["--log-file", args.log_file] if args.log_file else [])
-    args, kept = _kept_flags(args)
+    args, kept, given = _kept_flags(args)
     if kept:
         anew = f"; with {' '.join(given)} anew" if given else ""
         print(f"keeping the flags it was started with: {' '.join(kept)}{anew}")
@@ -296,9 +294,10 @@ def _cmd_restart(args) -> int:
 
 
 def _kept_flags(args) -> tuple:
-    """``(args, kept)``: a restart keeps the flags the running daemon was started with (its
-    run file), as ``pg_ctl restart`` keeps a server's options, but for those it is given
-    anew; ``kept`` is the list it keeps, or None where there is none to keep."""
+    """``(args, kept, given)``: a restart keeps the flags the running daemon was started with
+    (its run file), as ``pg_ctl restart`` keeps a server's options, but for those it is given
+    anew; ``kept`` is the list it keeps (None where there is none to keep), ``given`` the
+    flags given anew, each with its value."""
     from expertd.cli.options import START_OPTIONS
     from expertd.paths import daemon_paths
     from expertd.runfile import read_run_info, serving_epoch
@@ -306,7 +305,7 @@ def _kept_flags(args) -> tuple:
     paths = daemon_paths(args.blobs)
     info = read_run_info(paths) if serving_epoch(paths) else None
     if info is None or not info.flags:
-        return args, None
+        return args, None, None
     rest = [f for f in info.flags if f != "-v"]
     parser = argparse.ArgumentParser(prog="expertd restart", add_help=False)
     add_start_flags(parser)  # restart's own flags (see add_subcommands), but --timeout
@@ -322,17 +321,17 @@ def _kept_flags(args) -> tuple:
     for name in ("command", "func", "foreground", "timeout"):
         setattr(again, name, getattr(args, name))
     again.verbose = args.verbose or "-v" in info.flags
-    given = set()  # the options given anew: they replace the recorded ones
+    given = {}  # the options given anew, by flag: they replace the recorded ones
     for option in START_OPTIONS:
         value = getattr(args, option.dest)
         if value is not None and value != option.default:
             setattr(again, option.dest, value)
-            given.add(option.flag)
+            given[option.flag] = str(value)
     # The recorded flags not given anew (start_flags writes each with its value).
     kept = (["-v"] if "-v" in info.flags else []) + [
         word for flag, value in zip(rest[::2], rest[1::2]) if flag not in given
         for word in (flag, value)]
-    return again, kept or None
+    return again, kept or None, [word for item in given.items() for word in item]
 
 
 # ---- status ------------------------------------------------------------------------------------
@@ -380,7 +379,8 @@ def log_location(blob_dir) -> str:
     from expertd.runfile import read_run_info
 
     paths = daemon_paths(blob_dir)
-    flags = (read_run_info(paths) or SimpleNamespace(flags=None)).flags or []
+    info = read_run_info(paths)
+    flags = info.flags if info is not None and info.flags else []
     if "--log-file" in flags[:-1]:
         return flags[flags.index("--log-file") + 1]
     plan = make_plan(blob_dir)
@@ -416,7 +416,7 @@ def snapshot(args) -> tuple:
                 return _not_running(args, f"no expertd serves {blob_dir}: not running (its lock "
                                           f"is free); {advice}")
             socket = Path(target["socket"])
-            left = leftover(SimpleNamespace(runfile=socket.with_suffix(".run"), socket=socket))
+            left = leftover(socket.with_suffix(".run"), socket)
             if left is not None:  # a killed daemon's arena: memory held by nothing
                 down.append({"running": False, "socket": str(socket),
                              "blob_dir": left["blob_dir"],
@@ -461,7 +461,7 @@ def _not_running(args, message: str) -> tuple:
 
     blob_dir = str(Path(args.blobs).expanduser().resolve())
     paths = daemon_paths(blob_dir)
-    left = None if lock_held(paths.lock) else leftover(paths)
+    left = None if lock_held(paths.lock) else leftover(paths.runfile, paths.socket)
     down = {"running": False, "blob_dir": blob_dir, "log": log_location(blob_dir),
             "leftover": left}
     if args.json:
