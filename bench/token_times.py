@@ -13,9 +13,11 @@ loop) alternate round by round, as in gpu_pull.py, and each round records:
 - for the streamed model, what each token's interval held: a drained step (settled before the
   next was launched), a step that waited per layer (auto's probe, or a pause), a replay.
 
-``--gc`` picks what the streamed rounds run under, alternating by round when several are given:
-``default`` (Python's collector as it is), ``freeze`` (``gc.freeze()`` before the round, as
-``expertd.client.load`` could do once the model is built). Tokens are compared in every round.
+``--variants`` picks what the streamed rounds run under, alternating by round when several are
+given: ``default`` (Python's collector as it is), ``freeze`` (``gc.freeze()`` before the round,
+as ``expertd.client.load`` could do once the model is built), ``prompt`` (both models compute a
+512-token prompt's first token before the round, as gpu_pull.py's rounds do: the streamed
+model's pools then hold what that prompt promoted). Tokens are compared in every round.
 """
 
 import argparse
@@ -29,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import daemon
-from gpu_pools import PROMPT
+from gpu_pools import PROMPT, TTFT_TOKENS, first_token
 from gpu_pull import pull_model, read_every_expert
 from launch_probe import Phases
 
@@ -110,7 +112,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a tiny model (a CPU smoke run)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--gc", nargs="+", default=["default", "freeze"])
+    parser.add_argument("--variants", nargs="+", default=["default", "freeze", "prompt"],
+                        choices=["default", "freeze", "prompt"])
     parser.add_argument("--pull", default="auto")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -126,8 +129,13 @@ def main() -> None:
             for model, own in ((streamed, True), (resident, False), (streamed, True)):
                 one_round(model, tokenizer, args.tokens, own)  # compiled, warm
             result["objects"] = len(gc.get_objects())
+            ids = mx.array([[(37 * i + 11) % (resident.args.vocab_size - 16) + 8
+                             for i in range(TTFT_TOKENS)]])
             for i in range(args.rounds):
-                mode = args.gc[i % len(args.gc)]
+                mode = args.variants[i % len(args.variants)]
+                if mode == "prompt":
+                    for model in (resident, streamed):
+                        first_token(model, ids)
                 a = one_round(resident, tokenizer, args.tokens, False)
                 if mode == "freeze":
                     gc.collect()
@@ -138,10 +146,10 @@ def main() -> None:
                     gc.unfreeze()
                 if a["tokens"] != b["tokens"]:
                     raise AssertionError("streamed tokens differ from resident ones")
-                row = dict(gc=mode, ratio=b["tps"] / a["tps"], resident=a, streamed=b)
+                row = dict(variant=mode, ratio=b["tps"] / a["tps"], resident=a, streamed=b)
                 result["rounds"].append(row)
                 sa, sb = sorted(a["gaps_ms"]), sorted(b["gaps_ms"])
-                print(f"round {i} gc={mode}: ratio {row['ratio']:.3f}  resident "
+                print(f"round {i} {mode}: ratio {row['ratio']:.3f}  resident "
                       f"{a['tps']:.1f} tok/s (gap p50 {statistics.median(sa):.2f} max "
                       f"{sa[-1]:.2f} ms, gc {a['gc_count']} {sum(a['gc_ms']):.1f} ms)  "
                       f"streamed {b['tps']:.1f} (p50 {statistics.median(sb):.2f} max "
@@ -153,10 +161,10 @@ def main() -> None:
                       flush=True)
         finally:
             session.close()
-    for mode in args.gc:
-        rs = [r["ratio"] for r in result["rounds"] if r["gc"] == mode]
+    for mode in args.variants:
+        rs = [r["ratio"] for r in result["rounds"] if r["variant"] == mode]
         if rs:
-            print(f"gc={mode}: median ratio {statistics.median(rs):.3f} of {len(rs)} "
+            print(f"{mode}: median ratio {statistics.median(rs):.3f} of {len(rs)} "
                   f"{[round(r, 3) for r in rs]}")
     if args.out:
         args.out.write_text(json.dumps(result))
