@@ -13,7 +13,7 @@ import sys
 from functools import partial
 from types import SimpleNamespace
 
-from expertd.choices import DEFAULT_PREFILL_STEP_SIZE
+from expertd.choices import CHAT_XTC_THRESHOLD, DEFAULT_PREFILL_STEP_SIZE
 
 QUIT, RESET, HELP = {"q", "/q", "/quit", "/exit"}, {"r", "/r"}, {"h", "/h", "/help"}
 HELP_TEXT = ("commands: q quit, r reset the conversation, h help (end of input quits too; "
@@ -107,7 +107,8 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
          prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE, prefetch: str = "auto",
          pool_gb: float | None = None, speculate: str = "auto", pull: str = "auto",
          reconnect_timeout: float | None = None, adapter_path: str | None = None,
-         trust_remote_code: bool = False) -> int:
+         trust_remote_code: bool = False, xtc_probability: float = 0.0,
+         xtc_threshold: float = CHAT_XTC_THRESHOLD) -> int:
     """Chat with the model of ``blob_dir`` until q, Ctrl-C at the prompt or the end of the input.
 
     Ctrl-C during a reply stops it and forgets its turn: the KV cache is trimmed back to where
@@ -116,7 +117,8 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
     Args:
         blob_dir: a blob directory served by a running daemon.
         system_prompt: put first in every turn's messages, as mlx_lm.chat does.
-        max_tokens, temp, top_p, seed, max_kv_size, prefill_step_size: as in mlx_lm.chat.
+        max_tokens, temp, top_p, seed, max_kv_size, prefill_step_size, xtc_probability,
+            xtc_threshold: as in mlx_lm.chat.
         prefetch: the client's prefetch mode (see ``expertd.client.load``).
         pool_gb: the client's expert pools (see ``expertd.client.load``).
         speculate: one host wait per decode step (see ``expertd.client.load``).
@@ -140,7 +142,11 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
                                else {"reconnect_timeout": reconnect_timeout}))
     session = model.expertd_session
     try:
-        sampler = make_sampler(temp, top_p)
+        # As mlx_lm.chat samples: XTC never drops a newline or an end of sequence.
+        sampler = make_sampler(temp, top_p, xtc_probability=xtc_probability,
+                               xtc_threshold=xtc_threshold,
+                               xtc_special_tokens=(tokenizer.encode("\n")
+                                                   + list(tokenizer.eos_token_ids)))
 
         def replies(query: str, prompt_cache):
             return stream_generate(model, tokenizer, _prompt(tokenizer, query, system_prompt),

@@ -70,6 +70,32 @@ def test_chat_through_a_pipe(models, isolated_env):
             assert done.stderr.splitlines()[-1] == "bye"
 
 
+def test_chat_samples_with_xtc_as_mlx_lm_chat(models, isolated_env):
+    """mlx_lm.chat's --xtc-probability / --xtc-threshold (it refused them)."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    blobs, model_dir = models.blobs(), models.model()
+    query = "def main():"
+
+    def resident(**xtc) -> str:  # as mlx_lm.chat --seed 3: seeded, then the model loaded
+        mx.random.seed(3)
+        model, tokenizer = mlx_lm.load(str(model_dir))
+        special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
+        sampler = make_sampler(1.0, 1.0, xtc_special_tokens=special, **xtc)
+        return "".join(r.text for r in mlx_lm.stream_generate(
+            model, tokenizer, query, max_tokens=MAX_TOKENS, sampler=sampler,
+            prompt_cache=make_prompt_cache(model)))
+
+    want = resident(xtc_probability=1.0, xtc_threshold=0.05)
+    assert want != resident(xtc_probability=0.0)  # XTC changes what is sampled
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB):
+        done = run_chat(blobs, query + "\n", "--temp", "1", "--seed", "3",
+                        "--xtc-probability", "1", "--xtc-threshold", "0.05")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == want + "\n"
+
+
 def test_chat_without_a_daemon(models, isolated_env):
     blobs = models.blobs()
     done = run_chat(blobs, "hello\n")

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from expertd.choices import (  # noqa: F401 (the CLI's names for them)
+    CHAT_XTC_THRESHOLD,
     DEFAULT_DRAFT_TOKENS,
     DEFAULT_KV_GROUP_SIZE,
     DEFAULT_PREFILL_STEP_SIZE,

@@ -138,6 +138,14 @@ def add_sampling_flags(p, top_p: float, seed: int | None) -> None:
                                                        if seed is None else ""))
 
 
+
+def add_xtc_flags(p, threshold: float) -> None:
+    """XTC sampling's two flags, with the default threshold of the mlx-lm command they mirror."""
+    p.add_argument("--xtc-probability", type=argtypes.probability, default=0.0,
+                   help="probability of XTC sampling at each token (0: off)")
+    p.add_argument("--xtc-threshold", type=argtypes.xtc_threshold, default=threshold,
+                   help="threshold of XTC sampling")
+
 def add_kv_flags(p) -> None:
     """mlx-lm's --max-kv-size and --prefill-step-size."""
     p.add_argument("--max-kv-size", type=argtypes.positive_int, default=None, metavar="N",
@@ -221,10 +229,7 @@ def add_client_subcommands(sub) -> None:
                    help="sampling min-p (0: off)")
     p.add_argument("--top-k", type=argtypes.non_negative_int, default=0,
                    help="sampling top-k (0: off)")
-    p.add_argument("--xtc-probability", type=argtypes.probability, default=0.0,
-                   help="probability of XTC sampling (0: off)")
-    p.add_argument("--xtc-threshold", type=argtypes.xtc_threshold,
-                   default=argtypes.DEFAULT_XTC_THRESHOLD, help="threshold of XTC sampling")
+    add_xtc_flags(p, argtypes.DEFAULT_XTC_THRESHOLD)  # mlx_lm.generate's
     p.add_argument("--extra-eos-token", type=argtypes.eos_token, nargs="+", default=(), metavar="TOKEN",
                    help="more tokens that end the generation, each a token's text or id "
                    "(default: none)")
@@ -305,7 +310,8 @@ def _cmd_chat(args) -> int:
                 prefill_step_size=args.prefill_step_size, prefetch=args.prefetch,
                 pool_gb=args.pool_gb, speculate=args.speculate, pull=args.pull,
                 reconnect_timeout=args.reconnect_timeout, adapter_path=args.adapter_path,
-                trust_remote_code=args.trust_remote_code)
+                trust_remote_code=args.trust_remote_code,
+                xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold)
 
 
 def add_serving_subcommands(sub) -> None:
@@ -348,6 +354,7 @@ def add_serving_subcommands(sub) -> None:
     p.add_argument("--max-tokens", "-m", type=argtypes.positive_int, default=256,
                    help="most tokens generated per reply")
     add_sampling_flags(p, top_p=1.0, seed=0)  # mlx_lm.chat's
+    add_xtc_flags(p, argtypes.CHAT_XTC_THRESHOLD)  # mlx_lm.chat's
     add_kv_flags(p)
     add_prefetch_flag(p, prefetch_help)
     p.set_defaults(func=_cmd_chat)

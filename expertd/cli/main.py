@@ -143,8 +143,9 @@ MLX_LM_ONLY = {
     "--draft-model": "only generate and serve take a draft model",
     "--num-draft-tokens": "only generate and serve take a draft model",
     "--min-tokens-to-keep": "sampling takes --top-p, --min-p and --top-k",
-    "--xtc-probability": "generate takes XTC sampling (serve: a request's xtc_probability)",
-    "--xtc-threshold": "generate takes XTC sampling (serve: a request's xtc_threshold)",
+    "--xtc-probability": "generate and chat take XTC sampling (serve: a request's "
+                         "xtc_probability)",
+    "--xtc-threshold": "generate and chat take XTC sampling (serve: a request's xtc_threshold)",
     "--use-default-chat-template": "serve takes it; generate and chat use the tokenizer's own "
                                    "template, or none with --ignore-chat-template",
     "--pipeline": "generate and serve run pipeline stages (README: Several machines)",
