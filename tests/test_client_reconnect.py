@@ -116,6 +116,8 @@ def test_client_reports_a_daemon_that_does_not_come_back(qwen, isolated_env, tmp
     message = result["error"]["message"]
     assert f"expertd start --blobs {blob_dir.resolve()}" in message
     assert "did not come back" in message
+    # The wait was announced with its length, before it began.
+    assert f"waiting up to {reconnect_timeout:g} s for it to answer again" in result["stderr"]
     # The client gave up about when it was told to (plus process exit), not much later.
     assert waited < reconnect_timeout + 4.0, waited
 
@@ -316,6 +318,7 @@ def test_reconnect_timeout_zero_fails_at_once(qwen, isolated_env, tmp_path):
         daemon.close()
     with pytest.raises(ValueError, match="reconnect_timeout must be"):
         load(blob_dir, reconnect_timeout=-1)
-    bad = expertd_cli("generate", "--blobs", blob_dir, "--prompt", "x", "--reconnect-timeout",
-                      "soon")
-    assert bad.returncode == 2 and "--reconnect-timeout: must be a number of seconds" in bad.stderr
+    for command in ("generate", "serve", "chat"):  # each of the three takes the flag
+        bad = expertd_cli(command, "--blobs", blob_dir, "--reconnect-timeout", "soon")
+        assert bad.returncode == 2, (command, bad.stderr)
+        assert "--reconnect-timeout: must be a number of seconds" in bad.stderr, command
