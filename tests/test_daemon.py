@@ -331,6 +331,26 @@ def test_pinned_experts_survive_eviction_and_unpinned_ones_do_not(blobs, isolate
 
 
 @pytest.mark.timeout(60)
+def test_debug_lines_name_each_fill_and_what_it_evicts(blobs, isolated_env, caplog):
+    """-v (issue 26 item 11): a fill's line says what it evicted; at INFO nothing is said."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="expertd")
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB), RawClient(blobs) as c:
+        _pressure(c)  # every expert, twice, through 10 rows: fills evict
+    fills = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fill row ")]
+    evicting = [m for m in fills if ", evicting layer " in m]
+    assert evicting and len(evicting) < len(fills), fills[:3]  # the first fills evict nothing
+    assert re.fullmatch(r"fill row \d+ with layer \d+ expert \d+ \(demanded\), evicting "
+                        r"layer \d+ expert \d+", evicting[0]), evicting[0]
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="expertd")
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB), RawClient(blobs) as c:
+        _pressure(c, rounds=1)
+    assert not [r for r in caplog.records if r.levelno < logging.INFO]
+
+
+@pytest.mark.timeout(60)
 def test_pin_file_pins_experts_at_start(blobs, isolated_env, tmp_path):
     pins = [(1, 4), (2, 11)]
     pin_file = tmp_path / "pins.json"
