@@ -6,6 +6,7 @@ Real processes: a daemon, ``expertd serve``, the ``openai`` package and raw HTTP
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -459,3 +460,49 @@ def test_a_daemon_paused_past_its_heartbeats_leaves_serve_serving(models, isolat
         assert done["first"][0] == 200, done
         status, _, reply = _ask(url, None, body)
         assert status == 200 and json.loads(reply)["choices"], reply
+
+
+def _readme_health_loop() -> str:
+    """The README's loop that waits for serve, as a user copies it."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("for i in $(seq 60); do")
+    return text[start:text.index("\ndone", start) + len("\ndone")]
+
+
+@pytest.mark.skipif(not shutil.which("curl"), reason="the README's snippet uses curl")
+@pytest.mark.parametrize("daemon", [False, True], ids=["serve-fails", "serve-ready"])
+def test_the_readmes_health_loop_ends_when_serve_fails_and_when_it_is_ready(
+        models, isolated_env, tmp_path, daemon):
+    """Issue 26 item 9: the README's snippet looped forever when serve failed. Run as written
+    (only the port changed), against a real serve: without a daemon serve fails and the loop
+    ends on its pid; with one, it ends on /health's "ok"."""
+    import socket
+
+    blobs = models.blobs()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = (f"{sys.executable} -m expertd serve --blobs {blobs} --port {port} & serve=$!\n"
+              + _readme_health_loop().replace("localhost:8080", f"localhost:{port}")
+              + '\necho "ended at $i"\n'
+              f"curl -sf localhost:{port}/health && echo ' ready'\n"
+              "kill $serve 2> /dev/null; wait $serve\n")
+    runs = Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB) if daemon else None
+    try:
+        if runs is not None:
+            runs.__enter__()
+        done = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, **isolated_env})
+    finally:
+        if runs is not None:
+            runs.__exit__(None, None, None)
+    ended = int(done.stdout.split("ended at ")[1].split()[0])
+    assert ended < 60, done.stdout  # left by a break, not by running out of tries
+    if daemon:
+        assert done.stdout.rstrip().endswith('"ok"} ready'), done.stdout
+    else:
+        assert " ready" not in done.stdout
+        assert "expertd serve: error: " in done.stderr and "expertd start --blobs" in \
+            done.stderr, done.stderr
