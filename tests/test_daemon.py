@@ -274,6 +274,44 @@ def test_status_reports_the_daemon_and_fails_without_one(blobs, isolated_env):
     assert none.returncode == 3 and json.loads(none.stdout)[0]["running"] is False
 
 
+@pytest.mark.timeout(60)
+def test_plain_status_separates_daemons(models, isolated_env):
+    """Issue 26 item 15: status without --blobs shows each running daemon, a blank line between
+    them (and --json one list of the same daemons)."""
+    first, second = models.blobs(), models.blobs(seed=11)
+    with running_daemon(first, isolated_env, "--cache-gb", TINY_CACHE_GB) as a, \
+            running_daemon(second, isolated_env, "--cache-gb", TINY_CACHE_GB) as b:
+        plain = expertd_cli("status")
+        listed = json.loads(expertd_cli("status", "--json").stdout)
+    assert plain.returncode == 0, plain.stderr
+    blocks = plain.stdout.rstrip("\n").split("\n\n")
+    assert sorted(block.splitlines()[0] for block in blocks) == sorted(
+        f"expertd pid {d.proc.pid} serving {blob.resolve()}" for d, blob in ((a, first),
+                                                                            (b, second)))
+    assert all("\n  arena " in block for block in blocks)
+    assert sorted(d["pid"] for d in listed) == sorted((a.proc.pid, b.proc.pid))
+
+
+def test_a_clients_kind_is_the_expertd_command_it_runs():
+    """status names each client by the expertd command its process runs (issue 26 item 15):
+    read from a real process's command line, the console script's and ``python -m``'s."""
+    from expertd.cli.daemon_control import process_kind
+
+    sleep = "import time; time.sleep(60)"
+    shapes = {"generate": ["expertd", "generate", "--blobs", "b"],
+              "chat": ["-m", "expertd", "-v", "chat", "--blobs", "b"],
+              "serve": ["/usr/local/bin/expertd", "serve", "--port", "0"]}
+    procs = {kind: subprocess.Popen([sys.executable, "-c", sleep, *argv])
+             for kind, argv in shapes.items()}
+    try:
+        assert {kind: process_kind(p.pid) for kind, p in procs.items()} == \
+            {kind: kind for kind in shapes}
+    finally:
+        for p in procs.values():
+            stop_process(p)
+    assert process_kind(procs["chat"].pid) == "a process"  # gone: nothing to read
+
+
 # ---- warm restart, pins ----------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
