@@ -248,6 +248,7 @@ def test_a_stop_word_inside_a_token_ends_the_request(models, isolated_env, tmp_p
         word = next(text[i:i + 2] for i in range(2, len(text) - 2)
                     if text[i:i + 2].isalpha() and text[i:i + 2] not in text[:i + 1])
         stopped = server.client.completions.create(**ask, stop=[word])
+        chunks = list(server.client.completions.create(**ask, stop=[word], stream=True))
         # A word inside the last token allowed still ends with "stop", not "length".
         first = server.client.completions.create(**{**ask, "max_tokens": 1})
         last = (server.client.completions.create(**{**ask, "max_tokens": 1},
@@ -259,6 +260,10 @@ def test_a_stop_word_inside_a_token_ends_the_request(models, isolated_env, tmp_p
     assert text.startswith(choice.text)
     assert text.index(word) <= len(choice.text) < text.index(word) + len(word)
     assert stopped.usage.completion_tokens < free.usage.completion_tokens
+    # Streamed, the same text in pieces, and the last piece says why it stopped.
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == "stop" and set(reasons[:-1]) <= {None}
     # The stopping token's own text before the word is kept (it was dropped whole before).
     assert last is None or (last.choices[0].finish_reason == "stop" and
                             last.choices[0].text == first.choices[0].text[:-1])
