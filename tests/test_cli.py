@@ -528,6 +528,9 @@ def test_top_p_reads_the_same_in_every_help():
         text = " ".join(done.stdout.split())
         at = text.index("--top-p TOP_P ")
         assert "(default: off (mlx-lm's " in text[at:at + 120], (command, text[at:at + 120])
+        # Issue 26 item 6: --blobs has help, and --model (mlx-lm's name) is the same flag.
+        assert ("--blobs BLOB_DIR, --model BLOB_DIR the blob directory (expertd convert's "
+                "output) of a running daemon") in text, command
 
 
 def test_an_interrupt_python_swallows_is_delivered_again():
