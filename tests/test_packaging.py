@@ -181,3 +181,15 @@ def test_no_product_module_reads_another_modules_private_names():
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
     assert len(defined) > 100  # the product's private names were collected
     assert found == []
+
+
+def test_the_license_is_an_spdx_expression_in_the_built_metadata():
+    """Issue 26 item 17: a license table (or a License classifier) made setuptools warn three
+    times in ``make demo``; the expression form is what setuptools >= 77 writes as
+    License-Expression (metadata 2.4), read here from the installed distribution."""
+    import importlib.metadata
+
+    meta = importlib.metadata.metadata("expertd")
+    assert meta["License-Expression"] == "MIT"
+    assert meta["License"] is None
+    assert not [c for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]
