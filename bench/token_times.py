@@ -75,6 +75,17 @@ def one_round(model, tokenizer, tokens: int, own: bool, session=None) -> dict:
     phases = Phases(steps) if steps is not None else None
     t = phases.__enter__() if phases is not None else None
     last_t = dict(t) if t is not None else None
+    real_async_eval, launched = mx.async_eval, [0.0]
+    if phases is None:  # resident: mlx-lm's loop, its mx.async_eval timed alone
+
+        def timed(*arrays):
+            started = time.perf_counter()
+            try:
+                real_async_eval(*arrays)
+            finally:
+                launched[0] += time.perf_counter() - started
+
+        mx.async_eval = timed
     promoted = (lambda: sum(p.counters["promoted"] for p in session.pools)) if c else None
     last_promoted = promoted() if promoted else 0
     try:
@@ -82,7 +93,10 @@ def one_round(model, tokenizer, tokens: int, own: bool, session=None) -> dict:
             for r in stream_generate(model, tokenizer, PROMPT, max_tokens=tokens):
                 stamps.append(time.perf_counter())
                 out.append(r.token)
-                if c is not None:
+                if c is None:
+                    events.append(dict(async_eval=round(1e3 * launched[0], 3)))
+                    launched[0] = 0.0
+                else:
                     now = dict(c)
                     ev = {k: now[k] - before.get(k, 0) for k in
                           ("host_waits", "replays", "steps", "speculative_steps")
@@ -97,6 +111,7 @@ def one_round(model, tokenizer, tokens: int, own: bool, session=None) -> dict:
     finally:
         if phases is not None:
             phases.__exit__(None, None, None)
+        mx.async_eval = real_async_eval
     gaps = [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])]
     return dict(tokens=out, gaps_ms=gaps, tps=len(gaps) / (stamps[-1] - stamps[0]),
                 gc_ms=[1e3 * s for s in clock.seconds], gc_count=clock.count, events=events)
@@ -155,6 +170,11 @@ def main() -> None:
                       f"streamed {b['tps']:.1f} (p50 {statistics.median(sb):.2f} max "
                       f"{sb[-1]:.2f}, gc {b['gc_count']} {sum(b['gc_ms']):.1f} ms)",
                       flush=True)
+                for who, run in (("resident", a), ("streamed", b)):
+                    per = {k: statistics.median(e.get(k, 0.0) for e in run["events"][1:])
+                           for k in ("launch", "async_eval", "settle")}
+                    print(f"   {who} median ms a token: " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in per.items()), flush=True)
                 slow = sorted(range(len(b["gaps_ms"])), key=lambda j: -b["gaps_ms"][j])[:4]
                 print("   slowest streamed gaps:",
                       [(j, round(b["gaps_ms"][j], 2), b["events"][j + 1]) for j in slow],
