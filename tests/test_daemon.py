@@ -297,13 +297,15 @@ def test_a_clients_kind_is_the_expertd_command_it_runs():
     read from a real process's command line, the console script's and ``python -m``'s."""
     from expertd.cli.daemon_control import process_kind
 
-    sleep = "import time; time.sleep(60)"
+    sleep = "import time; print('up', flush=True); time.sleep(60)"
     shapes = {"generate": ["expertd", "generate", "--blobs", "b"],
               "chat": ["-m", "expertd", "-v", "chat", "--blobs", "b"],
               "serve": ["/usr/local/bin/expertd", "serve", "--port", "0"]}
-    procs = {kind: subprocess.Popen([sys.executable, "-c", sleep, *argv])
-             for kind, argv in shapes.items()}
+    procs = {kind: subprocess.Popen([sys.executable, "-c", sleep, *argv], stdout=subprocess.PIPE,
+                                    text=True) for kind, argv in shapes.items()}
     try:
+        for p in procs.values():  # each one running its own command line
+            assert p.stdout.readline() == "up\n"
         assert {kind: process_kind(p.pid) for kind, p in procs.items()} == \
             {kind: kind for kind in shapes}
     finally:
