@@ -91,12 +91,12 @@ class Phases:
     (mx.async_eval) and settling them (Steps.settle: the wait and the check), by thin wrappers
     (a microsecond each)."""
 
-    def __init__(self, steps):
+    def __init__(self, steps=None):
         import mlx.core as mx
 
-        self.steps, self.mx = steps, mx
+        self.steps, self.mx = steps, mx  # steps None: mx.async_eval alone (a resident loop)
         self.t = dict(launch=0.0, async_eval=0.0, settle=0.0, drained=0)
-        self._real = (mx.async_eval, steps.launch, steps.settle)
+        self._real = (mx.async_eval,) + ((steps.launch, steps.settle) if steps else ())
 
     def _wrap(self, key, real):
         def timed(*a, **k):
@@ -110,15 +110,16 @@ class Phases:
         return timed
 
     def __enter__(self):
-        aev, launch, settle = self._real
-        self.mx.async_eval = self._wrap("async_eval", aev)
-        self.steps.launch = self._wrap("launch", launch)
-        self.steps.settle = self._wrap("settle", settle)
+        self.mx.async_eval = self._wrap("async_eval", self._real[0])
+        if self.steps is not None:
+            self.steps.launch = self._wrap("launch", self._real[1])
+            self.steps.settle = self._wrap("settle", self._real[2])
         return self.t
 
     def __exit__(self, *exc):
         self.mx.async_eval = self._real[0]
-        del self.steps.launch, self.steps.settle
+        if self.steps is not None:
+            del self.steps.launch, self.steps.settle
 
 
 def decodes(resident, streamed, tokenizer, args) -> list:

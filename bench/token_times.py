@@ -61,57 +61,36 @@ class GcClock:
         gc.callbacks.remove(self._callback)
 
 
+COUNTED = ("host_waits", "replays", "steps", "speculative_steps")
+
+
 def one_round(model, tokenizer, tokens: int, own: bool, session=None) -> dict:
+    """One decode: the tokens, the host interval between consecutive ones, the collections,
+    and per token the phases' milliseconds (Phases; resident: its mx.async_eval alone) and,
+    with ``session``, what its steps did (COUNTED, drains, promotions)."""
     import mlx.core as mx
     from mlx_lm import stream_generate
 
     if own:
         from expertd.client.decode import stream_generate
     mx.random.seed(0)
+
+    def marks() -> dict:
+        now = {k: 1e3 * v if k != "drained" else v for k, v in t.items()}
+        if session is not None:
+            now.update({k: session.counters[k] for k in COUNTED},
+                       promoted=sum(p.counters["promoted"] for p in session.pools))
+        return now
+
     stamps, out, events = [], [], []
-    c = session.counters if session is not None else None
-    steps = model.__dict__.get("_expertd_steps")
-    before = dict(c) if c is not None else None
-    phases = Phases(steps) if steps is not None else None
-    t = phases.__enter__() if phases is not None else None
-    last_t = dict(t) if t is not None else None
-    real_async_eval, launched = mx.async_eval, [0.0]
-    if phases is None:  # resident: mlx-lm's loop, its mx.async_eval timed alone
-
-        def timed(*arrays):
-            started = time.perf_counter()
-            try:
-                real_async_eval(*arrays)
-            finally:
-                launched[0] += time.perf_counter() - started
-
-        mx.async_eval = timed
-    promoted = (lambda: sum(p.counters["promoted"] for p in session.pools)) if c else None
-    last_promoted = promoted() if promoted else 0
-    try:
-        with GcClock() as clock:
-            for r in stream_generate(model, tokenizer, PROMPT, max_tokens=tokens):
-                stamps.append(time.perf_counter())
-                out.append(r.token)
-                if c is None:
-                    events.append(dict(async_eval=round(1e3 * launched[0], 3)))
-                    launched[0] = 0.0
-                else:
-                    now = dict(c)
-                    ev = {k: now[k] - before.get(k, 0) for k in
-                          ("host_waits", "replays", "steps", "speculative_steps")
-                          if now[k] - before.get(k, 0)}
-                    ev.update({k: round(1e3 * (t[k] - last_t[k]), 3) for k in
-                               ("launch", "async_eval", "settle")})
-                    ev["drained"] = t["drained"] - last_t["drained"]
-                    p = promoted()
-                    ev["promoted"] = p - last_promoted
-                    last_promoted, last_t, before = p, dict(t), now
-                    events.append(ev)
-    finally:
-        if phases is not None:
-            phases.__exit__(None, None, None)
-        mx.async_eval = real_async_eval
+    with GcClock() as clock, Phases(model.__dict__.get("_expertd_steps")) as t:
+        last = marks()
+        for r in stream_generate(model, tokenizer, PROMPT, max_tokens=tokens):
+            stamps.append(time.perf_counter())
+            out.append(r.token)
+            now = marks()
+            events.append({k: round(now[k] - last[k], 3) for k in now})
+            last = now
     gaps = [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])]
     return dict(tokens=out, gaps_ms=gaps, tps=len(gaps) / (stamps[-1] - stamps[0]),
                 gc_ms=[1e3 * s for s in clock.seconds], gc_count=clock.count, events=events)

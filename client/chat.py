@@ -133,6 +133,7 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
     from mlx_lm.sample_utils import make_sampler
 
     from expertd.client import load
+    from expertd.client.generate import xtc_special_tokens
 
     mx.random.seed(seed)  # before the load, as mlx_lm.chat (building the model draws from it)
     model, tokenizer = load(blob_dir, prefetch=prefetch, pool_gb=pool_gb,
@@ -142,11 +143,9 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
                                else {"reconnect_timeout": reconnect_timeout}))
     session = model.expertd_session
     try:
-        # As mlx_lm.chat samples: XTC never drops a newline or an end of sequence.
         sampler = make_sampler(temp, top_p, xtc_probability=xtc_probability,
                                xtc_threshold=xtc_threshold,
-                               xtc_special_tokens=(tokenizer.encode("\n")
-                                                   + list(tokenizer.eos_token_ids)))
+                               xtc_special_tokens=xtc_special_tokens(tokenizer))
 
         def replies(query: str, prompt_cache):
             return stream_generate(model, tokenizer, _prompt(tokenizer, query, system_prompt),

@@ -30,6 +30,12 @@ class KVOptions:
                              "quantize a rotating KV cache")
 
 
+
+def xtc_special_tokens(tokenizer) -> list:
+    """The tokens XTC never drops, as mlx_lm.generate and mlx_lm.chat give them: a newline and
+    every end of sequence."""
+    return tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
+
 def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
              seed: int | None = None,
              out=sys.stdout, prefetch: str = "auto", top_p: float = 0.0, min_p: float = 0.0,
@@ -124,8 +130,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
         started = time.perf_counter()
         sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k,
                                xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
-                               xtc_special_tokens=tokenizer.encode("\n")
-                               + list(tokenizer.eos_token_ids))
+                               xtc_special_tokens=xtc_special_tokens(tokenizer))
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
                                         sampler=sampler, **asdict(kv), **extra):
             out.write(response.text)

@@ -13,6 +13,8 @@ import sys
 import threading
 import urllib.error
 import urllib.request
+from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 from harness import SMALL_CACHE_GB, TINY_CACHE_GB, Daemon, stop_process, wait_until
@@ -495,8 +497,6 @@ def test_a_daemon_paused_past_its_heartbeats_leaves_serve_serving(models, isolat
 
 def _readme_health_loop() -> str:
     """The README's loop that waits for serve, as a user copies it."""
-    from pathlib import Path
-
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     start = text.index("for i in $(seq 60); do")
     return text[start:text.index("\ndone", start) + len("\ndone")]
@@ -520,15 +520,9 @@ def test_the_readmes_health_loop_ends_when_serve_fails_and_when_it_is_ready(
               + '\necho "ended at $i"\n'
               f"curl -sf localhost:{port}/health && echo ' ready'\n"
               "kill $serve 2> /dev/null; wait $serve\n")
-    runs = Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB) if daemon else None
-    try:
-        if runs is not None:
-            runs.__enter__()
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB) if daemon else nullcontext():
         done = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
                               timeout=120, env={**os.environ, **isolated_env})
-    finally:
-        if runs is not None:
-            runs.__exit__(None, None, None)
     ended = int(done.stdout.split("ended at ")[1].split()[0])
     assert ended < 60, done.stdout  # left by a break, not by running out of tries
     if daemon:

@@ -138,13 +138,13 @@ def add_sampling_flags(p, top_p: float, seed: int | None) -> None:
                                                        if seed is None else ""))
 
 
-
 def add_xtc_flags(p, threshold: float) -> None:
     """XTC sampling's two flags, with the default threshold of the mlx-lm command they mirror."""
     p.add_argument("--xtc-probability", type=argtypes.probability, default=0.0,
                    help="probability of XTC sampling at each token (0: off)")
     p.add_argument("--xtc-threshold", type=argtypes.xtc_threshold, default=threshold,
                    help="threshold of XTC sampling")
+
 
 def add_kv_flags(p) -> None:
     """mlx-lm's --max-kv-size and --prefill-step-size."""
