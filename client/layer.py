@@ -263,7 +263,8 @@ class StreamedLayer:
         every expert (Session.assemble_rows: pool hits copied on the device, misses pulled) and
         mlx-lm's one call on it with the router's own ids, as resident: exact on every backend,
         where computing groups apart is not on CUDA. The prompt's pulls then join the pool.
-        None if the device's pull differed from the host copy (it pulls no more)."""
+        None if the device's pull differed from the host copy (it pulls no more), or if four
+        pulls in a row lost their rows to refills (this call moves its rows on the host)."""
         pool, session = self.pool, self.session
         present = pool.row_of[unique] >= 0
         stack = session.assemble_rows(self.index, unique, pool)

@@ -383,26 +383,16 @@ class Steps:
         finally:
             if epoch is not None:
                 lost = epoch.check(step.launched, more)
-        counters["host_waits"] += 1
-        counters["speculative_steps"] += 1
-        counters["pulled_steps"] += step.launched is not None
         checked = time.perf_counter()
         if self._settled is not None:  # a pipelined step's cost: from one check to the next
             self.speculation.timed(True, checked - self._settled)
         self._settled = checked if more else None
-        found = Findings()
-        cause = "epoch" if lost else self._check(step.records, found,
-                                                 *(np.array(f) for f in step.flat),
-                                                 promote=not more)
+        cause, found = self._book(step.records, step.flat, lost, step.launched is not None,
+                                  promote=not more)
         session.timing["step_wait_s"] += checked - waited
         session.timing["step_book_s"] += time.perf_counter() - checked
         if cause != "absent":
             self.speculation.record(cause is not None)
-        if cause is None and step.launched is not None:
-            if more:
-                self.drains.pipelined += 1
-            else:
-                self.drains.drained(found.promoted)
         if cause is not None:
             self._settled = None
             if after is not None:
@@ -449,7 +439,7 @@ class Steps:
     def _speculative_step(self, forward, inputs, args: tuple, kwargs: dict) -> tuple:
         """One step without waits: ``(logits, cause, found)``; ``cause`` is None, or why the
         step must be replayed (see :meth:`_check`), ``found`` its :class:`Findings`."""
-        session, counters = self.session, self.session.counters
+        session = self.session
         epoch = session.step_epoch if session.puller is not None else None
         if epoch is not None:
             epoch.begin()  # published before any kernel of the step reads the slot table
@@ -464,19 +454,33 @@ class Steps:
             if epoch is not None:
                 lost = epoch.end()  # every read of the step is done
         waited = time.perf_counter()
-        counters["host_waits"] += 1
-        counters["speculative_steps"] += 1
-        pulled = any(status is not None for _, _, status, _ in records)
-        counters["pulled_steps"] += pulled
-        found = Findings()
-        cause = "epoch" if lost else self._check(records, found, *(np.array(f) for f in flat))
-        if cause is None and pulled:  # checked with nothing in flight: a drain's bookkeeping
-            self.drains.drained(found.promoted)
+        cause, found = self._book(records, flat, lost,
+                                  any(status is not None for _, _, status, _ in records))
         timing = session.timing
         timing["step_build_s"] += built - started
         timing["step_wait_s"] += waited - built
         timing["step_book_s"] += time.perf_counter() - waited
         return logits, cause, found
+
+    def _book(self, records: list, flat: list, lost: bool, pulled: bool,
+              promote: bool = True) -> tuple:
+        """A waited-for speculative step counted and checked (see :meth:`_check`; ``lost``:
+        its epoch was revoked): ``(cause, found)``. A good step that ``pulled`` moves
+        :attr:`drains` on: checked with another step in flight (not ``promote``), a
+        pipelined one; with nothing in flight, a drain."""
+        counters = self.session.counters
+        counters["host_waits"] += 1
+        counters["speculative_steps"] += 1
+        counters["pulled_steps"] += pulled
+        found = Findings()
+        cause = "epoch" if lost else self._check(records, found, *(np.array(f) for f in flat),
+                                                 promote=promote)
+        if cause is None and pulled:
+            if promote:
+                self.drains.drained(found.promoted)
+            else:
+                self.drains.pipelined += 1
+        return cause, found
 
     def _without_waits(self, forward, inputs, args: tuple, kwargs: dict, records):
         """The forward with every layer on its speculative path; ``records`` (a list, or None

@@ -84,10 +84,10 @@ class ExpertCache(EpochFills):
 
     # ---- demands ---------------------------------------------------------------------------
 
-    def start(self, d: Demand, owed: bool = False) -> bool:
+    def start(self, d: Demand, owed: bool | None = None) -> bool:
         """Lease what is resident, fill the rest; False (nothing held) if rows are short, or if
         rows must be filled and ``owed`` (the rows free now are owed to a demand that waits
-        before this one: LeaseBook.owed)."""
+        before this one; None: LeaseBook.owed asked, only when a row must be filled)."""
         if not self.book.fits(d.owner, len(d.experts)):
             return False
         rows, need, waiting, side_used, absorbed = [], [], set(), [], []
@@ -105,7 +105,7 @@ class ExpertCache(EpochFills):
                 rows.append(-1)
                 need.append(i)
         if need:
-            if owed:
+            if self.book.owed(d.owner) if owed is None else owed:
                 return False
             eligible = self._evictable()
             eligible[[r for r in rows if r >= 0]] = False  # never evict what this demand uses

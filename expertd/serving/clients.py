@@ -9,7 +9,7 @@ import hmac
 import os
 from dataclasses import dataclass
 
-from expertd.protocol import HEARTBEAT_TOKEN_BYTES
+from expertd.protocol import HEARTBEAT_COUNTS, HEARTBEAT_TOKEN_BYTES
 from expertd.serving.stats import ClientStats
 
 # Clients known at once: each holds an epoch record, leases and clean-up work; past this a
@@ -17,8 +17,8 @@ from expertd.serving.stats import ClientStats
 MAX_CLIENTS = 96
 
 
-# The counts a heartbeat reports beside steps and host waits (protocol.Heartbeat's fields).
-HEARTBEAT_COUNTS = {"replays": 0, "pulled_rows": 0, "pulled_bytes": 0}
+# The counts a heartbeat reports beside steps and host waits (protocol.Heartbeat's), at zero.
+OTHER_COUNTS = dict.fromkeys(HEARTBEAT_COUNTS[2:], 0)
 
 
 @dataclass(eq=False)
@@ -79,7 +79,7 @@ class ClientRegistry:
         (for status)."""
         return ClientStats(len(self._clients), [
             {"pid": c.pid, "pool_bytes": c.pool_bytes, "steps": c.steps,
-             "host_waits": c.host_waits, **HEARTBEAT_COUNTS, **(c.counts or {})}
+             "host_waits": c.host_waits, **OTHER_COUNTS, **(c.counts or {})}
             for c in self._clients.values()])  # every key, before a heartbeat too
 
     def seen(self, identity: bytes, now: float) -> Client | None:

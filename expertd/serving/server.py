@@ -309,7 +309,7 @@ class ExpertServer:
         # in expertd fetch a moment ago) are not leased from the arena: a stat, then nothing.
         self.cache.withdraw(self.pool.withdrawn(req.layer))
         demand = Demand(identity, rid, req.layer, req.experts)
-        if not self.cache.start(demand, owed=self.cache.book.owed(identity)) and \
+        if not self.cache.start(demand) and \
                 not self.cache.book.enqueue(demand):
             self.counters.busy += 1
             raise ProtocolError(f"{MAX_QUEUED_PER_CLIENT} demands of this client wait already; "
