@@ -244,7 +244,9 @@ def test_every_client_the_daemon_admits_gets_a_record(blobs, isolated_env):
         for _ in range(300):
             with RawClient(blobs) as passing:
                 assert passing.hello["epoch_slot"] >= 0
-        assert d.stats()["clients"] <= 1
+        # Each goodbye is handled in its own time (the stats come over another connection):
+        # the registry empties, it does not keep the 300.
+        wait_until(lambda: d.stats()["clients"] == 0, 20, "the passing clients to be gone")
 
 
 @pytest.mark.timeout(120)
