@@ -79,6 +79,7 @@ class StreamedLayer:
     guess_sent: tuple | None = None
     _used: set = field(default_factory=set)
     _rows_cache: dict = field(default_factory=dict)
+    _graphs: dict = field(default_factory=dict)  # kind -> (puller, call, compiled call)
     _calls: int = 0
 
     def forward(self, module, x, indices):
@@ -171,20 +172,56 @@ class StreamedLayer:
         and arena misses) and mlx-lm's computation runs on them; else ids are remapped on the
         device (not at all in a pool with a row for every expert, each at its own index) and
         a missing expert computes with a placeholder row. The step's end checks the statuses
-        or the ids (unless nothing can miss)."""
+        or the ids (unless nothing can miss). A decode's call runs as one compiled graph
+        (:meth:`_graph`)."""
         pool, session = self.pool, self.session
         if pool.ahead is not None:
             pool.commit_ahead(session.epoch)
         puller = session.puller
         if puller is not None and not pool.complete:
-            arrays, status = puller.assemble(self.index, indices, pool)
+            if not puller.traceable:  # the host copy waits for the ids: not a graph
+                arrays, status = puller.assemble(self.index, indices, pool)
+                out = compute(module, self.segments, arrays, x, self._pair_rows(indices))
+            else:
+                graph = self._graph(module, "pulled", puller, indices.size)
+                out, status, *arrays = graph(x, indices, pool.pull_table(),
+                                             self._pair_rows(indices), *pool.arrays)
             if records is not None:
                 records.append((self, indices, status, arrays))
-            return compute(module, self.segments, arrays, x, self._pair_rows(indices))
-        rows = indices if pool.identity else pool.table()[indices]
+            return out
         if records is not None:
             records.append((self, indices, None, None))
-        return compute(module, self.segments, pool.arrays, x, rows)
+        if pool.identity:
+            return self._graph(module, "identity", None, indices.size)(x, indices, *pool.arrays)[0]
+        return self._graph(module, "remap", None, indices.size)(x, indices, pool.table(),
+                                                                *pool.arrays)[0]
+
+    def _graph(self, module, kind: str, puller, size: int):
+        """A speculative call's device work as a function of arrays alone: ``(x, indices,
+        *inputs, *pool arrays) -> (out, *rest)``. ``kind``: "identity" (the router's ids are
+        pool rows), "remap" (inputs: the pool's table; a missing expert computes with row 0),
+        "pulled" (inputs: the pull table and ``0..n-1`` shaped as the ids; ``rest``: the
+        status and the assembled arrays, see pull.py). A decode's call (at most DECODE_IDS
+        pairs, few shapes) is compiled (``mx.compile``, one graph per shape): the calls
+        after the first build no Python operations and no kernel source, which is a
+        streamed token's extra host time on a GPU, where the host is the bound
+        (bench/RESULTS.md, issue 24). The arithmetic is mlx-lm's, exactly; a prompt's call
+        (a new shape each) runs it plainly."""
+        entry = self._graphs.get(kind)
+        if entry is None or entry[0] is not puller:
+            segments, index, n = self.segments, self.index, len(self.segments)
+
+            def call(x, indices, *inputs):
+                extra, arrays = inputs[:-n], list(inputs[-n:])
+                if kind == "pulled":
+                    table, rows = extra
+                    arrays, status = puller.pull(index, indices, table, arrays)
+                    return (compute(module, segments, arrays, x, rows), status, *arrays)
+                rows = indices if kind == "identity" else extra[0][indices]
+                return (compute(module, segments, arrays, x, rows),)
+
+            entry = self._graphs[kind] = (puller, call, mx.compile(call))
+        return entry[2] if size <= DECODE_IDS else entry[1]
 
     def _pair_rows(self, indices):
         """``0..n-1`` shaped as the router's ids: pair i computes with assembled row i."""

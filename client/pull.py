@@ -302,6 +302,9 @@ class Puller:
     """
 
     name = "host"
+    # assemble() is device operations alone, with no wait: it may be traced by mx.compile
+    # (layer.py compiles a speculative call's pull and computation into one graph).
+    traceable = False
     # Pulls are compared with the host copy until one with rows from the arena agrees, per
     # layer (verify_pull): a backing that nothing but a user's machine runs (Metal).
     verify_first = False
@@ -402,6 +405,7 @@ class _KernelPuller(Puller):
     """A device puller: one kernel per (segment count, copy width), shared by every layer."""
 
     arena_input = None  # the name of an input holding the arena itself (Metal), else None
+    traceable = True
 
     def __init__(self, view, layers: dict):
         super().__init__(view, layers)
@@ -448,9 +452,14 @@ class _KernelPuller(Puller):
                      ensure_row_contiguous=True)
 
     def assemble(self, layer: int, ids, pool):
+        return self.pull(layer, ids, pool.pull_table(), pool.arrays)
+
+    def pull(self, layer: int, ids, table, arrays: list):
+        """:meth:`assemble` of the pool whose expert -> row table (pull_table) and arrays
+        are given: what a compiled call traces with its inputs."""
         # No reshape of the ids (one MLX operation a layer less to build and encode): the
         # kernel reads them in row order (see make_kernel).
-        return self._launch(layer, ids, pool.pull_table(), pool.arrays, ids.size)
+        return self._launch(layer, ids, table, arrays, ids.size)
 
 
 class CudaPuller(_KernelPuller):

@@ -13,6 +13,7 @@ import mlx_lm
 import numpy as np
 import pytest
 from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, prompt_ids, routed_model
+from conftest import FAMILY_MODES
 from harness import Daemon, expertd_cli, wait_until
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
@@ -126,6 +127,34 @@ def test_a_warm_decode_step_waits_for_the_host_once(warm):
                10, "the heartbeat's counts")
     status = expertd_cli("status", "--blobs", session.paths.blob_dir).stdout
     assert f"{mine['steps']} steps, {mine['host_waits'] / mine['steps']:.2f} host waits" in status
+
+
+@pytest.mark.parametrize("family_mode", FAMILY_MODES, ids=[f"{f}-{m}{b}" for f, m, b in FAMILY_MODES])
+def test_speculative_calls_run_compiled_and_exact_in_every_family(models, isolated_env, tmp_path,
+                                                                  family_mode):
+    """A decode's speculative call is one compiled graph (layer.StreamedLayer._graph): its
+    logits are resident's bit for bit in every family, on pools that hold every expert (the
+    router's ids are the rows) and on pools that hold some (the ids remapped on the device,
+    misses replayed), and the compiled graphs are what ran."""
+    model_dir, blob_dir = routed_model(models, *family_mode)
+    resident = resident_model(model_dir)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        for rows, kind in ((ROWS_ALL, "identity"), (6, "remap")):
+            model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, rows), prefetch="off",
+                            fill_pools=rows == ROWS_ALL, speculate="on")
+            session = model.expertd_session
+            try:
+                run = Lockstep(resident, model)
+                before = counters(session)
+                for _ in range(10):
+                    run.step()
+                d = delta(counters(session), before)
+                layers = model.__dict__["_expertd_steps"].layers
+                assert d["speculative_steps"] + d["unchecked_steps"] == 10, d
+                assert all(set(layer._graphs) == {kind} for layer in layers), \
+                    [set(layer._graphs) for layer in layers]
+            finally:
+                session.close()
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
