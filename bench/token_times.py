@@ -17,7 +17,9 @@ loop) alternate round by round, as in gpu_pull.py, and each round records:
 given: ``default`` (Python's collector as it is), ``freeze`` (``gc.freeze()`` before the round,
 as ``expertd.client.load`` could do once the model is built), ``prompt`` (both models compute a
 512-token prompt's first token before the round, as gpu_pull.py's rounds do: the streamed
-model's pools then hold what that prompt promoted). Tokens are compared in every round.
+model's pools then hold what that prompt promoted), ``plain`` (a decode's speculative calls
+run plainly, not as compiled graphs: ``StreamedLayer.compiled``). Tokens are compared in every
+round.
 """
 
 import argparse
@@ -107,7 +109,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--variants", nargs="+", default=["default", "freeze", "prompt"],
-                        choices=["default", "freeze", "prompt"])
+                        choices=["default", "freeze", "prompt", "plain"])
     parser.add_argument("--pull", default="auto")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -134,10 +136,15 @@ def main() -> None:
                 if mode == "freeze":
                     gc.collect()
                     gc.freeze()
+                layers = streamed.__dict__["_expertd_steps"].layers
+                for layer in layers:
+                    layer.compiled = mode != "plain"
                 try:
                     b = one_round(streamed, tokenizer, args.tokens, True, session)
                 finally:
                     gc.unfreeze()
+                    for layer in layers:
+                        layer.compiled = True
                 if a["tokens"] != b["tokens"]:
                     raise AssertionError("streamed tokens differ from resident ones")
                 row = dict(variant=mode, ratio=b["tps"] / a["tps"], resident=a, streamed=b)

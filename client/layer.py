@@ -73,6 +73,8 @@ class StreamedLayer:
     # costs more than it overlaps (bench/RESULTS.md, issue 24), so the loader decides.
     start_early: bool = False
     guess_width: int = GUESS_WIDTH  # experts guessed per routed one (see predict.py)
+    compiled: bool = True  # a decode's speculative call runs compiled (see _graph); False:
+    # plainly, as bench/token_times.py's "plain" rounds compare
     copy_ahead_bytes: int = 0  # the least a guess's core must weigh to be written ahead
     # (ranked experts, n_core) this layer guessed for the next layer's coming call, which
     # takes it (and scores it through its ``incoming``)
@@ -221,7 +223,7 @@ class StreamedLayer:
                 return (compute(module, segments, arrays, x, rows),)
 
             entry = self._graphs[kind] = (puller, call, mx.compile(call))
-        return entry[2] if size <= DECODE_IDS else entry[1]
+        return entry[2] if self.compiled and size <= DECODE_IDS else entry[1]
 
     def _pair_rows(self, indices):
         """``0..n-1`` shaped as the router's ids: pair i computes with assembled row i."""
