@@ -42,10 +42,23 @@ def _host_ms(make, repeat: int = 20) -> tuple:
     return 1e3 * statistics.median(host), 1e3 * statistics.median(total)
 
 
+def _build_ms(make, repeat: int = 50) -> float:
+    """Median ms to build what ``make()`` returns (the Python and the bindings, no encoding)."""
+    mx.eval(make())
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = make()
+        times.append(time.perf_counter() - t)
+        mx.eval(out)
+    return 1e3 * statistics.median(times)
+
+
 def encode_costs(p, pools, layers) -> None:
     """What the host pays to encode a step's extra work, 12 layers of it, by shape: the pull
-    kernel (one output per segment and a status), a kernel copying the same bytes into one
-    output, and mx.take of the same rows per segment."""
+    kernel (one output per segment and a status), plain and compiled; a kernel copying the
+    same bytes into one output, with the pull's inputs or two, and split back into the
+    segments' arrays (compiled); and mx.take of the same rows per segment."""
     ids = mx.array(np.arange(8, dtype=np.int32))
     mx.eval(ids)
     first = pools[layers[0]].arrays[0]
@@ -56,19 +69,48 @@ def encode_costs(p, pools, layers) -> None:
     out0[i] = ((const unsigned int*)pool0)[i % {first.nbytes // 4}LL];"""
     one = mx.fast.cuda_kernel(name="probe_one", input_names=["ids", "pool0"],
                               output_names=["out0"], source=src)
+    segs = p.layers[layers[0]]
+    names = ["ids", "table", "params"] + [f"pool{i}" for i in range(len(segs))]
+    wide = mx.fast.cuda_kernel(name="probe_wide", input_names=names, output_names=["out0"],
+                               source=src)
+
+    def wide_call(la, table, params, *arrays):
+        return wide(inputs=[ids, table, params, *arrays], output_shapes=[(n_out,)],
+                    output_dtypes=[mx.uint32], grid=(2048 * 512, 1, 1),
+                    threadgroup=(512, 1, 1))[0]
+
+    def split(out):  # one uint8 buffer, segment-major, back into the segments' arrays
+        flat, at, parts = out.view(mx.uint8), 0, []
+        for dtype, shape, nb in segs:
+            parts.append(flat[at:at + 8 * nb].view(dtype).reshape((8, *shape)))
+            at += 8 * nb
+        return parts
+
+    table = pools[layers[0]].pull_table()
+    params = {la: p.params(la) for la in layers}
+    compiled_pull = {la: mx.compile(lambda i, t, *a, la=la: p.pull(la, i, t, list(a)))
+                     for la in layers}
+    compiled_split = mx.compile(lambda t, q, *a: split(wide_call(0, t, q, *a)))
     cases = dict(
         pull=lambda: [p.assemble(la, ids, pools[la]) for la in layers],
+        pull_compiled=lambda: [compiled_pull[la](ids, table, *pools[la].arrays)
+                               for la in layers],
         one_output=lambda: [one(inputs=[ids, pools[la].arrays[0]],
                                 output_shapes=[(n_out,)],
                                 output_dtypes=[mx.uint32], grid=(2048 * 512, 1, 1),
                                 threadgroup=(512, 1, 1)) for la in layers],
+        one_output_all_inputs=lambda: [wide_call(la, table, params[la], *pools[la].arrays)
+                                       for la in layers],
+        one_output_split_compiled=lambda: [compiled_split(table, params[la], *pools[la].arrays)
+                                           for la in layers],
         take=lambda: [[mx.take(a, ids, axis=0) for a in pools[la].arrays] for la in layers],
         take_one=lambda: [mx.take(pools[la].arrays[0], ids, axis=0) for la in layers],
     )
     for name, make in cases.items():
+        build = _build_ms(make)
         host, total = _host_ms(make)
-        print(f"encode {name}: async_eval {host:.3f} ms, whole {total:.3f} ms "
-              f"({len(layers)} layers)", flush=True)
+        print(f"encode {name}: build {build:.3f} ms, async_eval {host:.3f} ms, whole "
+              f"{total:.3f} ms ({len(layers)} layers)", flush=True)
 
 
 def main() -> None:
