@@ -91,31 +91,10 @@ def encode_costs(p, pools, layers) -> None:
     compiled_pull = {la: mx.compile(lambda i, t, *a, la=la: p.pull(la, i, t, list(a)))
                      for la in layers}
     compiled_split = mx.compile(lambda t, q, *a: split(wide_call(0, t, q, *a)))
-
-    def packed(make):  # what ``make`` builds with the puller's packed output
-        p.packed = True
-        try:
-            return make()
-        finally:
-            p.packed = False
-
-    compiled_packed = {la: mx.compile(lambda i, t, *a, la=la: p.pull(la, i, t, list(a)))
-                       for la in layers}
-    packed(lambda: [compiled_packed[la](ids, table, *pools[la].arrays) for la in layers])
-    # The packed kernel's rows and statuses are the plain one's, two pairs read from the arena.
-    mixed = mx.array(np.r_[POOL:POOL + 2, 0:6].astype(np.int32))
-    for la in layers:
-        want = p.assemble(la, mixed, pools[la])
-        got = packed(lambda: p.assemble(la, mixed, pools[la]))
-        same = [mx.array_equal(a, b).item() for a, b in zip([*want[0], want[1]], [*got[0], got[1]])]
-        assert all(same), f"layer {la}: the packed pull differs from the plain one: {same}"
     cases = dict(
         pull=lambda: [p.assemble(la, ids, pools[la]) for la in layers],
         pull_compiled=lambda: [compiled_pull[la](ids, table, *pools[la].arrays)
                                for la in layers],
-        pull_packed=lambda: packed(lambda: [p.assemble(la, ids, pools[la]) for la in layers]),
-        pull_packed_compiled=lambda: [compiled_packed[la](ids, table, *pools[la].arrays)
-                                      for la in layers],
         one_output=lambda: [one(inputs=[ids, pools[la].arrays[0]],
                                 output_shapes=[(n_out,)],
                                 output_dtypes=[mx.uint32], grid=(2048 * 512, 1, 1),

@@ -18,9 +18,8 @@ given: ``default`` (Python's collector as it is), ``freeze`` (``gc.freeze()`` be
 as ``expertd.client.load`` could do once the model is built), ``prompt`` (both models compute a
 512-token prompt's first token before the round, as gpu_pull.py's rounds do: the streamed
 model's pools then hold what that prompt promoted), ``plain`` (a decode's speculative calls
-run plainly, not as compiled graphs: ``StreamedLayer.compiled``), ``packed`` (the pull kernel
-writes one byte output, split into the segments' arrays by views: ``pull.Puller.packed``).
-Tokens are compared in every round.
+run plainly, not as compiled graphs: ``StreamedLayer.compiled``). Tokens are compared in every
+round.
 """
 
 import argparse
@@ -62,16 +61,6 @@ class GcClock:
 
     def __exit__(self, *exc):
         gc.callbacks.remove(self._callback)
-
-
-def packing(session, layers, on: bool) -> None:
-    """The device puller's packed output on or off; the layers' compiled graphs, which traced
-    the kernel of the other layout, are made again."""
-    puller = session.puller
-    if puller is not None and puller.traceable and puller.packed != on:
-        puller.packed = on
-        for layer in layers:
-            layer._graphs.clear()
 
 
 COUNTED = ("host_waits", "replays", "steps", "speculative_steps")
@@ -120,7 +109,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--variants", nargs="+", default=["default", "freeze", "prompt"],
-                        choices=["default", "freeze", "prompt", "plain", "packed"])
+                        choices=["default", "freeze", "prompt", "plain"])
     parser.add_argument("--pull", default="auto")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -148,14 +137,12 @@ def main() -> None:
                     gc.collect()
                     gc.freeze()
                 layers = streamed.__dict__["_expertd_steps"].layers
-                packing(session, layers, mode == "packed")
                 for layer in layers:
                     layer.compiled = mode != "plain"
                 try:
                     b = one_round(streamed, tokenizer, args.tokens, True, session)
                 finally:
                     gc.unfreeze()
-                    packing(session, layers, False)
                     for layer in layers:
                         layer.compiled = True
                 if a["tokens"] != b["tokens"]:

@@ -200,16 +200,12 @@ def _lookup_source(kind: str) -> str:
     }}"""
 
 
-def _copy_source(n_segments: int, vector: bool, unit: str, packed: bool) -> str:
+def _copy_source(n_segments: int, vector: bool, unit: str) -> str:
     """Copy each segment of the resolved row into the outputs (grid-strided over the row's
-    blocks); hits from the pool, misses from the arena. ``packed``: one byte output, segment
-    after segment (segment s of every pair, then s + 1: each segment a contiguous range),
-    else one output per segment."""
+    blocks); hits from the pool, misses from the arena."""
     width = 16 if vector else 1
-    lines = ["\n    I64 before = 0;  // bytes of the earlier segments, per pair"] if packed else []
+    lines = []
     for s in range(n_segments):
-        dst = ("((DST unsigned char*)rows) + pairs * before + (I64)p * nb" if packed
-               else f"((DST unsigned char*)out{s}) + (I64)p * nb")
         lines.append(f"""
     {{
       I64 nb = params[{N_FIXED} + 2 * {s} + 1];
@@ -217,7 +213,7 @@ def _copy_source(n_segments: int, vector: bool, unit: str, packed: bool) -> str:
       SRC unsigned char* src = from_pool
           ? ((SRC unsigned char*)pool{s}) + where * nb
           : arena + params[{P_ROWS}] + where * params[{P_STRIDE}] + off;
-      DST unsigned char* dst = {dst};
+      DST unsigned char* dst = ((DST unsigned char*)out{s}) + (I64)p * nb;
       I64 units = nb / {width};
       SRC {unit}* from = (SRC {unit}*)src;
       DST {unit}* to = (DST {unit}*)dst;
@@ -228,7 +224,7 @@ def _copy_source(n_segments: int, vector: bool, unit: str, packed: bool) -> str:
       }}
       for (; i < units; i += step) {{
         to[i] = from[i];
-      }}{"" if not packed else chr(10) + "      before += nb;"}
+      }}
     }}""")
     return "".join(lines)
 
@@ -240,7 +236,7 @@ _LANGUAGES = {
         bytes="unsigned char", group="blockIdx", shared="__shared__ long long",
         arena=f"const unsigned char* arena = (const unsigned char*)(uintptr_t)params[{P_BASE}]",
         thread="threadIdx.x", barrier="__syncthreads()", width="blockDim.x",
-        groups="gridDim.x", pairs="gridDim.y", kind="long long*"),
+        groups="gridDim.x", kind="long long*"),
     "metal": dict(
         ARENA="device const", SRC="device const", DST="device", I64="long",
         U64="unsigned long", bytes="uchar", group="threadgroup_position_in_grid",
@@ -249,21 +245,20 @@ _LANGUAGES = {
         thread="thread_position_in_threadgroup.x",
         barrier="threadgroup_barrier(mem_flags::mem_threadgroup)",
         width="threads_per_threadgroup.x", groups="threadgroups_per_grid.x",
-        pairs="threadgroups_per_grid.y", kind="threadgroup long*"),
+        kind="threadgroup long*"),
 }
 
 
-def _kernel_source(language: str, n_segments: int, vector: bool, packed: bool = False) -> str:
+def _kernel_source(language: str, n_segments: int, vector: bool) -> str:
     """The pull kernel's body in ``language`` (mx.fast's kernel builders write its signature):
-    each block's first thread resolves its pair, then the block copies its share of the row
-    (into one output per segment, or ``packed`` into one: see :func:`_copy_source`)."""
+    each block's first thread resolves its pair, then the block copies its share of the row."""
     t = _LANGUAGES[language]
     defines = "".join(f"  #define {m} {t[m]}".rstrip() + "\n"
                       for m in ("ARENA", "SRC", "DST", "I64", "U64"))
     return f"""
 {defines}  const int p = {t["group"]}.y;
   const int chunk = {t["group"]}.x;
-{f'  const I64 pairs = (I64){t["pairs"]};{chr(10)}' if packed else ""}  {t["shared"]} found[2];
+  {t["shared"]} found[2];
   {t["arena"]};
   if ({t["thread"]} == 0) {{
     {t["kind"]} kind = found;
@@ -275,18 +270,18 @@ def _kernel_source(language: str, n_segments: int, vector: bool, packed: bool = 
   const I64 where = found[1];
   const I64 first = (I64)chunk * {t["width"]} + {t["thread"]};
   const I64 step = (I64){t["groups"]} * {t["width"]};
-{_copy_source(n_segments, vector, "uint4" if vector else t["bytes"], packed)}
+{_copy_source(n_segments, vector, "uint4" if vector else t["bytes"])}
 """
 
 
-def cuda_source(n_segments: int, vector: bool, packed: bool = False) -> str:
+def cuda_source(n_segments: int, vector: bool) -> str:
     """The body of the CUDA pull kernel (``mx.fast.cuda_kernel`` writes its signature)."""
-    return _kernel_source("cuda", n_segments, vector, packed)
+    return _kernel_source("cuda", n_segments, vector)
 
 
-def metal_source(n_segments: int, vector: bool, packed: bool = False) -> str:
+def metal_source(n_segments: int, vector: bool) -> str:
     """The body of the Metal pull kernel (``mx.fast.metal_kernel`` writes its signature)."""
-    return _kernel_source("metal", n_segments, vector, packed)
+    return _kernel_source("metal", n_segments, vector)
 
 
 def input_names(n_segments: int, arena_input: str | None) -> list:
@@ -294,23 +289,8 @@ def input_names(n_segments: int, arena_input: str | None) -> list:
     return names + [arena_input] if arena_input else names
 
 
-def output_names(n_segments: int, packed: bool = False) -> list:
-    return ["rows" if packed else f"out{s}" for s in range(1 if packed else n_segments)] \
-        + ["status"]
-
-
-def unpack(rows, segments: list, n: int) -> list:
-    """The packed output's ``n`` pairs as one array per segment (``(n, *shape)`` of its dtype),
-    views of its contiguous ranges (no copy).
-
-    Args:
-        segments: ``(mlx dtype, per-expert shape, nbytes)`` per segment, in order.
-    """
-    out, at = [], 0
-    for dtype, shape, nb in segments:
-        out.append(rows[at:at + n * nb].view(dtype).reshape((n, *shape)))
-        at += n * nb
-    return out
+def output_names(n_segments: int) -> list:
+    return [f"out{s}" for s in range(n_segments)] + ["status"]
 
 
 class Puller:
@@ -426,10 +406,6 @@ class _KernelPuller(Puller):
 
     arena_input = None  # the name of an input holding the arena itself (Metal), else None
     traceable = True
-    # The rows come out in one byte array, split into the segments' arrays by views (see
-    # unpack), instead of one output per segment: fewer outputs for MLX to allocate and
-    # track at each encode (bench/pull_probe.py).
-    packed = False
 
     def __init__(self, view, layers: dict):
         super().__init__(view, layers)
@@ -444,44 +420,35 @@ class _KernelPuller(Puller):
             self._vector[layer] = vector_copy(self.view, layer)
         return p
 
-    def kernel(self, n_segments: int, vector: bool, packed: bool = False):
-        key = (n_segments, vector, packed)
+    def kernel(self, n_segments: int, vector: bool):
+        key = (n_segments, vector)
         k = self._kernels.get(key)
         if k is None:
-            k = self._kernels[key] = self.make_kernel(n_segments, vector, packed)
+            k = self._kernels[key] = self.make_kernel(n_segments, vector)
         return k
 
     def _launch(self, layer: int, ids, table, sources: list, n: int):
         params = self.params(layer)
         segs = self.layers[layer]
+        shapes, dtypes = self._outputs(layer, n)
         inputs = [ids, table, params, *sources] + self.extra_inputs()
-        # Packed where every segment's size is a multiple of 16 (vector copies): each
-        # segment's range then starts aligned for its dtype's view.
-        packed = self.packed and self._vector[layer]
-        kernel = self.kernel(len(segs), self._vector[layer], packed)
-        if packed:
-            shapes = [(n * sum(nb for _, _, nb in segs),), (n,)]
-            dtypes = [mx.uint8, mx.int32]
-        else:
-            shapes, dtypes = self._outputs(layer, n)
+        kernel = self.kernel(len(segs), self._vector[layer])
         out = kernel(inputs=inputs, output_shapes=shapes, output_dtypes=dtypes,
                      grid=(CHUNKS * THREADS, n, 1), threadgroup=(THREADS, 1, 1))
-        if packed:
-            return unpack(out[0], segs, n), out[1]
         return list(out[:-1]), out[-1]
 
     def extra_inputs(self) -> list:
         return []
 
-    def make_kernel(self, n_segments: int, vector: bool, packed: bool = False):
+    def make_kernel(self, n_segments: int, vector: bool):
         """The pull kernel in this puller's language (``name``: "cuda" or "metal")."""
         build = getattr(mx.fast, f"{self.name}_kernel")
         # Row-contiguous inputs: the kernel reads the router's ids in row order whatever
         # their shape or strides (MLX copies a strided slice first).
-        return build(name=f"expertd_pull_{n_segments}_{int(vector)}{'_packed' * packed}",
+        return build(name=f"expertd_pull_{n_segments}_{int(vector)}",
                      input_names=input_names(n_segments, self.arena_input),
-                     output_names=output_names(n_segments, packed),
-                     source=_kernel_source(self.name, n_segments, vector, packed),
+                     output_names=output_names(n_segments),
+                     source=_kernel_source(self.name, n_segments, vector),
                      ensure_row_contiguous=True)
 
     def assemble(self, layer: int, ids, pool):

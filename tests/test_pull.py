@@ -39,7 +39,6 @@ from expertd.client.pull import (
     make_puller,
     metal_source,
     output_names,
-    unpack,
     vector_copy,
 )
 from expertd.client.session import Session
@@ -307,35 +306,6 @@ def test_kernel_arguments():
     assert "uint4" in cuda_source(1, True) and "uint4" not in cuda_source(1, False)
     assert "threadgroup_position_in_grid" in metal_source(1, False)
     assert "blockIdx" in cuda_source(1, False)
-
-
-def test_the_packed_kernel_writes_each_segment_as_one_range():
-    """The packed layout (Puller.packed): one byte output and the statuses; segment s of
-    pair p at ``pairs * (bytes of the earlier segments) + p * nbytes``, in both languages."""
-    assert output_names(3, packed=True) == ["rows", "status"]
-    for source in (cuda_source(3, True, packed=True), metal_source(3, True, packed=True)):
-        assert "out0" not in source and "status[p]" in source
-        assert source.count("pairs * before + (I64)p * nb") == 3
-        assert source.count("before += nb;") == 3
-    assert "gridDim.y" in cuda_source(1, True, packed=True)
-    assert "threadgroups_per_grid.y" in metal_source(1, True, packed=True)
-    assert "pairs" not in cuda_source(2, True)  # the plain layout is as it was
-
-
-def test_unpack_gives_each_segment_its_pairs_without_a_copy_of_the_rest():
-    """unpack's views of a segment-major byte array equal the arrays it was packed from,
-    whatever their dtypes and shapes."""
-    rng = np.random.default_rng(3)
-    n = 5
-    want = [rng.integers(0, 2**32, (n, 4, 8), dtype=np.uint32),
-            rng.standard_normal((n, 4, 2)).astype(np.float16),
-            rng.integers(-128, 127, (n, 16), dtype=np.int8)]
-    segments = [(mx.uint32, (4, 8), 128), (mx.float16, (4, 2), 16), (mx.int8, (16,), 16)]
-    rows = mx.array(np.concatenate([w.reshape(-1).view(np.uint8) for w in want]))
-    got = unpack(rows, segments, n)
-    for w, g, (dtype, shape, _) in zip(want, got, segments):
-        assert g.dtype == dtype and g.shape == (n, *shape)
-        assert np.array_equal(np.array(g).view(np.uint8), w.view(np.uint8))
 
 
 def test_kernel_params_follow_the_arena(models, isolated_env, tmp_path):
