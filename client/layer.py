@@ -7,9 +7,12 @@ computation runs on the pool (switch.py). Then the guess for the next layer is s
 daemon (read ahead into side rows, as far as predict.py allows) and its resident core is
 written ahead into the next pool, on the copier's thread, while this layer computes. In a
 speculative step (step.py) a call waits for nothing: its ids are remapped on the device and
-checked at the step's end.
+checked at the step's end, and a decode's call of the whole MoE block is one compiled graph
+(``StreamedLayer.block_call``): on a GPU the host is a decode's bound, and a compiled call
+builds no Python operations.
 """
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -82,6 +85,10 @@ class StreamedLayer:
     _used: set = field(default_factory=set)
     _rows_cache: dict = field(default_factory=dict)
     _graphs: dict = field(default_factory=dict)  # kind -> (puller, call, compiled call)
+    # x's shape -> the router's ids' (shape, dtype), learnt from a plain call of that shape
+    _ids_like: dict = field(default_factory=dict)
+    _tracing: tuple | None = None  # (kind, puller, inputs) while block_call traces
+    _traced: tuple | None = None  # what the traced switch call hands block_call back
     _calls: int = 0
 
     def forward(self, module, x, indices):
@@ -174,41 +181,51 @@ class StreamedLayer:
         and arena misses) and mlx-lm's computation runs on them; else ids are remapped on the
         device (not at all in a pool with a row for every expert, each at its own index) and
         a missing expert computes with a placeholder row. The step's end checks the statuses
-        or the ids (unless nothing can miss). A decode's call runs as one compiled graph
-        (:meth:`_graph`)."""
+        or the ids (unless nothing can miss). A decode's call runs compiled: the whole MoE
+        block's (:meth:`block_call`, which traces this with :attr:`_tracing` set), or this
+        call's own (:meth:`_graph`)."""
+        if self._tracing is not None:  # inside block_call's trace: its inputs, no records
+            kind, puller, inputs = self._tracing
+            out = self._entry(module, kind, puller)[1](x, indices, *inputs)
+            self._traced = (indices, *out[1:])
+            return out[0]
         pool, session = self.pool, self.session
         if pool.ahead is not None:
             pool.commit_ahead(session.epoch)
+        if indices.size <= DECODE_IDS:  # a decode's shape, which block_call may compile
+            self._ids_like[x.shape] = (indices.shape, indices.dtype)
         puller = session.puller
         if puller is not None and not pool.complete:
             if not puller.traceable:  # the host copy waits for the ids: not a graph
                 arrays, status = puller.assemble(self.index, indices, pool)
-                out = compute(module, self.segments, arrays, x, self._pair_rows(indices))
+                out = compute(module, self.segments, arrays, x,
+                              self._pair_rows(indices.shape, indices.dtype))
             else:
                 graph = self._graph(module, "pulled", puller, indices.size)
-                out, status, *arrays = graph(x, indices, pool.pull_table(),
-                                             self._pair_rows(indices), *pool.arrays)
+                out, status, *arrays = graph(x, indices, *self._inputs("pulled", indices.shape,
+                                                                       indices.dtype))
             if records is not None:
                 records.append((self, indices, status, arrays))
             return out
         if records is not None:
             records.append((self, indices, None, None))
-        if pool.identity:
-            return self._graph(module, "identity", None, indices.size)(x, indices, *pool.arrays)[0]
-        return self._graph(module, "remap", None, indices.size)(x, indices, pool.table(),
-                                                                *pool.arrays)[0]
+        kind = "identity" if pool.identity else "remap"
+        return self._graph(module, kind, None, indices.size)(x, indices,
+                                                             *self._inputs(kind))[0]
 
-    def _graph(self, module, kind: str, puller, size: int):
-        """A speculative call's device work as a function of arrays alone: ``(x, indices,
-        *inputs, *pool arrays) -> (out, *rest)``. ``kind``: "identity" (the router's ids are
-        pool rows), "remap" (inputs: the pool's table; a missing expert computes with row 0),
-        "pulled" (inputs: the pull table and ``0..n-1`` shaped as the ids; ``rest``: the
-        status and the assembled arrays, see pull.py). A decode's call (at most DECODE_IDS
-        pairs, few shapes) is compiled (``mx.compile``, one graph per shape): the calls
-        after the first build no Python operations and no kernel source, which is a
-        streamed token's extra host time on a GPU, where the host is the bound
-        (bench/RESULTS.md, issue 24). The arithmetic is mlx-lm's, exactly; a prompt's call
-        (a new shape each) runs it plainly."""
+    def _inputs(self, kind: str, shape=None, dtype=None) -> tuple:
+        """What a speculative call of ``kind`` (see :meth:`_graph`) takes beside x and the
+        router's ids (``shape`` and ``dtype``: theirs, for the pulled kind's pair rows)."""
+        pool = self.pool
+        if kind == "pulled":
+            return (pool.pull_table(), self._pair_rows(shape, dtype), *pool.arrays)
+        if kind == "remap":
+            return (pool.table(), *pool.arrays)
+        return tuple(pool.arrays)
+
+    def _entry(self, module, kind: str, puller) -> tuple:
+        """``(puller, call, compiled call)`` of a speculative call of ``kind`` (see
+        :meth:`_graph`), made again when the session's puller changed."""
         entry = self._graphs.get(kind)
         if entry is None or entry[0] is not puller:
             segments, index, n = self.segments, self.index, len(self.segments)
@@ -223,14 +240,70 @@ class StreamedLayer:
                 return (compute(module, segments, arrays, x, rows),)
 
             entry = self._graphs[kind] = (puller, call, mx.compile(call))
+        return entry
+
+    def _graph(self, module, kind: str, puller, size: int):
+        """A speculative call's device work as a function of arrays alone: ``(x, indices,
+        *inputs, *pool arrays) -> (out, *rest)``. ``kind``: "identity" (the router's ids are
+        pool rows), "remap" (inputs: the pool's table; a missing expert computes with row 0),
+        "pulled" (inputs: the pull table and ``0..n-1`` shaped as the ids; ``rest``: the
+        status and the assembled arrays, see pull.py). A decode's call (at most DECODE_IDS
+        pairs, few shapes) is compiled (``mx.compile``, one graph per shape): the calls
+        after the first build no Python operations and no kernel source, which is a
+        streamed token's extra host time on a GPU, where the host is the bound
+        (bench/RESULTS.md, issue 24). The arithmetic is mlx-lm's, exactly; a prompt's call
+        (a new shape each) runs it plainly."""
+        entry = self._entry(module, kind, puller)
         return entry[2] if self.compiled and size <= DECODE_IDS else entry[1]
 
-    def _pair_rows(self, indices):
-        """``0..n-1`` shaped as the router's ids: pair i computes with assembled row i."""
-        key = (indices.shape, indices.dtype)
+    def block_call(self, block, x):
+        """A speculative decode call of the whole MoE ``block`` (the switch's parent, see
+        switch.guard_block) as one compiled graph: the router, the switch's call as
+        :meth:`_speculative` makes it, and the block's combining of the experts' outputs, with
+        the router's ids (and a pulled call's status and rows) as outputs for the step's
+        check. None where it does not apply (the caller runs the block plainly, which runs
+        :meth:`_speculative`): not compiling, a call of a shape not seen plainly yet or more
+        than a decode's pairs, or a puller that is not device operations."""
+        like = self._ids_like.get(x.shape)
+        if not self.compiled or like is None:
+            return None
+        pool, session = self.pool, self.session
+        puller = session.puller
+        if puller is not None and not pool.complete:
+            if not puller.traceable:
+                return None
+            kind = "pulled"
+        else:
+            kind, puller = ("identity" if pool.identity else "remap"), None
+        if pool.ahead is not None:
+            pool.commit_ahead(session.epoch)
+        key = ("block", kind)
+        entry = self._graphs.get(key)
+        if entry is None or entry[0] is not puller:
+            def call(x, *inputs):
+                self._tracing = (kind, puller, inputs)
+                try:
+                    y = block.plain_call(x)
+                finally:
+                    self._tracing = None
+                traced, self._traced = self._traced, None
+                return (y, *traced)
+
+            entry = self._graphs[key] = (puller, mx.compile(call))
+        y, indices, *rest = entry[1](x, *self._inputs(kind, *like))
+        records = self.mode.records
+        if records is not None:
+            records.append((self, indices, rest[0], rest[1:]) if rest else (self, indices,
+                                                                             None, None))
+        return y
+
+    def _pair_rows(self, shape, dtype):
+        """``0..n-1`` of the router's ids' ``shape`` and ``dtype``: pair i computes with
+        assembled row i."""
+        key = (shape, dtype)
         rows = self._rows_cache.get(key)
         if rows is None:
-            rows = mx.arange(indices.size, dtype=indices.dtype).reshape(indices.shape)
+            rows = mx.arange(math.prod(shape), dtype=dtype).reshape(shape)
             mx.eval(rows)
             self._rows_cache[key] = rows
         return rows

@@ -18,7 +18,7 @@ from .predict import check_choice, check_mode, make_guessers
 from .runtime import Runtime
 from .session import Session
 from .step import Steps, check_speculate, guarded
-from .switch import StreamedSwitch, expert_segments
+from .switch import StreamedSwitch, expert_segments, guard_block
 
 COPY_AHEAD_MIN_BYTES = 512 * 1024  # see load(copy_ahead_bytes=)
 
@@ -193,6 +193,10 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
         streamed.append(state)
         installed.append((layer.module, StreamedSwitch(module, state)))
     model.update_modules(tree_unflatten(installed))
+    for state, (path, _) in zip(streamed, installed):
+        parent = path.rpartition(".")[0]
+        if parent in modules:  # a decode's speculative call: the whole block compiled
+            guard_block(modules[parent], state)
     steps = Steps(session, streamed, mode, speculate, pipeline=pipeline_group is not None)
     runtime = Runtime(session, streamed, steps, guessers)
     model = guarded(model, steps)

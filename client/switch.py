@@ -10,6 +10,8 @@ Every family's ``gather_qmm`` / ``gather_mm`` computation stays mlx-lm's. What m
 resident and guesses ahead is in layer.py.
 """
 
+import inspect
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -46,6 +48,50 @@ class StreamedSwitch(nn.Module):
     def compute(self, x, rows):
         """mlx-lm's own computation of the replaced switch, on this module's children."""
         return self._compute(self, x, rows)
+
+
+class BlockGuard:
+    """Mixin placed in front of the class of a switch's parent, the MoE block (see
+    :func:`guard_block`): its speculative decode calls run as one compiled graph
+    (``StreamedLayer.block_call``), the rest as mlx-lm's own."""
+
+    def __call__(self, x, *args, **kwargs):
+        if not args and not kwargs:
+            layer = self.__dict__["_expertd_layer"]
+            if layer.mode.speculative:
+                y = layer.block_call(self, x)
+                if y is not None:
+                    return y
+        return super().__call__(x, *args, **kwargs)
+
+    def plain_call(self, x):
+        """mlx-lm's own call of the block."""
+        return super().__call__(x)
+
+
+_BLOCKS: dict = {}  # mlx-lm block class -> its BlockGuard subclass
+
+
+def guard_block(block: nn.Module, layer) -> bool:
+    """Put :class:`BlockGuard` in front of ``block``'s class (the same object: its children,
+    parameter paths and attributes stay mlx-lm's), its calls run by ``layer`` (a
+    ``StreamedLayer``). Only a block called with its input alone (mlx-lm's MoE blocks), not a
+    decoder layer (its cache and mask): False, and ``block`` left as it was, otherwise."""
+    cls = type(block)
+    try:
+        params = list(inspect.signature(cls.__call__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    if len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_ONLY,
+                                                   params[0].POSITIONAL_OR_KEYWORD):
+        return False
+    if not isinstance(block, BlockGuard):
+        sub = _BLOCKS.get(cls)
+        if sub is None:
+            sub = _BLOCKS[cls] = type(f"Streamed{cls.__name__}", (BlockGuard, cls), {})
+        block.__class__ = sub
+    block.__dict__["_expertd_layer"] = layer
+    return True
 
 
 def compute(module, segments: list, arrays: list, x, rows):
