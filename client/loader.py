@@ -193,10 +193,15 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
         streamed.append(state)
         installed.append((layer.module, StreamedSwitch(module, state)))
     model.update_modules(tree_unflatten(installed))
+    # The switches' parents (mlx-lm's MoE blocks, holding the switches now): a decode's
+    # speculative call of a whole block is one compiled graph (layer.StreamedLayer.block_call).
+    blocks = []
     for state, (path, _) in zip(streamed, installed):
         parent = path.rpartition(".")[0]
-        if parent in modules:  # a decode's speculative call: the whole block compiled
-            guard_block(modules[parent], state)
+        block = guard_block(modules[parent], state) if parent and parent in modules else None
+        if block is not None:
+            blocks.append((parent, block))
+    model.update_modules(tree_unflatten(blocks))
     steps = Steps(session, streamed, mode, speculate, pipeline=pipeline_group is not None)
     runtime = Runtime(session, streamed, steps, guessers)
     model = guarded(model, steps)

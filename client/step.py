@@ -32,6 +32,7 @@ from expertd.choices import SPECULATE_MODES
 from .layer import DECODE_IDS, StepMode
 from .predict import check_choice
 from .pull import ABSENT, PULLED, decode_status
+from .switch import fronted
 
 WINDOW = 16  # speculative steps per verdict
 MAX_REPLAYS = 4  # replays in a window above which auto stops speculating (a replay costs a
@@ -229,20 +230,10 @@ _GUARDED: dict = {}  # mlx-lm model class -> its StepGuard subclass
 
 
 def guarded(model, steps: "Steps"):
-    """A new model object whose calls are ``steps``' checked steps: an instance of the model's
-    class with :class:`StepGuard` in front, holding the same children (parameter paths stay
-    mlx-lm's) and attributes as ``model``, which is left as it was."""
-    import mlx.nn as nn
-
-    cls = type(model)
-    sub = _GUARDED.get(cls)
-    if sub is None:
-        sub = _GUARDED[cls] = type(f"Streamed{cls.__name__}", (StepGuard, cls), {})
-    new = sub.__new__(sub)
-    nn.Module.__init__(new)
-    dict.update(new, model)
-    for key, value in vars(model).items():
-        new.__dict__.setdefault(key, value)
+    """A new model object whose calls are ``steps``' checked steps: the model's class with
+    :class:`StepGuard` in front (switch.fronted), holding the same children and attributes as
+    ``model``, which is left as it was."""
+    new = fronted(model, StepGuard, _GUARDED)
     new.__dict__["_expertd_steps"] = steps
     return new
 

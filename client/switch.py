@@ -72,26 +72,37 @@ class BlockGuard:
 _BLOCKS: dict = {}  # mlx-lm block class -> its BlockGuard subclass
 
 
-def guard_block(block: nn.Module, layer) -> bool:
-    """Put :class:`BlockGuard` in front of ``block``'s class (the same object: its children,
-    parameter paths and attributes stay mlx-lm's), its calls run by ``layer`` (a
-    ``StreamedLayer``). Only a block called with its input alone (mlx-lm's MoE blocks), not a
-    decoder layer (its cache and mask): False, and ``block`` left as it was, otherwise."""
-    cls = type(block)
+def fronted(module: nn.Module, mixin: type, made: dict) -> nn.Module:
+    """A new object of ``module``'s class with ``mixin`` in front (the subclass made once per
+    class, kept in ``made``), holding the same children (parameter paths stay mlx-lm's) and
+    attributes; ``module`` is left as it was. It is installed in the module's place."""
+    cls = type(module)
+    sub = made.get(cls)
+    if sub is None:
+        sub = made[cls] = type(f"Streamed{cls.__name__}", (mixin, cls), {})
+    new = sub.__new__(sub)
+    nn.Module.__init__(new)
+    dict.update(new, module)
+    for key, value in vars(module).items():
+        new.__dict__.setdefault(key, value)
+    return new
+
+
+def guard_block(block: nn.Module, layer) -> nn.Module | None:
+    """``block`` (a switch's parent) with :class:`BlockGuard` in front (see :func:`fronted`),
+    its calls run by ``layer`` (a ``StreamedLayer``); to install at the block's path. Only a
+    block called with its input alone (mlx-lm's MoE blocks), not a decoder layer (its cache
+    and mask): None otherwise."""
     try:
-        params = list(inspect.signature(cls.__call__).parameters.values())[1:]
+        params = list(inspect.signature(type(block).__call__).parameters.values())[1:]
     except (TypeError, ValueError):
-        return False
+        return None
     if len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_ONLY,
                                                    params[0].POSITIONAL_OR_KEYWORD):
-        return False
-    if not isinstance(block, BlockGuard):
-        sub = _BLOCKS.get(cls)
-        if sub is None:
-            sub = _BLOCKS[cls] = type(f"Streamed{cls.__name__}", (BlockGuard, cls), {})
-        block.__class__ = sub
-    block.__dict__["_expertd_layer"] = layer
-    return True
+        return None
+    new = fronted(block, BlockGuard, _BLOCKS)
+    new.__dict__["_expertd_layer"] = layer
+    return new
 
 
 def compute(module, segments: list, arrays: list, x, rows):

@@ -159,6 +159,23 @@ def test_speculative_calls_run_compiled_and_exact_in_every_family(models, isolat
                 session.close()
 
 
+def test_only_a_block_called_with_its_input_alone_is_guarded(models):
+    """guard_block installs a new object of the block's class with BlockGuard in front,
+    holding the same children, and leaves the block as it was; a decoder layer (called with
+    a mask and a cache) is never guarded: its compiled call would hold the cache's state."""
+    from expertd.client.switch import BlockGuard, guard_block
+
+    model, _ = mlx_lm.load(str(routed_model(models, "qwen3_moe", "affine", 4)[0]))
+    decoder = model.model.layers[1]
+    block = decoder.mlp
+    guarded = guard_block(block, "layer")
+    assert isinstance(guarded, BlockGuard) and isinstance(guarded, type(block))
+    assert not isinstance(block, BlockGuard) and type(guarded) is not type(block)
+    assert dict(guarded) == dict(block) and guarded["switch_mlp"] is block["switch_mlp"]
+    assert guarded.__dict__["_expertd_layer"] == "layer"
+    assert guard_block(decoder, "layer") is None
+
+
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_a_miss_is_replayed_exactly(warm, where):
     """A pool emptied before a step: that layer misses, the step is trimmed back and replayed
