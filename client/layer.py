@@ -85,8 +85,11 @@ class StreamedLayer:
     _used: set = field(default_factory=set)
     _rows_cache: dict = field(default_factory=dict)
     _graphs: dict = field(default_factory=dict)  # kind -> (puller, call, compiled call)
-    # x's shape -> the router's ids' (shape, dtype), learnt from a plain call of that shape
+    # a block's input shape -> the router's ids' (shape, dtype), learnt from a plain call
     _ids_like: dict = field(default_factory=dict)
+    _seen: tuple | None = None  # the latest call's ids' (shape, dtype)
+    _graphs_puller: object = None  # the puller the graphs were made with
+    traces: int = 0  # block graphs traced (mx.compile runs the block's Python once a shape)
     _tracing: tuple | None = None  # (kind, puller, inputs) while block_call traces
     _traced: tuple | None = None  # what the traced switch call hands block_call back
     _calls: int = 0
@@ -192,9 +195,8 @@ class StreamedLayer:
         pool, session = self.pool, self.session
         if pool.ahead is not None:
             pool.commit_ahead(session.epoch)
-        if indices.size <= DECODE_IDS:  # a decode's shape, which block_call may compile
-            self._ids_like[x.shape] = (indices.shape, indices.dtype)
-        puller = session.puller
+        self._seen = (indices.shape, indices.dtype)  # what block_call learns of its shape
+        puller = self._current(session.puller)
         if puller is not None and not pool.complete:
             if not puller.traceable:  # the host copy waits for the ids: not a graph
                 arrays, status = puller.assemble(self.index, indices, pool)
@@ -227,7 +229,7 @@ class StreamedLayer:
         """``(puller, call, compiled call)`` of a speculative call of ``kind`` (see
         :meth:`_graph`), made again when the session's puller changed."""
         entry = self._graphs.get(kind)
-        if entry is None or entry[0] is not puller:
+        if entry is None:
             segments, index, n = self.segments, self.index, len(self.segments)
 
             def call(x, indices, *inputs):
@@ -256,31 +258,42 @@ class StreamedLayer:
         entry = self._entry(module, kind, puller)
         return entry[2] if self.compiled and size <= DECODE_IDS else entry[1]
 
+    def _current(self, puller):
+        """``puller`` (the session's), once the graphs made with another are dropped: a
+        dropped or replaced puller (its arena mapping with it) is not kept alive by them."""
+        if puller is not self._graphs_puller:
+            self._graphs = {k: v for k, v in self._graphs.items() if v[0] is None}
+            self._graphs_puller = puller
+        return puller
+
     def block_call(self, block, x):
-        """A speculative decode call of the whole MoE ``block`` (the switch's parent, see
-        switch.guard_block) as one compiled graph: the router, the switch's call as
-        :meth:`_speculative` makes it, and the block's combining of the experts' outputs, with
-        the router's ids (and a pulled call's status and rows) as outputs for the step's
-        check. None where it does not apply (the caller runs the block plainly, which runs
-        :meth:`_speculative`): not compiling, a call of a shape not seen plainly yet or more
-        than a decode's pairs, or a puller that is not device operations."""
+        """A speculative call of the whole MoE ``block`` (the switch's parent, see
+        switch.guard_block). A decode's call of a shape seen before is one compiled graph: the
+        router, the switch's call as :meth:`_speculative` makes it, and the block's combining
+        of the experts' outputs, with the router's ids (and a pulled call's status and rows)
+        as outputs for the step's check. Else (the first call of a shape, more than a
+        decode's pairs, not compiling, a puller that is not device operations) the block runs
+        plainly, which runs :meth:`_speculative`."""
         like = self._ids_like.get(x.shape)
-        if not self.compiled or like is None:
-            return None
         pool, session = self.pool, self.session
-        puller = session.puller
-        if puller is not None and not pool.complete:
-            if not puller.traceable:
-                return None
-            kind = "pulled"
-        else:
-            kind, puller = ("identity" if pool.identity else "remap"), None
+        puller = self._current(session.puller)
+        kind = ("pulled" if puller is not None and not pool.complete else
+                "identity" if pool.identity else "remap")
+        if not self.compiled or like is None or (kind == "pulled" and not puller.traceable):
+            self._seen = None
+            y = block.plain_call(x)
+            if self._seen is not None and math.prod(self._seen[0]) <= DECODE_IDS:
+                self._ids_like[x.shape] = self._seen  # a decode's shape: compiled next time
+            return y
+        if kind != "pulled":
+            puller = None
         if pool.ahead is not None:
             pool.commit_ahead(session.epoch)
         key = ("block", kind)
         entry = self._graphs.get(key)
-        if entry is None or entry[0] is not puller:
-            def call(x, *inputs):
+        if entry is None:
+            def call(x, *inputs):  # run by mx.compile once per shape: a trace
+                self.traces += 1
                 self._tracing = (kind, puller, inputs)
                 try:
                     y = block.plain_call(x)

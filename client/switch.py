@@ -56,12 +56,9 @@ class BlockGuard:
     (``StreamedLayer.block_call``), the rest as mlx-lm's own."""
 
     def __call__(self, x, *args, **kwargs):
-        if not args and not kwargs:
-            layer = self.__dict__["_expertd_layer"]
-            if layer.mode.speculative:
-                y = layer.block_call(self, x)
-                if y is not None:
-                    return y
+        layer = self.__dict__["_expertd_layer"]
+        if not args and not kwargs and layer.mode.speculative:
+            return layer.block_call(self, x)
         return super().__call__(x, *args, **kwargs)
 
     def plain_call(self, x):
@@ -83,8 +80,9 @@ def fronted(module: nn.Module, mixin: type, made: dict) -> nn.Module:
     new = sub.__new__(sub)
     nn.Module.__init__(new)
     dict.update(new, module)
-    for key, value in vars(module).items():
-        new.__dict__.setdefault(key, value)
+    frozen = new.__dict__["_no_grad"]
+    new.__dict__.update(vars(module))  # the training flag too: an eval-mode block stays one
+    new.__dict__["_no_grad"] = frozen | module.__dict__.get("_no_grad", set())
     return new
 
 

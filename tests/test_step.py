@@ -18,6 +18,7 @@ from harness import Daemon, expertd_cli, wait_until
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from expertd.client import load
+from expertd.client.pull import HostPuller
 from expertd.client.step import (
     DRAIN_EVERY,
     MAX_DRAIN_EVERY,
@@ -141,9 +142,11 @@ def test_speculative_calls_run_compiled_and_exact_in_every_family(models, isolat
     model_dir, blob_dir = routed_model(models, *family_mode)
     resident = resident_model(model_dir)
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
-        for rows, kind in ((ROWS_ALL, "identity"), (6, "remap")):
+        # Every expert at its index; all but two in the pools (few replays: most steps'
+        # logits come from the compiled graphs).
+        for rows, kind in ((ROWS_ALL, "identity"), (14, "remap")):
             model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, rows), prefetch="off",
-                            fill_pools=rows == ROWS_ALL, speculate="on")
+                            fill_pools=True, speculate="on")
             session = model.expertd_session
             try:
                 run = Lockstep(resident, model)
@@ -153,10 +156,94 @@ def test_speculative_calls_run_compiled_and_exact_in_every_family(models, isolat
                 d = delta(counters(session), before)
                 layers = model.__dict__["_expertd_steps"].layers
                 assert d["speculative_steps"] + d["unchecked_steps"] == 10, d
+                assert d["replays"] <= 3, d
                 assert all(set(layer._graphs) == {kind, ("block", kind)} for layer in layers), \
                     [set(layer._graphs) for layer in layers]
+                # Traced once (the shape's second call), then run as a graph at every step.
+                assert [layer.traces for layer in layers] == [1] * len(layers)
             finally:
                 session.close()
+
+
+class GatherPuller(HostPuller):
+    """A device puller's stand-in on this CPU (the CUDA and Metal kernels cannot run here):
+    its pull is device operations alone, as theirs, so a decode's call is one compiled graph
+    with it. Pool hits from the pool's rows, misses from the checkpoint's own expert stacks
+    (the bytes the arena holds), statuses as the kernels write them."""
+
+    traceable = True
+
+    def __init__(self, puller, stacks: dict):
+        super().__init__(puller.view, puller.layers)
+        self.stacks = stacks
+
+    def pull(self, layer, ids, table, arrays):
+        experts = ids.reshape(-1).astype(mx.int32)
+        rows = table[experts]
+        hit = rows >= 0
+        status = mx.where(hit, rows, -1 - 2 * experts).astype(mx.int32)
+        out = []
+        for pool, stack in zip(arrays, self.stacks[layer]):
+            mask = hit.reshape((-1,) + (1,) * (pool.ndim - 1))
+            out.append(mx.where(mask, pool[mx.maximum(rows, 0)], stack[experts]))
+        return out, status
+
+
+def expert_stacks(resident, manifest) -> dict:
+    """Per MoE layer, the resident model's expert arrays in the manifest's segment order."""
+    modules = dict(resident.named_modules())
+    stacks = {}
+    for layer in manifest.layers:
+        stacks[layer.index] = []
+        for seg in layer.segments:
+            path, attr = seg.name.rsplit(".", 1)
+            child = modules[layer.module]
+            for part in path.split("."):
+                child = child[part]
+            stacks[layer.index].append(child[attr])
+    return stacks
+
+
+@pytest.mark.parametrize("family_mode", [FAMILY_MODES[0], FAMILY_MODES[3]],
+                         ids=["qwen3_moe", "gpt_oss"])
+def test_pulled_calls_compile_with_the_puller_they_were_made_with(models, isolated_env, tmp_path,
+                                                                 family_mode):
+    """The device's path: a decode's pulled call compiled whole (the pull among its
+    operations, the statuses and rows out for the check and promotions), exact while
+    promotions replace the pools' arrays; a new puller (as a new attach makes) is traced
+    anew and the graphs made with the old one are dropped (they held its arena mapping);
+    without a puller the ids are remapped. A stand-in puller pulls here (GatherPuller)."""
+    model_dir, blob_dir = routed_model(models, *family_mode)
+    resident = resident_model(model_dir)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 6), prefetch="off", pull="host",
+                        speculate="on")
+        runtime, steps = model.expertd_session, model.__dict__["_expertd_steps"]
+        session, layers = steps.session, steps.layers  # the client session the layers ask
+        stacks = expert_stacks(resident, session.manifest)
+        first = session.puller = GatherPuller(session.puller, stacks)
+        try:
+            run = Lockstep(resident, model)
+            before = counters(session)
+            for step in range(18):
+                if step == 7:
+                    session.puller = GatherPuller(first, stacks)
+                if step == 12:
+                    session.puller = None
+                run.step()
+                if step == 7:
+                    assert not any(entry[0] is first for layer in layers
+                                   for entry in layer._graphs.values())
+            d = delta(counters(session), before)
+            # (a pull that found its expert absent from the arena runs the step again, without
+            # waits, once the daemon has read it: a second speculative attempt)
+            assert d["steps"] == 18 and d["speculative_steps"] >= 18 and d["replays"] <= 6, d
+            assert sum(layer.pool.counters["promoted"] for layer in layers) > 0
+            # Pulled with the first puller, with the second, remapped without: one trace each.
+            assert [layer.traces for layer in layers] == [3] * len(layers)
+        finally:
+            session.puller = None
+            runtime.close()
 
 
 def test_only_a_block_called_with_its_input_alone_is_guarded(models):
@@ -174,6 +261,10 @@ def test_only_a_block_called_with_its_input_alone_is_guarded(models):
     assert dict(guarded) == dict(block) and guarded["switch_mlp"] is block["switch_mlp"]
     assert guarded.__dict__["_expertd_layer"] == "layer"
     assert guard_block(decoder, "layer") is None
+    block.eval()  # the guarded object keeps the block's mode and frozen parameters
+    block.freeze(keys=["gate"], recurse=False)
+    guarded = guard_block(block, "layer")
+    assert guarded.training is False and "gate" in guarded.__dict__["_no_grad"]
 
 
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
