@@ -1,6 +1,6 @@
 """Device pulls (issue 24): pools at 25% of the experts, next to resident mlx-lm, one process.
 
-    PYTHONSAFEPATH=1 python bench/gpu_pull.py [--small] [--rounds 5] [--tokens 48]
+    PYTHONSAFEPATH=1 python bench/gpu_pull.py [--small] [--rounds 9] [--tokens 48]
                                               [--out FILE.json] [--results]
 
 For each case a daemon is started, the streamed model is loaded, and it alternates with the
@@ -405,7 +405,7 @@ def table(r: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--rounds", type=int, default=5)  # rounds spread widely (RESULTS.md)
+    parser.add_argument("--rounds", type=int, default=9)  # rounds spread widely (RESULTS.md)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--temp", type=float, default=0.0)
     parser.add_argument("--cases", default="warm,pooled,pooled-own,pooled-off,capped,rate")
