@@ -179,8 +179,12 @@ def read_api_key(path: str | None, environ=os.environ) -> str | None:
         return key
     file = Path(path).expanduser()
     try:
-        with open(file, "rb") as f:  # the mode of what was opened, not of a name swapped in
+        # Not blocking: a FIFO at the path (nobody writing) would hang serve's start.
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:  # the mode of what was opened, not of a name swapped in
             mode = os.fstat(f.fileno()).st_mode
+            if not stat.S_ISREG(mode):
+                raise ValueError(f"--api-key-file {path}: not a regular file")
             data = f.read(MAX_KEY_FILE + 1)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.EACCES, errno.EISDIR, errno.ENOTDIR):

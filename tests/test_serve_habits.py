@@ -398,6 +398,11 @@ def test_an_api_key_file_must_be_private_and_hold_one_key(tmp_path):
         read_api_key(str(key_file))
     os.chmod(key_file, 0o600)
     assert read_api_key(str(key_file)) == "abc"
+    fifo = tmp_path / "fifo"  # nobody writes it: read as a file, it would block for ever
+    os.mkfifo(fifo, 0o600)
+    for where in (fifo, tmp_path):
+        with pytest.raises(ValueError, match="not a regular file"):
+            read_api_key(str(where))
     for text, words in (("", 0), ("a b\n", 2)):
         key_file.write_text(text)
         with pytest.raises(ValueError, match=f"holds {words} words"):
