@@ -181,10 +181,11 @@ def read_api_key(path: str | None, environ=os.environ) -> str | None:
     try:
         # Not blocking: a FIFO at the path (nobody writing) would hang serve's start.
         fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:  # the mode of what was opened, not of a name swapped in
-            mode = os.fstat(f.fileno()).st_mode
-            if not stat.S_ISREG(mode):
-                raise ValueError(f"--api-key-file {path}: not a regular file")
+        mode = os.fstat(fd).st_mode  # the mode of what was opened, not of a name swapped in
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise ValueError(f"--api-key-file {path}: not a regular file")
+        with os.fdopen(fd, "rb") as f:
             data = f.read(MAX_KEY_FILE + 1)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.EACCES, errno.EISDIR, errno.ENOTDIR):
