@@ -19,7 +19,10 @@ from expertd.cli.daemon_control import parse_size
 from expertd.cli.main import DefaultsHelpFormatter, build_parser
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
+from expertd.serving.config import ServerConfig
 from expertd.shm.layout import Geometry
+
+DEFAULT_WORKERS = ServerConfig.workers
 
 
 def test_version_comes_from_the_package_metadata():
@@ -94,6 +97,17 @@ def test_start_status_restart_stop(blobs, isolated_env):
             anew.stdout, anew.stdout
         fourth = query_stats(blobs)
         assert fourth["workers"] == 3 and fourth["arena_rows"] == third["arena_rows"]
+        # Given anew at its default value, a flag still replaces the recorded one: the next
+        # restart keeps the cache size alone.
+        default = expertd_cli("restart", "--blobs", blobs, "--workers", str(DEFAULT_WORKERS))
+        assert default.returncode == 0, default.stderr
+        assert f"--cache-gb 100%; with --workers {DEFAULT_WORKERS} anew" in default.stdout
+        assert query_stats(blobs)["workers"] == DEFAULT_WORKERS
+        alone = expertd_cli("restart", "--blobs", blobs)
+        assert alone.returncode == 0, alone.stderr
+        assert "the flags it was started with: --cache-gb 100%\n" in alone.stdout, alone.stdout
+        fourth = query_stats(blobs)
+        assert fourth["workers"] == DEFAULT_WORKERS and fourth["arena_rows"] == third["arena_rows"]
         third = fourth
         # Recorded flags that no longer parse (another version's): said, nothing stopped.
         from dataclasses import replace

@@ -18,7 +18,13 @@ import time
 from pathlib import Path
 
 from expertd.cli import argtypes
-from expertd.cli.options import add_start_flags, check_bounds, config_settings, start_flags
+from expertd.cli.options import (
+    START_OPTIONS,
+    add_start_flags,
+    check_bounds,
+    config_settings,
+    start_flags,
+)
 from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.serving.hotset import read_pin_file
 from expertd.units import size_text
@@ -298,10 +304,15 @@ def _kept_flags(args) -> tuple:
     (its run file), as ``pg_ctl restart`` keeps a server's options, but for those it is given
     anew; ``kept`` is the list it keeps (None where there is none to keep), ``given`` the
     flags given anew, each with its value."""
-    from expertd.cli.options import START_OPTIONS
     from expertd.paths import daemon_paths
     from expertd.runfile import read_run_info, serving_epoch
 
+    given = {}  # the options given anew, by flag (at their default value too)
+    for option in START_OPTIONS:
+        if hasattr(args, option.dest):
+            given[option.flag] = (option.dest, getattr(args, option.dest))
+        else:  # restart's parser sets no defaults: not given here
+            setattr(args, option.dest, option.default)
     paths = daemon_paths(args.blobs)
     info = read_run_info(paths) if serving_epoch(paths) else None
     if info is None or not info.flags:
@@ -321,17 +332,14 @@ def _kept_flags(args) -> tuple:
     for name in ("command", "func", "foreground", "timeout"):
         setattr(again, name, getattr(args, name))
     again.verbose = args.verbose or "-v" in info.flags
-    given = {}  # the options given anew, by flag: they replace the recorded ones
-    for option in START_OPTIONS:
-        value = getattr(args, option.dest)
-        if value is not None and value != option.default:
-            setattr(again, option.dest, value)
-            given[option.flag] = str(value)
+    for dest, value in given.values():  # given anew: they replace the recorded ones
+        setattr(again, dest, value)
     # The recorded flags not given anew (start_flags writes each with its value).
     kept = (["-v"] if "-v" in info.flags else []) + [
         word for flag, value in zip(rest[::2], rest[1::2]) if flag not in given
         for word in (flag, value)]
-    return again, kept or None, [word for item in given.items() for word in item]
+    return again, kept or None, [word for flag, (_, value) in given.items()
+                                 for word in (flag, str(value))]
 
 
 # ---- status ------------------------------------------------------------------------------------
@@ -530,9 +538,11 @@ def add_subcommands(sub) -> None:
                        description="Stop the daemon of BLOB_DIR if one runs (as `stop`), then "
                        "start one detached (as `start`) with the flags the running daemon was "
                        "started with (as pg_ctl restart does), those given here replacing "
-                       "theirs; to drop one, stop then start. Bad flags are refused before the "
-                       "running daemon is stopped.")
-    add_start_flags(p)
+                       "theirs (a flag given at its default value drops the recorded one). Bad "
+                       "flags are refused before the running daemon is stopped.")
+    # No defaults: a flag given (even at its default value) replaces the recorded one, and
+    # one not given keeps it (see _kept_flags).
+    add_start_flags(p, defaults=False)
     p.add_argument("--timeout", type=argtypes.seconds, default=10.0,
                    help="seconds before SIGKILL of the old daemon")
     p.set_defaults(func=_cmd_restart, foreground=False)

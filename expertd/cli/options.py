@@ -42,11 +42,16 @@ class Option:
     def dest(self) -> str:
         return _dest(self.flag)
 
-    def add_to(self, parser: argparse.ArgumentParser) -> None:
+    def add_to(self, parser: argparse.ArgumentParser, default: bool = True) -> None:
         """Add this flag to ``parser``. The default is shown by main.DefaultsHelpFormatter,
-        unless :attr:`shown` says it in words."""
-        text = self.help + (f" (default: {self.shown})" if self.shown else "")
-        kwargs = dict(default=self.default, help=argparse.SUPPRESS if self.hidden else text)
+        unless :attr:`shown` says it in words. Without ``default``, a flag not given sets
+        nothing (restart tells a flag given at its default value from one not given)."""
+        if not default:  # restart's: the running daemon's value is kept
+            text = self.help + " (default: the running daemon's, else start's)"
+        else:
+            text = self.help + (f" (default: {self.shown})" if self.shown else "")
+        kwargs = dict(default=self.default if default else argparse.SUPPRESS,
+                      help=argparse.SUPPRESS if self.hidden else text)
         for name in ("type", "choices", "metavar", "action"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
@@ -77,10 +82,11 @@ def _dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
 
 
-def add_options(parser: argparse.ArgumentParser, options) -> None:
-    """Add every option of ``options`` to ``parser``, in their order (which --help keeps)."""
+def add_options(parser: argparse.ArgumentParser, options, defaults: bool = True) -> None:
+    """Add every option of ``options`` to ``parser``, in their order (which --help keeps);
+    without ``defaults``, as Option.add_to."""
     for option in options:
-        option.add_to(parser)
+        option.add_to(parser, defaults)
 
 
 def option_values(args, options) -> dict:
@@ -143,11 +149,12 @@ START_OPTIONS = (
 )
 
 
-def add_start_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags ``start``, ``restart`` and ``service install`` share."""
+def add_start_flags(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """The flags ``start``, ``restart`` and ``service install`` share (restart's without
+    ``defaults``: see Option.add_to)."""
     parser.add_argument("--blobs", required=True, metavar="BLOB_DIR",
                         help="blob directory to serve")
-    add_options(parser, START_OPTIONS)
+    add_options(parser, START_OPTIONS, defaults)
 
 
 def start_flags(args) -> list:
