@@ -244,6 +244,22 @@ def test_freed_rows_go_first_to_the_clients_holding_least():
     assert taken[0] is newcomer and [d.owner for d in taken[1:]] == [A, B, A]
 
 
+def test_a_demand_over_its_own_cap_is_owed_nothing():
+    """A queued demand that its owner's cap does not let start (it waits for that owner's
+    own releases) holds no one back, even a client holding more; one that fits holds back
+    the clients holding as much or more."""
+    book = LeaseBook(16, client_cap=4, max_queued=4, max_hold=10.0)
+    C = b"c" * 16
+    book.grant(demand(A, (0,)), [0, 1, 2], set(), now=0.0)
+    book.grant(demand(C, (9,)), [9, 10, 11, 12], set(), now=0.0)
+    book.enqueue(demand(A, (3, 4)))  # 3 held + 2 > the cap of 4
+    assert not book.owed(C) and not book.owed(B)
+    book.grant(demand(B, (5,)), [5, 6, 7], set(), now=0.0)
+    book.enqueue(demand(B, (8,)))  # 3 held + 1 fits
+    assert book.owed(C) and book.owed(A) and book.owed(B)
+    assert not book.owed(b"d" * 16)  # holds nothing: less than B
+
+
 def test_the_queue_is_bounded_for_all_clients_together():
     book = LeaseBook(8, 8, max_queued=4, max_hold=10.0, max_queued_total=6)
     owners = [bytes([i]) * 16 for i in range(4)]

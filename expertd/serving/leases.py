@@ -189,11 +189,14 @@ class LeaseBook:
 
     def owed(self, owner: bytes) -> bool:
         """A queued demand goes before a new one of ``owner`` that needs rows filled: one
-        whose owner holds no more rows (take_queue's order). Else a client that releases a
-        lease and demands again in one batch takes the freed row each time, and a demand
-        queued for room waits past every bound."""
+        whose owner holds no more rows (take_queue's order) and that its owner's cap lets
+        start. Else a client that releases a lease and demands again in one batch takes the
+        freed row each time, and a demand queued for room waits past every bound. A demand
+        over its own owner's cap waits for that owner's releases, not for room: it is owed
+        nothing (as the cache's retry_queued decides), and holds nobody else back."""
         mine = self._held.get(owner, 0)
-        return any(not d.dropped and self._held.get(d.owner, 0) <= mine for d in self._queue)
+        return any(not d.dropped and self._held.get(d.owner, 0) <= mine
+                   and self.fits(d.owner, len(d.experts)) for d in self._queue)
 
     def take_queue(self) -> list:
         """Every queued demand, removed from the queue (re-enqueue what waits with
