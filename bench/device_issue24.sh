@@ -10,7 +10,7 @@ bash /root/keep/a/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/instal
 tail -1 "$OUT/install.log"; echo "installed at ${SECONDS}s"
 export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 cd bench
-timeout 90 python3 build_probe.py > "$OUT/build.log" 2>&1; echo "build_probe rc=$?"
+timeout 150 python3 build_probe.py > "$OUT/build.log" 2>&1; echo "build_probe rc=$? (synthesizes the model the rest reuse)"
 tail -4 "$OUT/build.log"
 timeout 150 python3 token_times.py --rounds 8 --tokens 64 --variants default plain \
   --out "$OUT/tt.json" > "$OUT/tt.log" 2>&1; echo "token_times rc=$? at ${SECONDS}s"
