@@ -17,28 +17,13 @@ compiled block's equal the plain one's, bit for bit.
 """
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import daemon
+from common import build_seconds, daemon
 from gpu_pull import pull_model, read_every_expert
-
-
-def per_call_us(make, calls: int) -> float:
-    import mlx.core as mx
-
-    times = []
-    for i in range(calls):
-        t = time.perf_counter()
-        out = make()
-        times.append(time.perf_counter() - t)
-        if i % 50 == 0:
-            mx.eval(out)
-    return 1e6 * statistics.median(times)
 
 
 def main() -> None:
@@ -79,11 +64,11 @@ def main() -> None:
                       f"{args.calls}):", flush=True)
                 for _ in range(args.rounds):
                     mode.records = []
-                    a = per_call_us(lambda: theirs(x), args.calls)
-                    b = per_call_us(lambda: ours(x), args.calls)
+                    a = 1e6 * build_seconds(lambda: theirs(x), args.calls, 50)
+                    b = 1e6 * build_seconds(lambda: ours(x), args.calls, 50)
                     layer.compiled = False
                     mode.records = []
-                    c = per_call_us(lambda: ours(x), args.calls)
+                    c = 1e6 * build_seconds(lambda: ours(x), args.calls, 50)
                     layer.compiled = True
                     print(f"  resident {a:.1f}, streamed compiled {b:.1f}, streamed plain "
                           f"{c:.1f}", flush=True)

@@ -22,6 +22,25 @@ SMALL = dict(family="qwen3_moe", layers=8, experts=32, top_k=4, hidden=256, moe_
              bits=4, mode="affine", seed=2)
 
 
+def build_seconds(make, calls: int, evaluate_every: int = 1) -> float:
+    """Median host seconds to build what ``make()`` returns (the Python and MLX's bindings,
+    no evaluation), over ``calls`` calls; every ``evaluate_every``-th result is evaluated, so
+    the graphs do not grow."""
+    import statistics
+
+    import mlx.core as mx
+
+    mx.eval(make())  # compiled, warm
+    times = []
+    for i in range(calls):
+        t = time.perf_counter()
+        out = make()
+        times.append(time.perf_counter() - t)
+        if i % evaluate_every == 0:
+            mx.eval(out)
+    return statistics.median(times)
+
+
 def write_section(results_md: Path, header: str, text: str) -> None:
     """Put ``text`` (a section starting with ``header``) into ``results_md`` in place of an
     older section with the same header, every other section kept."""

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx
 import numpy as np
-from common import daemon, ensure_model
+from common import build_seconds, daemon, ensure_model
 from gpu_pools import QWEN3_30B_SHAPES
 from gpu_pull import _median_eval
 
@@ -40,18 +40,6 @@ def _host_ms(make, repeat: int = 20) -> tuple:
         host.append(t1 - t)
         total.append(time.perf_counter() - t)
     return 1e3 * statistics.median(host), 1e3 * statistics.median(total)
-
-
-def _build_ms(make, repeat: int = 50) -> float:
-    """Median ms to build what ``make()`` returns (the Python and the bindings, no encoding)."""
-    mx.eval(make())
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        out = make()
-        times.append(time.perf_counter() - t)
-        mx.eval(out)
-    return 1e3 * statistics.median(times)
 
 
 def encode_costs(p, pools, layers) -> None:
@@ -107,7 +95,7 @@ def encode_costs(p, pools, layers) -> None:
         take_one=lambda: [mx.take(pools[la].arrays[0], ids, axis=0) for la in layers],
     )
     for name, make in cases.items():
-        build = _build_ms(make)
+        build = 1e3 * build_seconds(make, 50)
         host, total = _host_ms(make)
         print(f"encode {name}: build {build:.3f} ms, async_eval {host:.3f} ms, whole "
               f"{total:.3f} ms ({len(layers)} layers)", flush=True)

@@ -30,11 +30,11 @@ class KVOptions:
                              "quantize a rotating KV cache")
 
 
-
 def xtc_special_tokens(tokenizer) -> list:
     """The tokens XTC never drops, as mlx_lm.generate and mlx_lm.chat give them: a newline and
     every end of sequence."""
     return tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
+
 
 def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
              seed: int | None = None,

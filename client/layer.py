@@ -197,7 +197,8 @@ class StreamedLayer:
             pool.commit_ahead(session.epoch)
         self._seen = (indices.shape, indices.dtype)  # what block_call learns of its shape
         puller = self._current(session.puller)
-        if puller is not None and not pool.complete:
+        kind = self._kind(puller)
+        if kind == "pulled":
             if not puller.traceable:  # the host copy waits for the ids: not a graph
                 arrays, status = puller.assemble(self.index, indices, pool)
                 out = compute(module, self.segments, arrays, x,
@@ -211,9 +212,15 @@ class StreamedLayer:
             return out
         if records is not None:
             records.append((self, indices, None, None))
-        kind = "identity" if pool.identity else "remap"
         return self._graph(module, kind, None, indices.size)(x, indices,
                                                              *self._inputs(kind))[0]
+
+    def _kind(self, puller) -> str:
+        """Which speculative call this layer makes now (see :meth:`_graph`): "pulled" with a
+        puller where the pool may miss, else "identity" or "remap" by the pool's layout."""
+        if puller is not None and not self.pool.complete:
+            return "pulled"
+        return "identity" if self.pool.identity else "remap"
 
     def _inputs(self, kind: str, shape=None, dtype=None) -> tuple:
         """What a speculative call of ``kind`` (see :meth:`_graph`) takes beside x and the
@@ -227,7 +234,7 @@ class StreamedLayer:
 
     def _entry(self, module, kind: str, puller) -> tuple:
         """``(puller, call, compiled call)`` of a speculative call of ``kind`` (see
-        :meth:`_graph`), made again when the session's puller changed."""
+        :meth:`_graph`); one made with another puller was dropped by :meth:`_current`."""
         entry = self._graphs.get(kind)
         if entry is None:
             segments, index, n = self.segments, self.index, len(self.segments)
@@ -277,8 +284,7 @@ class StreamedLayer:
         like = self._ids_like.get(x.shape)
         pool, session = self.pool, self.session
         puller = self._current(session.puller)
-        kind = ("pulled" if puller is not None and not pool.complete else
-                "identity" if pool.identity else "remap")
+        kind = self._kind(puller)
         if not self.compiled or like is None or (kind == "pulled" and not puller.traceable):
             self._seen = None
             y = block.plain_call(x)

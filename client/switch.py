@@ -78,11 +78,9 @@ def fronted(module: nn.Module, mixin: type, made: dict) -> nn.Module:
     if sub is None:
         sub = made[cls] = type(f"Streamed{cls.__name__}", (mixin, cls), {})
     new = sub.__new__(sub)
-    nn.Module.__init__(new)
     dict.update(new, module)
-    frozen = new.__dict__["_no_grad"]
     new.__dict__.update(vars(module))  # the training flag too: an eval-mode block stays one
-    new.__dict__["_no_grad"] = frozen | module.__dict__.get("_no_grad", set())
+    new.__dict__["_no_grad"] = set(module.__dict__.get("_no_grad", ()))  # its own set
     return new
 
 
