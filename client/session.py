@@ -44,7 +44,7 @@ from expertd.errors import BlobStoreError, DaemonError, DaemonNotRunning
 from expertd.manifest import Manifest, blob_dir_problem
 from expertd.paths import daemon_paths
 from expertd.protocol import PROTOCOL_VERSION, Op
-from expertd.runfile import serving_epoch
+from expertd.runfile import elsewhere, serving_epoch
 from expertd.shm.layout import EPOCH_DTYPE
 
 # How long a read waits for rows someone else is filling before it demands them itself. The
@@ -65,8 +65,8 @@ def check_served(paths) -> None:
         problem = blob_dir_problem(blob)
         if problem is not None:  # not a daemon to start: a directory to make first
             raise BlobStoreError(problem)
-        raise DaemonNotRunning(f"no expertd serves {blob} (its lock is free): start one with: "
-                               f"expertd start --blobs {blob}")
+        raise DaemonNotRunning(elsewhere(paths) or f"no expertd serves {blob} (its lock is "
+                               f"free): start one with: expertd start --blobs {blob}")
 
 
 def notice(line: str) -> None:

@@ -8,6 +8,7 @@ import weakref
 from .errors import DaemonError, DaemonNotRunning
 from .paths import daemon_paths
 from .protocol import CLIENT_ID_BYTES, Op, parse_reply, request
+from .runfile import elsewhere
 from .wire import Channel, endpoint
 
 
@@ -21,6 +22,7 @@ class Connection:
 
     def __init__(self, blob_dir=None, client_id: bytes | None = None, socket=None,
                  at_exit: bool = True):
+        paths = None
         if socket is not None:
             path, what = str(socket), socket
         else:
@@ -31,7 +33,8 @@ class Connection:
         try:
             self.channel = Channel(path, self.client_id)
         except FileNotFoundError:
-            raise DaemonNotRunning(f"no expertd serves {what} (start one with: "
+            raise DaemonNotRunning((paths and elsewhere(paths))
+                                   or f"no expertd serves {what} (start one with: "
                                    f"expertd start --blobs {what})") from None
         # Closed here, by close() or by the finalizer when the connection is dropped or the
         # process exits. An owner that shuts the connection itself at exit (a session: after

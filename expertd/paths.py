@@ -162,6 +162,10 @@ class DaemonPaths:
     log: Path  # the daemon's rotating log when started detached
     start_log: Path  # the detached child's stderr of the latest start only
     state_file: Path
+    # flock-ed by the daemon for its whole life, like ``lock``, but in the state directory,
+    # which does not move with XDG_RUNTIME_DIR: one blob directory has one daemon per user
+    # even where a service and a shell see two runtime directories (see runfile.claim_blobs).
+    claim: Path
 
     @property
     def endpoint(self) -> str:
@@ -182,12 +186,13 @@ def daemon_paths(blob_dir) -> DaemonPaths:
     # cannot see each other's sockets) must not take each other's files for stale ones.
     ident = hashlib.sha256(f"{real}\0{os.getuid()}\0{run}".encode()).hexdigest()[:16]
     socket = run / f"{ident}.sock"
+    serving = hashlib.sha256(f"{real}\0{os.getuid()}".encode()).hexdigest()[:16]
     if len(str(socket).encode()) > MAX_SOCKET_PATH:
         raise ValueError(f"socket path {socket} is longer than {MAX_SOCKET_PATH} bytes; "
                          "set XDG_RUNTIME_DIR to a shorter directory")
     return DaemonPaths(real, ident, socket, run / f"{ident}.lock", run / f"{ident}.pid",
                        run / f"{ident}.run", run / f"{ident}.log", run / f"{ident}.err",
-                       state_dir() / f"{ident}.json")
+                       state_dir() / f"{ident}.json", state_dir() / f"{serving}.serving")
 
 
 def missing_parent(path: Path) -> str | None:

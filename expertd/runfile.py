@@ -210,6 +210,66 @@ def take_lock(lock: Path, patience: float = 0.0) -> int | None:
         os.close(fd)  # unlinked under us: lock the new file instead
 
 
+def claim_blobs(paths, patience: float = 0.0) -> int | None:
+    """Take the blob directory's claim (``paths.claim``, in the state directory) for this
+    process's life, recording its pid and runtime directory; the fd, or None if a daemon of
+    another runtime directory holds it (see :func:`claimant`).
+
+    The runtime lock alone keeps one daemon per runtime directory; a launchd or systemd
+    service and a shell can see two (XDG_RUNTIME_DIR set in one only), and their clients would
+    never meet one daemon's cache. The state directory does not move with XDG_RUNTIME_DIR.
+    """
+    fd = take_lock(paths.claim, patience)
+    if fd is not None:
+        record = {"pid": os.getpid(), "runtime": str(paths.lock.parent)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+    return fd
+
+
+def release_claim(paths, fd: int) -> None:
+    """Give back :func:`claim_blobs`' claim, its file removed while still held (see
+    :func:`take_lock`)."""
+    try:
+        _unlink(paths.claim)
+    finally:
+        os.close(fd)
+
+
+def claimant(paths) -> dict | None:
+    """``{"pid", "runtime"}`` of a daemon serving ``paths.blob_dir`` from another runtime
+    directory than ``paths``'; None if none holds the claim, or it is this directory's own
+    (pid None, runtime None where its record cannot be read)."""
+    if not lock_held(paths.claim):
+        return None
+    try:
+        record = json.loads(read_private(paths.claim))
+        pid, runtime = int(record["pid"]), str(record["runtime"])
+    except (OSError, ValueError, TypeError, KeyError):
+        pid = runtime = None
+    if runtime == str(paths.lock.parent):
+        return None
+    return {"pid": pid, "runtime": runtime}
+
+
+def elsewhere(paths) -> str:
+    """A sentence on the daemon serving ``paths.blob_dir`` from another runtime directory, and
+    how to reach it; "" if there is none."""
+    other = claimant(paths)
+    if other is None:
+        return ""
+    runtime = other["runtime"]
+    if runtime is None:  # its record is being written, or unreadable
+        return (f"an expertd serves {paths.blob_dir} from another runtime directory than this "
+                f"one ({paths.lock.parent}); run with XDG_RUNTIME_DIR as it has it to reach it")
+    run = Path(runtime)
+    reach = (f"XDG_RUNTIME_DIR={run.parent}" if run.name == "expertd"
+             else "XDG_RUNTIME_DIR unset")
+    return (f"an expertd (pid {other['pid']}) serves {paths.blob_dir} from the runtime "
+            f"directory {runtime}, not this one ({paths.lock.parent}); run with {reach} to "
+            "reach it")
+
+
 def leftover(runfile: Path, socket: Path) -> dict | None:
     """What a daemon killed without its clean-up left, named by its ``runfile`` and
     ``socket`` (its arena holds its whole ``--cache-gb`` of memory until removed): ``{"arena",

@@ -37,7 +37,8 @@ def test_stop_and_status_without_a_daemon(blobs, isolated_env):
     status = expertd_cli("status", "--blobs", blobs, "--json")
     assert status.returncode == 3, status
     assert json.loads(status.stdout) == [{"running": False, "blob_dir": str(blobs),
-                                          "log": str(daemon_paths(blobs).log), "leftover": None}]
+                                          "log": str(daemon_paths(blobs).log), "leftover": None,
+                                          "served_from": None}]
     plain = expertd_cli("status", "--blobs", blobs)
     assert plain.returncode == 3 and "no expertd serves" in plain.stderr
     assert f"log: {daemon_paths(blobs).log}" in plain.stderr and "Traceback" not in plain.stderr

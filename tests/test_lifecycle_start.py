@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from harness import TINY_CACHE_GB as CACHE_GB  # 10 rows of the tiny model
@@ -213,6 +214,58 @@ def test_two_starts_at_once_leave_one_daemon_that_stop_stops(models, isolated_en
         assert serving_pid(daemon_paths(blobs)) is None  # nobody took over after the stop
     finally:
         kill_serving_daemon(blobs)
+
+
+@pytest.mark.timeout(150)
+def test_one_blob_directory_has_one_daemon_whatever_the_runtime_directory(models, isolated_env,
+                                                                          monkeypatch):
+    """A service and a shell may see two runtime directories (XDG_RUNTIME_DIR set in one only),
+    where daemons cannot see each other's locks: a second daemon for the same blobs would split
+    the clients between two caches. The claim in the state directory refuses it, and every
+    command of the other runtime directory says where the daemon is and how to reach it."""
+    import tempfile
+
+    from expertd.connection import Connection
+    from expertd.errors import DaemonNotRunning
+
+    blobs = models.blobs()
+    first = daemon_paths(blobs)
+    other = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))
+    reach = f"XDG_RUNTIME_DIR={first.lock.parent.parent}"
+    start = ("start", "--blobs", blobs, "--cache-gb", CACHE_GB)
+    try:
+        assert expertd_cli(*start).returncode == 0
+        pid = serving_pid(first)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(other))
+        second = daemon_paths(blobs)
+        assert second.lock.parent != first.lock.parent and second.claim == first.claim
+        for args in (start, start + ("--foreground",)):  # detached, and what launchd runs
+            refused = expertd_cli(*args)
+            assert refused.returncode == 1, refused.stderr
+            assert f"pid {pid}" in refused.stderr and reach in refused.stderr, refused.stderr
+            assert "Traceback" not in refused.stderr and refused.stderr.count("\n") == 1
+            assert serving_pid(second) is None and not list(second.lock.parent.glob("*.run"))
+        for args in (("stop", "--blobs", blobs), ("status", "--blobs", blobs)):
+            told = expertd_cli(*args)
+            assert told.returncode != 0 and reach in told.stderr, (args, told.stderr)
+        (down,) = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)
+        assert down["served_from"] == {"pid": pid, "runtime": str(first.lock.parent)}
+        with pytest.raises(DaemonNotRunning, match=re.escape(reach)):
+            Connection(blobs)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", isolated_env["XDG_RUNTIME_DIR"])
+        assert query_stats(blobs)["pid"] == pid  # the first one never noticed
+        assert expertd_cli("stop", "--blobs", blobs).returncode == 0
+        assert not first.claim.exists()
+        # Stopped there, it may start here.
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(other))
+        assert expertd_cli(*start).returncode == 0, "the claim outlived its daemon"
+        assert expertd_cli("stop", "--blobs", blobs).returncode == 0
+    finally:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(other))
+        kill_serving_daemon(blobs)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", isolated_env["XDG_RUNTIME_DIR"])
+        kill_serving_daemon(blobs)
+        shutil.rmtree(other, ignore_errors=True)
 
 
 @pytest.mark.timeout(120)

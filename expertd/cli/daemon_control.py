@@ -465,16 +465,17 @@ def _not_running(args, message: str) -> tuple:
     """Status's answer for ``--blobs`` when no daemon serves it, naming what a killed daemon
     left behind (``leftover`` in JSON: its arena's path and size, or null)."""
     from expertd.paths import daemon_paths
-    from expertd.runfile import leftover, lock_held
+    from expertd.runfile import claimant, elsewhere, leftover, lock_held
 
     blob_dir = str(Path(args.blobs).expanduser().resolve())
     paths = daemon_paths(blob_dir)
     left = None if lock_held(paths.lock) else leftover(paths.runfile, paths.socket)
+    # served_from: {"pid", "runtime"} of a daemon serving it from another runtime directory
     down = {"running": False, "blob_dir": blob_dir, "log": log_location(blob_dir),
-            "leftover": left}
+            "leftover": left, "served_from": claimant(paths)}
     if args.json:
         return NOT_RUNNING, [down]
-    text = f"{message}\n  log: {down['log']}"
+    text = f"{elsewhere(paths) or message}\n  log: {down['log']}"
     if left:
         text += f"\n  {_leftover_text({**left, 'blob_dir': blob_dir})}"
     return NOT_RUNNING, text

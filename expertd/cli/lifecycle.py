@@ -16,10 +16,13 @@ from expertd.paths import daemon_paths, runtime_dir
 from expertd.protocol import Op
 from expertd.runfile import (
     RunInfo,
+    claim_blobs,
+    elsewhere,
     lock_held,
     new_arena_name,
     new_epoch,
     read_private,
+    release_claim,
     remove_leftovers,
     sweep_runtime_dir,
     take_lock,
@@ -104,6 +107,10 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
     if lock is None:
         raise DaemonError(f"an expertd (pid {serving_pid(paths)}) already serves "
                           f"{paths.blob_dir}")
+    claim = claim_blobs(paths, LOCK_PATIENCE)
+    if claim is None:
+        os.close(lock)
+        raise DaemonError(_refusal(paths))
     arena, epoch = new_arena_name(), new_epoch()
     server = None
     # Until the server can stop itself, a signal unwinds through the clean-up below.
@@ -136,7 +143,15 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
         if server is None:  # start-up failed: leave nothing behind
             unlink_arena(arena)
         remove_leftovers(paths)
+        release_claim(paths, claim)
         os.close(lock)
+
+
+def _refusal(paths) -> str:
+    """Why a second daemon may not serve ``paths.blob_dir`` from this runtime directory."""
+    return (f"{elsewhere(paths) or 'another expertd serves ' + str(paths.blob_dir)}. One blob "
+            "directory has one daemon, so that every client shares its cache: use that one, "
+            "or stop it first")
 
 
 def start_detached(blob_dir, argv: list, log_file: Path | None = None,
@@ -156,6 +171,8 @@ def start_detached(blob_dir, argv: list, log_file: Path | None = None,
     pid = serving_pid(paths)
     if pid is not None:
         raise DaemonError(f"an expertd (pid {pid}) already serves {paths.blob_dir}")
+    if elsewhere(paths):
+        raise DaemonError(_refusal(paths))
     fd = os.open(paths.start_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as errors:
         proc = subprocess.Popen([sys.executable, "-m", "expertd", *argv, "--foreground",
@@ -244,7 +261,8 @@ def stop(blob_dir, timeout: float = 10.0) -> int:
         The stopped daemon's pid.
     Raises:
         DaemonNotRunning: if none serves the directory.
-        DaemonError: if the lock is held but no pid can be found to signal.
+        DaemonError: if the lock is held but no pid can be found to signal, or one serves the
+            directory from another runtime directory.
     """
     paths = daemon_paths(blob_dir)
     pid = serving_pid(paths)
@@ -253,6 +271,9 @@ def stop(blob_dir, timeout: float = 10.0) -> int:
         time.sleep(0.02)
         pid = serving_pid(paths)
     if pid is None:
+        there = elsewhere(paths)
+        if there:  # one serves it, out of this runtime directory's reach: not "nothing to stop"
+            raise DaemonError(f"{there}; nothing was stopped")
         raise DaemonNotRunning(f"no expertd serves {paths.blob_dir}")
     if pid < 0:
         raise DaemonError(f"an expertd holds {paths.lock} but {paths.pidfile} names no pid")
