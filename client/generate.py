@@ -261,7 +261,7 @@ def check_draft(draft: tuple, tokenizer, name: str) -> None:
 
 
 def summary_line(s: dict) -> str:
-    from .step import REPLAY_COUNTERS
+    from expertd.units import replay_causes
 
     line = (f"[expertd] prompt {s['prompt_tokens']} tok @ {s['prompt_tps']:.1f} tok/s | "
             f"generation {s['generation_tokens']} tok @ {s['generation_tps']:.1f} tok/s | "
@@ -282,9 +282,7 @@ def summary_line(s: dict) -> str:
                    f"{cost} for cost, {spec['paused'] - cost} for replays")
             line += (f" (speculation paused {spec['paused']} time"
                      f"{'s' * (spec['paused'] != 1)}: {why}; paused steps wait per layer)")
-        causes = [f"{s[k]} {k[8:]}" for k in REPLAY_COUNTERS if s.get(k)]
-        if causes:
-            line += f" ({', '.join(causes)})"
+        line += replay_causes(s)
     if s.get("pulled_rows"):
         rate = (f", prompt pulls at {s['pull_timed_bytes'] / s['pull_s'] / 1e9:.1f} GB/s"
                 if s.get("pull_s") else "")

@@ -151,6 +151,15 @@ def render_metrics(stats: dict | None, server: ServerCounters, client: dict,
                    "seconds from a request's arrival to its first generated token", server.ttft)
     for key, text in CLIENT_METRICS:
         metric(f"expertd_client_{key}_total", "counter", text, client.get(key, 0))
+    # The pull rate: a prompt's pulls, each pass timed under its own evaluation (a decode's
+    # run inside its step's graph, beside the computation, and cannot be timed apart).
+    seconds, timed = client.get("pull_s", 0.0), client.get("pull_timed_bytes", 0)
+    metric("expertd_client_pull_seconds_total", "counter", "seconds of its prompts' device "
+           "pulls, each timed under its own evaluation", round(seconds, 6))
+    metric("expertd_client_pull_timed_bytes_total", "counter", "bytes of those timed pulls",
+           timed)
+    metric("expertd_client_pull_gbps", "gauge", "GB/s of those timed pulls (0 before any)",
+           round(timed / seconds / 1e9, 3) if seconds else 0.0)
     metric("expertd_client_pool_bytes", "gauge",
            "this server's own expert memory: its pools' bytes", pool_bytes)
     return "\n".join(lines) + "\n"

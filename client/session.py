@@ -351,7 +351,10 @@ class Session:
         pulled = self.pull_counters()
         return {"steps": self.counters["steps"], "host_waits": self.counters["host_waits"],
                 "replays": self.counters["replays"], "pulled_rows": pulled["rows_pulled"],
-                "pulled_bytes": pulled["bytes_pulled"]}
+                "pulled_bytes": pulled["bytes_pulled"],
+                **{key: self.counters[key] for key in REPLAY_COUNTERS},
+                "pull_us": round(1e6 * pulled["pull_s"]),
+                "pull_timed_bytes": pulled["timed_bytes"]}
 
     def _reap(self) -> bool:
         requester = self.requester

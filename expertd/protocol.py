@@ -93,9 +93,16 @@ class Heartbeat:
     replays: int = 0  # its steps replayed, and the expert rows and bytes its device pulled
     pulled_rows: int = 0
     pulled_bytes: int = 0
+    replays_absent: int = 0  # of its replays: a pulled row absent, the epoch lost, the
+    replays_epoch: int = 0  # device's pull unlike the host copy
+    replays_device: int = 0
+    pull_us: int = 0  # microseconds of pulls timed under their own evaluation (a prompt's),
+    pull_timed_bytes: int = 0  # and their bytes: the pull rate
 
 
-HEARTBEAT_COUNTS = ("steps", "host_waits", "replays", "pulled_rows", "pulled_bytes")
+HEARTBEAT_COUNTS = ("steps", "host_waits", "replays", "pulled_rows", "pulled_bytes",
+                    "replays_absent", "replays_epoch", "replays_device", "pull_us",
+                    "pull_timed_bytes")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""How sizes are printed: GiB, or MiB below a GiB, so that a small size never reads 0.00 GiB."""
+"""How sizes are printed (GiB, or MiB below a GiB, so that a small size never reads 0.00 GiB),
+and a client's replays by cause."""
 
 import math
 
@@ -10,3 +11,11 @@ def size_text(n_bytes: float, round_up: bool = False) -> str:
     if round_up:  # in whole hundredths, counted exactly
         return f"{-(-math.ceil(n_bytes) * 100 // unit) / 100:.2f} {name}"
     return f"{n_bytes / unit:.2f} {name}"
+
+
+def replay_causes(counts: dict) -> str:
+    """`` (2 absent, 1 epoch)``: a client's replays by cause, from its ``replays_<cause>``
+    counts (a heartbeat's or a session's), those it had; "" if none."""
+    causes = [f"{n} {key[len('replays_'):]}" for key, n in counts.items()
+              if key.startswith("replays_") and n]
+    return f" ({', '.join(causes)})" if causes else ""

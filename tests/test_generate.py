@@ -361,3 +361,27 @@ def test_a_saved_prompt_cache_continues_as_in_mlx_lm(models, isolated_env, tmp_p
                                  text=True, timeout=120)
         assert bad.returncode == 2 and said in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_summary_shows_the_pulls_their_rate_and_the_replays_by_cause(models, isolated_env,
+                                                                          tmp_path):
+    """Pools of top-k rows a layer, a cold cache: the experts missing from the pools are pulled
+    (the host's copy here, the device's on a GPU), some were absent from the arena and their
+    steps replayed; the summary line says how many rows a step, how fast the prompt's pulls
+    went, and the replays by cause, as the JSON counts them."""
+    from client_helpers import pool_gb
+
+    from expertd.client.step import REPLAY_COUNTERS
+
+    blob_dir = models.blobs()
+    top_k = Manifest.load(blob_dir).top_k
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+        s, line = run_generate(blob_dir, isolated_env, tmp_path / "a.json", "--prompt", PROMPT,
+                               "--prefetch", "off", "--pull", "host", "--speculate", "on",
+                               "--pool-gb", str(pool_gb(blob_dir, top_k)))
+    assert s["pulled_rows"] > 0 and s["pull_s"] > 0 and s["pull_timed_bytes"] > 0
+    assert (f"pulled {s['pulled_rows'] / s['steps']:.1f} rows "
+            f"({s['pulled_bytes'] / s['steps'] / 2**20:.1f} MiB) a step, prompt pulls at "
+            f"{s['pull_timed_bytes'] / s['pull_s'] / 1e9:.1f} GB/s") in line, line
+    causes = ", ".join(f"{s[k]} {k[8:]}" for k in REPLAY_COUNTERS if s[k])
+    assert s["replays_absent"] > 0 and f"{s['replays']} replayed ({causes})" in line, line

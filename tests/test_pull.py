@@ -42,6 +42,7 @@ from expertd.client.pull import (
     vector_copy,
 )
 from expertd.client.session import Session
+from expertd.client.step import REPLAY_COUNTERS
 from expertd.manifest import Manifest
 from expertd.shm.layout import SLOT_DTYPE
 
@@ -87,16 +88,39 @@ def test_pulled_steps_are_exact(models, isolated_env, tmp_path, family, mode, bi
             # The heartbeat carries them to status: rows and bytes pulled, steps replayed.
             pulled = session.pull_counters()
 
+            pull_us = round(1e6 * pulled["pull_s"])
+            assert pull_us > 0 and pulled["timed_bytes"] > 0  # the prompt's pulls, timed
+
             def reported():
                 mine = [p for p in daemon.stats()["client_pools"] if p["pid"] == os.getpid()]
-                return mine and mine[0].get("pulled_rows") == pulled["rows_pulled"] and mine[0]
+                return (mine and mine[0].get("pulled_rows") == pulled["rows_pulled"]
+                        and mine[0].get("pull_us") == pull_us and mine[0])
 
             mine = wait_until(reported, 30, "the heartbeat to report the pulls")
             assert mine["pulled_bytes"] == pulled["bytes_pulled"]
-            assert mine["replays"] == c["replays"]
+            assert mine["pull_timed_bytes"] == pulled["timed_bytes"]
+            for key in ("replays", *REPLAY_COUNTERS):
+                assert mine[key] == c[key], key
             status = expertd_cli("status", "--blobs", blob_dir)
-            shown = (f"{c['replays']} replayed, pulled " if c["replays"] else "a step, pulled ")
+            causes = ", ".join(f"{c[k]} {k[8:]}" for k in REPLAY_COUNTERS if c[k])
+            shown = (f"{c['replays']} replayed ({causes}), pulled " if c["replays"]
+                     else "a step, pulled ")
             assert shown in status.stdout, status.stdout
+            gbps = pulled["timed_bytes"] / pull_us / 1e3
+            assert f"a step, prompt pulls at {gbps:.1f} GB/s" in status.stdout, status.stdout
+            # /metrics: the same counts, and the rate of the timed pulls.
+            from test_serve import parse_metrics
+
+            from expertd.client.serve_metrics import ServerCounters, render_metrics
+
+            values, _ = parse_metrics(render_metrics(None, ServerCounters(),
+                                                     model.expertd_session.all_counters()))
+            assert values["expertd_client_pulled_rows_total"] == pulled["rows_pulled"]
+            for key in ("replays", *REPLAY_COUNTERS):
+                assert values[f"expertd_client_{key}_total"] == c[key], key
+            assert values["expertd_client_pull_timed_bytes_total"] == pulled["timed_bytes"]
+            assert values["expertd_client_pull_gbps"] == round(
+                pulled["timed_bytes"] / pulled["pull_s"] / 1e9, 3) > 0
         finally:
             session.close()
 

@@ -27,7 +27,7 @@ from expertd.cli.options import (
 )
 from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.serving.hotset import read_pin_file
-from expertd.units import size_text
+from expertd.units import replay_causes, size_text
 
 MAX_SIDE_ROWS = 64  # x top_k: prefetch rows per generation, at most
 MAX_CACHE_GB = argtypes.MAX_GIB
@@ -366,10 +366,12 @@ def status_lines(s: dict) -> list:
         *[f"    {process_kind(c['pid'])} pid {c['pid']}: pools {c['pool_bytes'] / 2**20:.1f} MiB, "
           f"{c.get('steps', 0)} steps, "
           f"{c.get('host_waits', 0) / max(1, c.get('steps', 0)):.2f} host waits a step"
-          + (f", {c.get('replays', 0)} replayed" if c.get("replays") else "")
+          + (f", {c.get('replays', 0)} replayed{replay_causes(c)}" if c.get("replays") else "")
           + (f", pulled {c['pulled_rows'] / max(1, c.get('steps', 0)):.1f} rows "
              f"({c['pulled_bytes'] / max(1, c.get('steps', 0)) / 2**20:.2f} MiB) a step"
              if c.get("pulled_rows") else "")
+          + (f", prompt pulls at {c['pull_timed_bytes'] / c['pull_us'] / 1e3:.1f} GB/s"
+             if c.get("pull_us") else "")
           for c in s.get("client_pools", [])],
         f"  epochs       {s.get('epoch_clients', 0)} records given out, "
         f"{s.get('deferred_fills', 0)} refills waited for a step to end (longest "

@@ -16,6 +16,7 @@ from expertd.blobstore import BlobStore
 from expertd.errors import ProtocolError
 from expertd.protocol import (
     GUESS_WIDTH,
+    HEARTBEAT_COUNTS,
     PROTOCOL_VERSION,
     ErrorCode,
     Op,
@@ -229,9 +230,8 @@ class ExpertServer:
         now = self.clock()
         if op is Op.HEARTBEAT:
             known = self.clients.heartbeat(req.client, req.token, now, req.steps,
-                                           req.host_waits, replays=req.replays,
-                                           pulled_rows=req.pulled_rows,
-                                           pulled_bytes=req.pulled_bytes)
+                                           req.host_waits, **{key: getattr(req, key) for key
+                                                              in HEARTBEAT_COUNTS[2:]})
             self._send(identity, reply_ok(rid, op, epoch=self.epoch, known=known))
             return
         if op is Op.HELLO:
