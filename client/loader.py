@@ -13,7 +13,7 @@ from .adapters import apply_adapters
 from .backing import Staging
 from .layer import StepMode, StreamedLayer
 from .pipeline import refuse_stage, split_model, stage_layers
-from .pool import POOL_BACKINGS, default_backing, make_pool, plan_rows
+from .pool import POOL_BACKINGS, default_backing, default_free, make_pool, plan_rows
 from .predict import check_choice, check_mode, make_guessers
 from .runtime import Runtime
 from .session import Session
@@ -170,7 +170,7 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
                                   session.paths.blob_dir, config["model_type"])
         layers = stage_layers(layers, start, stop)
     modules = dict(model.named_modules())
-    rows = plan_rows(layers, session.manifest.top_k, pool_gb, backing)
+    rows = plan_rows(layers, session.manifest.top_k, pool_gb, default_free(backing))
     guessers = make_guessers(modules, layers, prefetch)
     staging = Staging()  # one host buffer for every device pool's moves
     streamed = []

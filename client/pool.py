@@ -349,16 +349,23 @@ def free_device_bytes() -> int | None:
     return max(0, int(total) - mx.get_active_memory() - mx.get_cache_memory())
 
 
-def plan_rows(layers, top_k: int, pool_gb: float | None, backing: str) -> list:
+def default_free(backing: str) -> int | None:
+    """What :func:`plan_rows` sizes default pools by: the GPU's free memory for device pools
+    (a discrete GPU's), None for host pools (memory the GPU shares with the host)."""
+    return free_device_bytes() if backing == "device" else None
+
+
+def plan_rows(layers, top_k: int, pool_gb: float | None, free: int | None) -> list:
     """Rows of each MoE layer's pool.
 
     Args:
         layers: the manifest's MoE layers served by this client.
         top_k: experts each token routes to.
-        pool_gb: the budget in GiB, split evenly over the layers; None for the default: on a
-            discrete GPU every expert that fits in half of its free memory, elsewhere the
-            smallest pool that works, twice over (``2 x top_k`` rows a layer).
-        backing: ``host`` or ``device``.
+        pool_gb: the budget in GiB, split evenly over the layers; None for the default: every
+            expert that fits in half of ``free``, at least the smallest pool that works, or
+            without ``free`` that smallest pool twice over (``2 x top_k`` rows a layer).
+        free: the free bytes of a discrete GPU's memory, for device pools (see
+            :func:`default_free`); None elsewhere.
     Raises:
         ValueError: a budget below the smallest pool that works (the message names it).
     """
@@ -366,7 +373,6 @@ def plan_rows(layers, top_k: int, pool_gb: float | None, backing: str) -> list:
         return []
     smallest = [smallest_rows(layer, top_k) for layer in layers]
     if pool_gb is None:
-        free = free_device_bytes() if backing == "device" else None
         if free is None:
             return [min(layer.num_experts, 2 * s) for layer, s in zip(layers, smallest)]
         share = free // 2 // len(layers)

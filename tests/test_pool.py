@@ -150,17 +150,59 @@ def test_a_write_moves_only_its_rows_whatever_the_pool_size(backing):
     assert max(grown.values()) <= 2 * 8 * 4096 + 4096, grown
 
 
+@pytest.mark.parametrize("backing", BACKINGS)
+def test_a_promotion_moves_only_its_rows_whatever_the_pool_size(backing):
+    """Pulled experts promoted into a pool (the step's bookkeeping, issue 24): the memory it
+    allocates is the promoted rows', never a copy of the pool, and the rows hold their bytes."""
+    big = [(mx.uint8, (4096,), 4096)]
+    grown = {}
+    for rows in (16, 64, 256):
+        layer = SimpleNamespace(index=0, num_experts=512)
+
+        def read(layer, experts, dest, bases, positions):
+            for e, p in zip(experts.tolist(), positions.tolist()):
+                dest[bases[0] + p * 4096:bases[0] + (p + 1) * 4096] = e % 251
+
+        pool = make_pool(layer, rows, big, backing, batch=8,
+                         source=SimpleNamespace(read_rows=read))
+        pool.place(np.arange(8, dtype=np.int32))
+        experts = np.arange(300, 308, dtype=np.int32)  # pulled: none is in the pool
+        pulled = mx.array((experts[:, None] % 251 * np.ones((1, 4096))).astype(np.uint8))
+        mx.eval(pool.arrays, pulled)
+        mx.synchronize()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        moved = pool.promote(experts, [pulled], np.arange(8), weights=np.full(8, 100))
+        mx.eval(pool.arrays)
+        grown[rows] = mx.get_peak_memory() - base
+        assert moved == 8
+        for e in experts.tolist():
+            assert (np.array(pool.arrays[0][int(pool.row_of[e])]) == e % 251).all()
+    assert max(grown.values()) <= 2 * 8 * 4096 + 4096, grown
+
+
 def test_plan_rows_splits_the_budget_and_refuses_below_the_smallest():
     layers = [SimpleNamespace(index=i, num_experts=16, expert_bytes=1 << 20, segments=[0] * 3)
               for i in range(4)]
-    assert plan_rows(layers, 4, 68 / 1024, "host") == [16] * 4  # 17 MiB a layer: every expert
-    assert plan_rows(layers, 4, 24 / 1024, "host") == [5] * 4  # 6 rows and their padding: no
-    assert plan_rows(layers, 4, (24 + 1 / 1024) / 1024, "host") == [6] * 4
-    assert plan_rows(layers, 4, None, "host") == [8] * 4  # 2 x top-k on unified memory
+    assert plan_rows(layers, 4, 68 / 1024, None) == [16] * 4  # 17 MiB a layer: every expert
+    assert plan_rows(layers, 4, 24 / 1024, None) == [5] * 4  # 6 rows and their padding: no
+    assert plan_rows(layers, 4, (24 + 1 / 1024) / 1024, None) == [6] * 4
+    assert plan_rows(layers, 4, None, None) == [8] * 4  # 2 x top-k on unified memory
     with pytest.raises(ValueError, match=r"smallest that works, 0.01562 GiB \(4 rows"):
-        plan_rows(layers, 4, 15 / 1024, "host")
+        plan_rows(layers, 4, 15 / 1024, None)
     with pytest.raises(ValueError, match="positive"):
-        plan_rows(layers, 4, 0, "host")
+        plan_rows(layers, 4, 0, 2**40)  # a budget given wins over the free memory
+    # The default of a discrete GPU: what fits in half its free memory, split over the layers.
+    mib = 2**20
+    assert plan_rows(layers, 4, None, 2 * 4 * 17 * mib) == [16] * 4  # every expert
+    assert plan_rows(layers, 4, None, 2**40) == [16] * 4  # never more than the layer has
+    assert plan_rows(layers, 4, None, 2 * 4 * (10 * mib + 192)) == [10] * 4  # + the padding
+    assert plan_rows(layers, 4, None, 2 * 4 * 10 * mib) == [9] * 4
+    # A model larger than that never falls off a cliff: the smallest pools that work.
+    for free in (2 * 4 * 3 * mib, mib, 0):
+        assert plan_rows(layers, 4, None, free) == [4] * 4
+    assert plan_rows(layers, 4, 24 / 1024, 0) == [5] * 4  # the budget given, not the free
     assert smallest_rows(SimpleNamespace(num_experts=2), 4) == 2
 
 
