@@ -200,9 +200,10 @@ def _lookup_source(kind: str) -> str:
     }}"""
 
 
-def _copy_source(n_segments: int, vector: bool, unit: str) -> str:
+def _copy_source(n_segments: int, vector: bool, unit: str, row: str) -> str:
     """Copy each segment of the resolved row into the outputs (grid-strided over the row's
-    blocks); hits from the pool, misses from the arena."""
+    blocks); hits from the pool, misses from the arena (``row``: where arena row ``where``
+    starts)."""
     width = 16 if vector else 1
     lines = []
     for s in range(n_segments):
@@ -212,7 +213,7 @@ def _copy_source(n_segments: int, vector: bool, unit: str) -> str:
       I64 off = params[{N_FIXED} + 2 * {s}];
       SRC unsigned char* src = from_pool
           ? ((SRC unsigned char*)pool{s}) + where * nb
-          : arena + params[{P_ROWS}] + where * params[{P_STRIDE}] + off;
+          : {row} + off;
       DST unsigned char* dst = ((DST unsigned char*)out{s}) + (I64)p * nb;
       I64 units = nb / {width};
       SRC {unit}* from = (SRC {unit}*)src;
@@ -241,7 +242,7 @@ _LANGUAGES = {
         ARENA="device const", SRC="device const", DST="device", I64="long",
         U64="unsigned long", bytes="uchar", group="threadgroup_position_in_grid",
         shared="threadgroup long",
-        arena="device const unsigned char* arena = (device const unsigned char*)arena_rows",
+        arena="device const unsigned char* arena = (device const unsigned char*)arena_index",
         thread="thread_position_in_threadgroup.x",
         barrier="threadgroup_barrier(mem_flags::mem_threadgroup)",
         width="threads_per_threadgroup.x", groups="threadgroups_per_grid.x",
@@ -249,9 +250,26 @@ _LANGUAGES = {
 }
 
 
-def _kernel_source(language: str, n_segments: int, vector: bool) -> str:
+def _row_source(language: str, windows: tuple) -> str:
+    """Where arena row ``where`` starts. CUDA: in the one registered mapping. Metal: in the
+    window of ``windows`` = ``(count, rows each)`` holding it (the arena is adopted as buffers
+    of at most Metal's largest length: see :func:`metal_windows`)."""
+    stride = f"params[{P_STRIDE}]"
+    if language == "cuda":
+        return f"arena + params[{P_ROWS}] + where * {stride}"
+    count, per = windows
+    row = f"(SRC unsigned char*)arena_rows{count - 1} + (where - {(count - 1) * per}) * {stride}"
+    for w in range(count - 2, -1, -1):
+        row = (f"(where < {(w + 1) * per} ? (SRC unsigned char*)arena_rows{w} + (where - "
+               f"{w * per}) * {stride} : {row})")
+    return row
+
+
+def _kernel_source(language: str, n_segments: int, vector: bool,
+                   windows: tuple = (1, 0)) -> str:
     """The pull kernel's body in ``language`` (mx.fast's kernel builders write its signature):
-    each block's first thread resolves its pair, then the block copies its share of the row."""
+    each block's first thread resolves its pair, then the block copies its share of the row.
+    ``windows``: Metal's arena windows (see :func:`_row_source`)."""
     t = _LANGUAGES[language]
     defines = "".join(f"  #define {m} {t[m]}".rstrip() + "\n"
                       for m in ("ARENA", "SRC", "DST", "I64", "U64"))
@@ -270,7 +288,8 @@ def _kernel_source(language: str, n_segments: int, vector: bool) -> str:
   const I64 where = found[1];
   const I64 first = (I64)chunk * {t["width"]} + {t["thread"]};
   const I64 step = (I64){t["groups"]} * {t["width"]};
-{_copy_source(n_segments, vector, "uint4" if vector else t["bytes"])}
+{_copy_source(n_segments, vector, "uint4" if vector else t["bytes"],
+              _row_source(language, windows))}
 """
 
 
@@ -279,14 +298,47 @@ def cuda_source(n_segments: int, vector: bool) -> str:
     return _kernel_source("cuda", n_segments, vector)
 
 
-def metal_source(n_segments: int, vector: bool) -> str:
-    """The body of the Metal pull kernel (``mx.fast.metal_kernel`` writes its signature)."""
-    return _kernel_source("metal", n_segments, vector)
+def metal_source(n_segments: int, vector: bool, windows: tuple = (1, 0)) -> str:
+    """The body of the Metal pull kernel (``mx.fast.metal_kernel`` writes its signature), for
+    the arena adopted as ``windows`` (see :func:`metal_windows`)."""
+    return _kernel_source("metal", n_segments, vector, windows)
 
 
-def input_names(n_segments: int, arena_input: str | None) -> list:
+def input_names(n_segments: int, windows: int = 0) -> list:
+    """The pull kernel's inputs; ``windows``: Metal's arena buffers (its index, then that many
+    windows of rows), 0 for CUDA (the arena is read by its registered address)."""
     names = ["ids", "table", "params"] + [f"pool{s}" for s in range(n_segments)]
-    return names + [arena_input] if arena_input else names
+    if windows:
+        names += ["arena_index"] + [f"arena_rows{w}" for w in range(windows)]
+    return names
+
+
+# Metal binds at most 31 buffers to a kernel; the pull's own take 3, a pool's segments (9 at
+# most in the families served) and their outputs and the statuses 19: windows past this many
+# leave the model on the host copy.
+MAX_WINDOWS = 8
+
+
+def metal_windows(geometry, limit: int) -> tuple:
+    """The arena as Metal buffers of at most ``limit`` bytes (its largest): the index (the
+    header and slot tables, everything before the rows), then windows of whole rows, each
+    16 KiB-aligned since rows are. ``(index bytes, windows, rows a window)``.
+
+    Raises:
+        RuntimeError: if the index or one row exceeds ``limit``, or the rows need more than
+            MAX_WINDOWS windows (the caller keeps the host copy, saying why).
+    """
+    g = geometry
+    if g.rows_offset > limit or g.stride > limit:
+        raise RuntimeError(f"Metal's largest buffer ({limit} bytes) is smaller than the "
+                           f"arena's slot tables ({g.rows_offset}) or one row ({g.stride})")
+    per = min(g.total_rows, limit // g.stride)
+    count = -(-g.total_rows // per)
+    if count > MAX_WINDOWS:
+        raise RuntimeError(f"the arena's rows ({g.total_rows * g.stride} bytes) need "
+                           f"{count} Metal buffers of at most {limit} bytes; a kernel binds "
+                           f"{MAX_WINDOWS}")
+    return g.rows_offset, count, per
 
 
 def output_names(n_segments: int) -> list:
@@ -404,7 +456,7 @@ class HostPuller(Puller):
 class _KernelPuller(Puller):
     """A device puller: one kernel per (segment count, copy width), shared by every layer."""
 
-    arena_input = None  # the name of an input holding the arena itself (Metal), else None
+    windows = (0, 0)  # Metal's arena windows: (count, rows each); none for CUDA
     traceable = True
 
     def __init__(self, view, layers: dict):
@@ -445,10 +497,11 @@ class _KernelPuller(Puller):
         build = getattr(mx.fast, f"{self.name}_kernel")
         # Row-contiguous inputs: the kernel reads the router's ids in row order whatever
         # their shape or strides (MLX copies a strided slice first).
-        return build(name=f"expertd_pull_{n_segments}_{int(vector)}",
-                     input_names=input_names(n_segments, self.arena_input),
+        count, per = self.windows
+        return build(name=f"expertd_pull_{n_segments}_{int(vector)}_{count}x{per}",
+                     input_names=input_names(n_segments, count),
                      output_names=output_names(n_segments),
-                     source=_kernel_source(self.name, n_segments, vector),
+                     source=_kernel_source(self.name, n_segments, vector, self.windows),
                      ensure_row_contiguous=True)
 
     def assemble(self, layer: int, ids, pool):
@@ -497,20 +550,23 @@ class MetalPuller(_KernelPuller):
     """Pulls through the arena adopted as an MLX array (Apple Silicon's unified memory)."""
 
     name = "metal"
-    arena_input = "arena_rows"
     base = 0
     verify_first = True
 
     def __init__(self, view, layers: dict):
-        limit = mx.metal.device_info().get("max_buffer_length", 0)
-        if view.raw.nbytes > limit:
-            raise RuntimeError(f"the arena ({view.raw.nbytes} bytes) is larger than Metal's "
-                               f"largest buffer ({limit} bytes)")
-        self._arena = mx.asarray(view.raw, copy=False)  # adopted, not copied (16 KiB aligned)
+        g = view.arena.geometry
+        limit = int(mx.metal.device_info().get("max_buffer_length", 0))
+        index, count, per = metal_windows(g, limit)
+        raw = view.raw
+        # Adopted, not copied: every piece starts 16 KiB-aligned (the mapping, its rows).
+        starts = [g.rows_offset + w * per * g.stride for w in range(count)] + [g.total_size]
+        self._arena = [mx.asarray(raw[:index], copy=False)] + [
+            mx.asarray(raw[a:b], copy=False) for a, b in zip(starts, starts[1:])]
+        self.windows = (count, per)
         super().__init__(view, layers)
 
     def extra_inputs(self) -> list:
-        return [self._arena]
+        return self._arena
 
 
 def verify_pull(puller, layer: int, ids, pool, arrays, status) -> bool | None:

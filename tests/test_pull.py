@@ -317,8 +317,8 @@ def test_kernel_arguments():
     """The CUDA and Metal kernels' names, inputs, outputs and sources, built here (neither runs
     on this machine): one input per pool segment, one output per segment and the statuses,
     the arena's slot layout and the status codes written into both sources."""
-    assert input_names(3, None) == ["ids", "table", "params", "pool0", "pool1", "pool2"]
-    assert input_names(1, "arena_rows")[-1] == "arena_rows"
+    assert input_names(3) == ["ids", "table", "params", "pool0", "pool1", "pool2"]
+    assert input_names(1, 2)[-3:] == ["arena_index", "arena_rows0", "arena_rows1"]
     assert output_names(2) == ["out0", "out1", "status"]
     for source in (cuda_source(3, True), metal_source(3, True)):
         for name in ("pool0", "pool2", "out0", "out2", "status", "params"):
@@ -330,6 +330,28 @@ def test_kernel_arguments():
     assert "uint4" in cuda_source(1, True) and "uint4" not in cuda_source(1, False)
     assert "threadgroup_position_in_grid" in metal_source(1, False)
     assert "blockIdx" in cuda_source(1, False)
+
+
+def test_metal_adopts_the_arena_in_windows_within_its_largest_buffer():
+    """Metal's largest buffer can be smaller than an arena of most of a Mac's memory: the arena
+    is adopted as its index and windows of whole rows, each within the limit and 16 KiB-aligned;
+    past MAX_WINDOWS windows (or a row larger than the limit) the host copy stays, saying why."""
+    from expertd.client.pull import MAX_WINDOWS, metal_windows
+    from expertd.shm.layout import ROW_ALIGN, Geometry
+
+    g = Geometry(n_layers=48, n_experts=128, cache_rows=1000, side_rows=8, stride=4 * ROW_ALIGN)
+    assert metal_windows(g, g.total_size) == (g.rows_offset, 1, g.total_rows)
+    for limit in (g.stride * 300, g.stride * 300 + g.stride - 1, g.total_size // 3):
+        index, count, per = metal_windows(g, limit)
+        assert index == g.rows_offset and per * g.stride <= limit and count * per >= g.total_rows
+        assert (count - 1) * per < g.total_rows and per == limit // g.stride
+        assert (g.rows_offset + per * g.stride) % ROW_ALIGN == 0
+    assert metal_windows(g, g.stride * 300)[1] == 4  # 1016 rows, 300 a window
+    with pytest.raises(RuntimeError, match="one row"):
+        metal_windows(g, g.stride - 1)
+    with pytest.raises(RuntimeError, match=f"need {-(-g.total_rows // 100)} Metal buffers"):
+        metal_windows(g, g.stride * 100)
+    assert metal_windows(g, g.stride * -(-g.total_rows // MAX_WINDOWS))[1] == MAX_WINDOWS
 
 
 def test_kernel_params_follow_the_arena(models, isolated_env, tmp_path):

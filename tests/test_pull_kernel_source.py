@@ -27,8 +27,10 @@ from expertd.client.pull import (
     HostPuller,
     cuda_source,
     decode_status,
+    input_names,
     kernel_params,
     metal_source,
+    metal_windows,
 )
 from expertd.client.session import Session
 from expertd.shm.layout import SLOT_DTYPE, SlotState
@@ -53,13 +55,12 @@ static dim3_t threadgroup_position_in_grid, thread_position_in_threadgroup,
 
 HARNESS = """
 static void body(const int32_t* ids, const int32_t* table, const int64_t* params, {pools},
-                 {outs}, int32_t* status, const uchar* arena_rows) {{
+                 {arena}{outs}, int32_t* status) {{
 {source}
 }}
 
 void run(const int32_t* ids, const int32_t* table, const int64_t* params, void** pools,
-         void** outs, int32_t* status, const uchar* arena_rows, int n, int chunks,
-         int threads) {{
+         void** arena, void** outs, int32_t* status, int n, int chunks, int threads) {{
   for (int p = 0; p < n; p++) {{
     for (int c = 0; c < chunks; c++) {{
       dim3_t group = {{(unsigned)c, (unsigned)p, 0}}, size = {{(unsigned)threads, 1, 1}},
@@ -70,7 +71,7 @@ void run(const int32_t* ids, const int32_t* table, const int64_t* params, void**
       for (int t = 0; t < threads; t++) {{
         dim3_t me = {{(unsigned)t, 0, 0}};
         threadIdx = thread_position_in_threadgroup = me;
-        body(ids, table, params, {pool_args}, {out_args}, status, arena_rows);
+        body(ids, table, params, {pool_args}, {arena_args}{out_args}, status);
       }}
     }}
   }}
@@ -89,16 +90,23 @@ def compiler() -> str:
     return found
 
 
-def build(tmp_path, language: str, n_segments: int, vector: bool):
-    """The ``run`` entry of the kernel body of ``language``, compiled as C."""
-    source = (cuda_source if language == "cuda" else metal_source)(n_segments, vector)
+def build(tmp_path, language: str, n_segments: int, vector: bool, windows: tuple = (1, 0)):
+    """The ``run`` entry of the kernel body of ``language``, compiled as C; its inputs in the
+    order and names of the kernel's own (input_names)."""
+    if language == "cuda":
+        source, count = cuda_source(n_segments, vector), 0
+    else:
+        source, count = metal_source(n_segments, vector, windows), windows[0]
     segments = range(n_segments)
+    arena = input_names(n_segments, count)[3 + n_segments:]
     text = PRELUDE + HARNESS.format(
         pools=", ".join(f"const uchar* pool{s}" for s in segments),
+        arena="".join(f"const uchar* {name}, " for name in arena),
         outs=", ".join(f"uchar* out{s}" for s in segments),
         pool_args=", ".join(f"(const uchar*)pools[{s}]" for s in segments),
+        arena_args="".join(f"(const uchar*)arena[{i}], " for i in range(len(arena))),
         out_args=", ".join(f"(uchar*)outs[{s}]" for s in segments), source=source)
-    name = f"{language}_{n_segments}_{int(vector)}"
+    name = f"{language}_{n_segments}_{int(vector)}_{count}"
     (tmp_path / f"{name}.c").write_text(text)
     done = subprocess.run([compiler(), "-std=gnu11", "-O1", "-shared", "-fPIC", "-w", "-o",
                            str(tmp_path / f"{name}.so"), str(tmp_path / f"{name}.c")],
@@ -109,17 +117,19 @@ def build(tmp_path, language: str, n_segments: int, vector: bool):
     return run
 
 
-def launch(run, ids, table, params, pools, nbytes, arena: np.ndarray):
-    """One pull: outputs (zeroed first, so rows a kernel leaves alone show) and statuses."""
+def launch(run, ids, table, params, pools, nbytes, arena: list):
+    """One pull: outputs (zeroed first, so rows a kernel leaves alone show) and statuses.
+    ``arena``: the addresses of Metal's arena inputs (none for CUDA)."""
     n = len(ids)
     outs = [np.zeros((n, nb), np.uint8) for nb in nbytes]
     status = np.full(n, 12345, np.int32)
     ptr = ctypes.c_void_p
     pool_ptrs = (ptr * len(pools))(*[p.ctypes.data for p in pools])
+    arena_ptrs = (ptr * max(1, len(arena)))(*arena)
     out_ptrs = (ptr * len(outs))(*[o.ctypes.data for o in outs])
     run(ptr(ids.ctypes.data), ptr(table.ctypes.data), ptr(params.ctypes.data), pool_ptrs,
-        out_ptrs, ptr(status.ctypes.data), ptr(arena.ctypes.data), ctypes.c_int(n),
-        ctypes.c_int(CHUNKS), ctypes.c_int(THREADS))
+        arena_ptrs, out_ptrs, ptr(status.ctypes.data), ctypes.c_int(n), ctypes.c_int(CHUNKS),
+        ctypes.c_int(THREADS))
     return outs, status
 
 
@@ -182,10 +192,15 @@ def spoil(arena: np.ndarray, geometry) -> dict:
     return done
 
 
-@pytest.mark.parametrize("language", ["cuda", "metal"])
+# CUDA; Metal with the arena in one window of rows, and in four (a buffer limit a quarter of
+# the rows: a big arena on a Mac).
+KERNELS = [("cuda", None), ("metal", 1), ("metal", 4)]
+
+
+@pytest.mark.parametrize("language,windows", KERNELS, ids=["cuda", "metal-1", "metal-4"])
 @pytest.mark.parametrize("vector", [True, False])
 def test_the_pull_kernels_take_ready_rows_and_refuse_every_other(live_arena, tmp_path, language,
-                                                                 vector):
+                                                                 windows, vector):
     a = live_arena
     g = a["geometry"]
     assert len(a["arena"]) == g.rows_offset + g.stride * g.total_rows
@@ -194,8 +209,26 @@ def test_the_pull_kernels_take_ready_rows_and_refuse_every_other(live_arena, tmp
     nbytes = a["nbytes"]
     if vector:
         assert all(nb % 16 == 0 for nb in nbytes) and (a["offsets"] % 16 == 0).all()
-    run = build(tmp_path, language, len(nbytes), vector)
-    # Metal reads the arena as an input (base 0 in its parameters); CUDA by its address.
+    if language == "metal":  # the arena as Metal adopts it: its index, windows of rows
+        limit = g.stride * -(-g.total_rows // windows)
+        index, count, per = metal_windows(g, limit)
+        assert (count, index) == (windows, g.rows_offset)
+        run = build(tmp_path, language, len(nbytes), vector, (count, per))
+    else:
+        run = build(tmp_path, language, len(nbytes), vector)
+
+    kept = []
+
+    def pieces(arena):
+        """Metal's inputs: the index, then each window of rows as a buffer of its own (apart,
+        as Metal's buffers are: a kernel reading past its window would read another's)."""
+        if language == "cuda":
+            return []
+        starts = [g.rows_offset + w * per * g.stride for w in range(count)] + [len(arena)]
+        kept.extend(arena[x:y].copy() for x, y in zip(starts, starts[1:]))
+        return [arena.ctypes.data] + [w.ctypes.data for w in kept[-count:]]
+
+    # Metal reads the arena as inputs (base 0 in its parameters); CUDA by its address.
     params = based(a["params"], arena, language)
     assert params[N_FIXED + 1::2].tolist() == nbytes
     # A pool of 3 rows holding experts 10, 11, 12 (rows 2, 0, 1), with their own bytes.
@@ -206,7 +239,7 @@ def test_the_pull_kernels_take_ready_rows_and_refuse_every_other(live_arena, tmp
     # Every kind of pair: pool hits, arena rows, the spoilt, ids out of range, repeats.
     ids = np.array([10, 0, 2, 3, 1, 4, 6, 7, 8, 11, 13, -1, a["n_experts"], 15, 12, 0],
                    np.int32)
-    outs, status = launch(run, ids, table, params, pools, nbytes, arena)
+    outs, status = launch(run, ids, table, params, pools, nbytes, pieces(arena))
     rows, experts, kinds = decode_status(status)
     for i, e in enumerate(ids.tolist()):
         got = [o[i] for o in outs]
@@ -222,7 +255,7 @@ def test_the_pull_kernels_take_ready_rows_and_refuse_every_other(live_arena, tmp
     # The same pull through the unspoilt copy takes the spoilt experts' rows: the refusals
     # above were the spoilt records'.
     clean, status = launch(run, ids, table, based(a["params"], a["arena"], language), pools,
-                           nbytes, a["arena"])
+                           nbytes, pieces(a["arena"]))
     for i, e in enumerate(ids.tolist()):
         if e in spoilt:
             assert status[i] == -1 - 2 * e, (e, spoilt[e])
