@@ -162,3 +162,22 @@ def compare_runs(resident, streamed, vocab: int, lengths=PROMPT_LENGTHS,
         results.append(dict(length=length, steps=steps + 1, mismatch=mismatch, tokens=tokens,
                             ref_digest=logits_digest(ref), got_digest=logits_digest(got)))
     return results
+
+
+def parse_metrics(text: str) -> tuple[dict, dict]:
+    """Prometheus text format: ``({name: value}, {name: type})``; malformed lines fail."""
+    values, types, families = {}, {}, set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            types[name] = kind
+        elif line and not line.startswith("#"):
+            name, value = line.split()
+            values[name] = float(value)
+            family = name.split("{")[0]
+            if family not in types:  # a histogram's _bucket{le=...}, _sum and _count
+                family = family.rsplit("_", 1)[0]
+                assert types.get(family) == "histogram", f"{name} has no # TYPE line"
+            families.add(family)
+    assert families == set(types), "every sample has its # TYPE line, every type a sample"
+    return values, types

@@ -93,7 +93,8 @@ def test_serve_takes_a_draft_model_and_answers_resident_tokens(models, isolated_
     """mlx_lm.server's speculative decoding, through ``expertd serve --draft-model``: a greedy
     completion's tokens equal resident mlx-lm's with the same draft."""
     import mlx_lm
-    from test_serve import Server, parse_metrics, reply_tokens
+    from client_helpers import parse_metrics
+    from test_serve import Server, reply_tokens
 
     blob_dir, model_dir = models.blobs(), models.model()
     draft = models.model(bits=8)

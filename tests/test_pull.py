@@ -16,6 +16,7 @@ from client_helpers import (
     ROWS_TINY,
     client_flags,
     compare_runs,
+    parse_metrics,
     pool_gb,
     routed_model,
 )
@@ -109,8 +110,6 @@ def test_pulled_steps_are_exact(models, isolated_env, tmp_path, family, mode, bi
             gbps = pulled["timed_bytes"] / pull_us / 1e3
             assert f"a step, prompt pulls at {gbps:.1f} GB/s" in status.stdout, status.stdout
             # /metrics: the same counts, and the rate of the timed pulls.
-            from test_serve import parse_metrics
-
             from expertd.client.serve_metrics import ServerCounters, render_metrics
 
             values, _ = parse_metrics(render_metrics(None, ServerCounters(),

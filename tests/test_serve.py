@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlx_lm
 import pytest
+from client_helpers import parse_metrics
 from harness import SMALL_CACHE_GB, Daemon, expertd_cli, sigint_as_usual, stop_process, wait_until
 from openai import APIError, APIStatusError, NotFoundError, OpenAI
 
@@ -80,25 +81,6 @@ class Server:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def parse_metrics(text: str) -> tuple[dict, dict]:
-    """Prometheus text format: ``({name: value}, {name: type})``; malformed lines fail."""
-    values, types, families = {}, {}, set()
-    for line in text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split()
-            types[name] = kind
-        elif line and not line.startswith("#"):
-            name, value = line.split()
-            values[name] = float(value)
-            family = name.split("{")[0]
-            if family not in types:  # a histogram's _bucket{le=...}, _sum and _count
-                family = family.rsplit("_", 1)[0]
-                assert types.get(family) == "histogram", f"{name} has no # TYPE line"
-            families.add(family)
-    assert families == set(types), "every sample has its # TYPE line, every type a sample"
-    return values, types
 
 
 @cache
