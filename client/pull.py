@@ -313,20 +313,26 @@ def input_names(n_segments: int, windows: int = 0) -> list:
     return names
 
 
-# Metal binds at most 31 buffers to a kernel; the pull's own take 3, a pool's segments (9 at
-# most in the families served) and their outputs and the statuses 19: windows past this many
-# leave the model on the host copy.
-MAX_WINDOWS = 8
+# Metal binds at most 31 buffers to a kernel. A pull's own: the ids, the table, the params,
+# a pool's segments and as many outputs, the statuses and the arena's index, 5 + 2 x segments;
+# its rows' windows take the rest.
+METAL_BUFFERS = 31
 
 
-def metal_windows(geometry, limit: int) -> tuple:
+def max_windows(n_segments: int) -> int:
+    """The most windows of arena rows a Metal pull kernel of ``n_segments`` can bind."""
+    return METAL_BUFFERS - 5 - 2 * n_segments
+
+
+def metal_windows(geometry, limit: int, most: int) -> tuple:
     """The arena as Metal buffers of at most ``limit`` bytes (its largest): the index (the
     header and slot tables, everything before the rows), then windows of whole rows, each
-    16 KiB-aligned since rows are. ``(index bytes, windows, rows a window)``.
+    16 KiB-aligned since rows are, ``most`` at most (see :func:`max_windows`).
+    ``(index bytes, windows, rows a window)``.
 
     Raises:
         RuntimeError: if the index or one row exceeds ``limit``, or the rows need more than
-            MAX_WINDOWS windows (the caller keeps the host copy, saying why).
+            ``most`` windows (the caller keeps the host copy, saying why).
     """
     g = geometry
     if g.rows_offset > limit or g.stride > limit:
@@ -334,10 +340,10 @@ def metal_windows(geometry, limit: int) -> tuple:
                            f"arena's slot tables ({g.rows_offset}) or one row ({g.stride})")
     per = min(g.total_rows, limit // g.stride)
     count = -(-g.total_rows // per)
-    if count > MAX_WINDOWS:
+    if count > most:
         raise RuntimeError(f"the arena's rows ({g.total_rows * g.stride} bytes) need "
-                           f"{count} Metal buffers of at most {limit} bytes; a kernel binds "
-                           f"{MAX_WINDOWS}")
+                           f"{count} Metal buffers of at most {limit} bytes; a pull kernel "
+                           f"binds {max(most, 0)} beside its own")
     return g.rows_offset, count, per
 
 
@@ -556,7 +562,8 @@ class MetalPuller(_KernelPuller):
     def __init__(self, view, layers: dict):
         g = view.arena.geometry
         limit = int(mx.metal.device_info().get("max_buffer_length", 0))
-        index, count, per = metal_windows(g, limit)
+        segments = max(len(segs) for segs in layers.values()) if layers else 0
+        index, count, per = metal_windows(g, limit, max_windows(segments))
         raw = view.raw
         # Adopted, not copied: every piece starts 16 KiB-aligned (the mapping, its rows).
         starts = [g.rows_offset + w * per * g.stride for w in range(count)] + [g.total_size]

@@ -186,7 +186,9 @@ def daemon_paths(blob_dir) -> DaemonPaths:
     # cannot see each other's sockets) must not take each other's files for stale ones.
     ident = hashlib.sha256(f"{real}\0{os.getuid()}\0{run}".encode()).hexdigest()[:16]
     socket = run / f"{ident}.sock"
-    serving = hashlib.sha256(f"{real}\0{os.getuid()}".encode()).hexdigest()[:16]
+    # The claim (runfile.claim_blobs): per machine, since shared memory is.
+    serving = hashlib.sha256(f"{real}\0{os.getuid()}\0{os.uname().nodename}".encode()
+                             ).hexdigest()[:16]
     if len(str(socket).encode()) > MAX_SOCKET_PATH:
         raise ValueError(f"socket path {socket} is longer than {MAX_SOCKET_PATH} bytes; "
                          "set XDG_RUNTIME_DIR to a shorter directory")

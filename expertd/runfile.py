@@ -149,11 +149,13 @@ def lock_held(lock: Path) -> bool:
     The probe takes a shared lock for an instant, so concurrent probes never disturb each
     other; a starting daemon retries for a moment (see :func:`take_lock`).
     """
-    try:
-        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+    try:  # non-blocking: a FIFO planted at the name cannot hang the probe
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False  # missing, or not ours to open: nobody serves through it
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False  # not a lock file: nobody serves through it
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return False
     except BlockingIOError:
@@ -188,10 +190,16 @@ def take_lock(lock: Path, patience: float = 0.0) -> int | None:
 
     Retries for ``patience`` seconds, since probes hold it for an instant. Checks that the
     locked file is still the one at the name: a clean-up may have unlinked it meanwhile.
+
+    Raises:
+        OSError: if the name cannot be opened or created, or is not a regular file.
     """
     deadline = time.monotonic() + patience
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device planted at the name
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file", str(lock))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -210,26 +218,43 @@ def take_lock(lock: Path, patience: float = 0.0) -> int | None:
         os.close(fd)  # unlinked under us: lock the new file instead
 
 
+UNCLAIMED = -1  # claim_blobs: the state directory could not hold the claim; served without
+
+
 def claim_blobs(paths, patience: float = 0.0) -> int | None:
     """Take the blob directory's claim (``paths.claim``, in the state directory) for this
-    process's life, recording its pid and runtime directory; the fd, or None if a daemon of
-    another runtime directory holds it (see :func:`claimant`).
+    process's life, recording its pid and runtime directory; the fd, or None if another daemon
+    holds it (see :func:`claimant`), or UNCLAIMED where the state directory cannot hold it
+    (read-only, full, a planted file: warned, and the daemon serves as it did before claims).
 
     The runtime lock alone keeps one daemon per runtime directory; a launchd or systemd
     service and a shell can see two (XDG_RUNTIME_DIR set in one only), and their clients would
     never meet one daemon's cache. The state directory does not move with XDG_RUNTIME_DIR.
+    The claim's name holds the host's name: a home shared by several machines (NFS, a volume
+    of several containers) has one claim per machine, as each has its own shared memory.
     """
-    fd = take_lock(paths.claim, patience)
+    try:
+        fd = take_lock(paths.claim, patience)
+    except OSError as exc:
+        log.warning("cannot claim %s in %s (%s): another runtime directory's daemon for it "
+                    "would not be refused", paths.blob_dir, paths.claim.parent,
+                    exc.strerror or exc)
+        return UNCLAIMED
     if fd is not None:
         record = {"pid": os.getpid(), "runtime": str(paths.lock.parent)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+        except OSError:  # a full disk: the lock is the claim, the record only names it
+            pass
     return fd
 
 
 def release_claim(paths, fd: int) -> None:
-    """Give back :func:`claim_blobs`' claim, its file removed while still held (see
-    :func:`take_lock`)."""
+    """Give back :func:`claim_blobs`' claim (UNCLAIMED: none), its file removed while still
+    held (see :func:`take_lock`)."""
+    if fd == UNCLAIMED:
+        return
     try:
         _unlink(paths.claim)
     finally:

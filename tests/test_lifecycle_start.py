@@ -268,6 +268,67 @@ def test_one_blob_directory_has_one_daemon_whatever_the_runtime_directory(models
         shutil.rmtree(other, ignore_errors=True)
 
 
+@pytest.mark.timeout(150)
+def test_stop_clears_a_killed_daemons_arena_while_another_directory_serves(models, isolated_env,
+                                                                           monkeypatch):
+    """A daemon killed in one runtime directory, then one started from another: stop in the
+    first says where the blobs are served (nothing is stopped) and still frees the killed
+    one's arena, which status there shows as held by nothing."""
+    import tempfile
+
+    blobs = models.blobs()
+    first = daemon_paths(blobs)
+    other = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))
+    start = ("start", "--blobs", blobs, "--cache-gb", CACHE_GB)
+    killed = None
+    try:
+        assert expertd_cli(*start).returncode == 0
+        killed = read_run_info(first)
+        os.kill(killed.pid, signal.SIGKILL)
+        wait_until(lambda: serving_pid(first) is None, 10, "the daemon to die")
+        assert shm_exists(killed.arena)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(other))
+        assert expertd_cli(*start).returncode == 0  # the claim died with its daemon
+        pid = serving_pid(daemon_paths(blobs))
+        monkeypatch.setenv("XDG_RUNTIME_DIR", isolated_env["XDG_RUNTIME_DIR"])
+        stopped = expertd_cli("stop", "--blobs", blobs)
+        assert stopped.returncode == 1 and f"pid {pid}" in stopped.stderr, stopped.stderr
+        assert f"removed what a killed one left here: arena {killed.arena}" in stopped.stderr
+        assert not shm_exists(killed.arena)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(other))
+        assert query_stats(blobs)["pid"] == pid  # the other one serves on
+    finally:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(other))
+        kill_serving_daemon(blobs)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", isolated_env["XDG_RUNTIME_DIR"])
+        kill_serving_daemon(blobs)
+        if killed is not None:
+            unlink_arena(killed.arena)
+        shutil.rmtree(other, ignore_errors=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_claim_the_state_directory_cannot_hold_refuses_nothing(models, isolated_env):
+    """A FIFO planted at the claim's name, as a read-only or full state directory would fail
+    it: the daemon serves as it did before claims, saying so in its log, and neither start,
+    status nor stop hangs on the FIFO."""
+    import stat
+
+    blobs = models.blobs()
+    paths = daemon_paths(blobs)
+    os.mkfifo(paths.claim)
+    try:
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", CACHE_GB, timeout=30)
+        assert started.returncode == 0, started.stderr
+        assert f"cannot claim {paths.blob_dir}" in paths.log.read_text()
+        assert expertd_cli("status", "--blobs", blobs, timeout=30).returncode == 0
+        assert expertd_cli("stop", "--blobs", blobs, timeout=30).returncode == 0
+        assert stat.S_ISFIFO(os.lstat(paths.claim).st_mode)  # not ours to remove
+    finally:
+        kill_serving_daemon(blobs)
+        os.unlink(paths.claim)
+
+
 @pytest.mark.timeout(120)
 def test_pins_come_from_the_pin_file_alone_not_from_an_old_state(models, isolated_env, tmp_path):
     blobs = models.blobs()

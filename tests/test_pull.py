@@ -334,23 +334,30 @@ def test_kernel_arguments():
 def test_metal_adopts_the_arena_in_windows_within_its_largest_buffer():
     """Metal's largest buffer can be smaller than an arena of most of a Mac's memory: the arena
     is adopted as its index and windows of whole rows, each within the limit and 16 KiB-aligned;
-    past MAX_WINDOWS windows (or a row larger than the limit) the host copy stays, saying why."""
-    from expertd.client.pull import MAX_WINDOWS, metal_windows
+    past the windows a kernel can bind beside its own buffers (or a row larger than the
+    limit), the host copy stays, saying why."""
+    from expertd.client.pull import METAL_BUFFERS, max_windows, metal_windows
     from expertd.shm.layout import ROW_ALIGN, Geometry
 
+    # 9 segments (qwen3's affine): 8 windows; 12 (gpt-oss's affine): 2; every buffer counted.
+    assert max_windows(9) == 8 and max_windows(12) == 2
+    for n in (1, 9, 12):
+        assert len(input_names(n, max_windows(n))) + len(output_names(n)) == METAL_BUFFERS
     g = Geometry(n_layers=48, n_experts=128, cache_rows=1000, side_rows=8, stride=4 * ROW_ALIGN)
-    assert metal_windows(g, g.total_size) == (g.rows_offset, 1, g.total_rows)
+    assert metal_windows(g, g.total_size, 1) == (g.rows_offset, 1, g.total_rows)
     for limit in (g.stride * 300, g.stride * 300 + g.stride - 1, g.total_size // 3):
-        index, count, per = metal_windows(g, limit)
+        index, count, per = metal_windows(g, limit, 8)
         assert index == g.rows_offset and per * g.stride <= limit and count * per >= g.total_rows
         assert (count - 1) * per < g.total_rows and per == limit // g.stride
         assert (g.rows_offset + per * g.stride) % ROW_ALIGN == 0
-    assert metal_windows(g, g.stride * 300)[1] == 4  # 1016 rows, 300 a window
+    assert metal_windows(g, g.stride * 300, 8)[1] == 4  # 1016 rows, 300 a window
     with pytest.raises(RuntimeError, match="one row"):
-        metal_windows(g, g.stride - 1)
+        metal_windows(g, g.stride - 1, 8)
     with pytest.raises(RuntimeError, match=f"need {-(-g.total_rows // 100)} Metal buffers"):
-        metal_windows(g, g.stride * 100)
-    assert metal_windows(g, g.stride * -(-g.total_rows // MAX_WINDOWS))[1] == MAX_WINDOWS
+        metal_windows(g, g.stride * 100, 8)
+    with pytest.raises(RuntimeError, match="need 4 Metal buffers .* binds 2 beside"):
+        metal_windows(g, g.stride * 300, max_windows(12))
+    assert metal_windows(g, g.stride * -(-g.total_rows // 8), 8)[1] == 8
 
 
 def test_kernel_params_follow_the_arena(models, isolated_env, tmp_path):

@@ -151,11 +151,14 @@ def live_arena(models, isolated_env, tmp_path):
             assert all(r is not None for r in host_rows), "the arena holds every expert"
             arena = np.array(view.raw)  # a copy: nothing spoilt reaches the daemon
             params = kernel_params(view, LAYER, 0)  # the arena's base: set per kernel
+            g = view.arena.geometry
+            slot_of = view.arena.slot_of[LAYER * g.n_experts:(LAYER + 1) * g.n_experts]
+            slots = set(slot_of[:n_experts].tolist())  # where the layer's rows sit
             geometry = view.arena.geometry
         finally:
             session.close()
     yield dict(arena=arena, params=params, nbytes=nbytes.tolist(), offsets=offsets,
-               host_rows=host_rows, n_experts=n_experts, geometry=geometry)
+               host_rows=host_rows, n_experts=n_experts, geometry=geometry, slots=slots)
 
 
 def spoil(arena: np.ndarray, geometry) -> dict:
@@ -192,15 +195,15 @@ def spoil(arena: np.ndarray, geometry) -> dict:
     return done
 
 
-# CUDA; Metal with the arena in one window of rows, and in four (a buffer limit a quarter of
-# the rows: a big arena on a Mac).
-KERNELS = [("cuda", None), ("metal", 1), ("metal", 4)]
+# CUDA; Metal with the arena's rows in one window, and in windows of 5 rows (a big arena on a
+# Mac: here layer 1's experts then sit in several windows, at their edges too).
+KERNELS = [("cuda", None), ("metal", None), ("metal", 5)]
 
 
-@pytest.mark.parametrize("language,windows", KERNELS, ids=["cuda", "metal-1", "metal-4"])
+@pytest.mark.parametrize("language,per", KERNELS, ids=["cuda", "metal-1", "metal-5"])
 @pytest.mark.parametrize("vector", [True, False])
 def test_the_pull_kernels_take_ready_rows_and_refuse_every_other(live_arena, tmp_path, language,
-                                                                 windows, vector):
+                                                                 per, vector):
     a = live_arena
     g = a["geometry"]
     assert len(a["arena"]) == g.rows_offset + g.stride * g.total_rows
@@ -210,9 +213,10 @@ def test_the_pull_kernels_take_ready_rows_and_refuse_every_other(live_arena, tmp
     if vector:
         assert all(nb % 16 == 0 for nb in nbytes) and (a["offsets"] % 16 == 0).all()
     if language == "metal":  # the arena as Metal adopts it: its index, windows of rows
-        limit = g.stride * -(-g.total_rows // windows)
-        index, count, per = metal_windows(g, limit)
-        assert (count, index) == (windows, g.rows_offset)
+        per = per or g.total_rows
+        count = -(-g.total_rows // per)
+        if per == g.total_rows:  # what MetalPuller computes for a limit past the arena
+            assert metal_windows(g, g.total_size, 1) == (g.rows_offset, 1, per)
         run = build(tmp_path, language, len(nbytes), vector, (count, per))
     else:
         run = build(tmp_path, language, len(nbytes), vector)
@@ -220,13 +224,17 @@ def test_the_pull_kernels_take_ready_rows_and_refuse_every_other(live_arena, tmp
     kept = []
 
     def pieces(arena):
-        """Metal's inputs: the index, then each window of rows as a buffer of its own (apart,
-        as Metal's buffers are: a kernel reading past its window would read another's)."""
+        """Metal's inputs, each a buffer of its own as Metal's are: the index (followed by
+        junk, where the rows were: a kernel reading rows through it reads junk), then each
+        window of rows (a kernel reading past its window would read another's)."""
         if language == "cuda":
             return []
+        index = np.concatenate([arena[:g.rows_offset],
+                                np.full(len(arena) - g.rows_offset, 0xAB, np.uint8)])
         starts = [g.rows_offset + w * per * g.stride for w in range(count)] + [len(arena)]
-        kept.extend(arena[x:y].copy() for x, y in zip(starts, starts[1:]))
-        return [arena.ctypes.data] + [w.ctypes.data for w in kept[-count:]]
+        windows = [arena[x:y].copy() for x, y in zip(starts, starts[1:])]
+        kept.extend([index, *windows])
+        return [index.ctypes.data] + [w.ctypes.data for w in windows]
 
     # Metal reads the arena as inputs (base 0 in its parameters); CUDA by its address.
     params = based(a["params"], arena, language)
@@ -260,6 +268,20 @@ def test_the_pull_kernels_take_ready_rows_and_refuse_every_other(live_arena, tmp
         if e in spoilt:
             assert status[i] == -1 - 2 * e, (e, spoilt[e])
             assert all((g[i] == h).all() for g, h in zip(clean, a["host_rows"][e]))
+    # Every expert of the layer from the arena (an empty pool): each row the host copy's,
+    # wherever its slot sits (in several windows, and at their edges, for Metal's of 5 rows).
+    everyone = np.arange(a["n_experts"], dtype=np.int32)
+    clean, status = launch(run, everyone, np.full(a["n_experts"], -1, np.int32),
+                           based(a["params"], a["arena"], language), pools, nbytes,
+                           pieces(a["arena"]))
+    assert (status == -1 - 2 * everyone).all(), status
+    for e in everyone.tolist():
+        assert all((o[e] == h).all() for o, h in zip(clean, a["host_rows"][e])), e
+    if language == "metal" and per < g.total_rows:
+        slots = a["slots"]
+        assert len({s // per for s in slots}) >= 3, slots  # several windows read
+        edges = {w for w in {s // per for s in slots} if {w * per, w * per + per - 1} <= slots}
+        assert edges, f"no window read at both its edges: {sorted(slots)}"
 
 
 def based(params: np.ndarray, arena: np.ndarray, language: str) -> np.ndarray:

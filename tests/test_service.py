@@ -157,6 +157,25 @@ def test_install_with_the_real_systemctl_reports_its_failure(awkward_blobs, home
     assert f"logs to {daemon_paths(awkward_blobs).log}" in status.stdout
 
 
+def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home):
+    """The service's daemon could not start beside one started by hand (its manager would
+    retry in a loop): install says so before writing anything; with the hand-started one
+    stopped it goes on (to this machine's systemctl, which may fail here, as above)."""
+    unit = make_plan(awkward_blobs, platform="linux")
+    try:
+        assert expertd_cli("start", "--blobs", awkward_blobs, "--cache-gb", CACHE).returncode == 0
+        got = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE)
+        assert got.returncode == 1 and "Traceback" not in got.stderr, got
+        assert "could not start beside it: stop it first" in got.stderr, got.stderr
+        assert not unit.path.exists() and not make_plan(awkward_blobs, platform="macos").path.exists()
+        # --no-start only writes the file: nothing starts, nothing to refuse.
+        wrote = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE,
+                            "--platform", "linux", "--no-start")
+        assert wrote.returncode == 0 and unit.path.exists(), wrote
+    finally:
+        kill_serving_daemon(awkward_blobs)
+
+
 def test_install_refuses_bad_flags_before_writing_anything(awkward_blobs, home):
     for flags, message, code in ((["--cache-gb", "nan"], "smallest cache that serves", 2),
                                  (["--workers", "0"], "--workers: must be from 1 to", 2),

@@ -15,6 +15,7 @@ from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.paths import daemon_paths, runtime_dir
 from expertd.protocol import Op
 from expertd.runfile import (
+    UNCLAIMED,
     RunInfo,
     claim_blobs,
     elsewhere,
@@ -107,10 +108,17 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
     if lock is None:
         raise DaemonError(f"an expertd (pid {serving_pid(paths)}) already serves "
                           f"{paths.blob_dir}")
-    claim = claim_blobs(paths, LOCK_PATIENCE)
-    if claim is None:
+    try:
+        claim = claim_blobs(paths, LOCK_PATIENCE)
+        if claim is None and elsewhere(paths):
+            raise DaemonError(_refusal(paths))
+    except BaseException:
         os.close(lock)
-        raise DaemonError(_refusal(paths))
+        raise
+    if claim is None:  # held from a runtime directory of the same name: one we cannot reach
+        log.warning("%s is claimed by a daemon this one cannot see (another mount namespace "
+                    "with the same paths?); serving it here too", paths.blob_dir)
+        claim = UNCLAIMED
     arena, epoch = new_arena_name(), new_epoch()
     server = None
     # Until the server can stop itself, a signal unwinds through the clean-up below.
@@ -273,7 +281,9 @@ def stop(blob_dir, timeout: float = 10.0) -> int:
     if pid is None:
         there = elsewhere(paths)
         if there:  # one serves it, out of this runtime directory's reach: not "nothing to stop"
-            raise DaemonError(f"{there}; nothing was stopped")
+            removed = _remove_dead_at(paths)  # what a killed one left here goes all the same
+            also = f"; removed what a killed one left here: {', '.join(removed)}" if removed else ""
+            raise DaemonError(f"{there}; nothing was stopped{also}")
         raise DaemonNotRunning(f"no expertd serves {paths.blob_dir}")
     if pid < 0:
         raise DaemonError(f"an expertd holds {paths.lock} but {paths.pidfile} names no pid")
