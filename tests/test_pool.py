@@ -117,31 +117,40 @@ def test_a_row_is_rewritten_only_after_what_reads_it_is_evaluated(backing):
     assert pool.counters["settled"] == 1
 
 
+def _row_pool(rows: int, backing: str):
+    """A pool of ``rows`` rows of 4 KiB (expert e's bytes all e % 251), experts 0-7 in it."""
+    def read(layer, experts, dest, bases, positions):
+        for e, p in zip(experts.tolist(), positions.tolist()):
+            dest[bases[0] + p * 4096:bases[0] + (p + 1) * 4096] = e % 251
+
+    pool = make_pool(SimpleNamespace(index=0, num_experts=512), rows,
+                     [(mx.uint8, (4096,), 4096)], backing, batch=8,
+                     source=SimpleNamespace(read_rows=read))
+    pool.place(np.arange(8, dtype=np.int32))
+    return pool
+
+
+def _growth(change, *ready) -> int:
+    """The most bytes MLX holds beyond what it held before ``change()`` (with ``ready``
+    evaluated first), the arrays it returns evaluated."""
+    mx.eval(*ready)
+    mx.synchronize()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(change())
+    return mx.get_peak_memory() - base
+
+
 @pytest.mark.parametrize("backing", BACKINGS)
 def test_a_write_moves_only_its_rows_whatever_the_pool_size(backing):
     """In place: the memory a write allocates is the moved rows' (MLX reuses the pool's buffer
     for its scatter, the host writes straight into it), not a copy of the pool."""
-    big = [(mx.uint8, (4096,), 4096)]
     grown = {}
     for rows in (16, 64, 256):
-        layer = SimpleNamespace(index=0, num_experts=256)
-
-        def read(layer, experts, dest, bases, positions):
-            for e, p in zip(experts.tolist(), positions.tolist()):
-                dest[bases[0] + p * 4096:bases[0] + (p + 1) * 4096] = e % 251
-
-        pool = make_pool(layer, rows, big, backing, batch=8,
-                         source=SimpleNamespace(read_rows=read))
-
-        pool.place(np.arange(8, dtype=np.int32))
-        mx.eval(pool.arrays)
-        mx.synchronize()
-        mx.clear_cache()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        pool.place(np.arange(8, 16, dtype=np.int32) % rows + 16 * (rows > 16))
-        mx.eval(pool.arrays)
-        grown[rows] = mx.get_peak_memory() - base
+        pool = _row_pool(rows, backing)
+        moved = np.arange(8, 16, dtype=np.int32) % rows + 16 * (rows > 16)
+        grown[rows] = _growth(lambda: (pool.place(moved), pool.arrays)[1], pool.arrays)
         assert pool.arrays[0].shape == (rows, 4096)
         assert (np.array(pool.arrays[0][int(pool.row_of[16 * (rows > 16) + 8 % rows])])
                 == (16 * (rows > 16) + 8 % rows) % 251).all()
@@ -154,29 +163,19 @@ def test_a_write_moves_only_its_rows_whatever_the_pool_size(backing):
 def test_a_promotion_moves_only_its_rows_whatever_the_pool_size(backing):
     """Pulled experts promoted into a pool (the step's bookkeeping, issue 24): the memory it
     allocates is the promoted rows', never a copy of the pool, and the rows hold their bytes."""
-    big = [(mx.uint8, (4096,), 4096)]
     grown = {}
     for rows in (16, 64, 256):
-        layer = SimpleNamespace(index=0, num_experts=512)
-
-        def read(layer, experts, dest, bases, positions):
-            for e, p in zip(experts.tolist(), positions.tolist()):
-                dest[bases[0] + p * 4096:bases[0] + (p + 1) * 4096] = e % 251
-
-        pool = make_pool(layer, rows, big, backing, batch=8,
-                         source=SimpleNamespace(read_rows=read))
-        pool.place(np.arange(8, dtype=np.int32))
+        pool = _row_pool(rows, backing)
         experts = np.arange(300, 308, dtype=np.int32)  # pulled: none is in the pool
         pulled = mx.array((experts[:, None] % 251 * np.ones((1, 4096))).astype(np.uint8))
-        mx.eval(pool.arrays, pulled)
-        mx.synchronize()
-        mx.clear_cache()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        moved = pool.promote(experts, [pulled], np.arange(8), weights=np.full(8, 100))
-        mx.eval(pool.arrays)
-        grown[rows] = mx.get_peak_memory() - base
-        assert moved == 8
+        moved = []
+
+        def promote():
+            moved.append(pool.promote(experts, [pulled], np.arange(8), weights=np.full(8, 100)))
+            return pool.arrays
+
+        grown[rows] = _growth(promote, pool.arrays, pulled)
+        assert moved == [8]
         for e in experts.tolist():
             assert (np.array(pool.arrays[0][int(pool.row_of[e])]) == e % 251).all()
     assert max(grown.values()) <= 2 * 8 * 4096 + 4096, grown
