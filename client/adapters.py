@@ -12,6 +12,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from expertd.errors import FlagError
+
 from .switch import StreamedSwitch
 
 LEAVES = ("lora_a", "lora_b", "m")  # what an adapter file may hold (mlx-lm's adapter leaves)
@@ -34,7 +36,7 @@ def apply_adapters(model, adapter_path) -> None:
     where = Path(adapter_path).expanduser()
     config_file, weights_file = where / "adapter_config.json", where / "adapters.safetensors"
     if not config_file.is_file() or not weights_file.is_file():
-        raise ValueError(f"--adapter-path {where}: no adapter_config.json and "
+        raise FlagError(f"--adapter-path {where}: no adapter_config.json and "
                          "adapters.safetensors there (mlx_lm.lora writes both)")
     try:
         config = json.loads(config_file.read_text())
@@ -42,10 +44,10 @@ def apply_adapters(model, adapter_path) -> None:
         lora = dict(config["lora_parameters"])
         num_layers = int(config["num_layers"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"--adapter-path {where}: adapter_config.json is not mlx-lm's "
+        raise FlagError(f"--adapter-path {where}: adapter_config.json is not mlx-lm's "
                          f"({exc})") from None
     if kind == "full":
-        raise ValueError(f"--adapter-path {where}: a full fine-tune is a model of its own, not "
+        raise FlagError(f"--adapter-path {where}: a full fine-tune is a model of its own, not "
                          "adapters; convert it with expertd convert")
     # Relative to a transformer block, as mlx-lm's keys are: where its streamed switches sit.
     switches = {path for block in model.layers for path, m in block.named_modules()
@@ -53,14 +55,14 @@ def apply_adapters(model, adapter_path) -> None:
     try:
         weights = mx.load(str(weights_file))
     except (RuntimeError, ValueError, OSError) as exc:
-        raise ValueError(f"--adapter-path {where}: adapters.safetensors is not a safetensors "
+        raise FlagError(f"--adapter-path {where}: adapters.safetensors is not a safetensors "
                          f"file ({exc})") from None
     experts = sorted(name for name in weights
                      if any(f".{s}." in f".{name}" for s in switches))
     keys = lora.get("keys")
     named = [k for k in keys or () if _inside(k, switches)]
     if experts or named:
-        raise ValueError(f"--adapter-path {where}: these adapters train the routed experts "
+        raise FlagError(f"--adapter-path {where}: these adapters train the routed experts "
                          f"({(experts or named)[0]}, ...), which expertd streams; adapters of "
                          "the other layers load (train with lora_parameters keys that leave "
                          "out the switch layers, e.g. self_attn.q_proj and self_attn.v_proj)")
@@ -69,7 +71,7 @@ def apply_adapters(model, adapter_path) -> None:
     try:
         linear_to_lora_layers(model, num_layers, lora, use_dora=kind == "dora")
     except (KeyError, ValueError, TypeError) as exc:  # mlx-lm's own checks, and bad types
-        raise ValueError(f"--adapter-path {where}: adapter_config.json does not fit this "
+        raise FlagError(f"--adapter-path {where}: adapter_config.json does not fit this "
                          f"model ({type(exc).__name__}: {exc})") from None
     params = {name: p for name, p in tree_flatten(model.parameters())
               if name.rsplit(".", 1)[-1] in LEAVES}
@@ -78,7 +80,7 @@ def apply_adapters(model, adapter_path) -> None:
            for name, w in weights.items()
            if name not in params or w.shape != params[name].shape]
     if bad:
-        raise ValueError(f"--adapter-path {where}: weights that do not fit: {', '.join(bad[:3])}")
+        raise FlagError(f"--adapter-path {where}: weights that do not fit: {', '.join(bad[:3])}")
     model.load_weights(list(weights.items()), strict=False)
     model.eval()
     # Evaluated here, on the loading thread's stream: a lazy load is not evaluable from the

@@ -10,6 +10,7 @@ from expertd.choices import (
     DEFAULT_PREFILL_STEP_SIZE,
     DEFAULT_QUANTIZED_KV_START,
 )
+from expertd.errors import FlagError
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class KVOptions:
         # mlx-lm cannot quantize the rotating cache that --max-kv-size makes: it would fail
         # in mid-generation.
         if self.kv_bits is not None and self.max_kv_size is not None:
-            raise ValueError("--kv-bits and --max-kv-size do not go together: mlx-lm cannot "
+            raise FlagError("--kv-bits and --max-kv-size do not go together: mlx-lm cannot "
                              "quantize a rotating KV cache")
 
 
@@ -100,10 +101,10 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
             tokenizer.add_eos_token(token)
         clash = set(template_kwargs or {}) & TEMPLATE_OWN
         if clash:
-            raise ValueError(f"--chat-template-config: {', '.join(sorted(clash))} "
+            raise FlagError(f"--chat-template-config: {', '.join(sorted(clash))} "
                              "is set by generate itself")
         if template_kwargs and not (chat_template and getattr(tokenizer, "chat_template", None)):
-            raise ValueError("--chat-template-config needs the chat template (the tokenizer "
+            raise FlagError("--chat-template-config needs the chat template (the tokenizer "
                              "has none, or --ignore-chat-template was given)")
         if chat_template and getattr(tokenizer, "chat_template", None):
             messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
@@ -121,7 +122,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
                                                       continue_final_message=prefill)
                 prompt = prompt[probe.index("<query>"):]
         elif prefill_response is not None:
-            raise ValueError("--prefill-response needs the chat template (the tokenizer has "
+            raise FlagError("--prefill-response needs the chat template (the tokenizer has "
                              "none, or --ignore-chat-template was given)")
         before = session.stats()
         tokens, last, drafted = [], None, 0
@@ -194,25 +195,25 @@ def load_prompt_cache(path: str, model, kv) -> list:
     from mlx_lm.models.cache import load_prompt_cache as load
 
     if not os.path.isfile(path):
-        raise ValueError(f"--prompt-cache-file {path}: no such file")
+        raise FlagError(f"--prompt-cache-file {path}: no such file")
     try:
         cache = load(path)
     except Exception as exc:  # mlx's readers raise RuntimeError on a malformed file
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(f"--prompt-cache-file {path}: not a prompt cache mlx-lm can read "
+        raise FlagError(f"--prompt-cache-file {path}: not a prompt cache mlx-lm can read "
                          f"({first})") from None
     want = make_prompt_cache(model)
     shape = _kv_shape(model)
     if len(cache) != len(want) or (shape is not None and any(
             getattr(c, "keys", None) is not None and getattr(c.keys, "ndim", 0) == 4
             and (c.keys.shape[1], c.keys.shape[3]) != shape for c in cache)):
-        raise ValueError(f"--prompt-cache-file {path}: made for another model ({len(cache)} "
+        raise FlagError(f"--prompt-cache-file {path}: made for another model ({len(cache)} "
                          f"layer caches of other shapes; this model has {len(want)})")
     if isinstance(cache[0], QuantizedKVCache):
         if kv.kv_bits is not None and kv.kv_bits != cache[0].bits:
-            raise ValueError("--kv-bits does not match the KV cache of --prompt-cache-file")
+            raise FlagError("--kv-bits does not match the KV cache of --prompt-cache-file")
         if kv.kv_group_size != cache[0].group_size:
-            raise ValueError("--kv-group-size does not match the KV cache of "
+            raise FlagError("--kv-group-size does not match the KV cache of "
                              "--prompt-cache-file")
     return cache
 
@@ -240,7 +241,7 @@ def load_draft(name: str) -> tuple:
     # A Hugging Face id reads ORG/NAME: anything else that is not here is a mistyped path.
     if not local and (os.path.isabs(path) or name.startswith((".", "~"))
                       or name.strip("/").count("/") != 1):
-        raise ValueError(f"--draft-model {name}: no such directory (nor a Hugging Face id, "
+        raise FlagError(f"--draft-model {name}: no such directory (nor a Hugging Face id, "
                          "which reads ORG/NAME)")
     try:
         model, tokenizer = mlx_lm.load(path)[:2]
@@ -249,14 +250,14 @@ def load_draft(name: str) -> tuple:
     except Exception as exc:  # mlx-lm's own errors: not a model, no such repo
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         where = "" if local else "no such directory here, and as a Hugging Face id "
-        raise ValueError(f"--draft-model {name}: {where}mlx-lm cannot load it: {why}") from None
+        raise FlagError(f"--draft-model {name}: {where}mlx-lm cannot load it: {why}") from None
     return model, tokenizer
 
 
 def check_draft(draft: tuple, tokenizer, name: str) -> None:
     """Refuse a draft ``(model, tokenizer)`` whose vocabulary is not the model's."""
     if draft[1].vocab_size != tokenizer.vocab_size:
-        raise ValueError(f"--draft-model {name}: its vocabulary ({draft[1].vocab_size} tokens) "
+        raise FlagError(f"--draft-model {name}: its vocabulary ({draft[1].vocab_size} tokens) "
                          f"is not the model's ({tokenizer.vocab_size})")
 
 

@@ -11,7 +11,7 @@ host, whose blob directory may hold only that range (``expertd convert --layers 
 import re
 from pathlib import Path
 
-from expertd.errors import BlobStoreError, ExpertdError
+from expertd.errors import BlobStoreError, ExpertdError, FlagError
 
 # How mlx-lm's sharded_load finds a weight's transformer layer ("model.layers.12.mlp...").
 _LAYER_NUMBER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -65,10 +65,10 @@ def parse_layers(spec: str, num_layers: int) -> tuple:
         a = int(start) if start.strip() else 0
         b = int(stop) if stop.strip() else num_layers
     except ValueError:
-        raise ValueError(f"--layers {spec}: expected A:B, a range of transformer layers as a "
+        raise FlagError(f"--layers {spec}: expected A:B, a range of transformer layers as a "
                          f"Python slice (e.g. 0:{num_layers // 2})") from None
     if not 0 <= a < b <= num_layers:
-        raise ValueError(f"--layers {spec}: the model has transformer layers 0:{num_layers}; "
+        raise FlagError(f"--layers {spec}: the model has transformer layers 0:{num_layers}; "
                          "give a non-empty range within it")
     return a, b
 

@@ -42,7 +42,7 @@ from expertd.client.serve_errors import (
 from expertd.client.serve_metrics import ServerCounters, render_metrics
 from expertd.client.session import check_served
 from expertd.connection import Connection
-from expertd.errors import DaemonError, DaemonNotRunning
+from expertd.errors import DaemonError, DaemonNotRunning, FlagError
 from expertd.paths import daemon_paths
 from expertd.protocol import Op
 
@@ -483,7 +483,7 @@ def _bind(host: str, port: int, blob_dir: Path, cli_args) -> ExpertdHTTPServer:
         if exc.errno == socket.EAI_AGAIN:  # the resolver failed for now: not the flag's fault
             raise OSError(f"cannot resolve {host} now ({exc.strerror or exc}); try again, or "
                           "give --host an address (127.0.0.1, ::1, 0.0.0.0)") from None
-        raise OSError(f"--host {host}: not an address or a name this machine resolves "
+        raise FlagError(f"--host {host}: not an address or a name this machine resolves "
                       f"({exc.strerror or exc}); e.g. 127.0.0.1, ::1 or 0.0.0.0") from None
     except OSError as exc:
         if exc.errno == errno.EADDRNOTAVAIL:
@@ -541,7 +541,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     draft = None
     if cli_args.draft_model:  # before the model: a bad draft costs no daemon attach
         if pipeline_group is not None:
-            raise ValueError("--draft-model does not go with --pipeline: mlx-lm's speculative "
+            raise FlagError("--draft-model does not go with --pipeline: mlx-lm's speculative "
                              "decoding runs in one process")
         from expertd.client.generate import load_draft
 

@@ -8,6 +8,7 @@ import os
 import stat
 from pathlib import Path
 
+from expertd.errors import FlagError
 from expertd.runfile import serving_epoch
 
 API_KEY_ENV = "EXPERTD_API_KEY"  # the key, where --api-key-file is not given
@@ -184,19 +185,19 @@ def read_api_key(path: str | None, environ=os.environ) -> str | None:
         mode = os.fstat(fd).st_mode  # the mode of what was opened, not of a name swapped in
         if not stat.S_ISREG(mode):
             os.close(fd)
-            raise ValueError(f"--api-key-file {path}: not a regular file")
+            raise FlagError(f"--api-key-file {path}: not a regular file")
         with os.fdopen(fd, "rb") as f:
             data = f.read(MAX_KEY_FILE + 1)
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.EACCES, errno.EISDIR, errno.ENOTDIR):
-            raise ValueError(f"--api-key-file {path}: {exc.strerror}") from None
+            raise FlagError(f"--api-key-file {path}: {exc.strerror}") from None
         raise OSError(f"cannot read the API key file {path}: {exc.strerror}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"--api-key-file {path}: other users may read it (mode "
+        raise FlagError(f"--api-key-file {path}: other users may read it (mode "
                          f"{stat.S_IMODE(mode):o}); chmod 600 {path}")
     words = data.split()
     if len(data) > MAX_KEY_FILE or len(words) != 1 or not words[0].isascii():
-        raise ValueError(f"--api-key-file {path}: it must hold the key alone, one word of "
+        raise FlagError(f"--api-key-file {path}: it must hold the key alone, one word of "
                          f"ASCII of at most {MAX_KEY_FILE} bytes (it holds {len(words)} "
                          f"word{'s' * (len(words) != 1)}, {len(data)} bytes)")
     return words[0].decode()

@@ -5,6 +5,12 @@ class ExpertdError(Exception):
     """Base class: every error expertd raises on purpose."""
 
 
+class FlagError(ExpertdError, ValueError):
+    """A flag's value found wrong once the command knew more (the model, a file, the network):
+    the message starts with the flag, and the command line exits 2, as argparse does for a value
+    it refuses while parsing. A ValueError too, for the Python API's callers."""
+
+
 class ModelDirError(ExpertdError):
     """The input is not a usable mlx-lm MoE model directory."""
 

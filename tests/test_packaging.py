@@ -134,6 +134,30 @@ def test_no_product_module_changes_an_objects_class():
     assert found == []
 
 
+def test_an_error_naming_a_flag_is_a_flag_error():
+    """The command line exits 2 for a flag's value found wrong late, by the exception's class
+    (FlagError), not by its text: every error raised with a message that starts with a flag
+    (a literal or an f-string) is one."""
+    import ast
+
+    found, flags = [], 0
+    for path, tree in _parsed_product_files().items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+                    and node.exc.args):
+                continue
+            first = node.exc.args[0]
+            if isinstance(first, ast.JoinedStr) and first.values:
+                first = first.values[0]
+            if isinstance(first, ast.Constant) and str(first.value).startswith("--"):
+                flags += 1
+                name = getattr(node.exc.func, "id", getattr(node.exc.func, "attr", None))
+                if name != "FlagError":
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} raises {name}")
+    assert flags > 30  # the errors that name a flag were read
+    assert found == []
+
+
 def test_no_product_module_reads_another_modules_private_names():
     """Each part owns its state (issue 25): a name with a leading underscore that a product
     module defines (a function, a class, a module or instance attribute) is read or written

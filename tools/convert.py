@@ -23,7 +23,7 @@ from pathlib import Path
 import xxhash
 
 from expertd.blobstore import file_checksum
-from expertd.errors import ConvertError, ModelDirError
+from expertd.errors import ConvertError, FlagError, ModelDirError
 from expertd.manifest import STRIDE_ALIGN, Manifest, MoeLayer, Segment, Stage, TrunkFile
 
 from .destination import check_destination, pwrite_all, write_blob_dir
@@ -215,12 +215,14 @@ def select_stage(config: dict, layers: list, trunk: list, spec: str):
     try:
         check_pipeline_support(model, config["model_type"])
         start, stop = parse_layers(spec, len(model.model.layers))
+    except FlagError:
+        raise
     except (PipelineError, ValueError) as exc:
         raise ConvertError(str(exc)) from None
     stage = Stage(start, stop, len(model.model.layers))
     kept = [layer for layer in layers if start <= layer_number(layer.module) < stop]
     if not kept:
-        raise ConvertError(f"--layers {spec}: transformer layers {stage} hold no MoE layer; "
+        raise FlagError(f"--layers {spec}: transformer layers {stage} hold no MoE layer; "
                            "such a stage needs no expertd (run it with mlx-lm alone)")
     kept = [MoeLayer(i, layer.module, layer.file, layer.num_experts, layer.expert_bytes,
                      layer.segments, layer.checksums) for i, layer in enumerate(kept)]

@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from expertd.blobstore import check_blob_file
-from expertd.errors import BlobStoreError, RemoteError
+from expertd.errors import BlobStoreError, FlagError, RemoteError
 from expertd.manifest import Manifest
 from expertd.present import PresentRecords
 from expertd.remote import FetchSettings, RangeReader, remote_headers, runs
@@ -36,10 +36,10 @@ def parse_moe_layers(spec: str | None, n_layers: int) -> range:
     try:
         start, stop = (int(p) if p else None for p in spec.split(":"))
     except ValueError:
-        raise ValueError(f"--layers {spec!r} is not A:B (MoE layers, a Python slice)") from None
+        raise FlagError(f"--layers {spec!r} is not A:B (MoE layers, a Python slice)") from None
     chosen = range(n_layers)[slice(start, stop)]
     if not chosen:
-        raise ValueError(f"--layers {spec}: no MoE layer of the {n_layers} of this directory")
+        raise FlagError(f"--layers {spec}: no MoE layer of the {n_layers} of this directory")
     return chosen
 
 

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import replace
 from pathlib import Path
 
-from expertd.errors import ModelDirError
+from expertd.errors import FlagError, ModelDirError
 from expertd.manifest import Manifest, Remote, RemoteFile
 from expertd.present import create_records
 from expertd.remote import FetchSettings, RangeReader
@@ -54,7 +54,7 @@ class RemoteModel:
         self.sizes: dict = {}
         if spec.startswith(("http://", "https://")):
             if revision is not None:
-                raise ModelDirError("--revision is for a Hugging Face repo id, not a URL")
+                raise FlagError("--revision is for a Hugging Face repo id, not a URL")
             self.reader = RangeReader(settings)
             self.base = spec.rstrip("/") + "/"
             self.small = None

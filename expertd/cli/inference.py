@@ -18,6 +18,7 @@ from expertd.cli.argtypes import (
     KV_GROUP_SIZES,
 )
 from expertd.cli.options import MLX_SERVER_OPTIONS, add_options, option_values
+from expertd.errors import FlagError
 
 
 def add_subcommands(sub) -> None:
@@ -41,7 +42,7 @@ def _cmd_generate(args) -> int:
                    quantized_kv_start=args.quantized_kv_start,
                    prefill_step_size=args.prefill_step_size)
     if args.pipeline and args.draft_model:
-        raise ValueError("--draft-model does not go with --pipeline: mlx-lm's speculative "
+        raise FlagError("--draft-model does not go with --pipeline: mlx-lm's speculative "
                          "decoding runs in one process")
     group, out = (_pipeline_group() if args.pipeline else None), sys.stdout
     if group is not None and group.rank() != 0:
@@ -97,11 +98,9 @@ def _pipeline_group():
     """This process's ``mx.distributed`` group, which ``mlx.launch`` sets up."""
     import mlx.core as mx
 
-    from expertd.errors import ExpertdError
-
     group = mx.distributed.init()
     if group.size() < 2:
-        raise ExpertdError("--pipeline runs one pipeline stage per process: start one process "
+        raise FlagError("--pipeline runs one pipeline stage per process: start one process "
                            "per stage with mlx.launch (README: Several machines)")
     return group
 

@@ -3,13 +3,12 @@
 import argparse
 import difflib
 import logging
-import re
 import sys
 from pathlib import Path
 
 from expertd.cli import argtypes
 from expertd.cli.output import answer, mute_stdout
-from expertd.errors import ExpertdError
+from expertd.errors import ExpertdError, FlagError
 
 DESCRIPTION = """\
 expertd runs Mixture-of-Experts models larger than memory by streaming the routed experts from
@@ -332,7 +331,7 @@ def _run(argv) -> int:
         print(f"expertd {args.command}: error: {exc}", file=sys.stderr)
         # A flag's value found wrong once the command knew more (the model, a file, the
         # network) ends as argparse ends one it refuses while parsing: status 2.
-        return USAGE if re.match(r"--[a-z][a-z0-9-]*[ :]", str(exc) + " ") else 1
+        return USAGE if isinstance(exc, FlagError) else 1
     except KeyboardInterrupt:
         print(f"expertd {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from expertd.cli import argtypes
+from expertd.errors import FlagError
 from expertd.serving.config import IO_MODES, PREFETCH_MODES, ServerConfig
 from expertd.serving.preads import VERIFY_MODES
 
@@ -182,7 +183,7 @@ def check_bounds(args) -> None:
         value = getattr(args, option.dest)
         if option.bounds and not option.bounds[0] <= value <= option.bounds[1]:
             low, high = option.bounds
-            raise ValueError(f"{option.flag} must be between {low} and {high}, not {value}")
+            raise FlagError(f"{option.flag} must be between {low} and {high}, not {value}")
 
 
 def config_settings(args) -> dict:

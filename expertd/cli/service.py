@@ -24,6 +24,7 @@ from expertd.cli.service_plan import (  # noqa: F401 (service's names for them)
     service_id,
     this_platform,
 )
+from expertd.errors import FlagError
 
 # ---- file contents ---------------------------------------------------------------------------
 
@@ -181,7 +182,7 @@ def _run_all(commands, action: str, then=()) -> bool:
 def _plan(args) -> ServicePlan:
     flags = start_flags(args) if args.action == "install" else []
     if args.action == "install" and args.log_file:
-        raise ValueError("--log-file is chosen by the service (macOS: ~/Library/Logs/expertd/, "
+        raise FlagError("--log-file is chosen by the service (macOS: ~/Library/Logs/expertd/, "
                          "Linux: the journal); leave it out")
     return make_plan(args.blobs, flags, platform=args.platform)
 
