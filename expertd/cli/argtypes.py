@@ -63,6 +63,16 @@ seed = _ranged(int, f"an integer between 0 and {MAX_SEED}", lambda v: 0 <= v <= 
                "A random seed, as mx.random.seed takes it: 0 to 2**64 - 1.")
 
 
+class Given(argparse.Action):
+    """Store the value as argparse does, and note the flag as given (``given_flags``, a set
+    of dests): a flag with a default whose meaning needs another flag (main.NEEDS) is told
+    given from defaulted by argparse itself, under any abbreviation or spelling."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given_flags = {*getattr(namespace, "given_flags", ()), self.dest}
+
+
 def same_dir(a: str, b: str) -> bool:
     """``a`` and ``b`` name one directory (however spelled: ./b, b/, ~/b)."""
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()

@@ -260,7 +260,7 @@ def add_client_subcommands(sub) -> None:
                    "several drafted tokens in one call, so its misses cost once a call; the "
                    "text is what the model alone would give under the same draft (default: "
                    "no draft)")
-    p.add_argument("--num-draft-tokens", type=argtypes.positive_int,
+    p.add_argument("--num-draft-tokens", type=argtypes.positive_int, action=argtypes.Given,
                    default=DEFAULT_DRAFT_TOKENS, metavar="N",
                    help=f"tokens drafted at a time (default: {DEFAULT_DRAFT_TOKENS})")
     p.add_argument("--json-summary", metavar="FILE", help=argparse.SUPPRESS)

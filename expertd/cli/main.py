@@ -149,8 +149,9 @@ MLX_LM_ONLY = {
                                    "template, or none with --ignore-chat-template",
     "--pipeline": "generate and serve run pipeline stages (README: Several machines)",
 }
-# A flag that means nothing without another (prefixes of it that argparse would take count).
-NEEDS = {"--num-draft-tokens": ("draft_model", "--draft-model")}
+# A flag that means nothing without another: its dest (its add_argument has
+# action=argtypes.Given), its flag, the other's dest and flag.
+NEEDS = [("num_draft_tokens", "--num-draft-tokens", "draft_model", "--draft-model")]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -162,7 +163,6 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
     def parse_args(self, args=None, namespace=None):
-        args_given = args
         args, extra = self.parse_known_args(args, namespace)
         if extra:
             prog = f"expertd {args.command}" if getattr(args, "command", None) else self.prog
@@ -177,11 +177,9 @@ class OneLineParser(argparse.ArgumentParser):
             close = difflib.get_close_matches(flag, self._flags_of(args), 1) if flag else []
             hint = f"; did you mean {close[0]}?" if close else ""
             self.exit(2, f"{prog}: error: {what}{hint} (see {prog} --help)\n")
-        given = sys.argv[1:] if args_given is None else args_given
-        for flag, (dest, other) in NEEDS.items():
-            typed = any(len(a.split("=", 1)[0]) > 5 and flag.startswith(a.split("=", 1)[0])
-                        for a in given if a.startswith("--"))
-            if typed and hasattr(args, dest) and not getattr(args, dest):
+        given = getattr(args, "given_flags", set())
+        for dest, flag, needed, other in NEEDS:
+            if dest in given and hasattr(args, needed) and not getattr(args, needed):
                 prog = f"expertd {args.command}" if getattr(args, "command", None) else self.prog
                 self.exit(2, f"{prog}: error: {flag} needs {other} (see {prog} --help)\n")
         return args

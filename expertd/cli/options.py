@@ -31,7 +31,7 @@ class Option:
     type: object = None  # an argparse type (see argtypes), or None for the text as given
     choices: tuple | None = None
     metavar: str | None = None
-    action: str | None = None  # "store_true" for a switch
+    action: object = None  # "store_true" for a switch, or an argparse.Action class
     shown: str | None = None  # the default in words, where its value says too little
     hidden: bool = False  # accepted but left out of --help (for tests)
     field: str | None = None  # the ServerConfig field it sets as given (start options)
@@ -246,7 +246,8 @@ MLX_SERVER_OPTIONS = (
            "streamed model; as in mlx_lm.server, requests are then served one at a time",
            metavar="MODEL", shown="none"),
     Option("--num-draft-tokens", "tokens drafted at a time, for requests that set none",
-           default=argtypes.DEFAULT_DRAFT_TOKENS, type=argtypes.positive_int),
+           default=argtypes.DEFAULT_DRAFT_TOKENS, type=argtypes.positive_int,
+           action=argtypes.Given),
     Option("--allowed-origins", "CORS origins, comma-separated", default=["*"],
            type=lambda text: text.split(","), shown="*"),
     Option("--log-level", "mlx_lm.server's logging level", default="INFO",
