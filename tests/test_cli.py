@@ -30,6 +30,30 @@ def test_version_comes_from_the_package_metadata():
     assert got.returncode == 0 and got.stdout == f"expertd {version('expertd')}\n", got
 
 
+def test_a_command_with_a_closed_stream_runs_as_with_dev_null(blobs, isolated_env, tmp_path):
+    """Started with stdin or stdout closed (``<&-``, ``>&-``), a command behaves as with
+    /dev/null there: its answer and exit status, one line of error, never a traceback (a
+    closed stream was None to Python: chat, generate --prompt - and status raised)."""
+    def run(closed: int, *args, stdin=None):
+        return subprocess.run([sys.executable, "-m", "expertd", *map(str, args)],
+                              preexec_fn=lambda: os.close(closed), capture_output=closed != 1,
+                              stdout=subprocess.DEVNULL if closed == 1 else None,
+                              stderr=subprocess.PIPE if closed == 1 else None, text=True,
+                              timeout=60)
+
+    status = run(1, "status", "--blobs", blobs)  # stdout closed: nothing runs, exit 3
+    assert status.returncode == 3 and "Traceback" not in status.stderr, status.stderr
+    # stdin closed: read as empty, as /dev/null is; each error said in one line.
+    for said, args in (("no expertd serves", ("chat", "--blobs", blobs)),
+                       ("the prompt read from stdin is empty",
+                        ("generate", "--blobs", blobs, "--prompt", "-"))):
+        got = run(0, *args)
+        assert got.returncode == 1 and "Traceback" not in got.stderr, got.stderr
+        assert got.stderr.count("\n") == 1 and said in got.stderr, got.stderr
+    done = run(1, "synth", "--out", tmp_path / "m")  # stdout closed: the command's own work
+    assert done.returncode == 0 and (tmp_path / "m" / "config.json").exists(), done.stderr
+
+
 def test_stop_and_status_without_a_daemon(blobs, isolated_env):
     stop = expertd_cli("stop", "--blobs", blobs)
     assert stop.returncode == 0, stop

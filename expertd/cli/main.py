@@ -3,6 +3,7 @@
 import argparse
 import difflib
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -278,6 +279,7 @@ def main(argv=None) -> int:
     # a command that finished (or knew its answer: see answer()) keeps its exit code, one cut
     # short while writing exits 1.
     code = 1
+    open_closed_streams()
     try:
         code = _run(argv)
         sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's exit
@@ -287,6 +289,26 @@ def main(argv=None) -> int:
         print("expertd: interrupted", file=sys.stderr)
         return 130
     return code
+
+
+def open_closed_streams() -> None:
+    """A command started with stdin, stdout or stderr closed (``<&-``, ``>&-``) runs as with
+    /dev/null there: Python leaves such a stream None (every read, print and flush of it
+    would raise), and the descriptor free, so that the next file or socket opened would take
+    it and receive what is printed. Each closed one is opened on /dev/null."""
+    import io
+
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:  # closed: the lowest free descriptor is this one
+            got = os.open(os.devnull, os.O_RDWR)
+            if got != fd:  # a lower one was free as well: it is opened in its own turn
+                os.dup2(got, fd)
+                os.close(got)
+        if getattr(sys, name) is None:
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, mode, closefd=False),
+                                                line_buffering=mode == "w"))
 
 
 def deliver_lost_interrupts() -> None:

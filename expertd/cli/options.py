@@ -123,8 +123,9 @@ START_OPTIONS = (
     _setting("--auto-pin", "keep the N hottest resident experts pinned", type=int, metavar="N",
              shown="0, off"),
     _setting("--prefetch", "fill the experts clients predict into side rows that never evict "
-             "cached ones: on, off (PREFETCH is ignored) or auto (on here; each client turns "
-             "prediction off for layers where it does not pay)", choices=PREFETCH_MODES),
+             "cached ones: on, off (the daemon ignores clients' read-ahead requests) or auto "
+             "(on here; each client turns prediction off for layers where it does not pay)",
+             choices=PREFETCH_MODES),
     _setting("--side-rows", "prefetch rows per generation; the arena keeps two generations, so "
              "2 x N rows of the cache budget. One client reads ahead up to twice a token's "
              "top_k experts per layer: raise N when several clients decode at once (STATS "
