@@ -166,6 +166,7 @@ class DaemonPaths:
     # which does not move with XDG_RUNTIME_DIR: one blob directory has one daemon per user
     # even where a service and a shell see two runtime directories (see runfile.claim_blobs).
     claim: Path
+    last_flags: Path  # the start flags it last ran with (JSON), kept after it stops: restart
 
     @property
     def endpoint(self) -> str:
@@ -194,7 +195,8 @@ def daemon_paths(blob_dir) -> DaemonPaths:
                          "set XDG_RUNTIME_DIR to a shorter directory")
     return DaemonPaths(real, ident, socket, run / f"{ident}.lock", run / f"{ident}.pid",
                        run / f"{ident}.run", run / f"{ident}.log", run / f"{ident}.err",
-                       state_dir() / f"{ident}.json", state_dir() / f"{serving}.serving")
+                       state_dir() / f"{ident}.json", state_dir() / f"{serving}.serving",
+                       state_dir() / f"{ident}.flags")
 
 
 def missing_parent(path: Path) -> str | None:

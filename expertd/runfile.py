@@ -114,6 +114,29 @@ def read_private(path: Path, limit: int = 1 << 20) -> bytes:
         return f.read(limit)
 
 
+def write_last_flags(paths, flags: list) -> None:
+    """Keep the start ``flags`` of the daemon of ``paths`` past its life (``restart`` of a
+    stopped daemon starts it with them, as ``pg_ctl`` keeps a server's options). A state
+    directory that cannot hold them is warned of."""
+    try:
+        write_atomically(paths.last_flags, json.dumps(flags).encode())
+    except OSError as exc:
+        log.warning("cannot keep the start flags in %s (%s)", paths.last_flags,
+                    exc.strerror or exc)
+
+
+def read_last_flags(paths) -> list | None:
+    """The start flags the daemon of ``paths`` last ran with, or None (never started here, or
+    the file is not ours or not a list of words)."""
+    try:
+        flags = json.loads(read_private(paths.last_flags))
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(flags, list) and all(isinstance(f, str) for f in flags)):
+        return None
+    return flags
+
+
 def write_run_info(paths, info: RunInfo) -> None:
     write_atomically(paths.runfile, json.dumps(info.__dict__).encode())
 

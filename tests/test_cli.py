@@ -149,6 +149,11 @@ def test_start_status_restart_stop(blobs, isolated_env):
 
         stopped = expertd_cli("stop", "--blobs", blobs)
         assert stopped.returncode == 0 and f"stopped expertd pid {third['pid']}" in stopped.stdout
+        # Stopped, restart starts it with the flags it last ran with (pg_ctl's options file).
+        back = expertd_cli("restart", "--blobs", blobs)
+        assert back.returncode == 0 and "starting one" in back.stdout, back.stderr
+        assert "keeping the flags it last ran with: --cache-gb 100%\n" in back.stdout, back.stdout
+        assert query_stats(blobs)["arena_rows"] == third["arena_rows"]
     finally:
         kill_serving_daemon(blobs)
 

@@ -277,17 +277,17 @@ def _cmd_restart(args) -> int:
     if args.foreground:
         raise ValueError("restart starts the daemon detached; for --foreground, run stop "
                          "then start --foreground")
-    args, kept, given = _kept_flags(args)
+    args, kept, given, source = _kept_flags(args)
     if kept:
         anew = f"; with {' '.join(given)} anew" if given else ""
-        print(f"keeping the flags it was started with: {' '.join(kept)}{anew}")
+        print(f"keeping the flags {source}: {' '.join(kept)}{anew}")
     try:
         config_from_args(args)  # refuse bad flags before stopping a daemon that works
     except ValueError as exc:
         if not kept:
             raise
-        raise ValueError(f"{exc} (a flag the running daemon was started with; restart it "
-                         "with the flags it should have)") from None
+        raise ValueError(f"{exc} (a flag {source}; restart it with the flags it should "
+                         "have)") from None
     clients = attached_clients(Path(args.blobs))
     try:
         print(f"stopped expertd pid {stop(Path(args.blobs), timeout=args.timeout)}")
@@ -300,12 +300,13 @@ def _cmd_restart(args) -> int:
 
 
 def _kept_flags(args) -> tuple:
-    """``(args, kept, given)``: a restart keeps the flags the running daemon was started with
-    (its run file), as ``pg_ctl restart`` keeps a server's options, but for those it is given
+    """``(args, kept, given, source)``: a restart keeps the flags the running daemon was
+    started with (its run file), or where none runs those it last ran with (runfile's
+    last flags), as ``pg_ctl restart`` keeps a server's options, but for those it is given
     anew; ``kept`` is the list it keeps (None where there is none to keep), ``given`` the
-    flags given anew, each with its value."""
+    flags given anew, each with its value, ``source`` whose flags they are, in words."""
     from expertd.paths import daemon_paths
-    from expertd.runfile import read_run_info, serving_epoch
+    from expertd.runfile import read_last_flags, read_run_info, serving_epoch
 
     given = {}  # the options given anew, by flag (at their default value too)
     for option in START_OPTIONS:
@@ -315,9 +316,13 @@ def _kept_flags(args) -> tuple:
             setattr(args, option.dest, option.default)
     paths = daemon_paths(args.blobs)
     info = read_run_info(paths) if serving_epoch(paths) else None
-    if info is None or not info.flags:
-        return args, None, None
-    rest = [f for f in info.flags if f != "-v"]
+    if info is not None:
+        recorded, source = info.flags, "it was started with"
+    else:
+        recorded, source = read_last_flags(paths), "it last ran with"
+    if not recorded:
+        return args, None, None, source
+    rest = [f for f in recorded if f != "-v"]
     parser = argparse.ArgumentParser(prog="expertd restart", add_help=False)
     add_start_flags(parser)  # restart's own flags (see add_subcommands), but --timeout
     said = io.StringIO()
@@ -326,20 +331,19 @@ def _kept_flags(args) -> tuple:
             again = parser.parse_args(["--blobs", str(args.blobs), *rest])
     except SystemExit:  # written by another expertd version, or a file gone since
         why = said.getvalue().strip().splitlines()[-1].split(": error: ", 1)[-1]
-        raise ValueError(f"the flags the running daemon was started with ({' '.join(rest)}) "
-                         f"do not go now ({why}); restart it with the flags it should "
-                         "have") from None
+        raise ValueError(f"the flags {source} ({' '.join(rest)}) do not go now ({why}); "
+                         "restart it with the flags it should have") from None
     for name in ("command", "func", "foreground", "timeout"):
         setattr(again, name, getattr(args, name))
-    again.verbose = args.verbose or "-v" in info.flags
+    again.verbose = args.verbose or "-v" in recorded
     for dest, value in given.values():  # given anew: they replace the recorded ones
         setattr(again, dest, value)
     # The recorded flags not given anew (start_flags writes each with its value).
-    kept = (["-v"] if "-v" in info.flags else []) + [
+    kept = (["-v"] if "-v" in recorded else []) + [
         word for flag, value in zip(rest[::2], rest[1::2]) if flag not in given
         for word in (flag, value)]
     return again, kept or None, [word for flag, (_, value) in given.items()
-                                 for word in (flag, str(value))]
+                                 for word in (flag, str(value))], source
 
 
 # ---- status ------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from expertd.runfile import (
     sweep_runtime_dir,
     take_lock,
     write_atomically,
+    write_last_flags,
     write_run_info,
 )
 from expertd.shm.layout import unlink_arena
@@ -130,6 +131,8 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
             log.warning("removed a stale %s left by a daemon that died", what)
         sweep_runtime_dir(paths.lock.parent, skip=paths.ident)
         write_atomically(paths.pidfile, str(os.getpid()).encode())
+        if flags is not None:
+            write_last_flags(paths, flags)
         # Written before the arena exists, so that a start killed half-way is cleaned up by
         # the next one; marked ready once the server answers.
         write_run_info(paths, RunInfo(os.getpid(), arena, epoch, False, str(paths.blob_dir),
