@@ -58,6 +58,10 @@ def test_stop_and_status_without_a_daemon(blobs, isolated_env):
     stop = expertd_cli("stop", "--blobs", blobs)
     assert stop.returncode == 0, stop
     assert f"no expertd serves {blobs}" in stop.stdout and "nothing to stop" in stop.stdout
+    # A path that is no blob directory is a typo, not a stopped daemon: said, exit 1.
+    typo = expertd_cli("stop", "--blobs", blobs / "nope")
+    assert typo.returncode == 1 and "does not exist" in typo.stderr, typo
+    assert "nothing was stopped" in typo.stderr and "Traceback" not in typo.stderr
     status = expertd_cli("status", "--blobs", blobs, "--json")
     assert status.returncode == 3, status
     assert json.loads(status.stdout) == [{"running": False, "blob_dir": str(blobs),

@@ -246,6 +246,8 @@ def process_kind(pid: int) -> str:
 
 def _cmd_stop(args) -> int:
     from expertd.cli.lifecycle import remove_dead, stop
+    from expertd.errors import BlobStoreError
+    from expertd.manifest import blob_dir_problem
 
     clients = attached_clients(Path(args.blobs))
     try:
@@ -254,8 +256,11 @@ def _cmd_stop(args) -> int:
         removed = remove_dead(Path(args.blobs))
         if removed:
             print(f"{exc}; removed what a killed one left: {', '.join(removed)}")
-        else:
-            print(f"{exc}; nothing to stop")
+            return 0
+        problem = blob_dir_problem(Path(args.blobs).expanduser())
+        if problem is not None:  # a typo in the path: not a daemon that is already stopped
+            raise BlobStoreError(f"{problem}; nothing was stopped") from None
+        print(f"{exc}; nothing to stop")
         return 0
     print(f"stopped expertd pid {pid}")
     if clients:
