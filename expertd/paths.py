@@ -174,15 +174,16 @@ class DaemonPaths:
         return f"ipc://{self.socket}"
 
 
-def daemon_paths(blob_dir) -> DaemonPaths:
-    """The paths of the daemon serving ``blob_dir`` (which need not be running).
+def daemon_paths(blob_dir, run: Path | None = None) -> DaemonPaths:
+    """The paths of the daemon serving ``blob_dir`` (which need not be running), in this
+    process's runtime directory or in ``run`` (another one's, named by a claim).
 
     Raises:
         DaemonError: if no runtime directory of ours can be found (see :func:`runtime_dir`).
         ValueError: if the socket path would be too long for a unix socket.
     """
     real = Path(blob_dir).expanduser().resolve()
-    run = runtime_dir()
+    run = runtime_dir() if run is None else Path(run)
     # The runtime directory is part of the name: daemons in two runtime directories (which
     # cannot see each other's sockets) must not take each other's files for stale ones.
     ident = hashlib.sha256(f"{real}\0{os.getuid()}\0{run}".encode()).hexdigest()[:16]

@@ -264,7 +264,8 @@ def claim_blobs(paths, patience: float = 0.0) -> int | None:
                     exc.strerror or exc)
         return UNCLAIMED
     if fd is not None:
-        record = {"pid": os.getpid(), "runtime": str(paths.lock.parent)}
+        record = {"pid": os.getpid(), "runtime": str(paths.lock.parent),
+                  "blob_dir": str(paths.blob_dir)}
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode(), 0)
@@ -298,6 +299,25 @@ def claimant(paths) -> dict | None:
     if runtime == str(paths.lock.parent):
         return None
     return {"pid": pid, "runtime": runtime}
+
+
+def claims_elsewhere(state: Path, run: Path) -> list:
+    """``{"pid", "runtime", "blob_dir"}`` of every daemon of this user and machine that holds
+    a claim in the state directory ``state`` from another runtime directory than ``run``
+    (status without --blobs names them: this runtime directory cannot see them)."""
+    found = []
+    for claim in sorted(state.glob("*.serving")):
+        if not lock_held(claim):
+            continue
+        try:
+            record = json.loads(read_private(claim))
+            entry = {"pid": int(record["pid"]), "runtime": str(record["runtime"]),
+                     "blob_dir": str(record["blob_dir"])}
+        except (OSError, ValueError, TypeError, KeyError):
+            continue  # being written, or another version's: nothing to name
+        if entry["runtime"] != str(run):
+            found.append(entry)
+    return found
 
 
 def elsewhere(paths) -> str:

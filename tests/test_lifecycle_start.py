@@ -248,8 +248,12 @@ def test_one_blob_directory_has_one_daemon_whatever_the_runtime_directory(models
         for args in (("stop", "--blobs", blobs), ("status", "--blobs", blobs)):
             told = expertd_cli(*args)
             assert told.returncode != 0 and reach in told.stderr, (args, told.stderr)
+        every = expertd_cli("status")  # every daemon: the one out of reach is named
+        assert every.returncode == 3 and f"served by expertd pid {pid} from the runtime " \
+            f"directory {first.lock.parent}" in every.stderr, every.stderr
         (down,) = json.loads(expertd_cli("status", "--blobs", blobs, "--json").stdout)
         assert down["served_from"] == {"pid": pid, "runtime": str(first.lock.parent)}
+        assert down["log"] == str(first.log)  # the serving daemon's log, not this directory's
         with pytest.raises(DaemonNotRunning, match=re.escape(reach)):
             Connection(blobs)
         monkeypatch.setenv("XDG_RUNTIME_DIR", isolated_env["XDG_RUNTIME_DIR"])

@@ -389,15 +389,15 @@ def status_lines(s: dict) -> list:
     ]
 
 
-def log_location(blob_dir) -> str:
+def log_location(blob_dir, run: Path | None = None) -> str:
     """Where the daemon of ``blob_dir`` logs: the --log-file it was started with (its run
     file), else its service's log if one is installed here, else the runtime directory's
-    rotating log of detached daemons."""
+    rotating log of detached daemons (``run``: another runtime directory's daemon)."""
     from expertd.cli.service_plan import make_plan
     from expertd.paths import daemon_paths
     from expertd.runfile import read_run_info
 
-    paths = daemon_paths(blob_dir)
+    paths = daemon_paths(blob_dir, run)
     info = read_run_info(paths)
     flags = info.flags if info is not None and info.flags else []
     if "--log-file" in flags[:-1]:
@@ -467,7 +467,14 @@ def snapshot(args) -> tuple:
         code = 1 if args.blobs and silent else 0 if results or silent else NOT_RUNNING
         return code, results + silent + down
     if not results:
-        return NOT_RUNNING, "\n".join(notes + ["no expertd is running"])
+        from expertd.paths import runtime_dir, state_dir
+        from expertd.runfile import claims_elsewhere
+
+        there = [f"{c['blob_dir']}: served by expertd pid {c['pid']} from the runtime "
+                 f"directory {c['runtime']}, out of this one's reach (XDG_RUNTIME_DIR differs)"
+                 for c in claims_elsewhere(state_dir(), runtime_dir())]
+        return NOT_RUNNING, "\n".join(notes + there + ["no expertd is running here" if there
+                                                       else "no expertd is running"])
     # A blank line between two daemons.
     return 0, "\n\n".join(["\n".join(status_lines(s)) for s in results] + notes)
 
@@ -481,9 +488,12 @@ def _not_running(args, message: str) -> tuple:
     blob_dir = str(Path(args.blobs).expanduser().resolve())
     paths = daemon_paths(blob_dir)
     left = None if lock_held(paths.lock) else leftover(paths.runfile, paths.socket)
-    # served_from: {"pid", "runtime"} of a daemon serving it from another runtime directory
-    down = {"running": False, "blob_dir": blob_dir, "log": log_location(blob_dir),
-            "leftover": left, "served_from": claimant(paths)}
+    # served_from: {"pid", "runtime"} of a daemon serving it from another runtime directory,
+    # whose log is the one named
+    other = claimant(paths)
+    run = Path(other["runtime"]) if other and other["runtime"] else None
+    down = {"running": False, "blob_dir": blob_dir, "log": log_location(blob_dir, run),
+            "leftover": left, "served_from": other}
     if args.json:
         return NOT_RUNNING, [down]
     text = f"{elsewhere(paths) or message}\n  log: {down['log']}"
