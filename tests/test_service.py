@@ -167,6 +167,7 @@ def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home):
         got = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE)
         assert got.returncode == 1 and "Traceback" not in got.stderr, got
         assert "could not start beside it: stop it first" in got.stderr, got.stderr
+        assert got.stderr.startswith("expertd service install: error: "), got.stderr
         assert not unit.path.exists() and not make_plan(awkward_blobs, platform="macos").path.exists()
         # --no-start only writes the file: nothing starts, nothing to refuse.
         wrote = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE,

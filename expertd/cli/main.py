@@ -335,6 +335,12 @@ def deliver_lost_interrupts() -> None:
 USAGE = 2  # argparse's exit status for a bad argument
 
 
+def _prog(args) -> str:
+    """The command as its messages name it: ``expertd start``, ``expertd service install``."""
+    action = getattr(args, "action", None)
+    return f"expertd {args.command}" + (f" {action}" if isinstance(action, str) else "")
+
+
 def _run(argv) -> int:
     deliver_lost_interrupts()
     parser = build_parser()
@@ -348,12 +354,12 @@ def _run(argv) -> int:
     except BrokenPipeError:
         raise  # not an error of the command: main() exits quietly
     except (ExpertdError, OSError, ValueError) as exc:
-        print(f"expertd {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{_prog(args)}: error: {exc}", file=sys.stderr)
         # A flag's value found wrong once the command knew more (the model, a file, the
         # network) ends as argparse ends one it refuses while parsing: status 2.
         return USAGE if isinstance(exc, FlagError) else 1
     except KeyboardInterrupt:
-        print(f"expertd {args.command}: interrupted", file=sys.stderr)
+        print(f"{_prog(args)}: interrupted", file=sys.stderr)
         return 130
 
 
