@@ -40,6 +40,7 @@ class RunInfo:
     ready: bool  # False while the server is still being built
     blob_dir: str | None = None  # what it serves (for status to name a killed one's leftover)
     flags: list | None = None  # its start flags (options.start_flags), which restart keeps
+    service: str | None = None  # the launchd agent or systemd unit that runs it (its name)
 
 
 def new_arena_name() -> str:
@@ -154,12 +155,13 @@ def read_run_file(runfile: Path) -> RunInfo | None:
     try:
         data = json.loads(read_private(runfile))
         info = RunInfo(data["pid"], data["arena"], data["epoch"], data["ready"],
-                       data.get("blob_dir"), data.get("flags"))
+                       data.get("blob_dir"), data.get("flags"), data.get("service"))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if (type(info.pid) is not int or type(info.epoch) is not int or type(info.ready) is not bool
             or not isinstance(info.arena, str) or not ARENA_NAME.fullmatch(info.arena)
             or not isinstance(info.blob_dir, (str, type(None)))
+            or not isinstance(info.service, (str, type(None)))
             or not (info.flags is None or (isinstance(info.flags, list)
                                            and all(isinstance(f, str) for f in info.flags)))):
         return None

@@ -2,6 +2,7 @@
 the exact commands it runs or prints, the template in launchd/, and a real daemon run from the
 command line the files hold."""
 
+import json
 import os
 import plistlib
 import shutil
@@ -20,7 +21,9 @@ from expertd.cli.service import (
     plist_dict,
     service_id,
     systemd_quote,
+    this_platform,
 )
+from expertd.paths import daemon_paths
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "launchd" / "com.expertd.agent.plist"
 CACHE = "80%"  # of the tiny model's 768 KiB of experts: 37 of its 48 rows
@@ -120,7 +123,9 @@ def test_unit_without_a_runtime_dir_unsets_the_managers(models):
     plan = make_plan(models.blobs(), platform="linux", home=Path("/home/u"), environ={})
     assert plan.path == Path("/home/u/.config/systemd/user") / plan.name
     unit = render_unit(plan)
-    assert "\nUnsetEnvironment=XDG_RUNTIME_DIR\n" in unit and "\nEnvironment=" not in unit
+    assert "\nUnsetEnvironment=XDG_RUNTIME_DIR\n" in unit and "\nEnvironment=XDG" not in unit
+    # Its daemon says whose it is (status and a reinstall tell it from one started by hand).
+    assert f"\nEnvironment=EXPERTD_SERVICE={plan.name}\n" in unit
 
 
 def test_install_with_the_real_systemctl_reports_its_failure(awkward_blobs, home):
@@ -173,6 +178,30 @@ def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home):
         wrote = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE,
                             "--platform", "linux", "--no-start")
         assert wrote.returncode == 0 and unit.path.exists(), wrote
+        # The file there, the daemon is still the hand-started one: its log, and refused again.
+        log = json.loads(expertd_cli("status", "--blobs", awkward_blobs, "--json").stdout)[0]
+        assert log["log"] == str(daemon_paths(awkward_blobs).log), log
+        again = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE)
+        assert again.returncode == 1 and "could not start beside it" in again.stderr, again
+        assert expertd_cli("stop", "--blobs", awkward_blobs).returncode == 0
+        # The unit's own daemon (its command line and environment, as systemd runs it): its
+        # log is the journal, and a reinstall goes on to restart it (this machine's systemctl
+        # then succeeds or fails, as above).
+        env = {**os.environ, **dict(unit.environment)}
+        with open(os.devnull, "wb") as quiet:
+            own = subprocess.Popen(unit.argv, env=env, stdin=subprocess.DEVNULL, stdout=quiet,
+                                   stderr=quiet)
+        try:
+            wait_until(lambda: try_stats(awkward_blobs), 60, "the unit's daemon to answer")
+            log = json.loads(expertd_cli("status", "--blobs", awkward_blobs, "--json").stdout)[0]
+            assert log["log"] == f"journalctl --user -u {unit.name}", log
+            if this_platform() == "linux":
+                reinstall = expertd_cli("service", "install", "--blobs", awkward_blobs,
+                                        "--cache-gb", CACHE)
+                assert "could not start beside it" not in reinstall.stderr, reinstall.stderr
+        finally:
+            own.send_signal(signal.SIGTERM)
+            own.wait(30)
     finally:
         kill_serving_daemon(awkward_blobs)
 

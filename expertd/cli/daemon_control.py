@@ -403,6 +403,8 @@ def log_location(blob_dir, run: Path | None = None) -> str:
     if "--log-file" in flags[:-1]:
         return flags[flags.index("--log-file") + 1]
     plan = make_plan(blob_dir)
+    if info is not None:  # it runs (or ran, and left its run file): its own log
+        return plan.log_hint if info.service == plan.name else str(paths.log)
     return plan.log_hint if plan.path.exists() else str(paths.log)
 
 

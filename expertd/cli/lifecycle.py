@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from expertd.cli.service_plan import DAEMON_CWD, daemon_environment
+from expertd.cli.service_plan import DAEMON_CWD, SERVICE_VARIABLE, daemon_environment
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonNotRunning
 from expertd.paths import daemon_paths, runtime_dir
@@ -135,11 +135,13 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
             write_last_flags(paths, flags)
         # Written before the arena exists, so that a start killed half-way is cleaned up by
         # the next one; marked ready once the server answers.
+        # The service that runs it, if one does: its unit or agent sets SERVICE_VARIABLE.
+        service = os.environ.get(SERVICE_VARIABLE) or None
         write_run_info(paths, RunInfo(os.getpid(), arena, epoch, False, str(paths.blob_dir),
-                                      flags))
+                                      flags, service))
         server = ExpertServer(config, paths, state_file or paths.state_file, arena, epoch)
         write_run_info(paths, RunInfo(os.getpid(), arena, epoch, True, str(paths.blob_dir),
-                                      flags))
+                                      flags, service))
         signal.signal(signal.SIGTERM, server.request_stop)
         signal.signal(signal.SIGINT, server.request_stop)
         server.serve()

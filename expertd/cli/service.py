@@ -195,7 +195,7 @@ def _manages_here(args, plan: ServicePlan) -> bool:
 def _cmd_install(args) -> int:
     config_from_args(args)  # refuse a bad blob directory or budget now, not in a restart loop
     plan = _plan(args)
-    if _manages_here(args, plan) and not plan.path.exists():
+    if _manages_here(args, plan):
         _refuse_beside_a_daemon(plan)
     if plan.log is not None:  # launchd and the daemon's --log-file both need it to exist
         plan.log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -221,16 +221,22 @@ def _cmd_install(args) -> int:
 def _refuse_beside_a_daemon(plan: ServicePlan) -> None:
     """A daemon started by hand serves the directory: the service's would fail to start
     beside it, and its manager retry in a loop (systemd then gives up). Refused before
-    anything is written."""
+    anything is written. The service's own daemon (its run file names the service) is the one
+    a reinstall restarts."""
     from expertd.cli.lifecycle import serving_pid
     from expertd.errors import DaemonError
     from expertd.paths import daemon_paths
-    from expertd.runfile import elsewhere
+    from expertd.runfile import elsewhere, read_run_info
 
     paths = daemon_paths(plan.blob_dir)
     pid = serving_pid(paths)
-    there = f"an expertd (pid {pid}) serves {plan.blob_dir}" if pid is not None else \
-        elsewhere(paths)
+    if pid is not None:
+        info = read_run_info(paths)
+        if info is not None and info.service == plan.name:
+            return
+        there = f"an expertd (pid {pid}) started by hand serves {plan.blob_dir}"
+    else:
+        there = elsewhere(paths)
     if there:
         raise DaemonError(f"{there}, so the service's daemon could not start beside it: stop "
                           f"it first (expertd stop --blobs {plan.blob_dir}), then install; "

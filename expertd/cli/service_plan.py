@@ -17,6 +17,9 @@ STOP_GRACE_S = 15
 # The runtime variables clients use to find the daemon (see paths.runtime_dir): the service
 # gets the installing shell's values, so it serves where that shell's clients look.
 RUNTIME_VARS = ("XDG_RUNTIME_DIR", "XDG_STATE_HOME")
+# Set by a service's unit or agent to its name: the daemon records it in its run file, so that
+# status and `service install` tell the service's daemon from one started by hand.
+SERVICE_VARIABLE = "EXPERTD_SERVICE"
 
 
 def this_platform() -> str:
@@ -43,6 +46,7 @@ def daemon_environment(environ) -> dict:
     """``environ`` for a daemon that runs from :data:`DAEMON_CWD`: PYTHONPATH's relative
     entries (an empty one means the working directory) made absolute, as they were meant."""
     env = dict(environ)
+    env.pop(SERVICE_VARIABLE, None)  # started by hand, whatever the shell holds
     if env.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or os.curdir)
                                             for p in env["PYTHONPATH"].split(os.pathsep))
@@ -67,7 +71,7 @@ class ServicePlan:
     name: str  # launchd label (com.expertd.<id>) or systemd unit (expertd-<id>.service)
     path: Path  # the plist or unit file
     argv: tuple  # the daemon's whole command line, absolute paths
-    environment: tuple  # ((name, value), ...) pinned from the installing shell
+    environment: tuple  # ((name, value), ...) pinned from the installing shell, and its name
     log: Path | None  # macOS: the daemon's rotating log; Linux: the journal
     launchd_log: Path | None  # macOS: the output launchd captures (before logging starts)
 
@@ -107,9 +111,11 @@ def make_plan(blob_dir, start_flags=(), platform: str | None = None, home: Path 
         argv[-1:-1] = ["--log-file", str(log)]
         if not environ.get("XDG_RUNTIME_DIR"):  # launchd agents need not inherit TMPDIR
             env.append(("TMPDIR", environ.get("TMPDIR") or tempfile.gettempdir()))
+        env.append((SERVICE_VARIABLE, name))
         return ServicePlan(platform, real, name, home / "Library" / "LaunchAgents" /
                            f"{name}.plist", tuple(argv), tuple(env), log,
                            logs / f"{name}.launchd.log")
     name = f"expertd-{ident}.service"
+    env.append((SERVICE_VARIABLE, name))
     return ServicePlan(platform, real, name, home / ".config" / "systemd" / "user" / name,
                        tuple(argv), tuple(env), None, None)
