@@ -524,6 +524,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     Raises:
         DaemonNotRunning: no daemon serves ``blob_dir`` (the message says how to start one).
         OSError: the address cannot be bound.
+        FlagError: ``host`` is no address or name this machine resolves.
         ValueError: an unknown option.
     """
     from expertd.client import load

@@ -267,7 +267,7 @@ def claim_blobs(paths, patience: float = 0.0) -> int | None:
         return UNCLAIMED
     if fd is not None:
         record = {"pid": os.getpid(), "runtime": str(paths.lock.parent),
-                  "blob_dir": str(paths.blob_dir)}
+                  "blob_dir": str(paths.blob_dir), "host": os.uname().nodename}
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode(), 0)
@@ -306,7 +306,8 @@ def claimant(paths) -> dict | None:
 def claims_elsewhere(state: Path, run: Path) -> list:
     """``{"pid", "runtime", "blob_dir"}`` of every daemon of this user and machine that holds
     a claim in the state directory ``state`` from another runtime directory than ``run``
-    (status without --blobs names them: this runtime directory cannot see them)."""
+    (status without --blobs names them: this runtime directory cannot see them). Claims of
+    other machines (a home shared by several) are not this machine's to name."""
     found = []
     for claim in sorted(state.glob("*.serving")):
         if not lock_held(claim):
@@ -315,9 +316,10 @@ def claims_elsewhere(state: Path, run: Path) -> list:
             record = json.loads(read_private(claim))
             entry = {"pid": int(record["pid"]), "runtime": str(record["runtime"]),
                      "blob_dir": str(record["blob_dir"])}
+            host = str(record["host"])
         except (OSError, ValueError, TypeError, KeyError):
             continue  # being written, or another version's: nothing to name
-        if entry["runtime"] != str(run):
+        if host == os.uname().nodename and entry["runtime"] != str(run):
             found.append(entry)
     return found
 

@@ -109,6 +109,10 @@ def test_start_status_restart_stop(blobs, isolated_env):
         assert again.returncode == 0, again.stderr
         assert f"stopped expertd pid {first['pid']}" in again.stdout
         second = query_stats(blobs)
+        # A bad flag given anew beside kept ones: its own error (exit 2), not a kept flag's.
+        bad = expertd_cli("restart", "--blobs", blobs, "--cache-gb", "1K")
+        assert bad.returncode == 2 and "a flag it was started with" not in bad.stderr, bad
+        assert query_stats(blobs)["pid"] == second["pid"]
         assert second["pid"] != first["pid"] and second["arena_rows"] > first["arena_rows"]
 
         # Without flags, restart keeps those the daemon was started with (as pg_ctl does): it
@@ -158,6 +162,23 @@ def test_start_status_restart_stop(blobs, isolated_env):
         assert back.returncode == 0 and "starting one" in back.stdout, back.stderr
         assert "keeping the flags it last ran with: --cache-gb 100%\n" in back.stdout, back.stdout
         assert query_stats(blobs)["arena_rows"] == third["arena_rows"]
+        assert expertd_cli("stop", "--blobs", blobs).returncode == 0
+        # A recorded flag given anew is not parsed from the record (its log's directory gone).
+        from expertd.runfile import write_last_flags
+
+        paths = daemon_paths(blobs)
+        write_last_flags(paths, ["--log-file", str(blobs.parent / "gone" / "d.log"),
+                                 "--cache-gb", "100%"])
+        moved = expertd_cli("restart", "--blobs", blobs, "--log-file", blobs.parent / "d.log")
+        assert moved.returncode == 0, moved.stderr
+        assert "it last ran with: --cache-gb 100%; with --log-file" in moved.stdout, moved.stdout
+        assert expertd_cli("stop", "--blobs", blobs).returncode == 0
+        # Recorded flags that no longer parse, nothing running: said, started without them.
+        write_last_flags(paths, ["--no-such-flag", "1"])
+        fresh = expertd_cli("restart", "--blobs", blobs, "--cache-gb", "50%")
+        assert fresh.returncode == 0 and "do not go now" in fresh.stderr, fresh
+        assert "starting with the defaults and the flags given" in fresh.stderr
+        assert query_stats(blobs)["arena_rows"] == first["arena_rows"]
     finally:
         kill_serving_daemon(blobs)
 

@@ -155,6 +155,7 @@ def test_a_failed_start_shows_only_its_own_error_and_leaves_nothing(models, isol
     assert "9 experts to pin" in first.stderr and "exited with status 1" in first.stderr
     assert f"log: {paths.log}" in first.stderr and "Traceback" not in first.stderr
     assert "start-up failed" in paths.log.read_text()
+    assert not paths.last_flags.exists()  # only a daemon that served keeps its flags
 
     # A start blocked after its arena exists, then killed: SIGKILL, as the OOM killer would,
     # then SIGTERM through `expertd stop`. The daemon child blocks on a FIFO nobody writes,
@@ -309,6 +310,30 @@ def test_stop_clears_a_killed_daemons_arena_while_another_directory_serves(model
         if killed is not None:
             unlink_arena(killed.arena)
         shutil.rmtree(other, ignore_errors=True)
+
+
+def test_status_names_this_machines_claims_from_elsewhere_only(isolated_env):
+    """Claims held in the state directory (a shared home holds other machines' too): status
+    names this machine's from another runtime directory, and no other machine's."""
+    from expertd.paths import state_dir
+    from expertd.runfile import take_lock
+
+    held = []
+    try:
+        for name, host in (("a" * 16, os.uname().nodename), ("b" * 16, "another-host")):
+            claim = state_dir() / f"{name}.serving"
+            fd = take_lock(claim)
+            os.pwrite(fd, json.dumps({"pid": 4242, "runtime": "/run/elsewhere/expertd",
+                                      "blob_dir": f"/blobs/{host}", "host": host}).encode(), 0)
+            held.append(fd)
+        told = expertd_cli("status")
+        assert told.returncode == 3, told
+        assert f"/blobs/{os.uname().nodename}: served by expertd pid 4242" in told.stderr
+        assert "/blobs/another-host" not in told.stderr and "no expertd is running here" in \
+            told.stderr, told.stderr
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 @pytest.mark.timeout(120)

@@ -162,7 +162,8 @@ def test_install_with_the_real_systemctl_reports_its_failure(awkward_blobs, home
     assert f"logs to {daemon_paths(awkward_blobs).log}" in status.stdout
 
 
-def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home):
+def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home, monkeypatch,
+                                                          tmp_path):
     """The service's daemon could not start beside one started by hand (its manager would
     retry in a loop): install says so before writing anything; with the hand-started one
     stopped it goes on (to this machine's systemctl, which may fail here, as above)."""
@@ -195,10 +196,18 @@ def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home):
             wait_until(lambda: try_stats(awkward_blobs), 60, "the unit's daemon to answer")
             log = json.loads(expertd_cli("status", "--blobs", awkward_blobs, "--json").stdout)[0]
             assert log["log"] == f"journalctl --user -u {unit.name}", log
+            # Restarted by its manager, not by hand (the service would fail beside it).
+            by_hand = expertd_cli("restart", "--blobs", awkward_blobs)
+            assert by_hand.returncode == 1, by_hand
+            assert f"restart it with systemctl --user restart {unit.name}" in by_hand.stderr
             if this_platform() == "linux":
-                reinstall = expertd_cli("service", "install", "--blobs", awkward_blobs,
-                                        "--cache-gb", CACHE)
-                assert "could not start beside it" not in reinstall.stderr, reinstall.stderr
+                # From a shell whose XDG_RUNTIME_DIR differs too: the service's own is found.
+                for runtime in (None, tmp_path / "rt2"):
+                    if runtime is not None:
+                        monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+                    reinstall = expertd_cli("service", "install", "--blobs", awkward_blobs,
+                                            "--cache-gb", CACHE)
+                    assert "could not start beside it" not in reinstall.stderr, reinstall.stderr
         finally:
             own.send_signal(signal.SIGTERM)
             own.wait(30)

@@ -203,8 +203,9 @@ def select_stage(config: dict, layers: list, trunk: list, spec: str):
         ``(stage, layers, trunk)``: the :class:`Stage`, its MoE layers renumbered from 0, and
         the trunk tensors it needs (those of no layer, and those of layers A:B).
     Raises:
-        ConvertError: the family cannot be split into pipeline stages, or ``spec`` is not a
-            range of the model's layers, or the range holds no MoE layer.
+        ConvertError: the family cannot be split into pipeline stages.
+        FlagError: ``spec`` is not a range of the model's layers, or the range holds no MoE
+            layer.
     """
     from expertd.client.pipeline import PipelineError, check_pipeline_support, layer_number, parse_layers
 
@@ -248,8 +249,9 @@ def convert(model_dir: Path, blob_dir: Path, progress: bool = True,
         FileExistsError: if ``blob_dir`` exists.
         ConvertError: the parent of ``blob_dir`` is not a directory, another run is writing
             ``blob_dir``, the disk is full, or the destination cannot be written; nothing is
-            left behind. Or ``layers`` is not a stage of this model (see
+            left behind. Or this family cannot be split into stages (see
             :func:`select_stage`).
+        FlagError: ``layers`` is not a range of the model's layers, or holds no MoE layer.
     """
     model_dir, blob_dir = resolve_model(model_dir), Path(os.path.expanduser(str(blob_dir)))
     check_destination(blob_dir)

@@ -45,6 +45,7 @@ class RemoteModel:
         revision: a branch, tag or commit of the repo (default: main); resolved to its commit.
     Raises:
         ModelDirError: the repo or URL cannot be read.
+        FlagError: a ``revision`` with a URL.
     """
 
     def __init__(self, spec: str, revision: str | None, settings: FetchSettings):

@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -282,6 +283,7 @@ def _cmd_restart(args) -> int:
     if args.foreground:
         raise ValueError("restart starts the daemon detached; for --foreground, run stop "
                          "then start --foreground")
+    _refuse_a_services_daemon(args.blobs)
     args, kept, given, source = _kept_flags(args)
     if kept:
         anew = f"; with {' '.join(given)} anew" if given else ""
@@ -289,10 +291,11 @@ def _cmd_restart(args) -> int:
     try:
         config_from_args(args)  # refuse bad flags before stopping a daemon that works
     except ValueError as exc:
-        if not kept:
-            raise
-        raise ValueError(f"{exc} (a flag {source}; restart it with the flags it should "
-                         "have)") from None
+        if not kept or str(exc).split(" ", 1)[0] in (given or [])[::2]:
+            raise  # a flag given anew: its own error
+        kind = FlagError if isinstance(exc, FlagError) else ValueError
+        raise kind(f"{exc} (a flag {source}; restart it with the flags it should have)"
+                   ) from None
     clients = attached_clients(Path(args.blobs))
     try:
         print(f"stopped expertd pid {stop(Path(args.blobs), timeout=args.timeout)}")
@@ -302,6 +305,23 @@ def _cmd_restart(args) -> int:
     if clients:
         print(f"{_named(clients)}; each attaches to the new daemon at its next request")
     return status
+
+
+def _refuse_a_services_daemon(blob_dir) -> None:
+    """A daemon a launchd agent or systemd unit runs is restarted by its manager, with its
+    unit's flags: one restarted by hand would leave the service failing beside it."""
+    from expertd.paths import daemon_paths
+    from expertd.runfile import read_run_info, serving_epoch
+
+    paths = daemon_paths(blob_dir)
+    info = read_run_info(paths) if serving_epoch(paths) else None
+    if info is None or not info.service:
+        return
+    manager = (f"systemctl --user restart {info.service}" if info.service.endswith(".service")
+               else f"launchctl kickstart -k gui/{os.getuid()}/{info.service}")
+    raise DaemonError(f"expertd pid {info.pid} is the service {info.service}'s: restart it "
+                      f"with {manager} (its flags are its unit's: expertd service install "
+                      f"--blobs {paths.blob_dir} FLAGS rewrites them)")
 
 
 def _kept_flags(args) -> tuple:
@@ -328,6 +348,10 @@ def _kept_flags(args) -> tuple:
     if not recorded:
         return args, None, None, source
     rest = [f for f in recorded if f != "-v"]
+    # Those given anew are not parsed from the record: a file gone since, or another version's
+    # value, must not stand in the way of the flag that replaces it.
+    rest = [word for flag, value in zip(rest[::2], rest[1::2]) if flag not in given
+            for word in (flag, value)]
     parser = argparse.ArgumentParser(prog="expertd restart", add_help=False)
     add_start_flags(parser)  # restart's own flags (see add_subcommands), but --timeout
     said = io.StringIO()
@@ -336,6 +360,10 @@ def _kept_flags(args) -> tuple:
             again = parser.parse_args(["--blobs", str(args.blobs), *rest])
     except SystemExit:  # written by another expertd version, or a file gone since
         why = said.getvalue().strip().splitlines()[-1].split(": error: ", 1)[-1]
+        if info is None:  # nothing runs: the defaults and those given start it
+            print(f"the flags {source} ({' '.join(rest)}) do not go now ({why}); starting "
+                  "with the defaults and the flags given", file=sys.stderr)
+            return args, None, None, source
         raise ValueError(f"the flags {source} ({' '.join(rest)}) do not go now ({why}); "
                          "restart it with the flags it should have") from None
     for name in ("command", "func", "foreground", "timeout"):
@@ -343,10 +371,7 @@ def _kept_flags(args) -> tuple:
     again.verbose = args.verbose or "-v" in recorded
     for dest, value in given.values():  # given anew: they replace the recorded ones
         setattr(again, dest, value)
-    # The recorded flags not given anew (start_flags writes each with its value).
-    kept = (["-v"] if "-v" in recorded else []) + [
-        word for flag, value in zip(rest[::2], rest[1::2]) if flag not in given
-        for word in (flag, value)]
+    kept = (["-v"] if "-v" in recorded else []) + rest  # the recorded ones not given anew
     return again, kept or None, [word for flag, (_, value) in given.items()
                                  for word in (flag, str(value))], source
 

@@ -131,8 +131,6 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
             log.warning("removed a stale %s left by a daemon that died", what)
         sweep_runtime_dir(paths.lock.parent, skip=paths.ident)
         write_atomically(paths.pidfile, str(os.getpid()).encode())
-        if flags is not None:
-            write_last_flags(paths, flags)
         # Written before the arena exists, so that a start killed half-way is cleaned up by
         # the next one; marked ready once the server answers.
         # The service that runs it, if one does: its unit or agent sets SERVICE_VARIABLE.
@@ -142,6 +140,8 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
         server = ExpertServer(config, paths, state_file or paths.state_file, arena, epoch)
         write_run_info(paths, RunInfo(os.getpid(), arena, epoch, True, str(paths.blob_dir),
                                       flags, service))
+        if flags is not None and service is None:  # serving: flags that work (a service's
+            write_last_flags(paths, flags)  # are its unit's, restarted by its manager)
         signal.signal(signal.SIGTERM, server.request_stop)
         signal.signal(signal.SIGINT, server.request_stop)
         server.serve()

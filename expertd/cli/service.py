@@ -226,21 +226,27 @@ def _refuse_beside_a_daemon(plan: ServicePlan) -> None:
     from expertd.cli.lifecycle import serving_pid
     from expertd.errors import DaemonError
     from expertd.paths import daemon_paths
-    from expertd.runfile import elsewhere, read_run_info
+    from expertd.runfile import claimant, elsewhere, read_run_info
 
     paths = daemon_paths(plan.blob_dir)
     pid = serving_pid(paths)
+    other = claimant(paths) if pid is None else None
+    # The serving daemon's run file, in this runtime directory or in its own (the service
+    # may run where the installing shell's XDG_RUNTIME_DIR differs).
+    run = Path(other["runtime"]) if other and other["runtime"] else None
+    info = read_run_info(daemon_paths(plan.blob_dir, run)) if pid is not None or run else None
+    if info is not None and info.service == plan.name:
+        return  # the service's own: the install restarts it
     if pid is not None:
-        info = read_run_info(paths)
-        if info is not None and info.service == plan.name:
-            return
         there = f"an expertd (pid {pid}) started by hand serves {plan.blob_dir}"
     else:
         there = elsewhere(paths)
     if there:
+        earlier = (" (if it is this service's own, started by an earlier expertd, restart it "
+                   "with its manager instead)" if plan.path.exists() else "")
         raise DaemonError(f"{there}, so the service's daemon could not start beside it: stop "
                           f"it first (expertd stop --blobs {plan.blob_dir}), then install; "
-                          "--no-start only writes the file")
+                          f"--no-start only writes the file{earlier}")
 
 
 def _cmd_uninstall(args) -> int:
