@@ -162,12 +162,15 @@ def test_install_with_the_real_systemctl_reports_its_failure(awkward_blobs, home
     assert f"logs to {daemon_paths(awkward_blobs).log}" in status.stdout
 
 
-def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home, monkeypatch,
-                                                          tmp_path):
+def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home, monkeypatch):
     """The service's daemon could not start beside one started by hand (its manager would
     retry in a loop): install says so before writing anything; with the hand-started one
     stopped it goes on (to this machine's systemctl, which may fail here, as above)."""
+    import tempfile
+
     unit = make_plan(awkward_blobs, platform="linux")
+    home_runtime = os.environ["XDG_RUNTIME_DIR"]
+    other = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))  # short: a socket path's limit
     try:
         assert expertd_cli("start", "--blobs", awkward_blobs, "--cache-gb", CACHE).returncode == 0
         got = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE)
@@ -201,18 +204,23 @@ def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home, mo
             assert by_hand.returncode == 1, by_hand
             assert f"restart it with systemctl --user restart {unit.name}" in by_hand.stderr
             if this_platform() == "linux":
-                # From a shell whose XDG_RUNTIME_DIR differs too: the service's own is found.
-                for runtime in (None, tmp_path / "rt2"):
+                # From a shell whose XDG_RUNTIME_DIR differs too: the service's own is found
+                # (its claim names its runtime directory, whose run file names the service).
+                for runtime in (None, other):
                     if runtime is not None:
                         monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
                     reinstall = expertd_cli("service", "install", "--blobs", awkward_blobs,
                                             "--cache-gb", CACHE)
+                    assert reinstall.returncode == 1, reinstall  # this machine's systemctl
+                    assert "failed:" in reinstall.stderr, reinstall.stderr
                     assert "could not start beside it" not in reinstall.stderr, reinstall.stderr
         finally:
+            monkeypatch.setenv("XDG_RUNTIME_DIR", home_runtime)
             own.send_signal(signal.SIGTERM)
             own.wait(30)
     finally:
         kill_serving_daemon(awkward_blobs)
+        shutil.rmtree(other, ignore_errors=True)
 
 
 def test_install_refuses_bad_flags_before_writing_anything(awkward_blobs, home):
