@@ -366,6 +366,9 @@ class Puller:
     # Pulls are compared with the host copy until one with rows from the arena agrees, per
     # layer (verify_pull): a backing that nothing but a user's machine runs (Metal).
     verify_first = False
+    # A kernel was built since the last pass that took its rows: that pass's time is mostly
+    # the kernel's compilation, and the pull rate leaves it out (session._assemble_pass).
+    warming = False
 
     def __init__(self, view, layers: dict):
         self.view = view
@@ -483,6 +486,7 @@ class _KernelPuller(Puller):
         k = self._kernels.get(key)
         if k is None:
             k = self._kernels[key] = self.make_kernel(n_segments, vector)
+            self.warming = True
         return k
 
     def _launch(self, layer: int, ids, table, sources: list, n: int):

@@ -159,7 +159,7 @@ def render_metrics(stats: dict | None, server: ServerCounters, client: dict,
     metric("expertd_client_pull_timed_bytes_total", "counter", "bytes of those timed pulls",
            timed)
     metric("expertd_client_pull_gbps", "gauge", "GB/s of those timed pulls (0 before any)",
-           round(timed / seconds / 1e9, 3) if seconds else 0.0)
+           timed / seconds / 1e9 if seconds else 0.0)
     metric("expertd_client_pool_bytes", "gauge",
            "this server's own expert memory: its pools' bytes", pool_bytes)
     return "\n".join(lines) + "\n"
