@@ -37,7 +37,7 @@ def apply_adapters(model, adapter_path) -> None:
     config_file, weights_file = where / "adapter_config.json", where / "adapters.safetensors"
     if not config_file.is_file() or not weights_file.is_file():
         raise FlagError(f"--adapter-path {where}: no adapter_config.json and "
-                         "adapters.safetensors there (mlx_lm.lora writes both)")
+                        "adapters.safetensors there (mlx_lm.lora writes both)")
     try:
         config = json.loads(config_file.read_text())
         kind = config.get("fine_tune_type", "lora")
@@ -45,10 +45,10 @@ def apply_adapters(model, adapter_path) -> None:
         num_layers = int(config["num_layers"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FlagError(f"--adapter-path {where}: adapter_config.json is not mlx-lm's "
-                         f"({exc})") from None
+                        f"({exc})") from None
     if kind == "full":
         raise FlagError(f"--adapter-path {where}: a full fine-tune is a model of its own, not "
-                         "adapters; convert it with expertd convert")
+                        "adapters; convert it with expertd convert")
     # Relative to a transformer block, as mlx-lm's keys are: where its streamed switches sit.
     switches = {path for block in model.layers for path, m in block.named_modules()
                 if isinstance(m, StreamedSwitch)}
@@ -56,23 +56,23 @@ def apply_adapters(model, adapter_path) -> None:
         weights = mx.load(str(weights_file))
     except (RuntimeError, ValueError, OSError) as exc:
         raise FlagError(f"--adapter-path {where}: adapters.safetensors is not a safetensors "
-                         f"file ({exc})") from None
+                        f"file ({exc})") from None
     experts = sorted(name for name in weights
                      if any(f".{s}." in f".{name}" for s in switches))
     keys = lora.get("keys")
     named = [k for k in keys or () if _inside(k, switches)]
     if experts or named:
         raise FlagError(f"--adapter-path {where}: these adapters train the routed experts "
-                         f"({(experts or named)[0]}, ...), which expertd streams; adapters of "
-                         "the other layers load (train with lora_parameters keys that leave "
-                         "out the switch layers, e.g. self_attn.q_proj and self_attn.v_proj)")
+                        f"({(experts or named)[0]}, ...), which expertd streams; adapters of "
+                        "the other layers load (train with lora_parameters keys that leave "
+                        "out the switch layers, e.g. self_attn.q_proj and self_attn.v_proj)")
     if keys is None:  # mlx-lm's default, less the streamed switches' projections
         lora["keys"] = _default_keys(model, switches)
     try:
         linear_to_lora_layers(model, num_layers, lora, use_dora=kind == "dora")
     except (KeyError, ValueError, TypeError) as exc:  # mlx-lm's own checks, and bad types
         raise FlagError(f"--adapter-path {where}: adapter_config.json does not fit this "
-                         f"model ({type(exc).__name__}: {exc})") from None
+                        f"model ({type(exc).__name__}: {exc})") from None
     params = {name: p for name, p in tree_flatten(model.parameters())
               if name.rsplit(".", 1)[-1] in LEAVES}
     bad = [f"{name} (not an adapter of this model)" if name not in params else

@@ -28,7 +28,7 @@ class KVOptions:
         # in mid-generation.
         if self.kv_bits is not None and self.max_kv_size is not None:
             raise FlagError("--kv-bits and --max-kv-size do not go together: mlx-lm cannot "
-                             "quantize a rotating KV cache")
+                            "quantize a rotating KV cache")
 
 
 def xtc_special_tokens(tokenizer) -> list:
@@ -102,10 +102,10 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
         clash = set(template_kwargs or {}) & TEMPLATE_OWN
         if clash:
             raise FlagError(f"--chat-template-config: {', '.join(sorted(clash))} "
-                             "is set by generate itself")
+                            "is set by generate itself")
         if template_kwargs and not (chat_template and getattr(tokenizer, "chat_template", None)):
             raise FlagError("--chat-template-config needs the chat template (the tokenizer "
-                             "has none, or --ignore-chat-template was given)")
+                            "has none, or --ignore-chat-template was given)")
         if chat_template and getattr(tokenizer, "chat_template", None):
             messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
             messages.append({"role": "user", "content": prompt})
@@ -123,7 +123,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
                 prompt = prompt[probe.index("<query>"):]
         elif prefill_response is not None:
             raise FlagError("--prefill-response needs the chat template (the tokenizer has "
-                             "none, or --ignore-chat-template was given)")
+                            "none, or --ignore-chat-template was given)")
         before = session.stats()
         tokens, last, drafted = [], None, 0
         out.write(before_text)
@@ -201,20 +201,20 @@ def load_prompt_cache(path: str, model, kv) -> list:
     except Exception as exc:  # mlx's readers raise RuntimeError on a malformed file
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise FlagError(f"--prompt-cache-file {path}: not a prompt cache mlx-lm can read "
-                         f"({first})") from None
+                        f"({first})") from None
     want = make_prompt_cache(model)
     shape = _kv_shape(model)
     if len(cache) != len(want) or (shape is not None and any(
             getattr(c, "keys", None) is not None and getattr(c.keys, "ndim", 0) == 4
             and (c.keys.shape[1], c.keys.shape[3]) != shape for c in cache)):
         raise FlagError(f"--prompt-cache-file {path}: made for another model ({len(cache)} "
-                         f"layer caches of other shapes; this model has {len(want)})")
+                        f"layer caches of other shapes; this model has {len(want)})")
     if isinstance(cache[0], QuantizedKVCache):
         if kv.kv_bits is not None and kv.kv_bits != cache[0].bits:
             raise FlagError("--kv-bits does not match the KV cache of --prompt-cache-file")
         if kv.kv_group_size != cache[0].group_size:
             raise FlagError("--kv-group-size does not match the KV cache of "
-                             "--prompt-cache-file")
+                            "--prompt-cache-file")
     return cache
 
 
@@ -242,7 +242,7 @@ def load_draft(name: str) -> tuple:
     if not local and (os.path.isabs(path) or name.startswith((".", "~"))
                       or name.strip("/").count("/") != 1):
         raise FlagError(f"--draft-model {name}: no such directory (nor a Hugging Face id, "
-                         "which reads ORG/NAME)")
+                        "which reads ORG/NAME)")
     try:
         model, tokenizer = mlx_lm.load(path)[:2]
     except (OSError, MemoryError) as exc:  # the machine's or the network's: not the flag's
@@ -258,7 +258,7 @@ def check_draft(draft: tuple, tokenizer, name: str) -> None:
     """Refuse a draft ``(model, tokenizer)`` whose vocabulary is not the model's."""
     if draft[1].vocab_size != tokenizer.vocab_size:
         raise FlagError(f"--draft-model {name}: its vocabulary ({draft[1].vocab_size} tokens) "
-                         f"is not the model's ({tokenizer.vocab_size})")
+                        f"is not the model's ({tokenizer.vocab_size})")
 
 
 def summary_line(s: dict) -> str:

@@ -66,10 +66,10 @@ def parse_layers(spec: str, num_layers: int) -> tuple:
         b = int(stop) if stop.strip() else num_layers
     except ValueError:
         raise FlagError(f"--layers {spec}: expected A:B, a range of transformer layers as a "
-                         f"Python slice (e.g. 0:{num_layers // 2})") from None
+                        f"Python slice (e.g. 0:{num_layers // 2})") from None
     if not 0 <= a < b <= num_layers:
         raise FlagError(f"--layers {spec}: the model has transformer layers 0:{num_layers}; "
-                         "give a non-empty range within it")
+                        "give a non-empty range within it")
     return a, b
 
 

@@ -484,7 +484,7 @@ def _bind(host: str, port: int, blob_dir: Path, cli_args) -> ExpertdHTTPServer:
             raise OSError(f"cannot resolve {host} now ({exc.strerror or exc}); try again, or "
                           "give --host an address (127.0.0.1, ::1, 0.0.0.0)") from None
         raise FlagError(f"--host {host}: not an address or a name this machine resolves "
-                      f"({exc.strerror or exc}); e.g. 127.0.0.1, ::1 or 0.0.0.0") from None
+                        f"({exc.strerror or exc}); e.g. 127.0.0.1, ::1 or 0.0.0.0") from None
     except OSError as exc:
         if exc.errno == errno.EADDRNOTAVAIL:
             advice = f"{host} is not an address of this machine; give one of its own with --host"
@@ -543,7 +543,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
     if cli_args.draft_model:  # before the model: a bad draft costs no daemon attach
         if pipeline_group is not None:
             raise FlagError("--draft-model does not go with --pipeline: mlx-lm's speculative "
-                             "decoding runs in one process")
+                            "decoding runs in one process")
         from expertd.client.generate import load_draft
 
         draft = load_draft(cli_args.draft_model)  # (model, tokenizer)

@@ -194,12 +194,12 @@ def read_api_key(path: str | None, environ=os.environ) -> str | None:
         raise OSError(f"cannot read the API key file {path}: {exc.strerror}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise FlagError(f"--api-key-file {path}: other users may read it (mode "
-                         f"{stat.S_IMODE(mode):o}); chmod 600 {path}")
+                        f"{stat.S_IMODE(mode):o}); chmod 600 {path}")
     words = data.split()
     if len(data) > MAX_KEY_FILE or len(words) != 1 or not words[0].isascii():
         raise FlagError(f"--api-key-file {path}: it must hold the key alone, one word of "
-                         f"ASCII of at most {MAX_KEY_FILE} bytes (it holds {len(words)} "
-                         f"word{'s' * (len(words) != 1)}, {len(data)} bytes)")
+                        f"ASCII of at most {MAX_KEY_FILE} bytes (it holds {len(words)} "
+                        f"word{'s' * (len(words) != 1)}, {len(data)} bytes)")
     return words[0].decode()
 
 

@@ -224,7 +224,7 @@ def select_stage(config: dict, layers: list, trunk: list, spec: str):
     kept = [layer for layer in layers if start <= layer_number(layer.module) < stop]
     if not kept:
         raise FlagError(f"--layers {spec}: transformer layers {stage} hold no MoE layer; "
-                           "such a stage needs no expertd (run it with mlx-lm alone)")
+                        "such a stage needs no expertd (run it with mlx-lm alone)")
     kept = [MoeLayer(i, layer.module, layer.file, layer.num_experts, layer.expert_bytes,
                      layer.segments, layer.checksums) for i, layer in enumerate(kept)]
     trunk = [t for t in trunk if (n := layer_number(t.name)) is None or start <= n < stop]

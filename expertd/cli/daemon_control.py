@@ -108,20 +108,20 @@ def cache_bytes(text: str, manifest, blobs, side_rows: int | None = None) -> int
         gib = math.nan
     if not math.isfinite(gib) or gib <= 0:
         raise FlagError(f"--cache-gb {text} is not a cache size: give a finite number of GiB "
-                         f"above 0 (e.g. 8), or 8G, 512M, 30% (of the experts' "
-                         f"{size_text(m.total_expert_bytes)}); the smallest cache that serves "
-                         f"{blobs} is {least_text}")
+                        f"above 0 (e.g. 8), or 8G, 512M, 30% (of the experts' "
+                        f"{size_text(m.total_expert_bytes)}); the smallest cache that serves "
+                        f"{blobs} is {least_text}")
     if gib > MAX_CACHE_GB:
         raise FlagError(f"--cache-gb {text} is more memory than any machine has "
-                         f"(at most {MAX_CACHE_GB} GiB)")
+                        f"(at most {MAX_CACHE_GB} GiB)")
     size = int(gib * 2**30)
     if str(text).strip().endswith("%"):
         size = _share_bytes(m, gib * 2**30, side_rows)
     if size < least:
         raise FlagError(f"--cache-gb {text} is too small for {blobs}: the smallest cache "
-                         f"that serves it is {least_text} ({rows} rows of {m.stride} bytes, "
-                         f"twice a token's top_k = {m.top_k} experts, beside 2 x {side} "
-                         "prefetch rows)")
+                        f"that serves it is {least_text} ({rows} rows of {m.stride} bytes, "
+                        f"twice a token's top_k = {m.top_k} experts, beside 2 x {side} "
+                        "prefetch rows)")
     return size
 
 
@@ -144,7 +144,7 @@ def config_from_args(args):
         top_k = store.manifest.top_k
         if args.side_rows is not None and not 0 <= args.side_rows <= MAX_SIDE_ROWS * top_k:
             raise FlagError(f"--side-rows must be between 0 and {MAX_SIDE_ROWS * top_k} "
-                             f"({MAX_SIDE_ROWS} x top_k = {top_k}), not {args.side_rows}")
+                            f"({MAX_SIDE_ROWS} x top_k = {top_k}), not {args.side_rows}")
         budget = cache_bytes(args.cache_gb, store.manifest, args.blobs, args.side_rows)
         # Auto-pins are pins: at most a quarter of the cache rows (config.cache_limits), as
         # the daemon lays the arena out (server.Server).
@@ -159,7 +159,7 @@ def config_from_args(args):
                                    side_rows=side).cache_rows
         if not 0 <= args.auto_pin <= cache_limits(rows)[0]:
             raise FlagError(f"--auto-pin must be between 0 and {cache_limits(rows)[0]} (a "
-                             f"quarter of this cache's {rows} rows), not {args.auto_pin}")
+                            f"quarter of this cache's {rows} rows), not {args.auto_pin}")
     finally:
         store.close()
     check_bounds(args)

@@ -43,7 +43,7 @@ def _cmd_generate(args) -> int:
                    prefill_step_size=args.prefill_step_size)
     if args.pipeline and args.draft_model:
         raise FlagError("--draft-model does not go with --pipeline: mlx-lm's speculative "
-                         "decoding runs in one process")
+                        "decoding runs in one process")
     group, out = (_pipeline_group() if args.pipeline else None), sys.stdout
     if group is not None and group.rank() != 0:
         out = open(os.devnull, "w")  # rank 0 prints; every rank computes the same tokens
@@ -101,7 +101,7 @@ def _pipeline_group():
     group = mx.distributed.init()
     if group.size() < 2:
         raise FlagError("--pipeline runs one pipeline stage per process: start one process "
-                           "per stage with mlx.launch (README: Several machines)")
+                        "per stage with mlx.launch (README: Several machines)")
     return group
 
 

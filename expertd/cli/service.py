@@ -183,7 +183,7 @@ def _plan(args) -> ServicePlan:
     flags = start_flags(args) if args.action == "install" else []
     if args.action == "install" and args.log_file:
         raise FlagError("--log-file is chosen by the service (macOS: ~/Library/Logs/expertd/, "
-                         "Linux: the journal); leave it out")
+                        "Linux: the journal); leave it out")
     return make_plan(args.blobs, flags, platform=args.platform)
 
 
