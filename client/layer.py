@@ -84,7 +84,8 @@ class StreamedLayer:
     guess_sent: tuple | None = None
     _used: set = field(default_factory=set)
     _rows_cache: dict = field(default_factory=dict)
-    _graphs: dict = field(default_factory=dict)  # kind -> (puller, call, compiled call)
+    # kind (a switch's call) or ("block", kind) -> (puller, call, compiled call)
+    _graphs: dict = field(default_factory=dict)
     # a block's input shape -> the router's ids' (shape, dtype), learnt from a plain call
     _ids_like: dict = field(default_factory=dict)
     _seen: tuple | None = None  # the latest call's ids' (shape, dtype)
@@ -308,8 +309,8 @@ class StreamedLayer:
                 traced, self._traced = self._traced, None
                 return (y, *traced)
 
-            entry = self._graphs[key] = (puller, mx.compile(call))
-        y, indices, *rest = entry[1](x, *self._inputs(kind, *like))
+            entry = self._graphs[key] = (puller, call, mx.compile(call))
+        y, indices, *rest = entry[2](x, *self._inputs(kind, *like))
         records = self.mode.records
         if records is not None:
             records.append((self, indices, rest[0], rest[1:]) if rest else (self, indices,

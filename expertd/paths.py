@@ -194,10 +194,11 @@ def daemon_paths(blob_dir, run: Path | None = None) -> DaemonPaths:
     if len(str(socket).encode()) > MAX_SOCKET_PATH:
         raise ValueError(f"socket path {socket} is longer than {MAX_SOCKET_PATH} bytes; "
                          "set XDG_RUNTIME_DIR to a shorter directory")
+    state = state_dir()
     return DaemonPaths(real, ident, socket, run / f"{ident}.lock", run / f"{ident}.pid",
                        run / f"{ident}.run", run / f"{ident}.log", run / f"{ident}.err",
-                       state_dir() / f"{ident}.json", state_dir() / f"{serving}.serving",
-                       state_dir() / f"{ident}.flags")
+                       state / f"{ident}.json", state / f"{serving}.serving",
+                       state / f"{ident}.flags")
 
 
 def missing_parent(path: Path) -> str | None:

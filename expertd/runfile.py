@@ -287,20 +287,27 @@ def release_claim(paths, fd: int) -> None:
         os.close(fd)
 
 
+def _claim_record(claim: Path) -> dict | None:
+    """The record of a held claim (see :func:`claim_blobs`): ``{"pid", "runtime", "blob_dir",
+    "host"}``, or None where it is being written or is another version's."""
+    try:
+        record = json.loads(read_private(claim))
+        return {"pid": int(record["pid"]), "runtime": str(record["runtime"]),
+                "blob_dir": str(record["blob_dir"]), "host": str(record["host"])}
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
 def claimant(paths) -> dict | None:
     """``{"pid", "runtime"}`` of a daemon serving ``paths.blob_dir`` from another runtime
     directory than ``paths``'; None if none holds the claim, or it is this directory's own
     (pid None, runtime None where its record cannot be read)."""
     if not lock_held(paths.claim):
         return None
-    try:
-        record = json.loads(read_private(paths.claim))
-        pid, runtime = int(record["pid"]), str(record["runtime"])
-    except (OSError, ValueError, TypeError, KeyError):
-        pid = runtime = None
-    if runtime == str(paths.lock.parent):
+    record = _claim_record(paths.claim) or {"pid": None, "runtime": None}
+    if record["runtime"] == str(paths.lock.parent):
         return None
-    return {"pid": pid, "runtime": runtime}
+    return {"pid": record["pid"], "runtime": record["runtime"]}
 
 
 def claims_elsewhere(state: Path, run: Path) -> list:
@@ -310,17 +317,11 @@ def claims_elsewhere(state: Path, run: Path) -> list:
     other machines (a home shared by several) are not this machine's to name."""
     found = []
     for claim in sorted(state.glob("*.serving")):
-        if not lock_held(claim):
-            continue
-        try:
-            record = json.loads(read_private(claim))
-            entry = {"pid": int(record["pid"]), "runtime": str(record["runtime"]),
-                     "blob_dir": str(record["blob_dir"])}
-            host = str(record["host"])
-        except (OSError, ValueError, TypeError, KeyError):
-            continue  # being written, or another version's: nothing to name
-        if host == os.uname().nodename and entry["runtime"] != str(run):
-            found.append(entry)
+        record = _claim_record(claim) if lock_held(claim) else None
+        if record is None or record.pop("host") != os.uname().nodename:
+            continue  # free, being written, another version's, or another machine's
+        if record["runtime"] != str(run):
+            found.append(record)
     return found
 
 

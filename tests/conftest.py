@@ -62,7 +62,7 @@ def _private_dirs(state: Path, monkeypatch):
 
     The runtime directory is short on purpose: unix socket paths are limited to 104 bytes.
     """
-    runtime = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))
+    runtime = short_dir()
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     monkeypatch.setenv("XDG_STATE_HOME", str(state))
     monkeypatch.delenv("EXPERTD_API_KEY", raising=False)  # a developer's would guard serve
@@ -77,6 +77,23 @@ def isolated_env(tmp_path, monkeypatch):
     """Per-test runtime and state directories, so daemons of different tests never meet."""
     with _private_dirs(tmp_path / "state", monkeypatch) as env:
         yield env
+
+
+def short_dir() -> Path:
+    """A fresh directory under /tmp with a short name: a runtime directory's socket paths must
+    stay within 104 bytes (a test's tmp_path under xdist is too long)."""
+    return Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))
+
+
+@pytest.fixture
+def other_runtime(isolated_env):
+    """A second runtime directory beside isolated_env's, for XDG_RUNTIME_DIR as another shell
+    (or a service) sets it; the state directory stays the same. Removed after."""
+    path = short_dir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

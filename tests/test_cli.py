@@ -13,7 +13,15 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from harness import expertd_cli, kill_serving_daemon, query_stats, sigint_as_usual, wait_until
+from harness import (
+    TINY_CACHE_GB,
+    Daemon,
+    expertd_cli,
+    kill_serving_daemon,
+    query_stats,
+    sigint_as_usual,
+    wait_until,
+)
 
 from expertd.cli.daemon_control import parse_size
 from expertd.cli.main import DefaultsHelpFormatter, build_parser
@@ -43,13 +51,14 @@ def test_a_command_with_a_closed_stream_runs_as_with_dev_null(blobs, isolated_en
 
     status = run(1, "status", "--blobs", blobs)  # stdout closed: nothing runs, exit 3
     assert status.returncode == 3 and "Traceback" not in status.stderr, status.stderr
-    # stdin closed: read as empty, as /dev/null is; each error said in one line.
-    for said, args in (("no expertd serves", ("chat", "--blobs", blobs)),
-                       ("the prompt read from stdin is empty",
-                        ("generate", "--blobs", blobs, "--prompt", "-"))):
-        got = run(0, *args)
-        assert got.returncode == 1 and "Traceback" not in got.stderr, got.stderr
-        assert got.stderr.count("\n") == 1 and said in got.stderr, got.stderr
+    # stdin closed: read as empty, as /dev/null is.
+    got = run(0, "generate", "--blobs", blobs, "--prompt", "-")
+    assert got.returncode == 1 and "Traceback" not in got.stderr, got.stderr
+    assert got.stderr.count("\n") == 1 and "the prompt read from stdin is empty" in got.stderr
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB):  # chat reads stdin once
+        got = run(0, "chat", "--blobs", blobs, "--max-tokens", "3")  # loaded: at its end
+    assert got.returncode == 0 and "Traceback" not in got.stderr, got.stderr
+    assert "bye" in got.stdout + got.stderr, got
     done = run(1, "synth", "--out", tmp_path / "m")  # stdout closed: the command's own work
     assert done.returncode == 0 and (tmp_path / "m" / "config.json").exists(), done.stderr
 
@@ -81,7 +90,7 @@ def test_stop_and_status_without_a_daemon(blobs, isolated_env):
 
 
 @pytest.mark.timeout(120)
-def test_start_status_restart_stop(blobs, isolated_env):
+def test_start_status_restart_stop(blobs, isolated_env, tmp_path):
     log = daemon_paths(blobs).log
     try:
         restarted = expertd_cli("restart", "--blobs", blobs, "--cache-gb", "50%")
@@ -112,6 +121,8 @@ def test_start_status_restart_stop(blobs, isolated_env):
         # A bad flag given anew beside kept ones: its own error (exit 2), not a kept flag's.
         bad = expertd_cli("restart", "--blobs", blobs, "--cache-gb", "1K")
         assert bad.returncode == 2 and "a flag it was started with" not in bad.stderr, bad
+        assert bad.stderr.startswith("expertd restart: error: --cache-gb 1K ") and \
+            bad.stderr.count("\n") == 1, bad.stderr
         assert query_stats(blobs)["pid"] == second["pid"]
         assert second["pid"] != first["pid"] and second["arena_rows"] > first["arena_rows"]
 
@@ -167,9 +178,9 @@ def test_start_status_restart_stop(blobs, isolated_env):
         from expertd.runfile import write_last_flags
 
         paths = daemon_paths(blobs)
-        write_last_flags(paths, ["--log-file", str(blobs.parent / "gone" / "d.log"),
+        write_last_flags(paths, ["--log-file", str(tmp_path / "gone" / "d.log"),
                                  "--cache-gb", "100%"])
-        moved = expertd_cli("restart", "--blobs", blobs, "--log-file", blobs.parent / "d.log")
+        moved = expertd_cli("restart", "--blobs", blobs, "--log-file", tmp_path / "d.log")
         assert moved.returncode == 0, moved.stderr
         assert "it last ran with: --cache-gb 100%; with --log-file" in moved.stdout, moved.stdout
         assert expertd_cli("stop", "--blobs", blobs).returncode == 0

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from harness import TINY_CACHE_GB as CACHE_GB  # 10 rows of the tiny model
@@ -219,19 +218,18 @@ def test_two_starts_at_once_leave_one_daemon_that_stop_stops(models, isolated_en
 
 @pytest.mark.timeout(150)
 def test_one_blob_directory_has_one_daemon_whatever_the_runtime_directory(models, isolated_env,
-                                                                          monkeypatch):
+                                                                          monkeypatch,
+                                                                          other_runtime):
     """A service and a shell may see two runtime directories (XDG_RUNTIME_DIR set in one only),
     where daemons cannot see each other's locks: a second daemon for the same blobs would split
     the clients between two caches. The claim in the state directory refuses it, and every
     command of the other runtime directory says where the daemon is and how to reach it."""
-    import tempfile
-
     from expertd.connection import Connection
     from expertd.errors import DaemonNotRunning
 
     blobs = models.blobs()
     first = daemon_paths(blobs)
-    other = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))
+    other = other_runtime
     reach = f"XDG_RUNTIME_DIR={first.lock.parent.parent}"
     start = ("start", "--blobs", blobs, "--cache-gb", CACHE_GB)
     try:
@@ -270,20 +268,18 @@ def test_one_blob_directory_has_one_daemon_whatever_the_runtime_directory(models
         kill_serving_daemon(blobs)
         monkeypatch.setenv("XDG_RUNTIME_DIR", isolated_env["XDG_RUNTIME_DIR"])
         kill_serving_daemon(blobs)
-        shutil.rmtree(other, ignore_errors=True)
 
 
 @pytest.mark.timeout(150)
 def test_stop_clears_a_killed_daemons_arena_while_another_directory_serves(models, isolated_env,
-                                                                           monkeypatch):
+                                                                           monkeypatch,
+                                                                           other_runtime):
     """A daemon killed in one runtime directory, then one started from another: stop in the
     first says where the blobs are served (nothing is stopped) and still frees the killed
     one's arena, which status there shows as held by nothing."""
-    import tempfile
-
     blobs = models.blobs()
     first = daemon_paths(blobs)
-    other = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))
+    other = other_runtime
     start = ("start", "--blobs", blobs, "--cache-gb", CACHE_GB)
     killed = None
     try:
@@ -309,7 +305,6 @@ def test_stop_clears_a_killed_daemons_arena_while_another_directory_serves(model
         kill_serving_daemon(blobs)
         if killed is not None:
             unlink_arena(killed.arena)
-        shutil.rmtree(other, ignore_errors=True)
 
 
 def test_status_names_this_machines_claims_from_elsewhere_only(isolated_env):
@@ -355,7 +350,7 @@ def test_a_claim_the_state_directory_cannot_hold_refuses_nothing(models, isolate
         assert stat.S_ISFIFO(os.lstat(paths.claim).st_mode)  # not ours to remove
     finally:
         kill_serving_daemon(blobs)
-        os.unlink(paths.claim)
+        paths.claim.unlink(missing_ok=True)
 
 
 @pytest.mark.timeout(120)

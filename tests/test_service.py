@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness import expertd_cli, kill_serving_daemon, try_stats, wait_until
+from harness import expertd_cli, kill_serving_daemon, stop_process, try_stats, wait_until
 
 from expertd.cli.service import (
     STOP_GRACE_S,
@@ -162,15 +162,14 @@ def test_install_with_the_real_systemctl_reports_its_failure(awkward_blobs, home
     assert f"logs to {daemon_paths(awkward_blobs).log}" in status.stdout
 
 
-def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home, monkeypatch):
+def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home, monkeypatch,
+                                                          other_runtime):
     """The service's daemon could not start beside one started by hand (its manager would
     retry in a loop): install says so before writing anything; with the hand-started one
     stopped it goes on (to this machine's systemctl, which may fail here, as above)."""
-    import tempfile
-
     unit = make_plan(awkward_blobs, platform="linux")
     home_runtime = os.environ["XDG_RUNTIME_DIR"]
-    other = Path(tempfile.mkdtemp(prefix="xd", dir="/tmp"))  # short: a socket path's limit
+    other = other_runtime
     try:
         assert expertd_cli("start", "--blobs", awkward_blobs, "--cache-gb", CACHE).returncode == 0
         got = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE)
@@ -213,14 +212,13 @@ def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home, mo
                                             "--cache-gb", CACHE)
                     assert reinstall.returncode == 1, reinstall  # this machine's systemctl
                     assert "failed:" in reinstall.stderr, reinstall.stderr
+                    assert "run by hand once it can work:" in reinstall.stderr  # it went on
                     assert "could not start beside it" not in reinstall.stderr, reinstall.stderr
         finally:
             monkeypatch.setenv("XDG_RUNTIME_DIR", home_runtime)
-            own.send_signal(signal.SIGTERM)
-            own.wait(30)
+            stop_process(own)
     finally:
         kill_serving_daemon(awkward_blobs)
-        shutil.rmtree(other, ignore_errors=True)
 
 
 def test_install_refuses_bad_flags_before_writing_anything(awkward_blobs, home):

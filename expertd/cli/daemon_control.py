@@ -283,8 +283,13 @@ def _cmd_restart(args) -> int:
     if args.foreground:
         raise ValueError("restart starts the daemon detached; for --foreground, run stop "
                          "then start --foreground")
-    _refuse_a_services_daemon(args.blobs)
-    args, kept, given, source = _kept_flags(args)
+    from expertd.paths import daemon_paths
+    from expertd.runfile import read_run_info, serving_epoch
+
+    paths = daemon_paths(args.blobs)
+    info = read_run_info(paths) if serving_epoch(paths) else None  # None: nothing runs
+    _refuse_a_services_daemon(paths, info)
+    args, kept, given, source = _kept_flags(args, paths, info)
     if kept:
         anew = f"; with {' '.join(given)} anew" if given else ""
         print(f"keeping the flags {source}: {' '.join(kept)}{anew}")
@@ -307,14 +312,10 @@ def _cmd_restart(args) -> int:
     return status
 
 
-def _refuse_a_services_daemon(blob_dir) -> None:
-    """A daemon a launchd agent or systemd unit runs is restarted by its manager, with its
-    unit's flags: one restarted by hand would leave the service failing beside it."""
-    from expertd.paths import daemon_paths
-    from expertd.runfile import read_run_info, serving_epoch
-
-    paths = daemon_paths(blob_dir)
-    info = read_run_info(paths) if serving_epoch(paths) else None
+def _refuse_a_services_daemon(paths, info) -> None:
+    """A daemon a launchd agent or systemd unit runs (``info``: the run file of the daemon of
+    ``paths`` that runs, or None) is restarted by its manager, with its unit's flags: one
+    restarted by hand would leave the service failing beside it."""
     if info is None or not info.service:
         return
     manager = (f"systemctl --user restart {info.service}" if info.service.endswith(".service")
@@ -324,14 +325,14 @@ def _refuse_a_services_daemon(blob_dir) -> None:
                       f"--blobs {paths.blob_dir} FLAGS rewrites them)")
 
 
-def _kept_flags(args) -> tuple:
+def _kept_flags(args, paths, info) -> tuple:
     """``(args, kept, given, source)``: a restart keeps the flags the running daemon was
-    started with (its run file), or where none runs those it last ran with (runfile's
-    last flags), as ``pg_ctl restart`` keeps a server's options, but for those it is given
-    anew; ``kept`` is the list it keeps (None where there is none to keep), ``given`` the
-    flags given anew, each with its value, ``source`` whose flags they are, in words."""
-    from expertd.paths import daemon_paths
-    from expertd.runfile import read_last_flags, read_run_info, serving_epoch
+    started with (``info``, its run file), or where none runs those it last ran with
+    (runfile's last flags of ``paths``), as ``pg_ctl restart`` keeps a server's options, but
+    for those it is given anew; ``kept`` is the list it keeps (None where there is none to
+    keep), ``given`` the flags given anew, each with its value, ``source`` whose flags they
+    are, in words."""
+    from expertd.runfile import read_last_flags
 
     given = {}  # the options given anew, by flag (at their default value too)
     for option in START_OPTIONS:
@@ -339,8 +340,6 @@ def _kept_flags(args) -> tuple:
             given[option.flag] = (option.dest, getattr(args, option.dest))
         else:  # restart's parser sets no defaults: not given here
             setattr(args, option.dest, option.default)
-    paths = daemon_paths(args.blobs)
-    info = read_run_info(paths) if serving_epoch(paths) else None
     if info is not None:
         recorded, source = info.flags, "it was started with"
     else:

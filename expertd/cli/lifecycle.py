@@ -111,8 +111,9 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
                           f"{paths.blob_dir}")
     try:
         claim = claim_blobs(paths, LOCK_PATIENCE)
-        if claim is None and elsewhere(paths):
-            raise DaemonError(_refusal(paths))
+        there = elsewhere(paths) if claim is None else ""
+        if there:
+            raise DaemonError(_refusal(there))
     except BaseException:
         os.close(lock)
         raise
@@ -160,11 +161,11 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
         os.close(lock)
 
 
-def _refusal(paths) -> str:
-    """Why a second daemon may not serve ``paths.blob_dir`` from this runtime directory."""
-    return (f"{elsewhere(paths) or 'another expertd serves ' + str(paths.blob_dir)}. One blob "
-            "directory has one daemon, so that every client shares its cache: use that one, "
-            "or stop it first")
+def _refusal(there: str) -> str:
+    """Why a second daemon may not serve a blob directory that another runtime directory's
+    serves (``there``: runfile.elsewhere's sentence)."""
+    return (f"{there}. One blob directory has one daemon, so that every client shares its "
+            "cache: use that one, or stop it first")
 
 
 def start_detached(blob_dir, argv: list, log_file: Path | None = None,
@@ -184,8 +185,9 @@ def start_detached(blob_dir, argv: list, log_file: Path | None = None,
     pid = serving_pid(paths)
     if pid is not None:
         raise DaemonError(f"an expertd (pid {pid}) already serves {paths.blob_dir}")
-    if elsewhere(paths):
-        raise DaemonError(_refusal(paths))
+    there = elsewhere(paths)
+    if there:
+        raise DaemonError(_refusal(there))
     fd = os.open(paths.start_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as errors:
         proc = subprocess.Popen([sys.executable, "-m", "expertd", *argv, "--foreground",
