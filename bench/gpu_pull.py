@@ -100,6 +100,7 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
             # prompts' per-layer waits are outside them), the issue's "per token".
             decode_waits = summarize(runs, len(session.manifest.layers))["host_waits_per_token"]
             counts = window_counts(session, first)
+            session_counts = dict(session.counters)
             split = streamed_split(streamed, tokenizer) if getattr(args, "own_loop", False) \
                 else None
         finally:
@@ -116,6 +117,12 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
                                                                    runs["res_ttft"])),
                 resident_ttft_s=statistics.median(runs["res_ttft"]),
                 streamed_ttft_s=statistics.median(runs["st_ttft"]),
+                ttft_plain_ratio=statistics.median(
+                    s / r for s, r in zip(runs["st_ttft_plain"], runs["res_ttft"]))
+                if runs["st_ttft_plain"] else None,
+                ttft_ratios=[s / r for s, r in zip(runs["st_ttft"], runs["res_ttft"])],
+                pulled_ahead=session_counts["pulled_ahead"],
+                pulled_ahead_unused=session_counts["pulled_ahead_unused"],
                 per_step={k: v / steps for k, v in counts.items() if k != "steps"},
                 decode_host_waits=decode_waits, split=split, **counts)
 
@@ -305,11 +312,11 @@ def run(args) -> dict:
                                   "auto", args))
         elif case == "pooled":
             cases.append(one_case("pools 25%, arena all", blob_dir, resident, tokenizer, ids,
-                                  all_gb, pool_gb, "auto", args))
+                                  all_gb, pool_gb, args.pull, args))
         elif case == "pooled-own":  # decoded by expertd's own loop (client/decode.py)
             args.own_loop = True
             cases.append(one_case("pools 25%, arena all, expertd's loop", blob_dir, resident,
-                                  tokenizer, ids, all_gb, pool_gb, "auto", args))
+                                  tokenizer, ids, all_gb, pool_gb, args.pull, args))
             args.own_loop = False
         elif case == "pooled-off":
             cases.append(one_case("pools 25%, arena all, pull off", blob_dir, resident,
@@ -317,11 +324,11 @@ def run(args) -> dict:
         elif case == "capped-own":
             args.own_loop = True
             cases.append(one_case("pools 25%, arena 25%, expertd's loop", blob_dir, resident,
-                                  tokenizer, ids, capped_gb, pool_gb, "auto", args))
+                                  tokenizer, ids, capped_gb, pool_gb, args.pull, args))
             args.own_loop = False
         elif case == "capped":
             cases.append(one_case("pools 25%, arena 25%", blob_dir, resident, tokenizer, ids,
-                                  capped_gb, pool_gb, "auto", args))
+                                  capped_gb, pool_gb, args.pull, args))
     out = dict(model=spec, device=str(mx.default_device()), mlx=mx.__version__,
                rounds=args.rounds, tokens=args.tokens, cases=cases,
                resident_split=resident_split(resident, tokenizer))
@@ -360,9 +367,11 @@ def table(r: dict) -> str:
             target = (f"≥ {BARS['pooled']}, TTFT ≤ {BARS['ttft']}, replays ≤ "
                       f"{BARS['replays']:.0%}")
         verdict = "" if ok is None else "pass" if ok else "FAIL"
+        plain = (f" (next layer not pulled ahead: {c['ttft_plain_ratio']:.2f})"
+                 if c.get("ttft_plain_ratio") else "")
         lines.append(
             f"| {c['case']} | {c['puller']} | {ratio:.2f} ({', '.join(f'{x:.2f}' for x in c['ratios'])}) "
-            f"| {c['ttft_ratio']:.2f} | {p['host_waits']:.2f}; "
+            f"| {c['ttft_ratio']:.2f}{plain} | {p['host_waits']:.2f}; "
             f"{c.get('decode_host_waits', float('nan')):.2f} | {p['replays']:.3f} | "
             f"{p['rows_pulled']:.1f} | {p['bytes_pulled'] / 1e6:.1f} | {target} | {verdict} |")
     split = r.get("resident_split")
@@ -412,6 +421,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "gpu_pull.json")
     parser.add_argument("--results", action="store_true", help="write into bench/RESULTS.md")
     parser.add_argument("--chunks", type=int, help="blocks per pair in the pull kernel")
+    parser.add_argument("--pull", default="auto", choices=("auto", "device", "host"),
+                        help="who pulls in the cases with small pools (host: a CPU's smoke run)")
     args = parser.parse_args()
     if args.chunks:
         from expertd.client import pull

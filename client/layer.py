@@ -113,6 +113,10 @@ class StreamedLayer:
         idx = np.array(indices)  # the one host sync of this layer: the router's choice
         synced = time.perf_counter()
         session.counters["host_waits"] += 1
+        prompt_pulls = session.prompt_pulls
+        # This layer's stack pulled ahead (during the layer before), waited for now: its epoch
+        # ends before anything else of this call (a demand included) reaches the daemon.
+        ahead = prompt_pulls.take(self.index) if prompt_pulls.pending is not None else None
         if self.previous is not None:
             # That sync evaluated the previous layer's output (the router's input depends on
             # it): its rows may be rewritten without waiting, and its memory can go.
@@ -135,8 +139,11 @@ class StreamedLayer:
             # stack with a row for every expert (inside an epoch, once the daemon has read
             # them); the prompt's recurring ones then join the pool. None: the device's pull
             # differed from the host copy, or kept losing its rows: the host path takes over.
-            out = self._pulled_call(module, x, indices, idx, unique)
+            out = self._pulled_call(module, x, indices, idx, unique, ahead)
             fetched = time.perf_counter()
+            if (out is not None and nxt is not None
+                    and prompt_pulls.wanted(idx.size, nxt.num_experts, nxt.pool)):
+                prompt_pulls.launch(nxt.index, nxt.pool, out)
         if out is None:
             out, fetched = self._host_call(module, x, indices, idx, unique)
         if guess is not None:
@@ -390,16 +397,18 @@ class StreamedLayer:
         stage.reading(out)
         return out
 
-    def _pulled_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):
+    def _pulled_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray, ahead):
         """A call whose missing experts are pulled from the arena: one stack with a row for
-        every expert (Session.assemble_rows: pool hits copied on the device, misses pulled) and
+        every expert (prompt_pull.PromptPulls.assemble: pool hits copied on the device, misses
+        pulled, those in ``ahead``, a stack pulled during the layer before, taken from it) and
         mlx-lm's one call on it with the router's own ids, as resident: exact on every backend,
         where computing groups apart is not on CUDA. The prompt's pulls then join the pool.
         None if the device's pull differed from the host copy (it pulls no more), or if four
         pulls in a row lost their rows to refills (this call moves its rows on the host)."""
         pool, session = self.pool, self.session
         present = pool.row_of[unique] >= 0
-        stack = session.assemble_rows(self.index, unique, pool)
+        stack = session.prompt_pulls.assemble(self.index, unique, pool, ahead)
+        session.prompt_pulls.routed(ahead, unique)
         if stack is None:
             return None
         pool.touch(pool.row_of[unique[present]])

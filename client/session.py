@@ -18,7 +18,6 @@ import threading
 import time
 import weakref
 
-import mlx.core as mx
 import numpy as np
 
 from expertd import native
@@ -29,13 +28,8 @@ from expertd.client.heartbeat import Heartbeat
 from expertd.client.interrupts import HeldInterrupts
 from expertd.client.links import Links, weak_method
 from expertd.client.predict import check_choice
-from expertd.client.pull import (
-    ABSENT,
-    PULL_MODES,
-    StepEpoch,
-    decode_status,
-    make_puller,
-)
+from expertd.client.prompt_pull import PromptPulls
+from expertd.client.pull import PULL_MODES, StepEpoch, make_puller
 from expertd.client.requester import DaemonDied, Requester
 from expertd.client.step import REPLAY_COUNTERS
 from expertd.client.switch import MLX_DTYPES
@@ -76,16 +70,6 @@ def notice(line: str) -> None:
     sys.stderr.flush()
 
 
-class Stack:
-    """Rows already assembled on the device, as a pull's source (``row_of`` as a pool's)."""
-
-    def __init__(self, arrays: list, row_of: np.ndarray):
-        self.arrays, self.row_of = arrays, row_of
-
-    def pull_table(self):
-        return mx.array(self.row_of)
-
-
 class Session:
     """One client's connection to the expertd serving ``blob_dir``.
 
@@ -116,7 +100,8 @@ class Session:
         self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0,
                              late_leases=0, prefetch_asked=0, misses=0, prefetch_saved=0,
                              hits_reported=0, steps=0, host_waits=0, speculative_steps=0,
-                             unchecked_steps=0, replays=0, pulled_steps=0,
+                             unchecked_steps=0, replays=0, pulled_steps=0, pulled_ahead=0,
+                             pulled_ahead_unused=0,
                              **dict.fromkeys(REPLAY_COUNTERS, 0))
         # Where the main thread's time goes per MoE layer call (see layer.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
@@ -130,6 +115,7 @@ class Session:
         self.epoch = None  # the attached daemon's (kept across a detach: see unanswered)
         self.pull_mode = check_choice("pull", pull, PULL_MODES)
         self.puller = self.step_epoch = None  # made at each attach (see pull.py)
+        self.prompt_pulls = PromptPulls(self)
         self._stages: dict = {}  # (rows, segment sizes) -> backing.Stage
         self._pull_layers = {
             layer.index: [(MLX_DTYPES[seg.dtype], tuple(seg.shape), seg.nbytes)
@@ -230,6 +216,7 @@ class Session:
         self._close_puller()
 
     def _close_puller(self) -> None:
+        self.prompt_pulls.settle()  # no pull ahead still reads through the puller
         with self._pull_lock:  # a /metrics scrape (another thread) sees the counts whole
             puller, self.puller, self.step_epoch = self.puller, None, None
             if puller is not None:
@@ -461,72 +448,6 @@ class Session:
                 # Whatever happened (KeyboardInterrupt while waiting included), nothing stays
                 # leased.
                 requester.release_all()
-
-    def assemble_rows(self, layer: int, experts: np.ndarray, pool) -> list:
-        """A stack of every expert of ``layer`` (one row each, at its own index) in which the
-        rows of ``experts`` (distinct int32) hold their bytes: those in ``pool`` copied from
-        it, the rest pulled from the arena inside an epoch once the daemon has read them, as
-        many at a time as it leases at once (each later pass copies the stack so far on the
-        device). The call computes on it exactly as resident mlx-lm does (the same shapes,
-        the same ids); the other rows are never read. Waits for the pulls, not for the
-        computation. None if the device's pull differed from the host copy (pull.verify_pull:
-        the puller is dropped), or if four pulls in a row lost their epoch or found rows
-        absent (an epoch on probation, evictions all the while): the caller takes the host
-        path, whose leased reads need no epoch."""
-        present = pool.row_of[experts] >= 0
-        missing = experts[~present]
-        # Expert e's row is row e; -1: not wanted (yet). Each pass adds its chunk, and its
-        # stack's table is what it holds so far.
-        want = np.full(self.manifest.layers[layer].num_experts, -1, np.int32)
-        want[experts[present]] = experts[present]
-        source = pool
-        chunks = [missing[i:i + self.demand_limit]
-                  for i in range(0, len(missing), self.demand_limit)] or [missing]
-        for chunk in chunks:
-            want[chunk] = chunk
-            arrays = self._assemble_pass(layer, chunk, want, source)
-            if arrays is None:
-                return None
-            source = Stack(arrays, want.copy())
-        return source.arrays
-
-    def _assemble_pass(self, layer: int, chunk: np.ndarray, want: np.ndarray, source) -> list:
-        wanted = np.flatnonzero(want >= 0)
-        for _ in range(4):
-            if len(chunk):  # else every row comes from the pool: no arena read, no epoch
-                self.demand_absent(layer, chunk)
-            puller, epoch = self.puller, self.step_epoch
-            if puller is None:
-                raise DaemonError("the device stopped pulling from the arena")
-            started = time.perf_counter()
-            if len(chunk):
-                epoch.begin()
-            try:
-                arrays, status = puller.assemble(layer, mx.array(want), source)
-                mx.eval(arrays, status)
-                took = time.perf_counter() - started
-                # Compared while the epoch holds its rows.
-                drifted = puller.differs(layer, want, source, arrays, status)
-            finally:
-                lost = epoch.end()
-            if drifted and not lost:  # a revoked epoch's rows may have been refilled: retried
-                self.drop_puller(layer)
-                return None
-            kinds = decode_status(np.array(status)[wanted])[2]
-            if not lost and not (kinds == ABSENT).any():
-                nbytes = puller.count(layer, len(chunk))
-                # The pull rate: passes that took their rows, less a kernel's first (its
-                # build and compile) and the comparison with the host copy.
-                if puller.warming:
-                    puller.warming = False
-                else:
-                    puller.counters["pull_s"] += took
-                    puller.counters["timed_bytes"] += nbytes
-                return arrays
-            self.counters["retries"] += 1  # evicted between the read and the pull: again
-        log.debug("layer %d: four pulls of the prompt's experts lost their rows; leased "
-                  "reads instead", layer)
-        return None
 
     def demand_absent(self, layer: int, experts: np.ndarray) -> None:
         """Have the daemon read ``experts`` of ``layer`` into its arena (a step found them

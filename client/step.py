@@ -266,6 +266,7 @@ class Steps:
         # A step starts attached: after a daemon's death or a failed or interrupted wait for
         # it, the session attaches again here (or raises DaemonNotRunning), before any layer.
         self.session.check_alive()
+        self.session.prompt_pulls.settle()  # one a stopped model call left (see prompt_pull.py)
         self.flush()  # the pools may change during this step: count what waited first
         counters = self.session.counters
         counters["steps"] += 1
@@ -314,6 +315,7 @@ class Steps:
         the step's ``flat`` together. A step that cannot speculate runs as :meth:`run` runs it
         (nothing left to check). At most two launched steps are unsettled at a time."""
         self.session.check_alive()
+        self.session.prompt_pulls.settle()
         counters = self.session.counters
         counters["steps"] += 1
         if self._unchecked():

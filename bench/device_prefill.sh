@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Issue 24's prefill pulls on the lent GPU machine (../shared/gpu/README.md), as the second call:
+#   run  carry [".gpu/a"]  command: bash .gpu/a/stash.sh
+#   run  carry [".gpu/b"]  command: bash bench/device_prefill.sh
+# Installs MLX's CUDA backend and the project, then gpu_pull.py's pools-25% case: decode and a
+# 512-token prompt's first token next to resident mlx-lm, the prompt both with the next layer
+# pulled ahead and without, in alternating rounds. ROUNDS (default 5) sets the rounds; a warm
+# machine skips the install when INSTALLED=1.
+set -u
+if [ "${INSTALLED:-0}" != 1 ]; then
+  bash /root/keep/a/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
+  tail -1 "$OUT/install.log"; echo "installed at ${SECONDS}s"
+fi
+export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+cd bench
+timeout $(( 585 - SECONDS )) python3 gpu_pull.py --cases "${CASES:-pooled-own}" \
+  --rounds "${ROUNDS:-5}" --tokens 32 --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
+echo "gpu_pull rc=$? at ${SECONDS}s"
+grep "^| \|^- \|Error\|error" "$OUT/prefill.log" | tail -12
