@@ -101,20 +101,20 @@ def side_by_side(resident, streamed, tokenizer, ids, args) -> dict:
         first_token(model, ids)
         decode(model, tokenizer, args.tokens, args.temp)
     runs = dict(res_tps=[], st_tps=[], res_ttft=[], st_ttft=[], windows=[], st_ttft_plain=[])
-    # The prompt's next layer pulled while this one computes, and not (client/prompt_pull.py),
-    # in alternating rounds: where a puller pulls a prompt's rows.
-    compare_ahead = session.puller is not None
+    # The prompt speculative (one wait) and waiting in each layer (client/step.py), in
+    # alternating rounds: where a puller pulls a prompt's rows.
+    compare_prompts = session.puller is not None
     for _ in range(args.rounds):
         a = decode(resident, tokenizer, args.tokens, args.temp)
         b = decode(streamed, tokenizer, args.tokens, args.temp, session,
                    getattr(args, "own_loop", False))
         (ta, ka), (tb, kb) = first_token(resident, ids), first_token(streamed, ids)
-        if compare_ahead:
-            session.prompt_pulls.enabled = False
+        if compare_prompts:
+            session.steps.speculate_prompts = False
             try:
                 tc, kc = first_token(streamed, ids)
             finally:
-                session.prompt_pulls.enabled = True
+                session.steps.speculate_prompts = True
             runs["st_ttft_plain"].append(tc)
             kb = kb if kc == kb else None
         if a["tokens"] != b["tokens"] or ka != kb:

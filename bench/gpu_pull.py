@@ -121,8 +121,7 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
                     s / r for s, r in zip(runs["st_ttft_plain"], runs["res_ttft"]))
                 if runs["st_ttft_plain"] else None,
                 ttft_ratios=[s / r for s, r in zip(runs["st_ttft"], runs["res_ttft"])],
-                pulled_ahead=session_counts["pulled_ahead"],
-                pulled_ahead_unused=session_counts["pulled_ahead_unused"],
+                prompt_replays={k: session_counts[k] for k in ("replays_absent", "replays_epoch")},
                 per_step={k: v / steps for k, v in counts.items() if k != "steps"},
                 decode_host_waits=decode_waits, split=split, **counts)
 
@@ -367,7 +366,7 @@ def table(r: dict) -> str:
             target = (f"≥ {BARS['pooled']}, TTFT ≤ {BARS['ttft']}, replays ≤ "
                       f"{BARS['replays']:.0%}")
         verdict = "" if ok is None else "pass" if ok else "FAIL"
-        plain = (f" (next layer not pulled ahead: {c['ttft_plain_ratio']:.2f})"
+        plain = (f" (prompt waiting per layer: {c['ttft_plain_ratio']:.2f})"
                  if c.get("ttft_plain_ratio") else "")
         lines.append(
             f"| {c['case']} | {c['puller']} | {ratio:.2f} ({', '.join(f'{x:.2f}' for x in c['ratios'])}) "

@@ -113,10 +113,6 @@ class StreamedLayer:
         idx = np.array(indices)  # the one host sync of this layer: the router's choice
         synced = time.perf_counter()
         session.counters["host_waits"] += 1
-        prompt_pulls = session.prompt_pulls
-        # This layer's stack pulled ahead (during the layer before), waited for now: its epoch
-        # ends before anything else of this call (a demand included) reaches the daemon.
-        ahead = prompt_pulls.take(self.index) if prompt_pulls.pending is not None else None
         if self.previous is not None:
             # That sync evaluated the previous layer's output (the router's input depends on
             # it): its rows may be rewritten without waiting, and its memory can go.
@@ -139,11 +135,8 @@ class StreamedLayer:
             # stack with a row for every expert (inside an epoch, once the daemon has read
             # them); the prompt's recurring ones then join the pool. None: the device's pull
             # differed from the host copy, or kept losing its rows: the host path takes over.
-            out = self._pulled_call(module, x, indices, idx, unique, ahead)
+            out = self._pulled_call(module, x, indices, idx, unique)
             fetched = time.perf_counter()
-            if (out is not None and nxt is not None
-                    and prompt_pulls.wanted(idx.size, nxt.num_experts, nxt.pool)):
-                prompt_pulls.launch(nxt.index, nxt.pool, out)
         if out is None:
             out, fetched = self._host_call(module, x, indices, idx, unique)
         if guess is not None:
@@ -206,6 +199,11 @@ class StreamedLayer:
         self._seen = (indices.shape, indices.dtype)  # what block_call learns of its shape
         puller = self._current(session.puller)
         kind = self._kind(puller)
+        if kind == "pulled" and indices.size > DECODE_IDS:  # a prompt's
+            out, status = self._stacked_call(module, x, indices, puller)
+            if records is not None:
+                records.append((self, indices, status, None))
+            return out
         if kind == "pulled":
             if not puller.traceable:  # the host copy waits for the ids: not a graph
                 arrays, status = puller.assemble(self.index, indices, pool)
@@ -222,6 +220,23 @@ class StreamedLayer:
             records.append((self, indices, None, None))
         return self._graph(module, kind, None, indices.size)(x, indices,
                                                              *self._inputs(kind))[0]
+
+    def _stacked_call(self, module, x, indices, puller) -> tuple:
+        """A prompt's speculative call: ``(out, status)``. The experts its router chose are
+        pulled into a stack with a row for every expert (prompt_pull.py), decided on the
+        device (no wait), and mlx-lm's call runs on it with the router's own ids, as resident.
+        ``status``: each pair's, that of its expert's row (see pull.py). The stack is not
+        kept for the step's check (a layer's worth of rows each): a prompt promotes nothing
+        into the pool, it counts its pulls towards promotion (:meth:`after_pull`)."""
+        pool, n = self.pool, self.num_experts
+        flat = indices.reshape(-1)
+        routed = mx.zeros((n,), mx.int32).at[flat].add(1) > 0
+        want = mx.where(routed, mx.arange(n, dtype=mx.int32), -1)
+        if puller.traceable:
+            arrays, rows = puller.pull(self.index, want, pool.pull_table(), pool.arrays)
+        else:  # the host copy, which waits for the ids
+            arrays, rows = puller.assemble(self.index, want, pool)
+        return compute(module, self.segments, arrays, x, indices), rows[flat]
 
     def _kind(self, puller) -> str:
         """Which speculative call this layer makes now (see :meth:`_graph`): "pulled" with a
@@ -335,18 +350,25 @@ class StreamedLayer:
             self._rows_cache[key] = rows
         return rows
 
-    def after_pull(self, rows: np.ndarray, experts: np.ndarray, arrays: list) -> int:
+    def after_pull(self, rows: np.ndarray, experts: np.ndarray, arrays: list | None) -> int:
         """The bookkeeping of a step's pulled call, from its decoded statuses (``rows``,
         ``experts``: see pull.decode_status): pool hits counted, pulled experts that keep
         coming back promoted into the pool (a device copy), use reported. Returns how many
-        were promoted."""
+        were promoted. ``arrays`` None: a prompt's stacked call (not kept): its pulls, each
+        expert's once, count towards promotion with each expert's pairs (at most
+        PROMOTE_AFTER, as a waiting prompt's do)."""
         pool = self.pool
         hit = np.unique(rows[rows >= 0])
         pool.touch(hit)
-        self._count(len(hit), experts)
-        pulled, first = np.unique(experts[experts >= 0], return_index=True)
+        pulled, first, counts = np.unique(experts[experts >= 0], return_index=True,
+                                          return_counts=True)
         promoted = 0
-        if len(pulled):
+        if arrays is None:
+            self._count(len(hit), pulled)
+            pool.note_pulls(pulled, np.minimum(counts, PROMOTE_AFTER))
+        else:
+            self._count(len(hit), experts)
+        if len(pulled) and arrays is not None:
             promoted = pool.promote(pulled.astype(np.int32), arrays,
                                     np.flatnonzero(experts >= 0)[first])
         self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))
@@ -397,18 +419,17 @@ class StreamedLayer:
         stage.reading(out)
         return out
 
-    def _pulled_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray, ahead):
+    def _pulled_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):
         """A call whose missing experts are pulled from the arena: one stack with a row for
         every expert (prompt_pull.PromptPulls.assemble: pool hits copied on the device, misses
-        pulled, those in ``ahead``, a stack pulled during the layer before, taken from it) and
-        mlx-lm's one call on it with the router's own ids, as resident: exact on every backend,
-        where computing groups apart is not on CUDA. The prompt's pulls then join the pool.
+        pulled) and mlx-lm's one call on it with the router's own ids, as resident: exact on
+        every backend, where computing groups apart is not on CUDA. The prompt's pulls then
+        join the pool.
         None if the device's pull differed from the host copy (it pulls no more), or if four
         pulls in a row lost their rows to refills (this call moves its rows on the host)."""
         pool, session = self.pool, self.session
         present = pool.row_of[unique] >= 0
-        stack = session.prompt_pulls.assemble(self.index, unique, pool, ahead)
-        session.prompt_pulls.routed(ahead, unique)
+        stack = session.prompt_pulls.assemble(self.index, unique, pool)
         if stack is None:
             return None
         pool.touch(pool.row_of[unique[present]])

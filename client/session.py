@@ -100,8 +100,7 @@ class Session:
         self.counters = dict(fast_hits=0, demanded=0, drained=0, retries=0, reconnects=0,
                              late_leases=0, prefetch_asked=0, misses=0, prefetch_saved=0,
                              hits_reported=0, steps=0, host_waits=0, speculative_steps=0,
-                             unchecked_steps=0, replays=0, pulled_steps=0, pulled_ahead=0,
-                             pulled_ahead_unused=0,
+                             unchecked_steps=0, replays=0, pulled_steps=0,
                              **dict.fromkeys(REPLAY_COUNTERS, 0))
         # Where the main thread's time goes per MoE layer call (see layer.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
@@ -216,7 +215,6 @@ class Session:
         self._close_puller()
 
     def _close_puller(self) -> None:
-        self.prompt_pulls.settle()  # no pull ahead still reads through the puller
         with self._pull_lock:  # a /metrics scrape (another thread) sees the counts whole
             puller, self.puller, self.step_epoch = self.puller, None, None
             if puller is not None:

@@ -13,9 +13,15 @@ is its only wait, and building the next step overlaps computing this one.
 
 A step is not speculative where a replay could not be exact or would not pay (it then waits per
 layer, as before): caches that cannot be trimmed back (linear-attention or SSM state, a rotating
-cache that would wrap), a prompt whose layers may not fit their pools, pipeline ranks (their
-activations leave the rank during the step), and sessions that replay too often
-(:class:`Speculation`, judged from the observed replay rate).
+cache that would wrap), pipeline ranks (their activations leave the rank during the step), and
+sessions that replay too often (:class:`Speculation`, judged from the observed replay rate).
+
+A prompt speculates where rows are pulled from the arena (a puller): each layer assembles a
+stack with a row for every expert it routes to on the device (prompt_pull.py), and the prompt's
+model call waits once, as resident mlx-lm's does, instead of once per layer, which left the GPU
+idle while the host moved each layer's rows (bench/RESULTS.md, issue 24). A prompt that found
+rows absent from the arena runs again per layer (which demands them layer by layer, as a small
+arena needs), and the next PROMPT_RETRY prompts wait per layer straight away.
 """
 
 import logging
@@ -39,6 +45,7 @@ MAX_REPLAYS = 4  # replays in a window above which auto stops speculating (a rep
 # step, a speculative hit saves one wait per MoE layer, about a layer's compute on a GPU)
 RETRY_AFTER = 32  # steps a stopped session first waits before it speculates again; the wait
 MAX_RETRY_AFTER = 1024  # doubles each time it stops again, up to this, and resets on a good window
+PROMPT_RETRY = 8  # prompts that wait per layer after one found rows absent from the arena
 
 
 def check_speculate(mode: str) -> str:
@@ -261,12 +268,13 @@ class Steps:
         self._deferred: dict = {}
         self._top_k = session.manifest.top_k
         self.drains = Drains()
+        self.speculate_prompts = True  # bench/gpu_pull.py compares prompts waiting per layer
+        self._prompts_waiting = 0  # prompts still to wait per layer (see PROMPT_RETRY)
 
     def run(self, forward, inputs, args: tuple, kwargs: dict):
         # A step starts attached: after a daemon's death or a failed or interrupted wait for
         # it, the session attaches again here (or raises DaemonNotRunning), before any layer.
         self.session.check_alive()
-        self.session.prompt_pulls.settle()  # one a stopped model call left (see prompt_pull.py)
         self.flush()  # the pools may change during this step: count what waited first
         counters = self.session.counters
         counters["steps"] += 1
@@ -279,6 +287,8 @@ class Steps:
             counters["unchecked_steps"] += 1
             return logits
         cache = kwargs.get("cache", args[0] if args else None)
+        if inputs.size * self._top_k > DECODE_IDS:
+            return self._prompt(forward, inputs, args, kwargs, cache)
         if not self._speculate(inputs, cache):
             if (self.speculation.mode == "auto" and self.layers and not self.pipeline
                     and inputs.size * self._top_k <= DECODE_IDS):
@@ -306,6 +316,44 @@ class Steps:
                 self.session.demand_absent(layer.index, experts)
         return self._per_layer(forward, inputs, args, kwargs)
 
+    def _prompt(self, forward, inputs, args: tuple, kwargs: dict, cache):
+        """A prompt's model call: speculative where :meth:`_speculate_prompt` allows (one wait;
+        replayed once so after a lost epoch, or once the rows it found absent from the arena
+        were demanded; a second replay runs it per layer), else waiting per layer, its logits
+        lazy. A prompt that found rows absent twice (an arena that cannot hold them all at
+        once) has the next PROMPT_RETRY prompts wait per layer."""
+        if self._speculate_prompt(inputs, cache):
+            for attempt in range(2):
+                logits, cause, found = self._speculative_step(forward, inputs, args, kwargs)
+                if cause is None:
+                    return logits
+                self._count_replay(cause)
+                trim(cache, self._tokens(inputs))
+                if cause == "device":
+                    self.session.drop_puller(found.drifted)
+                if cause not in ("absent", "epoch") or attempt:
+                    break
+                for layer, experts in found.absent:
+                    self.session.demand_absent(layer.index, experts)
+            if cause == "absent":  # the per-layer calls demand them, each layer in turn
+                self._prompts_waiting = PROMPT_RETRY
+        return forward(inputs, *args, **kwargs)
+
+    def _speculate_prompt(self, inputs, cache) -> bool:
+        """A prompt speculates: a puller assembles its stacks on the device (Metal's once its
+        pulls agreed with the host copy in every layer), speculation is not off, the caches
+        can be trimmed back, and no prompt found rows absent within PROMPT_RETRY prompts."""
+        puller = self.session.puller
+        if (puller is None or not self.speculate_prompts or self.pipeline or not self.layers
+                or self.speculation.mode == "off"):
+            return False
+        if self._prompts_waiting:
+            self._prompts_waiting -= 1
+            return False
+        if any(puller.unverified(layer.index) for layer in self.layers):
+            return False
+        return cache is None or replayable(cache, self._tokens(inputs))
+
     # ---- pipelined steps (client/decode.py): the next step is built before this one's check
 
     def launch(self, forward, inputs, args: tuple, kwargs: dict) -> Launched:
@@ -315,7 +363,6 @@ class Steps:
         the step's ``flat`` together. A step that cannot speculate runs as :meth:`run` runs it
         (nothing left to check). At most two launched steps are unsettled at a time."""
         self.session.check_alive()
-        self.session.prompt_pulls.settle()
         counters = self.session.counters
         counters["steps"] += 1
         if self._unchecked():
