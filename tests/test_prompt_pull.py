@@ -1,0 +1,191 @@
+"""A prompt that speculates (client/step.py, StreamedLayer's stacked call): each MoE layer pulls
+the rows of the experts its router chose into a stack on the device, and the prompt's model
+call waits once, where a prompt that waits in each layer waits once per MoE layer.
+
+The host puller is the CPU's twin of the device pullers (the same statuses and stacks). Every
+prompt's logits, and the decode steps' after it, are compared with resident mlx-lm's, bit for
+bit.
+"""
+
+import numpy as np
+import pytest
+from client_helpers import ROWS_TINY, client_flags, pool_gb, routed_model
+from conftest import FAMILY_MODES
+from harness import Daemon
+from mlx_lm.models.cache import make_prompt_cache
+from test_pull import CheckedPuller
+from test_step import Lockstep, resident_model
+
+from expertd import native
+from expertd.client import load
+from expertd.client.layer import DECODE_IDS
+from expertd.client.step import PROMPT_RETRY, replayable
+from expertd.manifest import Manifest
+
+# An arena that holds every expert of each family's test model for one client (its cap is
+# half the rows not pinned, see expertd.serving.config.cache_limits).
+ROWS_EVERY = 160
+COUNTED = ("steps", "host_waits", "speculative_steps", "replays", "replays_absent",
+           "replays_epoch")
+
+
+def counts(session) -> dict:
+    return {k: session.counters[k] for k in COUNTED}
+
+
+def since(session, before: dict) -> dict:
+    return {k: session.counters[k] - before[k] for k in COUNTED}
+
+
+def every_expert_read(session) -> None:
+    """Have the daemon read every expert into its arena: a prompt finds none absent."""
+    for layer in session.manifest.layers:
+        session.demand_absent(layer.index, np.arange(layer.num_experts, dtype=np.int32))
+
+
+def prompt_length(top_k: int, tokens: int) -> int:
+    """At least ``tokens``, and long enough to be a prompt (more than DECODE_IDS pairs)."""
+    return max(tokens, DECODE_IDS // top_k + 1)
+
+
+def streamed(blob_dir, rows: int, speculate: str = "auto"):
+    return load(blob_dir, pool_gb=pool_gb(blob_dir, rows), prefetch="off",
+                pool_backing="device", pull="host", speculate=speculate)[0]
+
+
+@pytest.mark.parametrize("family_mode", FAMILY_MODES, ids=[f[0] for f in FAMILY_MODES])
+def test_a_prompt_waits_once_and_is_exact(models, isolated_env, tmp_path, family_mode):
+    """Every family, pools of top-k rows a layer (the smallest), the arena holding every
+    expert: prompts of two lengths each run as one speculative step (one wait, nothing
+    replayed), pull the experts their pools lack, and their logits and the decode steps'
+    after them are resident mlx-lm's."""
+    model_dir, blob_dir = routed_model(models, *family_mode)
+    manifest = Manifest.load(blob_dir)
+    top_k, layers = manifest.top_k, len(manifest.layers)
+    resident = resident_model(model_dir)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
+        model = streamed(blob_dir, top_k)
+        session = model.expertd_session
+        try:
+            assert not any(pool.complete for pool in session.pools)
+            every_expert_read(session)
+            for tokens in (prompt_length(top_k, 17), 300):
+                before, pulled = counts(session), session.pull_counters()["rows_pulled"]
+                run = Lockstep(resident, model, prompt_len=tokens)
+                d = since(session, before)
+                if replayable(make_prompt_cache(resident), tokens):
+                    assert d == dict(steps=1, host_waits=1, speculative_steps=1, replays=0,
+                                     replays_absent=0, replays_epoch=0), tokens
+                else:  # a sliding window's cache it would wrap (gpt-oss): per layer
+                    assert d["speculative_steps"] == 0 and d["host_waits"] == layers, d
+                assert session.pull_counters()["rows_pulled"] > pulled
+                for _ in range(4):
+                    run.step()
+        finally:
+            session.close()
+
+
+def test_a_prompt_the_arena_lacks_rows_for_waits_per_layer(models, isolated_env, tmp_path):
+    """A cold arena of a few rows: the prompt finds rows absent, is replayed once they were
+    demanded, finds others absent (its later layers routed on rows it did not have), and runs
+    per layer, exactly; the next PROMPT_RETRY prompts wait per layer straight away, and the
+    one after speculates again."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    layers = len(Manifest.load(blob_dir).layers)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_TINY, tmp_path / "s.json")):
+        model = streamed(blob_dir, 4)
+        session = model.expertd_session
+        try:
+            before = counts(session)
+            Lockstep(resident, model, prompt_len=40)
+            d = since(session, before)
+            assert d["replays_absent"] == d["replays"] == 2, d
+            assert d["host_waits"] == 2 + layers and d["speculative_steps"] == 2, d
+            for i in range(PROMPT_RETRY + 1):
+                before = counts(session)
+                Lockstep(resident, model, prompt_len=33 + i)
+                d = since(session, before)
+                if i < PROMPT_RETRY:
+                    assert d["speculative_steps"] == 0 and d["host_waits"] == layers, (i, d)
+            assert d["speculative_steps"] >= 1, d  # the retry: speculative again
+        finally:
+            session.close()
+
+
+def test_a_prompt_whose_epoch_is_lost_is_replayed_exactly(models, isolated_env, tmp_path,
+                                                          monkeypatch):
+    """The daemon revokes the prompt's step (as it does to a step held past the lease bound)
+    while a layer pulls: the prompt's logits never leave, it runs again speculatively, and
+    the result is resident mlx-lm's."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
+        model = streamed(blob_dir, 4)
+        session = model.expertd_session
+        try:
+            every_expert_read(session)
+            puller = session.puller
+            assemble = puller.assemble
+            revoke = [True]
+
+            def revoked(layer, ids, pool):
+                epoch = session.step_epoch
+                if epoch.inside and revoke:
+                    native.publish_u64(epoch._raw, epoch._lost_at, epoch.step)
+                    revoke.clear()
+                return assemble(layer, ids, pool)
+
+            monkeypatch.setattr(puller, "assemble", revoked)
+            before = counts(session)
+            run = Lockstep(resident_model(model_dir), model, prompt_len=40)
+            assert not revoke
+            assert since(session, before) == dict(
+                steps=1, host_waits=2, speculative_steps=2, replays=1, replays_absent=0,
+                replays_epoch=1)
+            for _ in range(3):
+                run.step()
+        finally:
+            session.close()
+
+
+def test_metal_prompts_wait_per_layer_until_their_pulls_agree(models, isolated_env, tmp_path):
+    """A puller checked as Metal's is (its pulls compared with the host copy in each layer
+    until one agrees): the first prompt waits per layer and is compared there; once every
+    layer's pull agreed, prompts speculate."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    layers = len(Manifest.load(blob_dir).layers)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
+        model = streamed(blob_dir, 4)
+        session = model.expertd_session
+        try:
+            every_expert_read(session)
+            checked = CheckedPuller(session.view, session.puller.layers, drift=False)
+            session.session.puller = checked
+            before = counts(session)
+            Lockstep(resident, model, prompt_len=40)
+            assert since(session, before)["host_waits"] == layers
+            assert checked.verified == set(range(layers))
+            before = counts(session)
+            Lockstep(resident, model, prompt_len=41)
+            d = since(session, before)
+            assert d["host_waits"] == d["speculative_steps"] == 1, d
+        finally:
+            session.close()
+
+
+def test_a_prompt_with_speculation_off_waits_per_layer(models, isolated_env, tmp_path):
+    """``speculate="off"``: a prompt waits in each MoE layer, as every step does."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    layers = len(Manifest.load(blob_dir).layers)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
+        model = streamed(blob_dir, 4, speculate="off")
+        session = model.expertd_session
+        try:
+            every_expert_read(session)
+            before = counts(session)
+            Lockstep(resident_model(model_dir), model, prompt_len=40)
+            d = since(session, before)
+            assert d["host_waits"] == layers and d["speculative_steps"] == 0, d
+        finally:
+            session.close()
