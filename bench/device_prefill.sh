@@ -2,16 +2,21 @@
 # Issue 24's prefill pulls on the lent GPU machine (../shared/gpu/README.md), as the second call:
 #   run  carry [".gpu/a"]  command: bash .gpu/a/stash.sh
 #   run  carry [".gpu/b"]  command: bash bench/device_prefill.sh
-# Installs MLX's CUDA backend and the project, then gpu_pull.py's pools-25% case: decode and a
-# 512-token prompt's first token next to resident mlx-lm, the prompt both with the next layer
-# pulled ahead and without, in alternating rounds. ROUNDS (default 5) sets the rounds; a warm
-# machine skips the install when INSTALLED=1.
+# Installs MLX's CUDA backend and the project, then gpu_pull.py's cases (CASES, default the
+# pools-25% one): decode and a 512-token prompt's first token next to resident mlx-lm, the
+# prompt both speculative (one wait) and waiting per layer, in alternating rounds. ROUNDS
+# (default 5) sets the rounds; TESTS (pytest's -k and the like) runs the pull tests there
+# first; a warm machine skips the install when INSTALLED=1.
 set -u
 if [ "${INSTALLED:-0}" != 1 ]; then
   bash /root/keep/a/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
   tail -1 "$OUT/install.log"; echo "installed at ${SECONDS}s"
 fi
 export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+if [ -n "${TESTS:-}" ]; then  # the device's pulls in the suite's exactness tests, e.g. TESTS=-k device
+  timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_prompt_pull.py tests/test_pull.py \
+    $TESTS > "$OUT/tests.log" 2>&1; echo "tests rc=$? at ${SECONDS}s"; tail -3 "$OUT/tests.log"
+fi
 cd bench
 timeout $(( 585 - SECONDS )) python3 gpu_pull.py --cases "${CASES:-pooled-own}" \
   --rounds "${ROUNDS:-5}" --tokens 32 --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1

@@ -13,7 +13,7 @@ from client_helpers import ROWS_TINY, client_flags, pool_gb, routed_model
 from conftest import FAMILY_MODES
 from harness import Daemon
 from mlx_lm.models.cache import make_prompt_cache
-from test_pull import CheckedPuller
+from test_pull import PULLS, CheckedPuller
 from test_step import Lockstep, resident_model
 
 from expertd import native
@@ -48,26 +48,28 @@ def prompt_length(top_k: int, tokens: int) -> int:
     return max(tokens, DECODE_IDS // top_k + 1)
 
 
-def streamed(blob_dir, rows: int, speculate: str = "auto"):
+def streamed(blob_dir, rows: int, speculate: str = "auto", pull: str = "host"):
     return load(blob_dir, pool_gb=pool_gb(blob_dir, rows), prefetch="off",
-                pool_backing="device", pull="host", speculate=speculate)[0]
+                pool_backing="device", pull=pull, speculate=speculate)[0]
 
 
+@pytest.mark.parametrize("pull", PULLS)
 @pytest.mark.parametrize("family_mode", FAMILY_MODES, ids=[f[0] for f in FAMILY_MODES])
-def test_a_prompt_waits_once_and_is_exact(models, isolated_env, tmp_path, family_mode):
+def test_a_prompt_waits_once_and_is_exact(models, isolated_env, tmp_path, family_mode, pull):
     """Every family, pools of top-k rows a layer (the smallest), the arena holding every
     expert: prompts of two lengths each run as one speculative step (one wait, nothing
     replayed), pull the experts their pools lack, and their logits and the decode steps'
-    after them are resident mlx-lm's."""
+    after them are resident mlx-lm's. On a GPU, with the device's pulls too."""
     model_dir, blob_dir = routed_model(models, *family_mode)
     manifest = Manifest.load(blob_dir)
     top_k, layers = manifest.top_k, len(manifest.layers)
     resident = resident_model(model_dir)
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
-        model = streamed(blob_dir, top_k)
+        model = streamed(blob_dir, top_k, pull=pull)
         session = model.expertd_session
         try:
             assert not any(pool.complete for pool in session.pools)
+            assert (session.puller.name == "host") == (pull == "host")
             every_expert_read(session)
             for tokens in (prompt_length(top_k, 17), 300):
                 before, pulled = counts(session), session.pull_counters()["rows_pulled"]
