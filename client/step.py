@@ -36,6 +36,7 @@ import numpy as np
 from expertd.choices import SPECULATE_MODES
 
 from .layer import DECODE_IDS, StepMode
+from .pool import free_device_bytes
 from .predict import check_choice
 from .pull import ABSENT, PULLED, decode_status
 from .switch import fronted
@@ -178,6 +179,15 @@ def _parts(records: list) -> list:
     return out
 
 
+def stacks_fit(stack_bytes: int, free: int | None) -> bool:
+    """A prompt may speculate with ``stack_bytes`` of stacks (every layer's, a row per
+    expert): they fit in half of the ``free`` bytes (None: unknown, the CPU's). The device
+    may allocate every layer's stack before the first is freed (its evaluation runs ahead of
+    the computation), where a prompt waiting per layer holds one at a time: on a model larger
+    than memory, that prompt waits per layer."""
+    return free is None or 2 * stack_bytes <= free
+
+
 def trim(cache, tokens: int) -> None:
     """Take a step's ``tokens`` back out of every KV cache of ``cache`` (None: no cache)."""
     for c in cache or []:
@@ -269,6 +279,9 @@ class Steps:
         self._top_k = session.manifest.top_k
         self.drains = Drains()
         self.speculate_prompts = True  # bench/gpu_pull.py compares prompts waiting per layer
+        # A speculative prompt's stacks, a row per expert in each layer (see stacks_fit).
+        self._stack_bytes = sum(layer.num_experts * session.manifest.layers[layer.index].expert_bytes
+                                for layer in layers)
         self._prompts_waiting = 0  # prompts still to wait per layer (see PROMPT_RETRY)
 
     def run(self, forward, inputs, args: tuple, kwargs: dict):
@@ -351,6 +364,8 @@ class Steps:
             self._prompts_waiting -= 1
             return False
         if any(puller.unverified(layer.index) for layer in self.layers):
+            return False
+        if not stacks_fit(self._stack_bytes, free_device_bytes()):
             return False
         return cache is None or replayable(cache, self._tokens(inputs))
 

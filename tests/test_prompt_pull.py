@@ -19,7 +19,7 @@ from test_step import Lockstep, resident_model
 from expertd import native
 from expertd.client import load
 from expertd.client.layer import DECODE_IDS
-from expertd.client.step import PROMPT_RETRY, replayable
+from expertd.client.step import PROMPT_RETRY, replayable, stacks_fit
 from expertd.manifest import Manifest
 
 # An arena that holds every expert of each family's test model for one client (its cap is
@@ -191,3 +191,14 @@ def test_a_prompt_with_speculation_off_waits_per_layer(models, isolated_env, tmp
             assert d["host_waits"] == layers and d["speculative_steps"] == 0, d
         finally:
             session.close()
+
+
+def test_a_prompt_speculates_only_where_every_stack_fits_in_half_the_free_memory():
+    """Every layer's stack may be allocated before the first is freed: a prompt speculates
+    only where they all fit in half the device's free memory (a model larger than memory
+    waits per layer, one stack at a time); where the free memory is unknown (the CPU), it
+    speculates."""
+    assert stacks_fit(10, None)
+    assert stacks_fit(10, 20)
+    assert not stacks_fit(11, 20)
+    assert not stacks_fit(1, 0)
