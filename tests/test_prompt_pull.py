@@ -7,6 +7,8 @@ prompt's logits, and the decode steps' after it, are compared with resident mlx-
 bit.
 """
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 from client_helpers import ROWS_TINY, client_flags, pool_gb, routed_model
@@ -53,6 +55,24 @@ def streamed(blob_dir, rows: int, speculate: str = "auto", pull: str = "host"):
                 pool_backing="device", pull=pull, speculate=speculate)[0]
 
 
+@contextmanager
+def qwen3_client(models, env, tmp_path, arena_rows: int = ROWS_EVERY, speculate: str = "auto"):
+    """``(resident, streamed model, its session, MoE layers)`` of the qwen3_moe test model:
+    pools of 4 rows, a daemon with an arena of ``arena_rows`` rows, every expert read into it
+    where it holds them all."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    layers = len(Manifest.load(blob_dir).layers)
+    with Daemon(blob_dir, env, *client_flags(blob_dir, arena_rows, tmp_path / "s.json")):
+        model = streamed(blob_dir, 4, speculate=speculate)
+        session = model.expertd_session
+        try:
+            if arena_rows >= ROWS_EVERY:
+                every_expert_read(session)
+            yield resident_model(model_dir), model, session, layers
+        finally:
+            session.close()
+
+
 @pytest.mark.parametrize("pull", PULLS)
 @pytest.mark.parametrize("family_mode", FAMILY_MODES, ids=[f[0] for f in FAMILY_MODES])
 def test_a_prompt_waits_once_and_is_exact(models, isolated_env, tmp_path, family_mode, pull):
@@ -92,27 +112,20 @@ def test_a_prompt_the_arena_lacks_rows_for_waits_per_layer(models, isolated_env,
     demanded, finds others absent (its later layers routed on rows it did not have), and runs
     per layer, exactly; the next PROMPT_RETRY prompts wait per layer straight away, and the
     one after speculates again."""
-    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
-    resident = resident_model(model_dir)
-    layers = len(Manifest.load(blob_dir).layers)
-    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_TINY, tmp_path / "s.json")):
-        model = streamed(blob_dir, 4)
-        session = model.expertd_session
-        try:
+    with qwen3_client(models, isolated_env, tmp_path, ROWS_TINY) as (resident, model, session,
+                                                                     layers):
+        before = counts(session)
+        Lockstep(resident, model, prompt_len=40)
+        d = since(session, before)
+        assert d["replays_absent"] == d["replays"] == 2, d
+        assert d["host_waits"] == 2 + layers and d["speculative_steps"] == 2, d
+        for i in range(PROMPT_RETRY + 1):
             before = counts(session)
-            Lockstep(resident, model, prompt_len=40)
+            Lockstep(resident, model, prompt_len=33 + i)
             d = since(session, before)
-            assert d["replays_absent"] == d["replays"] == 2, d
-            assert d["host_waits"] == 2 + layers and d["speculative_steps"] == 2, d
-            for i in range(PROMPT_RETRY + 1):
-                before = counts(session)
-                Lockstep(resident, model, prompt_len=33 + i)
-                d = since(session, before)
-                if i < PROMPT_RETRY:
-                    assert d["speculative_steps"] == 0 and d["host_waits"] == layers, (i, d)
-            assert d["speculative_steps"] >= 1, d  # the retry: speculative again
-        finally:
-            session.close()
+            if i < PROMPT_RETRY:
+                assert d["speculative_steps"] == 0 and d["host_waits"] == layers, (i, d)
+        assert d["speculative_steps"] >= 1, d  # the retry: speculative again
 
 
 def test_a_prompt_whose_epoch_is_lost_is_replayed_exactly(models, isolated_env, tmp_path,
@@ -120,77 +133,54 @@ def test_a_prompt_whose_epoch_is_lost_is_replayed_exactly(models, isolated_env, 
     """The daemon revokes the prompt's step (as it does to a step held past the lease bound)
     while a layer pulls: the prompt's logits never leave, it runs again speculatively, and
     the result is resident mlx-lm's."""
-    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
-    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
-        model = streamed(blob_dir, 4)
-        session = model.expertd_session
-        try:
-            every_expert_read(session)
-            puller = session.puller
-            assemble = puller.assemble
-            revoke = [True]
+    with qwen3_client(models, isolated_env, tmp_path) as (resident, model, session, _):
+        puller = session.puller
+        assemble = puller.assemble
+        revoke = [True]
 
-            def revoked(layer, ids, pool):
-                epoch = session.step_epoch
-                if epoch.inside and revoke:
-                    native.publish_u64(epoch._raw, epoch._lost_at, epoch.step)
-                    revoke.clear()
-                return assemble(layer, ids, pool)
+        def revoked(layer, ids, pool):
+            epoch = session.step_epoch
+            if epoch.inside and revoke:
+                native.publish_u64(epoch._raw, epoch._lost_at, epoch.step)
+                revoke.clear()
+            return assemble(layer, ids, pool)
 
-            monkeypatch.setattr(puller, "assemble", revoked)
-            before = counts(session)
-            run = Lockstep(resident_model(model_dir), model, prompt_len=40)
-            assert not revoke
-            assert since(session, before) == dict(
-                steps=1, host_waits=2, speculative_steps=2, replays=1, replays_absent=0,
-                replays_epoch=1)
-            for _ in range(3):
-                run.step()
-        finally:
-            session.close()
+        monkeypatch.setattr(puller, "assemble", revoked)
+        before = counts(session)
+        run = Lockstep(resident, model, prompt_len=40)
+        assert not revoke
+        assert since(session, before) == dict(
+            steps=1, host_waits=2, speculative_steps=2, replays=1, replays_absent=0,
+            replays_epoch=1)
+        for _ in range(3):
+            run.step()
 
 
 def test_metal_prompts_wait_per_layer_until_their_pulls_agree(models, isolated_env, tmp_path):
     """A puller checked as Metal's is (its pulls compared with the host copy in each layer
     until one agrees): the first prompt waits per layer and is compared there; once every
     layer's pull agreed, prompts speculate."""
-    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
-    resident = resident_model(model_dir)
-    layers = len(Manifest.load(blob_dir).layers)
-    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
-        model = streamed(blob_dir, 4)
-        session = model.expertd_session
-        try:
-            every_expert_read(session)
-            checked = CheckedPuller(session.view, session.puller.layers, drift=False)
-            session.session.puller = checked
-            before = counts(session)
-            Lockstep(resident, model, prompt_len=40)
-            assert since(session, before)["host_waits"] == layers
-            assert checked.verified == set(range(layers))
-            before = counts(session)
-            Lockstep(resident, model, prompt_len=41)
-            d = since(session, before)
-            assert d["host_waits"] == d["speculative_steps"] == 1, d
-        finally:
-            session.close()
+    with qwen3_client(models, isolated_env, tmp_path) as (resident, model, session, layers):
+        checked = CheckedPuller(session.view, session.puller.layers, drift=False)
+        session.session.puller = checked
+        before = counts(session)
+        Lockstep(resident, model, prompt_len=40)
+        assert since(session, before)["host_waits"] == layers
+        assert checked.verified == set(range(layers))
+        before = counts(session)
+        Lockstep(resident, model, prompt_len=41)
+        d = since(session, before)
+        assert d["host_waits"] == d["speculative_steps"] == 1, d
 
 
 def test_a_prompt_with_speculation_off_waits_per_layer(models, isolated_env, tmp_path):
     """``speculate="off"``: a prompt waits in each MoE layer, as every step does."""
-    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
-    layers = len(Manifest.load(blob_dir).layers)
-    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
-        model = streamed(blob_dir, 4, speculate="off")
-        session = model.expertd_session
-        try:
-            every_expert_read(session)
-            before = counts(session)
-            Lockstep(resident_model(model_dir), model, prompt_len=40)
-            d = since(session, before)
-            assert d["host_waits"] == layers and d["speculative_steps"] == 0, d
-        finally:
-            session.close()
+    with qwen3_client(models, isolated_env, tmp_path, speculate="off") as (resident, model,
+                                                                           session, layers):
+        before = counts(session)
+        Lockstep(resident, model, prompt_len=40)
+        d = since(session, before)
+        assert d["host_waits"] == layers and d["speculative_steps"] == 0, d
 
 
 def test_a_prompt_speculates_only_where_every_stack_fits_in_half_the_free_memory():
