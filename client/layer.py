@@ -43,6 +43,11 @@ def _distinct_per_row(values: np.ndarray) -> np.ndarray:
     return v[first & (v >= 0)]
 
 
+class StackedRows(list):
+    """A stacked call's arrays (see :meth:`StreamedLayer._stacked_call`): expert e's bytes
+    are in row e."""
+
+
 @dataclass
 class StepMode:
     """What the running model call is, for its layers to ask (step.Steps sets it): a
@@ -200,9 +205,9 @@ class StreamedLayer:
         puller = self._current(session.puller)
         kind = self._kind(puller)
         if kind == "pulled" and indices.size > DECODE_IDS:  # a prompt's
-            out, status = self._stacked_call(module, x, indices, puller)
+            out, status, arrays = self._stacked_call(module, x, indices, puller)
             if records is not None:
-                records.append((self, indices, status, None))
+                records.append((self, indices, status, arrays))
             return out
         if kind == "pulled":
             if not puller.traceable:  # the host copy waits for the ids: not a graph
@@ -222,12 +227,12 @@ class StreamedLayer:
                                                              *self._inputs(kind))[0]
 
     def _stacked_call(self, module, x, indices, puller) -> tuple:
-        """A prompt's speculative call: ``(out, status)``. The experts its router chose are
-        pulled into a stack with a row for every expert (prompt_pull.py), decided on the
+        """A prompt's speculative call: ``(out, status, stack)``. The experts its router chose
+        are pulled into a stack with a row for every expert (prompt_pull.py), decided on the
         device (no wait), and mlx-lm's call runs on it with the router's own ids, as resident.
-        ``status``: each pair's, that of its expert's row (see pull.py). The stack is not
-        kept for the step's check (a layer's worth of rows each): a prompt promotes nothing
-        into the pool, it counts its pulls towards promotion (:meth:`after_pull`)."""
+        ``status``: each pair's, that of its expert's row (see pull.py); ``stack``: the
+        stack's arrays (:class:`StackedRows`), kept for the step's check, which promotes
+        from them (step.stacks_fit bounds what the prompt's stacks may take)."""
         pool, n = self.pool, self.num_experts
         flat = indices.reshape(-1)
         routed = mx.zeros((n,), mx.int32).at[flat].add(1) > 0
@@ -236,7 +241,7 @@ class StreamedLayer:
             arrays, rows = puller.pull(self.index, want, pool.pull_table(), pool.arrays)
         else:  # the host copy, which waits for the ids
             arrays, rows = puller.assemble(self.index, want, pool)
-        return compute(module, self.segments, arrays, x, indices), rows[flat]
+        return compute(module, self.segments, arrays, x, indices), rows[flat], StackedRows(arrays)
 
     def _kind(self, puller) -> str:
         """Which speculative call this layer makes now (see :meth:`_graph`): "pulled" with a
@@ -350,25 +355,25 @@ class StreamedLayer:
             self._rows_cache[key] = rows
         return rows
 
-    def after_pull(self, rows: np.ndarray, experts: np.ndarray, arrays: list | None) -> int:
+    def after_pull(self, rows: np.ndarray, experts: np.ndarray, arrays: list) -> int:
         """The bookkeeping of a step's pulled call, from its decoded statuses (``rows``,
         ``experts``: see pull.decode_status): pool hits counted, pulled experts that keep
         coming back promoted into the pool (a device copy), use reported. Returns how many
-        were promoted. ``arrays`` None: a prompt's stacked call (not kept): its pulls, each
-        expert's once, count towards promotion with each expert's pairs (at most
-        PROMOTE_AFTER, as a waiting prompt's do)."""
+        were promoted. A stacked call's (``arrays`` :class:`StackedRows`) pulled each expert
+        once, into its own row, and an expert counts its pairs towards promotion (at most
+        PROMOTE_AFTER, as a prompt waiting per layer counts them)."""
         pool = self.pool
         hit = np.unique(rows[rows >= 0])
         pool.touch(hit)
         pulled, first, counts = np.unique(experts[experts >= 0], return_index=True,
                                           return_counts=True)
+        stacked = isinstance(arrays, StackedRows)
+        self._count(len(hit), pulled if stacked else experts)
         promoted = 0
-        if arrays is None:
-            self._count(len(hit), pulled)
-            pool.note_pulls(pulled, np.minimum(counts, PROMOTE_AFTER))
-        else:
-            self._count(len(hit), experts)
-        if len(pulled) and arrays is not None:
+        if len(pulled) and stacked:
+            promoted = pool.promote(pulled.astype(np.int32), arrays, pulled,
+                                    weights=np.minimum(counts, PROMOTE_AFTER))
+        elif len(pulled):
             promoted = pool.promote(pulled.astype(np.int32), arrays,
                                     np.flatnonzero(experts >= 0)[first])
         self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))

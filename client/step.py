@@ -20,11 +20,14 @@ A prompt speculates where rows are pulled from the arena (a puller): each layer 
 stack with a row for every expert it routes to on the device (prompt_pull.py), and the prompt's
 model call waits once, as resident mlx-lm's does, instead of once per layer, which left the GPU
 idle while the host moved each layer's rows (bench/RESULTS.md, issue 24). A prompt that found
-rows absent from the arena runs again per layer (which demands them layer by layer, as a small
-arena needs), and the next PROMPT_RETRY prompts wait per layer straight away.
+rows absent from the arena twice, or lost its epoch twice, runs again per layer (which demands
+rows layer by layer, as a small arena needs), and the next PROMPT_RETRY prompts wait per layer
+straight away. A decode step of a batch (more than DECODE_IDS pairs, one token each) waits per
+layer.
 """
 
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -46,7 +49,7 @@ MAX_REPLAYS = 4  # replays in a window above which auto stops speculating (a rep
 # step, a speculative hit saves one wait per MoE layer, about a layer's compute on a GPU)
 RETRY_AFTER = 32  # steps a stopped session first waits before it speculates again; the wait
 MAX_RETRY_AFTER = 1024  # doubles each time it stops again, up to this, and resets on a good window
-PROMPT_RETRY = 8  # prompts that wait per layer after one found rows absent from the arena
+PROMPT_RETRY = 8  # prompts that wait per layer after one that could not speculate ran so
 
 
 def check_speculate(mode: str) -> str:
@@ -179,6 +182,13 @@ def _parts(records: list) -> list:
     return out
 
 
+def token_shape(inputs, kwargs: dict) -> tuple:
+    """The shape of a model call's tokens: its ids', or its input embeddings' less their last
+    axis where it passes those (mlx-lm's models then take ids of size 0)."""
+    embeddings = kwargs.get("input_embeddings")
+    return tuple(embeddings.shape[:-1] if embeddings is not None else inputs.shape)
+
+
 def stacks_fit(stack_bytes: int, free: int | None) -> bool:
     """A prompt may speculate with ``stack_bytes`` of stacks (every layer's, a row per
     expert): they fit in half of the ``free`` bytes (None: unknown, the CPU's). The device
@@ -300,14 +310,16 @@ class Steps:
             counters["unchecked_steps"] += 1
             return logits
         cache = kwargs.get("cache", args[0] if args else None)
-        if inputs.size * self._top_k > DECODE_IDS:
-            return self._prompt(forward, inputs, args, kwargs, cache)
-        if not self._speculate(inputs, cache):
+        shape = token_shape(inputs, kwargs)
+        pairs = math.prod(shape) * self._top_k
+        if pairs > DECODE_IDS and shape[-1] > 1:
+            return self._prompt(forward, inputs, args, kwargs, cache, shape[-1])
+        if not self._speculate(shape, cache):
             if (self.speculation.mode == "auto" and self.layers and not self.pipeline
-                    and inputs.size * self._top_k <= DECODE_IDS):
+                    and pairs <= DECODE_IDS):
                 return self._per_layer(forward, inputs, args, kwargs)  # measured while paused
             return forward(inputs, *args, **kwargs)
-        tokens = self._tokens(inputs)
+        tokens = shape[-1]
         for attempt in range(2):
             started = time.perf_counter()
             logits, cause, found = self._speculative_step(forward, inputs, args, kwargs)
@@ -329,33 +341,36 @@ class Steps:
                 self.session.demand_absent(layer.index, experts)
         return self._per_layer(forward, inputs, args, kwargs)
 
-    def _prompt(self, forward, inputs, args: tuple, kwargs: dict, cache):
-        """A prompt's model call: speculative where :meth:`_speculate_prompt` allows (one wait;
-        replayed once so after a lost epoch, or once the rows it found absent from the arena
-        were demanded; a second replay runs it per layer), else waiting per layer, its logits
-        lazy. A prompt that found rows absent twice (an arena that cannot hold them all at
-        once) has the next PROMPT_RETRY prompts wait per layer."""
-        if self._speculate_prompt(inputs, cache):
+    def _prompt(self, forward, inputs, args: tuple, kwargs: dict, cache, tokens: int):
+        """A prompt's model call (``tokens`` a sequence): speculative where
+        :meth:`_speculate_prompt` allows (one wait; replayed once so after a lost epoch, or
+        once the rows its first layer lacking any found absent from the arena were demanded;
+        a second replay runs it per layer), else waiting per layer, its logits lazy. A
+        prompt that ran per layer so has the next PROMPT_RETRY prompts wait per layer."""
+        if self._speculate_prompt(tokens, cache):
             for attempt in range(2):
                 logits, cause, found = self._speculative_step(forward, inputs, args, kwargs)
                 if cause is None:
                     return logits
                 self._count_replay(cause)
-                trim(cache, self._tokens(inputs))
+                trim(cache, tokens)
                 if cause == "device":
                     self.session.drop_puller(found.drifted)
                 if cause not in ("absent", "epoch") or attempt:
                     break
-                for layer, experts in found.absent:
+                # The first layer that lacked rows routed on exact inputs; the layers after
+                # it routed on rows it did not have, so what they lacked may not be wanted.
+                for layer, experts in found.absent[:1]:
                     self.session.demand_absent(layer.index, experts)
-            if cause == "absent":  # the per-layer calls demand them, each layer in turn
-                self._prompts_waiting = PROMPT_RETRY
+            self._prompts_waiting = PROMPT_RETRY
         return forward(inputs, *args, **kwargs)
 
-    def _speculate_prompt(self, inputs, cache) -> bool:
+    def _speculate_prompt(self, tokens: int, cache) -> bool:
         """A prompt speculates: a puller assembles its stacks on the device (Metal's once its
-        pulls agreed with the host copy in every layer), speculation is not off, the caches
-        can be trimmed back, and no prompt found rows absent within PROMPT_RETRY prompts."""
+        pulls agreed with the host copy in every layer), whose pull rate was timed (a prompt
+        waiting per layer times its pulls, for status and /metrics: the first that pulls
+        does), speculation is not off, every stack fits (:func:`stacks_fit`), the caches can
+        be trimmed back, and no prompt had to run per layer within PROMPT_RETRY prompts."""
         puller = self.session.puller
         if (puller is None or not self.speculate_prompts or self.pipeline or not self.layers
                 or self.speculation.mode == "off"):
@@ -363,11 +378,13 @@ class Steps:
         if self._prompts_waiting:
             self._prompts_waiting -= 1
             return False
+        if not puller.counters["timed_bytes"]:
+            return False
         if any(puller.unverified(layer.index) for layer in self.layers):
             return False
         if not stacks_fit(self._stack_bytes, free_device_bytes()):
             return False
-        return cache is None or replayable(cache, self._tokens(inputs))
+        return cache is None or replayable(cache, tokens)
 
     # ---- pipelined steps (client/decode.py): the next step is built before this one's check
 
@@ -413,7 +430,7 @@ class Steps:
         if self._unchecked():
             return True  # nothing is demanded
         # Two steps in flight: a bad one and the one built on its token are trimmed together.
-        self._planned = self._speculate(inputs, cache, depth=2)
+        self._planned = self._speculate(tuple(inputs.shape), cache, depth=2)
         return self._planned
 
     def settle(self, step: Launched, after: Launched | None = None) -> str | None:
@@ -505,6 +522,10 @@ class Steps:
             flat = self._flat(records)
             built = time.perf_counter()
             mx.eval(logits, *flat)  # the step's one wait
+        except BaseException:
+            if epoch is not None:
+                mx.synchronize()  # no read of a step that stopped may outlive its epoch
+            raise
         finally:
             if epoch is not None:
                 lost = epoch.end()  # every read of the step is done
@@ -566,16 +587,13 @@ class Steps:
         if cause != "pool":
             counters[f"replays_{cause}"] += 1
 
-    def _tokens(self, inputs) -> int:
-        return inputs.shape[1] if inputs.ndim > 1 else inputs.shape[0]
-
-    def _speculate(self, inputs, cache, depth: int = 1) -> bool:
+    def _speculate(self, shape: tuple, cache, depth: int = 1) -> bool:
+        """A decode step of tokens ``shape`` (see :func:`token_shape`) speculates."""
         if self.pipeline or not self.layers or not self.speculation.wanted():
             return False
-        tokens = self._tokens(inputs)
-        if inputs.size * self._top_k > DECODE_IDS:  # a prompt: its layers may not fit their pools
+        if math.prod(shape) * self._top_k > DECODE_IDS:  # a batch: per layer
             return False
-        return cache is None or replayable(cache, depth * tokens)
+        return cache is None or replayable(cache, depth * shape[-1])
 
     def _check(self, records: list, found: Findings, *flat: np.ndarray,
                promote: bool = True) -> str | None:

@@ -9,18 +9,20 @@ bit.
 
 from contextlib import contextmanager
 
+import mlx.core as mx
 import numpy as np
 import pytest
-from client_helpers import ROWS_TINY, client_flags, pool_gb, routed_model
+from client_helpers import ROWS_TINY, client_flags, pool_gb, prompt_ids, routed_model
 from conftest import FAMILY_MODES
 from harness import Daemon
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from test_pull import PULLS, CheckedPuller
 from test_step import Lockstep, resident_model
 
 from expertd import native
 from expertd.client import load
 from expertd.client.layer import DECODE_IDS
+from expertd.client.pull import HostPuller
 from expertd.client.step import PROMPT_RETRY, replayable, stacks_fit
 from expertd.manifest import Manifest
 
@@ -50,25 +52,65 @@ def prompt_length(top_k: int, tokens: int) -> int:
     return max(tokens, DECODE_IDS // top_k + 1)
 
 
+class UnsetRowsPuller(HostPuller):
+    """The host puller with every row a stack does not want filled with NaN (the device
+    kernels leave them unset): a computation that read one would show."""
+
+    def assemble(self, layer, ids, pool):
+        arrays, status = super().assemble(layer, ids, pool)
+        unwanted = mx.array(np.array(ids).reshape(-1) < 0)
+        return [mx.where(unwanted.reshape((-1,) + (1,) * (a.ndim - 1)),
+                         mx.array(np.nan, mx.float16).astype(a.dtype) if mx.issubdtype(
+                             a.dtype, mx.floating) else mx.array(-1).astype(a.dtype), a)
+                for a in arrays], status
+
+
+def timing_prompt(resident, model, session, layers: int, tokens: int) -> None:
+    """A client's first prompt that pulls waits per layer, exactly, and times its pulls (the
+    rate status and /metrics show): prompts speculate after it."""
+    assert not session.pull_counters()["timed_bytes"]
+    before = counts(session)
+    Lockstep(resident, model, prompt_len=tokens)
+    d = since(session, before)
+    assert d["host_waits"] == layers and d["speculative_steps"] == 0, d
+    assert session.pull_counters()["timed_bytes"] > 0
+
+
+def extend(run: Lockstep, tokens: int) -> None:
+    """Feed ``tokens`` more prompt tokens to both of ``run``'s models at once (a prompt on a
+    cache that holds tokens already), logits compared."""
+    resident, streamed_model = run.models
+    x = mx.array([prompt_ids(tokens, resident.args.vocab_size, seed=1)])
+    ref, got = (m(x, cache=c)[:, -1, :] for m, c in zip(run.models, run.caches))
+    mx.eval(ref, got)
+    assert mx.array_equal(ref, got).item(), "streamed logits differ from resident ones"
+    run.x = mx.argmax(ref, axis=-1)[:, None]
+
+
 def streamed(blob_dir, rows: int, speculate: str = "auto", pull: str = "host"):
     return load(blob_dir, pool_gb=pool_gb(blob_dir, rows), prefetch="off",
                 pool_backing="device", pull=pull, speculate=speculate)[0]
 
 
 @contextmanager
-def qwen3_client(models, env, tmp_path, arena_rows: int = ROWS_EVERY, speculate: str = "auto"):
+def qwen3_client(models, env, tmp_path, arena_rows: int = ROWS_EVERY, speculate: str = "auto",
+                 timed: bool = True):
     """``(resident, streamed model, its session, MoE layers)`` of the qwen3_moe test model:
     pools of 4 rows, a daemon with an arena of ``arena_rows`` rows, every expert read into it
-    where it holds them all."""
+    where it holds them all; with ``timed``, after the prompt that times the pulls (see
+    :func:`timing_prompt`)."""
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     layers = len(Manifest.load(blob_dir).layers)
+    resident = resident_model(model_dir)
     with Daemon(blob_dir, env, *client_flags(blob_dir, arena_rows, tmp_path / "s.json")):
         model = streamed(blob_dir, 4, speculate=speculate)
         session = model.expertd_session
         try:
             if arena_rows >= ROWS_EVERY:
                 every_expert_read(session)
-            yield resident_model(model_dir), model, session, layers
+            if timed:
+                timing_prompt(resident, model, session, layers, 40)
+            yield resident, model, session, layers
         finally:
             session.close()
 
@@ -90,7 +132,10 @@ def test_a_prompt_waits_once_and_is_exact(models, isolated_env, tmp_path, family
         try:
             assert not any(pool.complete for pool in session.pools)
             assert (session.puller.name == "host") == (pull == "host")
+            if pull == "host":
+                session.session.puller = UnsetRowsPuller(session.view, session.puller.layers)
             every_expert_read(session)
+            timing_prompt(resident, model, session, layers, prompt_length(top_k, 20))
             for tokens in (prompt_length(top_k, 17), 300):
                 before, pulled = counts(session), session.pull_counters()["rows_pulled"]
                 run = Lockstep(resident, model, prompt_len=tokens)
@@ -145,9 +190,11 @@ def test_a_prompt_whose_epoch_is_lost_is_replayed_exactly(models, isolated_env, 
                 revoke.clear()
             return assemble(layer, ids, pool)
 
+        run = Lockstep(resident, model, prompt_len=40)
+        run.step()
         monkeypatch.setattr(puller, "assemble", revoked)
         before = counts(session)
-        run = Lockstep(resident, model, prompt_len=40)
+        extend(run, 24)  # on a cache holding 41 tokens: the replay trims back to them
         assert not revoke
         assert since(session, before) == dict(
             steps=1, host_waits=2, speculative_steps=2, replays=1, replays_absent=0,
@@ -160,7 +207,8 @@ def test_metal_prompts_wait_per_layer_until_their_pulls_agree(models, isolated_e
     """A puller checked as Metal's is (its pulls compared with the host copy in each layer
     until one agrees): the first prompt waits per layer and is compared there; once every
     layer's pull agreed, prompts speculate."""
-    with qwen3_client(models, isolated_env, tmp_path) as (resident, model, session, layers):
+    with qwen3_client(models, isolated_env, tmp_path, timed=False) as (resident, model, session,
+                                                                       layers):
         checked = CheckedPuller(session.view, session.puller.layers, drift=False)
         session.session.puller = checked
         before = counts(session)
@@ -175,8 +223,8 @@ def test_metal_prompts_wait_per_layer_until_their_pulls_agree(models, isolated_e
 
 def test_a_prompt_with_speculation_off_waits_per_layer(models, isolated_env, tmp_path):
     """``speculate="off"``: a prompt waits in each MoE layer, as every step does."""
-    with qwen3_client(models, isolated_env, tmp_path, speculate="off") as (resident, model,
-                                                                           session, layers):
+    with qwen3_client(models, isolated_env, tmp_path, speculate="off",
+                      timed=False) as (resident, model, session, layers):
         before = counts(session)
         Lockstep(resident, model, prompt_len=40)
         d = since(session, before)
@@ -192,3 +240,83 @@ def test_a_prompt_speculates_only_where_every_stack_fits_in_half_the_free_memory
     assert stacks_fit(10, 20)
     assert not stacks_fit(11, 20)
     assert not stacks_fit(1, 0)
+
+
+def test_a_batched_decode_step_waits_per_layer_and_fills_the_pools(models, isolated_env,
+                                                                    tmp_path):
+    """Twenty sequences decoding together (80 pairs a step, one token each) are not a
+    prompt: each step waits per layer, as before, and its experts join the pools."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    vocab, batch = resident.args.vocab_size, 20
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
+        model = streamed(blob_dir, 12)
+        session = model.expertd_session
+        try:
+            every_expert_read(session)
+            x = mx.array([prompt_ids(6, vocab, seed=i) for i in range(batch)])
+            caches = [[BatchKVCache([0] * batch) for _ in resident.layers] for _ in range(2)]
+            for step in range(12):
+                ref, got = resident(x, cache=caches[0]), model(x, cache=caches[1])
+                assert mx.array_equal(ref, got).item(), f"step {step}"
+                x = mx.argmax(ref[:, -1:], axis=-1)
+                if step == 0:
+                    before = counts(session)
+            d = since(session, before)
+            assert d["speculative_steps"] == 0 and d["steps"] == 11, d
+            assert all((pool.expert_of >= 0).sum() == pool.rows for pool in session.pools)
+        finally:
+            session.close()
+
+
+@pytest.mark.parametrize("arena_rows", [ROWS_EVERY, ROWS_TINY])
+def test_a_prompt_of_embeddings_alone_is_exact(models, isolated_env, tmp_path, arena_rows):
+    """A model call given input embeddings and ids of size 0 (mlx-lm's models take those): its
+    tokens are the embeddings', so it is a prompt, and a replay takes the cache back by them
+    (one counted by its ids took back none and left the cache 80 tokens too long)."""
+    with qwen3_client(models, isolated_env, tmp_path, arena_rows) as (resident, model, session,
+                                                                      _):
+        ids = mx.array([prompt_ids(40, resident.args.vocab_size, seed=2)])
+        embeddings = resident.model.embed_tokens(ids)
+        empty = mx.zeros((1, 0), mx.int32)
+        caches = make_prompt_cache(resident), make_prompt_cache(model)
+        ref = resident(empty, cache=caches[0], input_embeddings=embeddings)
+        got = model(empty, cache=caches[1], input_embeddings=embeddings)
+        assert mx.array_equal(ref, got).item()
+        assert caches[1][0].offset == caches[0][0].offset == 40
+        y = mx.argmax(ref[:, -1:], axis=-1)
+        assert mx.array_equal(resident(y, cache=caches[0]), model(y, cache=caches[1])).item()
+
+
+@pytest.mark.parametrize("pull", PULLS)
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "plain"])
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "waiting"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_each_path_alone_is_exact(models, isolated_env, tmp_path, family, speculative, compiled,
+                                  pull):
+    """A prompt speculative or waiting per layer, then decode steps with each MoE block's call
+    compiled or not: each combination alone is exact, which tells a difference apart on a
+    backend where one of them differs (an H100 found deepseek_v3's logits unlike resident's
+    with both on, 2026-12-05). The resident model must first give the same logits twice."""
+    model_dir, blob_dir = routed_model(models, family, "affine", 4)
+    manifest = Manifest.load(blob_dir)
+    resident = resident_model(model_dir)
+    ids = mx.array([prompt_ids(prompt_length(manifest.top_k, 17), resident.args.vocab_size)])
+    assert mx.array_equal(resident(ids, cache=make_prompt_cache(resident)),
+                          resident(ids, cache=make_prompt_cache(resident))).item()
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
+        model = streamed(blob_dir, manifest.top_k, pull=pull)
+        session = model.expertd_session
+        try:
+            every_expert_read(session)
+            timing_prompt(resident, model, session, len(manifest.layers), 40)
+            session.steps.speculate_prompts = speculative
+            for layer in session.steps.layers:
+                layer.compiled = compiled
+            before = counts(session)
+            run = Lockstep(resident, model, prompt_len=ids.shape[1])
+            assert since(session, before)["speculative_steps"] == int(speculative)
+            for _ in range(5):
+                run.step()
+        finally:
+            session.close()
