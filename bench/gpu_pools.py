@@ -126,8 +126,7 @@ def side_by_side(resident, streamed, tokenizer, ids, args) -> dict:
             tc, kc = waiting_first_token(streamed, ids)
         if compare_prompts:
             runs["st_ttft_plain"].append(tc)
-            kb = kb if kc == kb else None
-        if a["tokens"] != b["tokens"] or ka != kb:
+        if a["tokens"] != b["tokens"] or ka != kb or (compare_prompts and kc != ka):
             raise AssertionError("streamed tokens differ from resident ones")
         runs["res_tps"].append(a["tps"])
         runs["st_tps"].append(b["tps"])

@@ -22,6 +22,7 @@ import numpy as np
 from expertd.protocol import GUESS_WIDTH
 
 from .pool import PROMOTE_AFTER
+from .prompt_pull import assemble
 from .switch import compute, grouped
 
 DECODE_IDS = 64  # a call routing at most this many (token, slot) pairs is decoding
@@ -237,10 +238,7 @@ class StreamedLayer:
         flat = indices.reshape(-1)
         routed = mx.zeros((n,), mx.int32).at[flat].add(1) > 0
         want = mx.where(routed, mx.arange(n, dtype=mx.int32), -1)
-        if puller.traceable:
-            arrays, rows = puller.pull(self.index, want, pool.pull_table(), pool.arrays)
-        else:  # the host copy, which waits for the ids
-            arrays, rows = puller.assemble(self.index, want, pool)
+        arrays, rows = puller.assemble(self.index, want, pool)  # the host copy waits for want
         return compute(module, self.segments, arrays, x, indices), rows[flat], StackedRows(arrays)
 
     def _kind(self, puller) -> str:
@@ -426,7 +424,7 @@ class StreamedLayer:
 
     def _pulled_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):
         """A call whose missing experts are pulled from the arena: one stack with a row for
-        every expert (prompt_pull.PromptPulls.assemble: pool hits copied on the device, misses
+        every expert (prompt_pull.assemble: pool hits copied on the device, misses
         pulled) and mlx-lm's one call on it with the router's own ids, as resident: exact on
         every backend, where computing groups apart is not on CUDA. The prompt's pulls then
         join the pool.
@@ -434,7 +432,7 @@ class StreamedLayer:
         pulls in a row lost their rows to refills (this call moves its rows on the host)."""
         pool, session = self.pool, self.session
         present = pool.row_of[unique] >= 0
-        stack = session.prompt_pulls.assemble(self.index, unique, pool)
+        stack = assemble(session, self.index, unique, pool)
         if stack is None:
             return None
         pool.touch(pool.row_of[unique[present]])

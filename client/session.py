@@ -28,7 +28,6 @@ from expertd.client.heartbeat import Heartbeat
 from expertd.client.interrupts import HeldInterrupts
 from expertd.client.links import Links, weak_method
 from expertd.client.predict import check_choice
-from expertd.client.prompt_pull import PromptPulls
 from expertd.client.pull import PULL_MODES, StepEpoch, make_puller
 from expertd.client.requester import DaemonDied, Requester
 from expertd.client.step import REPLAY_COUNTERS
@@ -114,7 +113,6 @@ class Session:
         self.epoch = None  # the attached daemon's (kept across a detach: see unanswered)
         self.pull_mode = check_choice("pull", pull, PULL_MODES)
         self.puller = self.step_epoch = None  # made at each attach (see pull.py)
-        self.prompt_pulls = PromptPulls(self)
         self._stages: dict = {}  # (rows, segment sizes) -> backing.Stage
         self._pull_layers = {
             layer.index: [(MLX_DTYPES[seg.dtype], tuple(seg.shape), seg.nbytes)

@@ -319,27 +319,38 @@ class Steps:
                     and pairs <= DECODE_IDS):
                 return self._per_layer(forward, inputs, args, kwargs)  # measured while paused
             return forward(inputs, *args, **kwargs)
-        tokens = shape[-1]
+        logits = self._attempts(forward, inputs, args, kwargs, cache, shape[-1], prompt=False)
+        return logits if logits is not None else self._per_layer(forward, inputs, args, kwargs)
+
+    def _attempts(self, forward, inputs, args: tuple, kwargs: dict, cache, tokens: int,
+                  prompt: bool):
+        """At most two speculative steps of ``tokens`` a sequence: their logits, or None once
+        the step was replayed and must run per layer (its caches trimmed back). A second
+        speculative step follows rows found absent from the arena, once demanded, and for a
+        ``prompt`` a lost epoch too. A decode step's are timed and judged (:class:`Speculation`);
+        it demands every layer's absent rows, a prompt only the first layer's that lacked any
+        (it routed on exact inputs; the layers after it routed on rows it did not have)."""
         for attempt in range(2):
             started = time.perf_counter()
             logits, cause, found = self._speculative_step(forward, inputs, args, kwargs)
-            self.speculation.timed(True, time.perf_counter() - started)
             # A pull that found its expert absent from the arena is a read from the disk the
             # step had to wait for anyway, not a wrong guess: it does not count against
             # speculating, and the step runs again without waits once the daemon has read it.
-            if cause != "absent":
-                self.speculation.record(cause is not None)
+            if not prompt:
+                self.speculation.timed(True, time.perf_counter() - started)
+                if cause != "absent":
+                    self.speculation.record(cause is not None)
             if cause is None:
                 return logits
             self._count_replay(cause)
             trim(cache, tokens)
             if cause == "device":  # the replay and every later step copy on the host
                 self.session.drop_puller(found.drifted)
-            if cause != "absent" or attempt:
-                break
-            for layer, experts in found.absent:
+            if cause not in (("absent", "epoch") if prompt else ("absent",)) or attempt:
+                return None
+            for layer, experts in found.absent[:1] if prompt else found.absent:
                 self.session.demand_absent(layer.index, experts)
-        return self._per_layer(forward, inputs, args, kwargs)
+        return None
 
     def _prompt(self, forward, inputs, args: tuple, kwargs: dict, cache, tokens: int):
         """A prompt's model call (``tokens`` a sequence): speculative where
@@ -348,20 +359,9 @@ class Steps:
         a second replay runs it per layer), else waiting per layer, its logits lazy. A
         prompt that ran per layer so has the next PROMPT_RETRY prompts wait per layer."""
         if self._speculate_prompt(tokens, cache):
-            for attempt in range(2):
-                logits, cause, found = self._speculative_step(forward, inputs, args, kwargs)
-                if cause is None:
-                    return logits
-                self._count_replay(cause)
-                trim(cache, tokens)
-                if cause == "device":
-                    self.session.drop_puller(found.drifted)
-                if cause not in ("absent", "epoch") or attempt:
-                    break
-                # The first layer that lacked rows routed on exact inputs; the layers after
-                # it routed on rows it did not have, so what they lacked may not be wanted.
-                for layer, experts in found.absent[:1]:
-                    self.session.demand_absent(layer.index, experts)
+            logits = self._attempts(forward, inputs, args, kwargs, cache, tokens, prompt=True)
+            if logits is not None:
+                return logits
             self._prompts_waiting = PROMPT_RETRY
         return forward(inputs, *args, **kwargs)
 
