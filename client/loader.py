@@ -170,7 +170,8 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
                                   session.paths.blob_dir, config["model_type"])
         layers = stage_layers(layers, start, stop)
     modules = dict(model.named_modules())
-    rows = plan_rows(layers, session.manifest.top_k, pool_gb, default_free(backing))
+    rows = plan_rows(layers, session.manifest.top_k, pool_gb,
+                     default_free(backing) if pool_gb is None else None)
     guessers = make_guessers(modules, layers, prefetch)
     staging = Staging()  # one host buffer for every device pool's moves
     streamed = []

@@ -347,6 +347,12 @@ def metal_windows(geometry, limit: int, most: int) -> tuple:
     return g.rows_offset, count, per
 
 
+def window_starts(geometry, count: int, per: int) -> list:
+    """Where each of ``count`` windows of ``per`` rows starts in the arena (see
+    :func:`metal_windows`); the last runs to the arena's end."""
+    return [geometry.rows_offset + w * per * geometry.stride for w in range(count)]
+
+
 def output_names(n_segments: int) -> list:
     return [f"out{s}" for s in range(n_segments)] + ["status"]
 
@@ -367,7 +373,7 @@ class Puller:
     # layer (verify_pull): a backing that nothing but a user's machine runs (Metal).
     verify_first = False
     # A kernel was built since the last pass that took its rows: that pass's time is mostly
-    # the kernel's compilation, and the pull rate leaves it out (session._assemble_pass).
+    # the kernel's compilation, and the pull rate leaves it out (prompt_pull._pass).
     warming = False
 
     def __init__(self, view, layers: dict):
@@ -570,7 +576,7 @@ class MetalPuller(_KernelPuller):
         index, count, per = metal_windows(g, limit, max_windows(segments))
         raw = view.raw
         # Adopted, not copied: every piece starts 16 KiB-aligned (the mapping, its rows).
-        starts = [g.rows_offset + w * per * g.stride for w in range(count)] + [g.total_size]
+        starts = window_starts(g, count, per) + [g.total_size]
         self._arena = [mx.asarray(raw[:index], copy=False)] + [
             mx.asarray(raw[a:b], copy=False) for a, b in zip(starts, starts[1:])]
         self.windows = (count, per)

@@ -369,9 +369,7 @@ def test_the_summary_shows_the_pulls_their_rate_and_the_replays_by_cause(models,
     (the host's copy here, the device's on a GPU), some were absent from the arena and their
     steps replayed; the summary line says how many rows a step, how fast the prompt's pulls
     went, and the replays by cause, as the JSON counts them."""
-    from client_helpers import pool_gb
-
-    from expertd.client.step import REPLAY_COUNTERS
+    from client_helpers import pool_gb, replay_causes_shown
 
     blob_dir = models.blobs()
     top_k = Manifest.load(blob_dir).top_k
@@ -383,5 +381,5 @@ def test_the_summary_shows_the_pulls_their_rate_and_the_replays_by_cause(models,
     assert (f"pulled {s['pulled_rows'] / s['steps']:.1f} rows "
             f"({s['pulled_bytes'] / s['steps'] / 2**20:.1f} MiB) a step, prompt pulls at "
             f"{s['pull_timed_bytes'] / s['pull_s'] / 1e9:.1f} GB/s") in line, line
-    causes = ", ".join(f"{s[k]} {k[8:]}" for k in REPLAY_COUNTERS if s[k])
+    causes = replay_causes_shown(s)
     assert s["replays_absent"] > 0 and f"{s['replays']} replayed ({causes})" in line, line

@@ -18,6 +18,7 @@ from client_helpers import (
     compare_runs,
     parse_metrics,
     pool_gb,
+    replay_causes_shown,
     routed_model,
 )
 from conftest import FAMILY_MODES
@@ -103,7 +104,7 @@ def test_pulled_steps_are_exact(models, isolated_env, tmp_path, family, mode, bi
             for key in ("replays", *REPLAY_COUNTERS):
                 assert mine[key] == c[key], key
             status = expertd_cli("status", "--blobs", blob_dir)
-            causes = ", ".join(f"{c[k]} {k[8:]}" for k in REPLAY_COUNTERS if c[k])
+            causes = replay_causes_shown(c)
             shown = (f"{c['replays']} replayed ({causes}), pulled " if c["replays"]
                      else "a step, pulled ")
             assert shown in status.stdout, status.stdout

@@ -31,6 +31,7 @@ from expertd.client.pull import (
     kernel_params,
     metal_source,
     metal_windows,
+    window_starts,
 )
 from expertd.client.session import Session
 from expertd.shm.layout import SLOT_DTYPE, SlotState
@@ -133,12 +134,14 @@ def launch(run, ids, table, params, pools, nbytes, arena: list):
     return outs, status
 
 
-@pytest.fixture
-def live_arena(models, isolated_env, tmp_path):
+@pytest.fixture(scope="module")
+def live_arena(models, module_env, tmp_path_factory):
     """A daemon's arena holding every expert of layer 1, copied (the copy is what the kernels
-    read and what the cases spoil), with the view's segment table and the host copy's rows."""
+    read and what each case copies again and spoils), with the view's segment table and the
+    host copy's rows; one for the module's cases."""
     _, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
-    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+    state = tmp_path_factory.mktemp("live-arena") / "s.json"
+    with Daemon(blob_dir, module_env, *client_flags(blob_dir, ROWS_ALL, state)):
         session = Session(blob_dir, pull="host")
         try:
             n_experts = session.manifest.layers[LAYER].num_experts
@@ -154,11 +157,10 @@ def live_arena(models, isolated_env, tmp_path):
             g = view.arena.geometry
             slot_of = view.arena.slot_of[LAYER * g.n_experts:(LAYER + 1) * g.n_experts]
             slots = set(slot_of[:n_experts].tolist())  # where the layer's rows sit
-            geometry = view.arena.geometry
         finally:
             session.close()
     yield dict(arena=arena, params=params, nbytes=nbytes.tolist(), offsets=offsets,
-               host_rows=host_rows, n_experts=n_experts, geometry=geometry, slots=slots)
+               host_rows=host_rows, n_experts=n_experts, geometry=g, slots=slots)
 
 
 def spoil(arena: np.ndarray, geometry) -> dict:
@@ -231,7 +233,7 @@ def test_the_pull_kernels_take_ready_rows_and_refuse_every_other(live_arena, tmp
             return []
         index = np.concatenate([arena[:g.rows_offset],
                                 np.full(len(arena) - g.rows_offset, 0xAB, np.uint8)])
-        starts = [g.rows_offset + w * per * g.stride for w in range(count)] + [len(arena)]
+        starts = window_starts(g, count, per) + [len(arena)]
         windows = [arena[x:y].copy() for x, y in zip(starts, starts[1:])]
         kept.extend([index, *windows])
         return [index.ctypes.data] + [w.ctypes.data for w in windows]
