@@ -262,7 +262,7 @@ def check_draft(draft: tuple, tokenizer, name: str) -> None:
 
 
 def summary_line(s: dict) -> str:
-    from expertd.units import replay_causes
+    from expertd.units import pull_rate, replay_causes
 
     line = (f"[expertd] prompt {s['prompt_tokens']} tok @ {s['prompt_tps']:.1f} tok/s | "
             f"generation {s['generation_tokens']} tok @ {s['generation_tps']:.1f} tok/s | "
@@ -285,8 +285,7 @@ def summary_line(s: dict) -> str:
                      f"{'s' * (spec['paused'] != 1)}: {why}; paused steps wait per layer)")
         line += replay_causes(s)
     if s.get("pulled_rows"):
-        rate = (f", prompt pulls at {s['pull_timed_bytes'] / s['pull_s'] / 1e9:.1f} GB/s"
-                if s.get("pull_s") else "")
+        rate = pull_rate(s.get("pull_timed_bytes", 0), s.get("pull_s", 0.0))
         line += (f" | pulled {s['pulled_rows'] / max(1, s['steps']):.1f} rows "
                  f"({s['pulled_bytes'] / max(1, s['steps']) / 2**20:.1f} MiB) a step{rate}")
     scored = [p for p in s.get("prediction", []) if p and p["guessed"]]

@@ -56,7 +56,7 @@ def parse_layers(spec: str, num_layers: int) -> tuple:
     ``(start, stop)`` within ``num_layers``.
 
     Raises:
-        ValueError: not of the form A:B, or an empty or out-of-range slice.
+        FlagError: not of the form A:B, or an empty or out-of-range slice.
     """
     start, sep, stop = str(spec).partition(":")
     try:

@@ -9,7 +9,7 @@ are decoded with size limits and turned into typed requests here, at the edge.
 """
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import msgpack
 
@@ -100,9 +100,7 @@ class Heartbeat:
     pull_timed_bytes: int = 0  # and their bytes: the pull rate
 
 
-HEARTBEAT_COUNTS = ("steps", "host_waits", "replays", "pulled_rows", "pulled_bytes",
-                    "replays_absent", "replays_epoch", "replays_device", "pull_us",
-                    "pull_timed_bytes")
+HEARTBEAT_COUNTS = tuple(f.name for f in fields(Heartbeat))[2:]  # after client and token
 
 
 @dataclass(frozen=True)

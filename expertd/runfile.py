@@ -133,9 +133,12 @@ def read_last_flags(paths) -> list | None:
         flags = json.loads(read_private(paths.last_flags))
     except (OSError, ValueError):
         return None
-    if not (isinstance(flags, list) and all(isinstance(f, str) for f in flags)):
-        return None
-    return flags
+    return flags if _words(flags) else None
+
+
+def _words(value) -> bool:
+    """``value`` is a list of strings (start flags, as a JSON file holds them)."""
+    return isinstance(value, list) and all(isinstance(f, str) for f in value)
 
 
 def write_run_info(paths, info: RunInfo) -> None:
@@ -162,8 +165,7 @@ def read_run_file(runfile: Path) -> RunInfo | None:
             or not isinstance(info.arena, str) or not ARENA_NAME.fullmatch(info.arena)
             or not isinstance(info.blob_dir, (str, type(None)))
             or not isinstance(info.service, (str, type(None)))
-            or not (info.flags is None or (isinstance(info.flags, list)
-                                           and all(isinstance(f, str) for f in info.flags)))):
+            or not (info.flags is None or _words(info.flags))):
         return None
     return info
 
@@ -328,7 +330,16 @@ def claims_elsewhere(state: Path, run: Path) -> list:
 def elsewhere(paths) -> str:
     """A sentence on the daemon serving ``paths.blob_dir`` from another runtime directory, and
     how to reach it; "" if there is none."""
-    other = claimant(paths)
+    return elsewhere_text(paths, claimant(paths))
+
+
+def claimant_runtime(other: dict | None) -> Path | None:
+    """The runtime directory of a :func:`claimant` record, None where it does not say."""
+    return Path(other["runtime"]) if other and other["runtime"] else None
+
+
+def elsewhere_text(paths, other: dict | None) -> str:
+    """:func:`elsewhere` of a :func:`claimant` record already read (``other``)."""
     if other is None:
         return ""
     runtime = other["runtime"]

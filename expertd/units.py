@@ -13,6 +13,11 @@ def size_text(n_bytes: float, round_up: bool = False) -> str:
     return f"{n_bytes / unit:.2f} {name}"
 
 
+def pull_rate(timed_bytes: int, seconds: float) -> str:
+    """``, prompt pulls at 12.3 GB/s``: the rate of a client's timed pulls; "" before any."""
+    return f", prompt pulls at {timed_bytes / seconds / 1e9:.1f} GB/s" if seconds else ""
+
+
 def replay_causes(counts: dict) -> str:
     """`` (2 absent, 1 epoch)``: a client's replays by cause, from its ``replays_<cause>``
     counts (a heartbeat's or a session's), those it had; "" if none."""

@@ -215,11 +215,9 @@ def select_stage(config: dict, layers: list, trunk: list, spec: str):
     model = model_class(args_class.from_dict(config))
     try:
         check_pipeline_support(model, config["model_type"])
-        start, stop = parse_layers(spec, len(model.model.layers))
-    except FlagError:
-        raise
-    except (PipelineError, ValueError) as exc:
+    except PipelineError as exc:
         raise ConvertError(str(exc)) from None
+    start, stop = parse_layers(spec, len(model.model.layers))
     stage = Stage(start, stop, len(model.model.layers))
     kept = [layer for layer in layers if start <= layer_number(layer.module) < stop]
     if not kept:

@@ -11,7 +11,6 @@ import contextlib
 import io
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from expertd.cli.options import (
 )
 from expertd.errors import DaemonError, DaemonNotRunning, FlagError
 from expertd.serving.hotset import read_pin_file
-from expertd.units import replay_causes, size_text
+from expertd.units import pull_rate, replay_causes, size_text
 
 MAX_SIDE_ROWS = 64  # x top_k: prefetch rows per generation, at most
 MAX_CACHE_GB = argtypes.MAX_GIB
@@ -318,8 +317,12 @@ def _refuse_a_services_daemon(paths, info) -> None:
     restarted by hand would leave the service failing beside it."""
     if info is None or not info.service:
         return
-    manager = (f"systemctl --user restart {info.service}" if info.service.endswith(".service")
-               else f"launchctl kickstart -k gui/{os.getuid()}/{info.service}")
+    import shlex
+
+    from expertd.cli.service_plan import restart_command
+
+    platform = "linux" if info.service.endswith(".service") else "macos"
+    manager = shlex.join(restart_command(platform, info.service))
     raise DaemonError(f"expertd pid {info.pid} is the service {info.service}'s: restart it "
                       f"with {manager} (its flags are its unit's: expertd service install "
                       f"--blobs {paths.blob_dir} FLAGS rewrites them)")
@@ -403,8 +406,7 @@ def status_lines(s: dict) -> list:
           + (f", pulled {c['pulled_rows'] / max(1, c.get('steps', 0)):.1f} rows "
              f"({c['pulled_bytes'] / max(1, c.get('steps', 0)) / 2**20:.2f} MiB) a step"
              if c.get("pulled_rows") else "")
-          + (f", prompt pulls at {c['pull_timed_bytes'] / c['pull_us'] / 1e3:.1f} GB/s"
-             if c.get("pull_us") else "")
+          + pull_rate(c.get("pull_timed_bytes", 0), c.get("pull_us", 0) / 1e6)
           for c in s.get("client_pools", [])],
         f"  epochs       {s.get('epoch_clients', 0)} records given out, "
         f"{s.get('deferred_fills', 0)} refills waited for a step to end (longest "
@@ -509,7 +511,7 @@ def _not_running(args, message: str) -> tuple:
     """Status's answer for ``--blobs`` when no daemon serves it, naming what a killed daemon
     left behind (``leftover`` in JSON: its arena's path and size, or null)."""
     from expertd.paths import daemon_paths
-    from expertd.runfile import claimant, elsewhere, leftover, lock_held
+    from expertd.runfile import claimant, claimant_runtime, elsewhere_text, leftover, lock_held
 
     blob_dir = str(Path(args.blobs).expanduser().resolve())
     paths = daemon_paths(blob_dir)
@@ -517,12 +519,12 @@ def _not_running(args, message: str) -> tuple:
     # served_from: {"pid", "runtime"} of a daemon serving it from another runtime directory,
     # whose log is the one named
     other = claimant(paths)
-    run = Path(other["runtime"]) if other and other["runtime"] else None
-    down = {"running": False, "blob_dir": blob_dir, "log": log_location(blob_dir, run),
+    down = {"running": False, "blob_dir": blob_dir,
+            "log": log_location(blob_dir, claimant_runtime(other)),
             "leftover": left, "served_from": other}
     if args.json:
         return NOT_RUNNING, [down]
-    text = f"{elsewhere(paths) or message}\n  log: {down['log']}"
+    text = f"{elsewhere_text(paths, other) or message}\n  log: {down['log']}"
     if left:
         text += f"\n  {_leftover_text({**left, 'blob_dir': blob_dir})}"
     return NOT_RUNNING, text

@@ -1,5 +1,6 @@
 """Daemon lifecycle: one daemon per blob directory, stale clean-up, detach, stop, status."""
 
+import dataclasses
 import logging
 import logging.handlers
 import os
@@ -136,11 +137,10 @@ def run_foreground(config, state_file: Path | None = None, log_file: Path | None
         # the next one; marked ready once the server answers.
         # The service that runs it, if one does: its unit or agent sets SERVICE_VARIABLE.
         service = os.environ.get(SERVICE_VARIABLE) or None
-        write_run_info(paths, RunInfo(os.getpid(), arena, epoch, False, str(paths.blob_dir),
-                                      flags, service))
+        info = RunInfo(os.getpid(), arena, epoch, False, str(paths.blob_dir), flags, service)
+        write_run_info(paths, info)
         server = ExpertServer(config, paths, state_file or paths.state_file, arena, epoch)
-        write_run_info(paths, RunInfo(os.getpid(), arena, epoch, True, str(paths.blob_dir),
-                                      flags, service))
+        write_run_info(paths, dataclasses.replace(info, ready=True))
         if flags is not None and service is None:  # serving: flags that work (a service's
             write_last_flags(paths, flags)  # are its unit's, restarted by its manager)
         signal.signal(signal.SIGTERM, server.request_stop)

@@ -301,11 +301,8 @@ def open_closed_streams() -> None:
     for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
         try:
             os.fstat(fd)
-        except OSError:  # closed: the lowest free descriptor is this one
-            got = os.open(os.devnull, os.O_RDWR)
-            if got != fd:  # a lower one was free as well: it is opened in its own turn
-                os.dup2(got, fd)
-                os.close(got)
+        except OSError:  # closed: the lowest free one (those below it were opened before)
+            os.open(os.devnull, os.O_RDWR)
         if getattr(sys, name) is None:
             setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, mode, closefd=False),
                                                 line_buffering=mode == "w"))

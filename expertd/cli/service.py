@@ -21,6 +21,7 @@ from expertd.cli.service_plan import (  # noqa: F401 (service's names for them)
     ServicePlan,
     expertd_command,
     make_plan,
+    restart_command,
     service_id,
     this_platform,
 )
@@ -206,7 +207,7 @@ def _cmd_install(args) -> int:
     commands = install_commands(plan)
     if replaced:  # the running service keeps its old flags until it is restarted
         commands = (stop_commands(plan) if plan.platform == "macos" else []) + commands + (
-            [["systemctl", "--user", "restart", plan.name]] if plan.platform == "linux" else [])
+            [restart_command(plan.platform, plan.name)] if plan.platform == "linux" else [])
     if not _manages_here(args, plan):
         print("to start it, run:\n" + "\n".join(f"  {shell_line(c)}" for c in commands))
         return 0
@@ -226,21 +227,21 @@ def _refuse_beside_a_daemon(plan: ServicePlan) -> None:
     from expertd.cli.lifecycle import serving_pid
     from expertd.errors import DaemonError
     from expertd.paths import daemon_paths
-    from expertd.runfile import claimant, elsewhere, read_run_info
+    from expertd.runfile import claimant, claimant_runtime, elsewhere_text, read_run_info
 
     paths = daemon_paths(plan.blob_dir)
     pid = serving_pid(paths)
     other = claimant(paths) if pid is None else None
     # The serving daemon's run file, in this runtime directory or in its own (the service
     # may run where the installing shell's XDG_RUNTIME_DIR differs).
-    run = Path(other["runtime"]) if other and other["runtime"] else None
+    run = claimant_runtime(other)
     info = read_run_info(daemon_paths(plan.blob_dir, run)) if pid is not None or run else None
     if info is not None and info.service == plan.name:
         return  # the service's own: the install restarts it
     if pid is not None:
         there = f"an expertd (pid {pid}) started by hand serves {plan.blob_dir}"
     else:
-        there = elsewhere(paths)
+        there = elsewhere_text(paths, other)
     if there:
         earlier = (" (if it is this service's own, started by an earlier expertd, restart it "
                    "with its manager instead)" if plan.path.exists() else "")

@@ -119,3 +119,10 @@ def make_plan(blob_dir, start_flags=(), platform: str | None = None, home: Path 
     env.append((SERVICE_VARIABLE, name))
     return ServicePlan(platform, real, name, home / ".config" / "systemd" / "user" / name,
                        tuple(argv), tuple(env), None, None)
+
+
+def restart_command(platform: str, name: str) -> list:
+    """The command that restarts the service ``name`` (its daemon, with its unit's flags)."""
+    if platform == "macos":
+        return ["launchctl", "kickstart", "-k", f"gui/{os.getuid()}/{name}"]
+    return ["systemctl", "--user", "restart", name]

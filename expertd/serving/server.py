@@ -229,9 +229,8 @@ class ExpertServer:
     def _handle(self, identity: bytes, rid: bytes, op: Op, req) -> None:
         now = self.clock()
         if op is Op.HEARTBEAT:
-            known = self.clients.heartbeat(req.client, req.token, now, req.steps,
-                                           req.host_waits, **{key: getattr(req, key) for key
-                                                              in HEARTBEAT_COUNTS[2:]})
+            known = self.clients.heartbeat(req.client, req.token, now,
+                                           **{key: getattr(req, key) for key in HEARTBEAT_COUNTS})
             self._send(identity, reply_ok(rid, op, epoch=self.epoch, known=known))
             return
         if op is Op.HELLO:
