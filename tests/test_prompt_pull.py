@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 import pytest
-from client_helpers import ROWS_TINY, client_flags, pool_gb, prompt_ids, routed_model
+from client_helpers import ROWS_TINY, client_flags, pool_gb, prompt_ids, require_repeatable, routed_model
 from conftest import FAMILY_MODES
 from harness import Daemon
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
@@ -126,6 +126,7 @@ def test_a_prompt_waits_once_and_is_exact(models, isolated_env, tmp_path, family
     manifest = Manifest.load(blob_dir)
     top_k, layers = manifest.top_k, len(manifest.layers)
     resident = resident_model(model_dir)
+    require_repeatable(resident, 300)
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
         model = streamed(blob_dir, top_k, pull=pull)
         session = model.expertd_session
@@ -296,14 +297,14 @@ def test_each_path_alone_is_exact(models, isolated_env, tmp_path, family, specul
                                   pull):
     """A prompt speculative or waiting per layer, then decode steps with each MoE block's call
     compiled or not: each combination alone is exact, which tells a difference apart on a
-    backend where one of them differs (an H100 found deepseek_v3's logits unlike resident's
-    with both on, 2026-12-05). The resident model must first give the same logits twice."""
+    backend where one of them differs. Resident mlx-lm must first give the same logits twice:
+    on MLX CUDA 0.32.4 deepseek_v3's does not (NaN rows from its first attention that change
+    from call to call, on an H100 and an H200), and its cases there are expected failures."""
     model_dir, blob_dir = routed_model(models, family, "affine", 4)
     manifest = Manifest.load(blob_dir)
     resident = resident_model(model_dir)
-    ids = mx.array([prompt_ids(prompt_length(manifest.top_k, 17), resident.args.vocab_size)])
-    assert mx.array_equal(resident(ids, cache=make_prompt_cache(resident)),
-                          resident(ids, cache=make_prompt_cache(resident))).item()
+    length = prompt_length(manifest.top_k, 17)
+    require_repeatable(resident, length)
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
         model = streamed(blob_dir, manifest.top_k, pull=pull)
         session = model.expertd_session
@@ -314,7 +315,7 @@ def test_each_path_alone_is_exact(models, isolated_env, tmp_path, family, specul
             for layer in session.steps.layers:
                 layer.compiled = compiled
             before = counts(session)
-            run = Lockstep(resident, model, prompt_len=ids.shape[1])
+            run = Lockstep(resident, model, prompt_len=length)
             assert since(session, before)["speculative_steps"] == int(speculative)
             for _ in range(5):
                 run.step()

@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from client_helpers import (
+    PROMPT_LENGTHS,
     ROWS_ALL,
     ROWS_MEDIUM,
     ROWS_TINY,
@@ -19,6 +20,7 @@ from client_helpers import (
     parse_metrics,
     pool_gb,
     replay_causes_shown,
+    require_repeatable,
     routed_model,
 )
 from conftest import FAMILY_MODES
@@ -161,6 +163,7 @@ def test_every_family_at_the_smallest_pools(models, isolated_env, tmp_path, fami
     family, mode, bits = family_mode
     model_dir, blob_dir = routed_model(models, family, mode, bits)
     top_k = Manifest.load(blob_dir).top_k
+    require_repeatable(resident_model(model_dir), max(PROMPT_LENGTHS))
     with Daemon(blob_dir, isolated_env,
                 *client_flags(blob_dir, ROWS_MEDIUM, tmp_path / "s.json")):
         model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, top_k), prefetch="off",

@@ -48,13 +48,17 @@ class Lockstep:
         self.models = resident, streamed
         self.caches = [make_prompt_cache(m, max_kv_size=max_kv_size) for m in self.models]
         self.x = mx.array([prompt_ids(prompt_len, resident.args.vocab_size)])
+        self.steps = 0
         self.step()
 
     def step(self) -> None:
         ref, got = (m(self.x, cache=c)[:, -1, :] for m, c in zip(self.models, self.caches))
         mx.eval(ref, got)
-        assert ref.dtype == got.dtype and mx.array_equal(ref, got).item(), \
-            "streamed logits differ from resident ones"
+        assert ref.dtype == got.dtype and mx.array_equal(ref, got).item(), (
+            f"streamed logits differ from resident ones at step {self.steps} (0: the prompt): "
+            f"largest difference {mx.abs(ref - got).max().item()!r}, "
+            f"same greedy token: {mx.array_equal(ref.argmax(-1), got.argmax(-1)).item()}")
+        self.steps += 1
         self.x = mx.argmax(ref, axis=-1)[:, None]
 
 
