@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from expertd.shm.layout import available_memory
+
 from .backing import ALIGN, DeviceRows, HostRows, Staging
 
 DECAY_EVERY = 8  # uses are halved after this many times the pool's rows of touches
@@ -347,6 +349,18 @@ def free_device_bytes() -> int | None:
     if not total:
         return None
     return max(0, int(total) - mx.get_active_memory() - mx.get_cache_memory())
+
+
+def free_memory() -> int | None:
+    """What a client's transient device arrays (a prompt's stacks) may take: a discrete GPU's
+    free memory; where the GPU shares the host's memory (Metal, the CPU), the host's available
+    memory (other processes' pages and the arena's count there, not in MLX's own figures),
+    within what MLX sees free of the device's size."""
+    if mx.device_info().get("free_memory") is not None:  # a discrete GPU's (CUDA)
+        return free_device_bytes()
+    seen = free_device_bytes()
+    host = available_memory()
+    return host if seen is None else min(host, seen)
 
 
 def default_free(backing: str) -> int | None:

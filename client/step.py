@@ -39,7 +39,7 @@ import numpy as np
 from expertd.choices import SPECULATE_MODES
 
 from .layer import DECODE_IDS, StepMode
-from .pool import free_device_bytes
+from .pool import free_memory
 from .predict import check_choice
 from .pull import ABSENT, PULLED, decode_status
 from .switch import fronted
@@ -191,7 +191,7 @@ def token_shape(inputs, kwargs: dict) -> tuple:
 
 def stacks_fit(stack_bytes: int, free: int | None) -> bool:
     """A prompt may speculate with ``stack_bytes`` of stacks (every layer's, a row per
-    expert): they fit in half of the ``free`` bytes (None: unknown, the CPU's). The device
+    expert): they fit in half of the ``free`` bytes (see pool.free_memory; None: unknown). The device
     may allocate every layer's stack before the first is freed (its evaluation runs ahead of
     the computation), where a prompt waiting per layer holds one at a time: on a model larger
     than memory, that prompt waits per layer."""
@@ -382,7 +382,7 @@ class Steps:
             return False
         if any(puller.unverified(layer.index) for layer in self.layers):
             return False
-        if not stacks_fit(self._stack_bytes, free_device_bytes()):
+        if not stacks_fit(self._stack_bytes, free_memory()):
             return False
         return cache is None or replayable(cache, tokens)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
+import psutil
 
 from ..errors import DaemonError
 
@@ -182,22 +183,11 @@ class ArenaSpaceError(DaemonError):
     """Shared memory or RAM cannot hold the arena."""
 
 
-def _available_memory() -> int | None:
-    """Memory that can still be used without swapping: MemAvailable, within the cgroup's
-    limit on Linux; physical RAM on macOS; None if unknown."""
-    if not sys.platform.startswith("linux"):
-        try:
-            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
-            return None
-    available = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+def available_memory() -> int:
+    """Memory that can still be used without swapping: the host's available memory as psutil
+    reads it (Linux's MemAvailable; macOS's free and inactive pages), within the cgroup's limit
+    on Linux."""
+    available = int(psutil.virtual_memory().available)
     try:
         with open("/sys/fs/cgroup/memory.max") as f:
             limit = f.read().strip()
@@ -205,7 +195,7 @@ def _available_memory() -> int | None:
             used = int(f.read())
         if limit != "max":
             room = max(0, int(limit) - used)
-            available = room if available is None else min(available, room)
+            available = min(available, room)
     except (OSError, ValueError):
         pass
     return available
@@ -226,8 +216,8 @@ def check_room(size: int, name: str = "the arena") -> None:
                 f"{name} needs {size / gib:.3f} GiB but {SHM_DIR} has only {free / gib:.3f} "
                 f"GiB free; lower --cache-gb, or enlarge {SHM_DIR} (in a container: "
                 "docker run --shm-size)")
-    available = _available_memory()
-    if available is not None and size > available:
+    available = available_memory()
+    if size > available:
         raise ArenaSpaceError(
             f"{name} needs {size / gib:.3f} GiB but only {available / gib:.3f} GiB of memory "
             "is available; lower --cache-gb")

@@ -22,9 +22,11 @@ from test_step import Lockstep, resident_model
 from expertd import native
 from expertd.client import load
 from expertd.client.layer import DECODE_IDS
+from expertd.client.pool import free_memory
 from expertd.client.pull import HostPuller
 from expertd.client.step import PROMPT_RETRY, replayable, stacks_fit
 from expertd.manifest import Manifest
+from expertd.shm.layout import available_memory
 
 # An arena that holds every expert of each family's test model for one client (its cap is
 # half the rows not pinned, see expertd.serving.config.cache_limits).
@@ -234,13 +236,39 @@ def test_a_prompt_with_speculation_off_waits_per_layer(models, isolated_env, tmp
 
 def test_a_prompt_speculates_only_where_every_stack_fits_in_half_the_free_memory():
     """Every layer's stack may be allocated before the first is freed: a prompt speculates
-    only where they all fit in half the device's free memory (a model larger than memory
-    waits per layer, one stack at a time); where the free memory is unknown (the CPU), it
-    speculates."""
+    only where they all fit in half the free memory (a model larger than memory waits per
+    layer, one stack at a time); where the free memory is unknown, it speculates."""
     assert stacks_fit(10, None)
     assert stacks_fit(10, 20)
     assert not stacks_fit(11, 20)
     assert not stacks_fit(1, 0)
+
+
+def test_free_memory_on_shared_memory_is_the_hosts_available_memory():
+    """Where the GPU shares the host's memory (this CPU; Metal), what a prompt's stacks may
+    take is bounded by the host's available memory, which counts other processes and the
+    arena (MLX's own figures count neither): never more than it, and known."""
+    free = free_memory()
+    assert free is not None and 0 < free <= available_memory()
+
+
+@pytest.mark.parametrize("room", [0, 1], ids=["short-by-a-byte", "room"])
+def test_a_prompt_whose_stacks_do_not_fit_waits_per_layer(models, isolated_env, tmp_path,
+                                                          monkeypatch, room):
+    """The free memory a prompt's stacks are weighed against (a machine short of memory,
+    stood in for by the figure the step reads): a byte short of twice every layer's stack,
+    the prompt waits per layer, exactly; with room, it speculates."""
+    from expertd.client import step
+
+    with qwen3_client(models, isolated_env, tmp_path) as (resident, model, session, layers):
+        manifest = session.manifest
+        stacks = sum(layer.num_experts * layer.expert_bytes for layer in manifest.layers)
+        monkeypatch.setattr(step, "free_memory", lambda: 2 * stacks - 1 + room)
+        before = counts(session)
+        run = Lockstep(resident, model, prompt_len=40)
+        d = since(session, before)
+        assert d["speculative_steps"] == room and d["host_waits"] == (1 if room else layers), d
+        run.step()
 
 
 def test_a_batched_decode_step_waits_per_layer_and_fills_the_pools(models, isolated_env,
