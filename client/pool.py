@@ -354,13 +354,13 @@ def free_device_bytes() -> int | None:
 def free_memory() -> int | None:
     """What a client's transient device arrays (a prompt's stacks) may take: a discrete GPU's
     free memory; where the GPU shares the host's memory (Metal, the CPU), the host's available
-    memory (other processes' pages and the arena's count there, not in MLX's own figures),
-    within what MLX sees free of the device's size."""
+    memory (shm.layout.available_memory: other processes' pages and, on Linux, the arena's are
+    used there, where MLX's own figures count neither), within what MLX sees free of the
+    device's size; None if neither is known."""
     if mx.device_info().get("free_memory") is not None:  # a discrete GPU's (CUDA)
         return free_device_bytes()
-    seen = free_device_bytes()
-    host = available_memory()
-    return host if seen is None else min(host, seen)
+    known = [b for b in (free_device_bytes(), available_memory()) if b is not None]
+    return min(known) if known else None
 
 
 def default_free(backing: str) -> int | None:

@@ -183,22 +183,45 @@ class ArenaSpaceError(DaemonError):
     """Shared memory or RAM cannot hold the arena."""
 
 
-def available_memory() -> int:
-    """Memory that can still be used without swapping: the host's available memory as psutil
-    reads it (Linux's MemAvailable; macOS's free and inactive pages), within the cgroup's limit
-    on Linux."""
-    available = int(psutil.virtual_memory().available)
+def available_memory() -> int | None:
+    """Memory that can still be used without swapping, as psutil reads the host's (Linux's
+    MemAvailable; macOS's free and inactive pages, which leave out its file cache and so read
+    low), within the cgroup's limit on Linux (its reclaimable file pages not counted as used);
+    None if unknown."""
+    try:
+        available = int(psutil.virtual_memory().available)
+    except (psutil.Error, OSError, RuntimeError):
+        available = None
+    room = _cgroup_room()
+    if room is not None:
+        available = room if available is None else min(available, room)
+    return available
+
+
+def physical_memory() -> int | None:
+    """The host's RAM, None if unknown."""
+    try:
+        return int(psutil.virtual_memory().total)
+    except (psutil.Error, OSError, RuntimeError):
+        return None
+
+
+def _cgroup_room() -> int | None:
+    """What this process's cgroup (v2) may still take before its limit: the limit less what it
+    uses, less the file pages it could drop (``inactive_file``); None without a limit."""
     try:
         with open("/sys/fs/cgroup/memory.max") as f:
             limit = f.read().strip()
+        if limit == "max":
+            return None
         with open("/sys/fs/cgroup/memory.current") as f:
             used = int(f.read())
-        if limit != "max":
-            room = max(0, int(limit) - used)
-            available = min(available, room)
+        with open("/sys/fs/cgroup/memory.stat") as f:
+            stat = dict(line.split() for line in f if line.count(" ") == 1)
+        used -= int(stat.get("inactive_file", 0))
+        return max(0, int(limit) - used)
     except (OSError, ValueError):
-        pass
-    return available
+        return None
 
 
 def check_room(size: int, name: str = "the arena") -> None:
@@ -216,8 +239,10 @@ def check_room(size: int, name: str = "the arena") -> None:
                 f"{name} needs {size / gib:.3f} GiB but {SHM_DIR} has only {free / gib:.3f} "
                 f"GiB free; lower --cache-gb, or enlarge {SHM_DIR} (in a container: "
                 "docker run --shm-size)")
-    available = available_memory()
-    if size > available:
+    # macOS's available figure leaves out its file cache: there, only more than the RAM is
+    # refused (an arena the pager must make room for pages, it does not fail).
+    available = (available_memory() if sys.platform.startswith("linux") else physical_memory())
+    if available is not None and size > available:
         raise ArenaSpaceError(
             f"{name} needs {size / gib:.3f} GiB but only {available / gib:.3f} GiB of memory "
             "is available; lower --cache-gb")

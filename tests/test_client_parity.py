@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from client_helpers import (
+    PROMPT_LENGTHS,
     ROWS_ALL,
     ROWS_MEDIUM,
     ROWS_TINY,
@@ -19,6 +20,7 @@ from client_helpers import (
     compare_runs,
     pool_gb,
     prompt_ids,
+    require_repeatable,
     routed_model,
 )
 from conftest import FAMILY_MODES
@@ -65,6 +67,7 @@ def check_runs(runs: list) -> None:
 def test_streamed_logits_equal_resident(models, isolated_env, tmp_path, family_mode, rows,
                                         prefetch):
     model_dir, blob_dir = routed_model(models, *family_mode)
+    require_repeatable(resident_model(model_dir), max(PROMPT_LENGTHS))
     manifest = Manifest.load(blob_dir)
     every_expert = sum(layer.num_experts for layer in manifest.layers)
     flags = client_flags(blob_dir, rows, tmp_path / "state.json")
@@ -148,6 +151,7 @@ def test_pure_python_twin_logits_equal_resident(models, isolated_env, tmp_path, 
                                                 rows):
     """The same comparison, prefetch on, in a client process that runs the pure-Python twins."""
     model_dir, blob_dir = routed_model(models, *family_mode)
+    require_repeatable(resident_model(model_dir), max(PROMPT_LENGTHS))
     out = tmp_path / "parity.json"
     with Daemon(blob_dir, isolated_env,
                 *client_flags(blob_dir, rows, tmp_path / "state.json")) as daemon:

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from client_helpers import require_repeatable
 from harness import Daemon, RawClient
+from test_client_parity import resident_model
 
 from expertd.errors import BlobStoreError, DaemonError
 from expertd.manifest import Manifest
@@ -173,6 +175,7 @@ def rank_envs(tmp_path: Path) -> list:
                                               ("deepseek_v3", "affine", 4)])
 def test_two_ranks_equal_resident_mlx_lm(models, tmp_path, monkeypatch, family, mode, bits):
     model = stage_dirs(models, tmp_path, family=family, mode=mode, bits=bits)
+    require_repeatable(resident_model(model), 64)
     tokens, logits = resident(model)
     envs = rank_envs(tmp_path)
     try:

@@ -12,7 +12,15 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, prompt_ids, routed_model
+from client_helpers import (
+    ROWS_ALL,
+    ROWS_TINY,
+    client_flags,
+    pool_gb,
+    prompt_ids,
+    require_repeatable,
+    routed_model,
+)
 from conftest import FAMILY_MODES
 from harness import Daemon, expertd_cli, wait_until
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
@@ -145,6 +153,7 @@ def test_speculative_calls_run_compiled_and_exact_in_every_family(models, isolat
     misses replayed), and the compiled graphs are what ran."""
     model_dir, blob_dir = routed_model(models, *family_mode)
     resident = resident_model(model_dir)
+    require_repeatable(resident, 5)  # Lockstep's prompt
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
         # Every expert at its index; all but two in the pools (few replays: most steps'
         # logits come from the compiled graphs).
