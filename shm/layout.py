@@ -192,7 +192,7 @@ def available_memory() -> int | None:
         available = int(psutil.virtual_memory().available)
     except (psutil.Error, OSError, RuntimeError):
         available = None
-    room = _cgroup_room()
+    room = cgroup_room()
     if room is not None:
         available = room if available is None else min(available, room)
     return available
@@ -206,17 +206,18 @@ def physical_memory() -> int | None:
         return None
 
 
-def _cgroup_room() -> int | None:
-    """What this process's cgroup (v2) may still take before its limit: the limit less what it
-    uses, less the file pages it could drop (``inactive_file``); None without a limit."""
+def cgroup_room(root: str = "/sys/fs/cgroup") -> int | None:
+    """What this process's cgroup (v2, its files under ``root``) may still take before its
+    limit: the limit less what it uses, less the file pages it could drop (``inactive_file``);
+    None without a limit."""
     try:
-        with open("/sys/fs/cgroup/memory.max") as f:
+        with open(os.path.join(root, "memory.max")) as f:
             limit = f.read().strip()
         if limit == "max":
             return None
-        with open("/sys/fs/cgroup/memory.current") as f:
+        with open(os.path.join(root, "memory.current")) as f:
             used = int(f.read())
-        with open("/sys/fs/cgroup/memory.stat") as f:
+        with open(os.path.join(root, "memory.stat")) as f:
             stat = dict(line.split() for line in f if line.count(" ") == 1)
         used -= int(stat.get("inactive_file", 0))
         return max(0, int(limit) - used)

@@ -5,7 +5,7 @@ The pure-Python twin reads records through ``SLOT_DTYPE`` itself."""
 
 import pytest
 
-from expertd.shm.layout import SLOT_DTYPE, SlotState
+from expertd.shm.layout import SLOT_DTYPE, SlotState, cgroup_room
 
 try:
     from expertd import _native
@@ -21,3 +21,18 @@ def test_the_native_slot_layout_is_the_dtype():
                                                             "state", "hits")}
     assert layout == {"size": SLOT_DTYPE.itemsize, **fields,
                       "filling": SlotState.FILLING, "ready": SlotState.READY}
+
+
+def test_a_cgroups_room_leaves_out_the_file_pages_it_could_drop(tmp_path):
+    """In a container with a memory limit, the page cache of the blob files counts in the
+    cgroup's use but would be dropped before anything swaps: the room is the limit less what
+    is used, less ``inactive_file``; without a limit, or files, there is none to bound by."""
+    (tmp_path / "memory.max").write_text("1000000\n")
+    (tmp_path / "memory.current").write_text("900000\n")
+    (tmp_path / "memory.stat").write_text("anon 300000\nfile 600000\ninactive_file 500000\n")
+    assert cgroup_room(str(tmp_path)) == 1000000 - (900000 - 500000)
+    (tmp_path / "memory.current").write_text("2000000\n")  # over the limit
+    assert cgroup_room(str(tmp_path)) == 0
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cgroup_room(str(tmp_path)) is None
+    assert cgroup_room(str(tmp_path / "absent")) is None
