@@ -288,7 +288,12 @@ class Steps:
         self._deferred: dict = {}
         self._top_k = session.manifest.top_k
         self.drains = Drains()
-        self.speculate_prompts = True  # bench/gpu_pull.py compares prompts waiting per layer
+        # Prompts speculate: None where the puller pulls on the device (the host copy waits
+        # for each layer's ids anyway, so a speculative prompt would only hold its epoch, and
+        # so other clients' refills, for the whole prompt, and replay it whole on an absent
+        # row); True with any puller (the tests cover the path with the host copy); False
+        # never (bench/gpu_pull.py compares prompts waiting per layer).
+        self.speculate_prompts: bool | None = None
         # A speculative prompt's stacks, a row per expert in each layer (see stacks_fit).
         self._stack_bytes = sum(layer.num_experts * session.manifest.layers[layer.index].expert_bytes
                                 for layer in layers)
@@ -348,6 +353,9 @@ class Steps:
                 self.session.drop_puller(found.drifted)
             if cause not in (("absent", "epoch") if prompt else ("absent",)) or attempt:
                 return None
+            # A client the daemon forgot (stopped past its client timeout) holds no epoch
+            # record: attach again first, or the replay would be lost the same way.
+            self.session.check_alive()
             for layer, experts in found.absent[:1] if prompt else found.absent:
                 self.session.demand_absent(layer.index, experts)
         return None
@@ -367,13 +375,16 @@ class Steps:
 
     def _speculate_prompt(self, tokens: int, cache) -> bool:
         """A prompt speculates: a puller assembles its stacks on the device (Metal's once its
-        pulls agreed with the host copy in every layer), whose pull rate was timed (a prompt
+        pulls agreed with the host copy in every layer; the host copy only where
+        :attr:`speculate_prompts` is True), whose pull rate was timed (a prompt
         waiting per layer times its pulls, for status and /metrics: the first that pulls
         does), speculation is not off, every stack fits (:func:`stacks_fit`), the caches can
         be trimmed back, and no prompt had to run per layer within PROMPT_RETRY prompts."""
         puller = self.session.puller
-        if (puller is None or not self.speculate_prompts or self.pipeline or not self.layers
+        if (puller is None or self.speculate_prompts is False or self.pipeline or not self.layers
                 or self.speculation.mode == "off"):
+            return False
+        if self.speculate_prompts is None and not puller.traceable:
             return False
         if self._prompts_waiting:
             self._prompts_waiting -= 1

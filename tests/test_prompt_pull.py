@@ -90,8 +90,12 @@ def extend(run: Lockstep, tokens: int) -> None:
 
 
 def streamed(blob_dir, rows: int, speculate: str = "auto", pull: str = "host"):
-    return load(blob_dir, pool_gb=pool_gb(blob_dir, rows), prefetch="off",
-                pool_backing="device", pull=pull, speculate=speculate)[0]
+    """A client whose prompts speculate with the host copy too (by default only a device's
+    pulls do: Steps.speculate_prompts), so that this CPU runs the path."""
+    model = load(blob_dir, pool_gb=pool_gb(blob_dir, rows), prefetch="off",
+                 pool_backing="device", pull=pull, speculate=speculate)[0]
+    model.expertd_session.steps.speculate_prompts = True
+    return model
 
 
 @contextmanager
@@ -232,6 +236,30 @@ def test_a_prompt_with_speculation_off_waits_per_layer(models, isolated_env, tmp
         Lockstep(resident, model, prompt_len=40)
         d = since(session, before)
         assert d["host_waits"] == layers and d["speculative_steps"] == 0, d
+
+
+def test_a_prompt_with_the_host_copy_waits_per_layer_by_default(models, isolated_env, tmp_path):
+    """The host copy waits for each layer's ids anyway: by default a prompt speculates only
+    where the device pulls, else a speculative prompt would hold its epoch (and so other
+    clients' refills) for the whole prompt and replay it whole on a row the arena lacks."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    layers = len(Manifest.load(blob_dir).layers)
+    resident = resident_model(model_dir)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
+        model = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off",
+                     pool_backing="device", pull="host")[0]
+        session = model.expertd_session
+        try:
+            assert session.puller.name == "host" and not session.puller.traceable
+            every_expert_read(session)
+            timing_prompt(resident, model, session, layers, 40)
+            before = counts(session)
+            run = Lockstep(resident, model, prompt_len=40)
+            d = since(session, before)
+            assert d["host_waits"] == layers and d["speculative_steps"] == 0, d
+            run.step()
+        finally:
+            session.close()
 
 
 def test_a_prompt_speculates_only_where_every_stack_fits_in_half_the_free_memory():

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from client_helpers import ROWS_MEDIUM, client_flags, pool_gb, prompt_ids, routed_model
 from harness import Daemon, RawClient, read_json_line, spawn_client, stop_process, wait_until
+from test_prompt_pull import ROWS_EVERY
 
 from expertd import native
 from expertd.protocol import Op
@@ -37,6 +38,8 @@ STEPS = 24  # decode steps; the client stops in the first one, from ARMED on, th
 ARMED = 2
 LEASE_TIMEOUT = 1.0  # the lease bound: how long a stopped step holds refills back
 FIELDS = [EPOCH_DTYPE.fields[name][1] for name in ("step", "lost", "pid")]
+PROMPT_TOKENS = 40  # a prompt (more than DECODE_IDS pairs at top-k 4), speculative after one
+PROMPT_STEPS = 4  # that times the pulls
 
 
 def record(client: RawClient, slot: int) -> tuple:
@@ -57,15 +60,16 @@ def process_state(pid: int) -> str:
     return out.stdout.strip()[:1] or "gone"
 
 
-def resident_logits(model_dir, steps: int) -> list:
-    """mlx-lm's own greedy decoding of the prompt: the logits of each step, float32."""
+def resident_logits(model_dir, steps: int, prompt: int = PROMPT) -> list:
+    """mlx-lm's own greedy decoding of a prompt of ``prompt`` tokens: the logits of each step,
+    float32."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from test_step import resident_model
 
     model = resident_model(model_dir)
     cache = make_prompt_cache(model)
-    x = mx.array([prompt_ids(PROMPT, model.args.vocab_size)])
+    x = mx.array([prompt_ids(prompt, model.args.vocab_size)])
     out = []
     for _ in range(steps + 1):
         logits = model(x, cache=cache)[:, -1, :]
@@ -75,10 +79,10 @@ def resident_logits(model_dir, steps: int) -> list:
     return out
 
 
-def compare(out: Path, model_dir) -> list:
+def compare(out: Path, model_dir, steps: int = STEPS, prompt: int = PROMPT) -> list:
     """The steps whose logits (in the client's ``out``) differ from resident mlx-lm's."""
     got = np.load(out)
-    want = resident_logits(model_dir, STEPS)
+    want = resident_logits(model_dir, steps, prompt)
     return [i for i, (dtype, logits) in enumerate(want)
             if got["dtypes"][i] != dtype or not np.array_equal(got["logits"][i], logits)]
 
@@ -221,6 +225,34 @@ def test_a_client_forgotten_while_stopped_between_steps_replays_exactly(models, 
 
 
 @pytest.mark.timeout(240)
+def test_a_prompt_forgotten_while_stopped_inside_it_is_replayed_once(models, isolated_env,
+                                                                    tmp_path):
+    """A speculative prompt stopped inside its step for longer than the client timeout: the
+    daemon forgets the client and frees its record, so the step is lost. Resumed, the client
+    says hello again before it replays the prompt, so the replay holds an epoch of its own and
+    is the only one; the prompt's logits and the decode steps' after it are resident's."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    flags = client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json", client_timeout=3.0)
+    out = tmp_path / "logits.npz"
+    with Daemon(blob_dir, isolated_env, *flags, "--lease-timeout", LEASE_TIMEOUT) as daemon:
+        proc = spawn_client("decode", blob_dir, out, "--prompt", PROMPT_TOKENS, "--steps",
+                            PROMPT_STEPS, "--armed", 0, script=Path(__file__))
+        try:
+            stop = stopped(proc)
+            assert stop.get("decode_step") == 0, f"the client never stopped in its prompt: {stop}"
+            wait_until(lambda: daemon.stats()["epoch_clients"] == 0, 30,
+                       "the daemon to forget the stopped client")
+            os.kill(proc.pid, signal.SIGCONT)
+            done = read_json_line(proc, 120)
+            assert proc.wait(30) == 0, proc.stderr.read()
+        finally:
+            stop_process(proc)
+    assert compare(out, model_dir, PROMPT_STEPS, PROMPT_TOKENS) == []
+    counters = done["counters"]
+    assert counters["reconnects"] >= 1 and counters["replays_epoch"] == 1, counters
+
+
+@pytest.mark.timeout(240)
 def test_a_client_killed_while_stopped_inside_a_step_holds_nothing_back(models, isolated_env,
                                                                         tmp_path):
     """SIGKILL to the client stopped inside its step, a refill held back for it (the lease
@@ -286,7 +318,8 @@ def decode_client(args) -> None:
 
         def assemble(self, layer, ids, pool):
             arrays, status = super().assemble(layer, ids, pool)
-            if (decode_status(np.array(status))[2] == ABSENT).any():
+            wanted = np.array(ids).reshape(-1) >= 0  # a prompt's stack leaves the rest unset
+            if ((decode_status(np.array(status))[2] == ABSENT) & wanted).any():
                 state["absent_step"] = box["session"].step_epoch.step
             return arrays, status
 
@@ -322,11 +355,14 @@ def decode_client(args) -> None:
     session = box["session"] = model.expertd_session
     box["last_layer"] = max(layer.index for layer in session.manifest.layers)
     assert isinstance(session.puller, DeviceLikePuller)
+    x = mx.array([prompt_ids(args.prompt, model.args.vocab_size)])
+    if args.armed == 0:  # a prompt that speculates: after one that waits per layer (it times
+        session.steps.speculate_prompts = True  # the pulls), with the host copy too
+        mx.eval(model(x, cache=make_prompt_cache(model)))
     cache = make_prompt_cache(model)
-    x = mx.array([prompt_ids(PROMPT, model.args.vocab_size)])
     logits_all, dtypes = [], []
-    for step in range(STEPS + 1):
-        state["decode_step"], state["armed"] = step, step >= ARMED
+    for step in range(args.steps + 1):
+        state["decode_step"], state["armed"] = step, step >= args.armed
         if step == args.pause_at:  # between two steps: the record shows an even step
             print(json.dumps(dict(paused=True, record=session.hello["epoch_slot"],
                                   step=session.step_epoch.step)), flush=True)
@@ -350,6 +386,10 @@ def main(argv=None) -> int:
     p.add_argument("out")
     p.add_argument("--ignore-lost", action="store_true")
     p.add_argument("--pause-at", type=int, default=-1, help="stop before this decode step")
+    p.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens")
+    p.add_argument("--steps", type=int, default=STEPS, help="decode steps")
+    p.add_argument("--armed", type=int, default=ARMED,
+                   help="stop inside a step from this one on (0: the prompt, speculative)")
     p.set_defaults(func=decode_client)
     args = parser.parse_args(argv)
     args.func(args)
