@@ -58,6 +58,7 @@ def snapshot(session) -> dict:
     t, c = session.timing, session.counters
     return dict(t=time.perf_counter(), sync_s=t["sync_s"], exposed_s=t["exposed_s"],
                 steps=c["steps"], host_waits=c["host_waits"], replays=c["replays"],
+                speculative_steps=c["speculative_steps"],
                 moved_bytes=sum(p.counters["moved"] * eb[p.layer] for p in session.pools),
                 ahead_bytes=sum(p.counters["ahead_used"] * eb[p.layer] for p in session.pools),
                 bytes_read=session.stats()["bytes_read"])
@@ -147,7 +148,13 @@ def summarize(runs: dict, moe_layers: int) -> dict:
     gbps = w["moved_bytes"] / w["exposed_s"] / 1e9 if w["moved_bytes"] and w["exposed_s"] else None
     bound = gbps * 1e9 / must if gbps and must else None
     per_token = {f"{k}_per_token": w[k] / steps
-                 for k in ("host_waits", "replays", "moved_bytes", "ahead_bytes", "bytes_read")}
+                 for k in ("host_waits", "replays", "moved_bytes", "ahead_bytes", "bytes_read",
+                           "speculative_steps")}
+    # A speculative step counts its one wait and itself when checked; a step waiting per layer
+    # counts a wait per MoE layer and no speculative step. So the waits beyond the speculative
+    # steps are the per-layer steps', whichever side of a window's edge a pipelined step was
+    # checked on.
+    per_token["per_layer_steps"] = (w["host_waits"] - w["speculative_steps"]) / moe_layers
     return dict(resident_tps=res_tps, streamed_tps=st_tps, ratio=st_tps / res_tps,
                 ratios=[s / r for s, r in zip(runs["st_tps"], runs["res_tps"])],
                 sync_us=sync, moves_us=moves, compute_us=1e6 * w["t"] / calls - sync - moves,

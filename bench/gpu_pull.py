@@ -98,7 +98,13 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
             runs = side_by_side(resident, streamed, tokenizer, ids, args)
             # Host waits per decode step over the decode windows (first token to last: the
             # prompts' per-layer waits are outside them), the issue's "per token".
-            decode_waits = summarize(runs, len(session.manifest.layers))["host_waits_per_token"]
+            window = summarize(runs, len(session.manifest.layers))
+            decode_waits = window["host_waits_per_token"]
+            # What the waits per decode step are made of: the speculative steps checked (a
+            # wait each, replays included) and the steps that waited per layer (auto's timing
+            # step among them), over the decode windows' steps.
+            decode_waits_split = dict(speculative_per_step=window["speculative_steps_per_token"],
+                                      per_layer_steps=window["per_layer_steps"])
             counts = window_counts(session, first)
             session_counts = dict(session.counters)
             split = streamed_split(streamed, tokenizer) if getattr(args, "own_loop", False) \
@@ -123,7 +129,8 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
                 ttft_ratios=[s / r for s, r in zip(runs["st_ttft"], runs["res_ttft"])],
                 prompt_replays={k: session_counts[k] for k in ("replays_absent", "replays_epoch")},
                 per_step={k: v / steps for k, v in counts.items() if k != "steps"},
-                decode_host_waits=decode_waits, split=split, **counts)
+                decode_host_waits=decode_waits, decode_waits_split=decode_waits_split,
+                split=split, **counts)
 
 
 def resident_split(model, tokenizer, steps: int = 32) -> dict:
@@ -390,6 +397,13 @@ def table(r: dict) -> str:
                              f"build {sp['build_ms']:.2f} ms (its async_eval "
                              f"{sp['launch_ms']:.2f} ms), evaluation {sp['wait_ms']:.2f} ms, "
                              f"check and bookkeeping {sp['book_ms']:.2f} ms")
+            ws = c.get("decode_waits_split")
+            if ws:
+                lines.append(f"- {c['case']}: the decode windows' host waits a step "
+                             f"({c['decode_host_waits']:.2f}) are {ws['speculative_per_step']:.3f}"
+                             f" speculative steps checked (replays and the windows' edges in "
+                             f"it) and {ws['per_layer_steps']:.0f} steps that waited per layer "
+                             f"in all (a wait per MoE layer each)")
     rate = r.get("rate")
     if rate:
         pinned, step_pinned = rate.get("pinned_gbps"), rate.get("step_pinned_gbps")
