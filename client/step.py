@@ -16,7 +16,8 @@ layer, as before): caches that cannot be trimmed back (linear-attention or SSM s
 cache that would wrap), pipeline ranks (their activations leave the rank during the step), and
 sessions that replay too often (:class:`Speculation`, judged from the observed replay rate).
 
-A prompt speculates where rows are pulled from the arena (a puller): each layer assembles a
+A prompt speculates where the device pulls rows from the arena (a device puller; the host copy
+waits for each layer's ids anyway, and there a prompt waits per layer): each layer assembles a
 stack with a row for every expert it routes to on the device (prompt_pull.py), and the prompt's
 model call waits once, as resident mlx-lm's does, instead of once per layer, which left the GPU
 idle while the host moved each layer's rows (bench/RESULTS.md, issue 24). A prompt that found
