@@ -6,13 +6,18 @@
 # pools-25% one): decode and a 512-token prompt's first token next to resident mlx-lm, the
 # prompt both speculative (one wait) and waiting per layer, in alternating rounds. ROUNDS
 # (default 5) sets the rounds; TESTS (pytest's -k and the like) runs the pull tests there
-# first; a warm machine skips the install when INSTALLED=1.
+# first, and PROBE (a family) bench/resident_probe.py before them (a fresh machine builds MLX's
+# CUDA kernels for about 200 s); a warm machine skips the install when INSTALLED=1.
 set -u
 if [ "${INSTALLED:-0}" != 1 ]; then
   bash /root/keep/a/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
   tail -1 "$OUT/install.log"; echo "installed at ${SECONDS}s"
 fi
 export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+if [ -n "${PROBE:-}" ]; then  # resident mlx-lm twice on a family's tiny model, e.g. PROBE=deepseek_v3
+  timeout 330 python3 bench/resident_probe.py --family "$PROBE" > "$OUT/probe.log" 2>&1
+  echo "probe rc=$? at ${SECONDS}s"; grep -v INFO "$OUT/probe.log" | cut -c1-300 | tail -12
+fi
 if [ -n "${TESTS:-}" ]; then  # the device's pulls in the suite's exactness tests, e.g. TESTS=-k device
   timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_prompt_pull.py tests/test_pull.py \
     $TESTS > "$OUT/tests.log" 2>&1; echo "tests rc=$? at ${SECONDS}s"; tail -3 "$OUT/tests.log"
