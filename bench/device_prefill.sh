@@ -7,7 +7,8 @@
 # prompt both speculative (one wait) and waiting per layer, in alternating rounds. ROUNDS
 # (default 5) sets the rounds; TESTS (pytest's -k and the like) runs the pull tests there
 # first, and PROBE (a family) bench/resident_probe.py before them (a fresh machine builds MLX's
-# CUDA kernels for about 200 s); a warm machine skips the install when INSTALLED=1.
+# CUDA kernels for about 200 s; CASES=none then skips gpu_pull.py); a warm machine skips the
+# install when INSTALLED=1.
 set -u
 if [ "${INSTALLED:-0}" != 1 ]; then
   bash /root/keep/a/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
@@ -22,6 +23,7 @@ if [ -n "${TESTS:-}" ]; then  # the device's pulls in the suite's exactness test
   timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_prompt_pull.py tests/test_pull.py \
     $TESTS > "$OUT/tests.log" 2>&1; echo "tests rc=$? at ${SECONDS}s"; tail -3 "$OUT/tests.log"
 fi
+[ "${CASES:-}" = none ] && exit 0  # the probe or the tests alone
 cd bench
 timeout $(( 585 - SECONDS )) python3 gpu_pull.py --cases "${CASES:-pooled-own}" \
   --rounds "${ROUNDS:-5}" --tokens 32 --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
