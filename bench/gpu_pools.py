@@ -98,11 +98,11 @@ def first_token(model, ids) -> tuple:
 def waiting_first_token(streamed, ids) -> tuple:
     """:func:`first_token` of a prompt that waits in each MoE layer (client/step.py)."""
     steps = streamed.expertd_session.steps
-    steps.speculate_prompts = False
+    kept, steps.speculate_prompts = steps.speculate_prompts, False
     try:
         return first_token(streamed, ids)
     finally:
-        steps.speculate_prompts = True
+        steps.speculate_prompts = kept
 
 
 def side_by_side(resident, streamed, tokenizer, ids, args) -> dict:

@@ -368,12 +368,10 @@ class StreamedLayer:
         stacked = isinstance(arrays, StackedRows)
         self._count(len(hit), pulled if stacked else experts)
         promoted = 0
-        if len(pulled) and stacked:
-            promoted = pool.promote(pulled.astype(np.int32), arrays, pulled,
-                                    weights=np.minimum(counts, PROMOTE_AFTER))
-        elif len(pulled):
-            promoted = pool.promote(pulled.astype(np.int32), arrays,
-                                    np.flatnonzero(experts >= 0)[first])
+        if len(pulled):
+            positions, weights = ((pulled, np.minimum(counts, PROMOTE_AFTER)) if stacked
+                                  else (np.flatnonzero(experts >= 0)[first], None))
+            promoted = pool.promote(pulled.astype(np.int32), arrays, positions, weights)
         self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))
         return promoted
 

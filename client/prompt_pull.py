@@ -60,6 +60,7 @@ def assemble(session, layer: int, experts: np.ndarray, pool):
         source = Stack(arrays, want.copy())
     return source.arrays
 
+
 def _pass(session, layer: int, chunk: np.ndarray, want: np.ndarray, source) -> list:
     wanted = np.flatnonzero(want >= 0)
     for _ in range(4):
