@@ -22,34 +22,34 @@ import mlx_lm
 from mlx_lm.models import base
 from mlx_lm.models.cache import make_prompt_cache
 
-from tools.synth import SynthConfig, synthesize
-
-TINY = dict(layers=3, experts=16, top_k=4, hidden=128, moe_inter=64)  # tests/conftest.py's
+from tools.synth import TINY, SynthConfig, synthesize
 
 
 def recorded(model, ids) -> tuple:
     """``(logits, [(name, output)])``: each attention's and MLP's output, in call order."""
     outputs = []
-    hooks = []
-    for i, layer in enumerate(model.model.layers):
-        for name in ("self_attn", "mlp"):
-            module = getattr(layer, name)
-            cls = type(module)
-            original = cls.__call__
+    names = {id(getattr(layer, part)): f"{i}.{part}"
+             for i, layer in enumerate(model.model.layers) for part in ("self_attn", "mlp")}
+    # A module's call is its class's: each class is wrapped once, its modules told by name.
+    hooks = {cls: cls.__call__ for cls in {type(getattr(layer, part)) for layer in
+                                           model.model.layers for part in ("self_attn", "mlp")}}
 
-            def call(self, *a, _orig=original, _name=f"{i}.{name}", _mod=module, **k):
-                out = _orig(self, *a, **k)
-                if self is _mod:
-                    mx.eval(out)
-                    outputs.append((_name, out))
-                return out
-            hooks.append((cls, original))
-            cls.__call__ = call
+    def wrapped(original):
+        def call(self, *a, **k):
+            out = original(self, *a, **k)
+            if id(self) in names:
+                mx.eval(out)
+                outputs.append((names[id(self)], out))
+            return out
+        return call
+
+    for cls, original in hooks.items():
+        cls.__call__ = wrapped(original)
     try:
         logits = model(ids, cache=make_prompt_cache(model))
         mx.eval(logits)
     finally:
-        for cls, original in reversed(hooks):
+        for cls, original in hooks.items():
             cls.__call__ = original
     return logits, outputs
 

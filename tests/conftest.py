@@ -14,10 +14,8 @@ from harness import SEEN_ARENAS, shm_exists
 from expertd.shm.layout import unlink_arena
 from expertd.tools.convert import convert
 from expertd.tools.safetensors import read_header
-from expertd.tools.synth import SynthConfig, synthesize
+from expertd.tools.synth import TINY, SynthConfig, synthesize
 
-# Small enough to build in a second, big enough that routing spreads over many experts.
-TINY = dict(layers=3, experts=16, top_k=4, hidden=128, moe_inter=64)
 FAMILY_MODES = [
     ("qwen3_moe", "affine", 4),
     ("mixtral", "affine", 8),

@@ -18,6 +18,9 @@ FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 MODES = ("affine", "mxfp4", "mxfp8", "nvfp4", "none")
 # Group sizes that each quantization mode allows (mlx.core.quantize).
 _MODE_GROUP = {"affine": 64, "mxfp4": 32, "mxfp8": 32, "nvfp4": 16}
+# The test suite's models (tests/conftest.py) and bench/resident_probe.py's: small enough to
+# build in a second, big enough that routing spreads over many experts.
+TINY = dict(layers=3, experts=16, top_k=4, hidden=128, moe_inter=64)
 _MODE_BITS = {"mxfp4": 4, "mxfp8": 8, "nvfp4": 4}  # the one width each allows
 
 
