@@ -86,6 +86,10 @@ def decode(model, tokenizer, tokens: int, temp: float, session=None, own_loop=Fa
     if session is not None:
         end = snapshot(session)
         run["window"] = {k: end[k] - start[k] for k in end}
+        # Its decode steps: the tokens after the first. Not the steps launched: expertd's loop
+        # launched the second token's step before the first token left (the window's first
+        # check) and counts each step at its launch, which made 8 tokens 7 checks of 6 steps.
+        run["window"]["tokens"] = len(out) - 1
     return run
 
 
@@ -140,7 +144,7 @@ def side_by_side(resident, streamed, tokenizer, ids, args) -> dict:
 def summarize(runs: dict, moe_layers: int) -> dict:
     """Medians, the per-layer split and the per-token counts of the decode windows."""
     w = {k: sum(win[k] for win in runs["windows"]) for k in runs["windows"][0]}
-    steps = w["steps"]  # decode steps (model calls) inside the windows
+    steps = w["tokens"]  # decode steps inside the windows: a token each, a check each
     calls = steps * moe_layers  # every MoE layer: a speculative step's layers record no timing
     res_tps, st_tps = statistics.median(runs["res_tps"]), statistics.median(runs["st_tps"])
     sync, moves = 1e6 * w["sync_s"] / calls, 1e6 * w["exposed_s"] / calls

@@ -401,9 +401,9 @@ def table(r: dict) -> str:
             if ws:
                 lines.append(f"- {c['case']}: the decode windows' host waits a step "
                              f"({c['decode_host_waits']:.2f}) are {ws['speculative_per_step']:.3f}"
-                             f" speculative steps checked (replays and the windows' edges in "
-                             f"it) and {ws['per_layer_steps']:.0f} steps that waited per layer "
-                             f"in all (a wait per MoE layer each)")
+                             f" speculative steps checked (replays in it) and "
+                             f"{ws['per_layer_steps']:.0f} steps that waited per layer in all "
+                             f"(a wait per MoE layer each)")
     rate = r.get("rate")
     if rate:
         pinned, step_pinned = rate.get("pinned_gbps"), rate.get("step_pinned_gbps")

@@ -119,9 +119,14 @@ class Speculation:
     def __post_init__(self):
         self.active = check_speculate(self.mode) != "off"
 
-    def wanted(self) -> bool:
-        if self.mode == "auto" and self.active and self.spec_s and not self.layer_s \
-                and self.window_steps == PROBE_AT:
+    def wanted(self, device: bool = False) -> bool:
+        """Whether the next decode step speculates. With the host copy (``device`` False) one
+        step of a window waits per layer, once, to time what speculating is weighed against:
+        a speculative step may cost what such a step does (both copy and compute on the
+        host), which stops auto without any replay. A ``device`` puller's speculative step
+        never costs that much, so the cost matters only once a step was replayed: it waits per
+        layer once then, and a session that is never replayed waits once a step."""
+        if self._probe_due(device):
             return False  # one step waiting per layer: what speculating is weighed against
         if self.mode != "auto" or self.active:
             return self.active
@@ -130,6 +135,11 @@ class Speculation:
             self.active, self.idle_steps = True, 0
             self._spec.clear()  # measured afresh: what stopped it may have passed
         return self.active
+
+    def _probe_due(self, device: bool) -> bool:
+        if self.mode != "auto" or not self.active or not self.spec_s or self.layer_s:
+            return False
+        return self.window_replays > 0 if device else self.window_steps == PROBE_AT
 
     def record(self, replayed: bool) -> None:
         self.window_steps += 1
@@ -601,7 +611,9 @@ class Steps:
 
     def _speculate(self, shape: tuple, cache, depth: int = 1) -> bool:
         """A decode step of tokens ``shape`` (see :func:`token_shape`) speculates."""
-        if self.pipeline or not self.layers or not self.speculation.wanted():
+        puller = self.session.puller
+        if self.pipeline or not self.layers or not self.speculation.wanted(
+                device=puller is not None and puller.traceable):
             return False
         if math.prod(shape) * self._top_k > DECODE_IDS:  # a batch: per layer
             return False

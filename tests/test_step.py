@@ -420,6 +420,30 @@ def test_auto_weighs_replays_against_the_waits_they_save():
     assert fast.active and fast.stopped == 0
 
 
+def test_a_device_puller_waits_per_layer_only_once_a_step_was_replayed():
+    """The per-layer probe costs a wait per MoE layer (12 on the bench's model: 0.11 of a wait
+    per token over 96 tokens, measured on an H100). A device puller's speculative step never
+    costs what waiting per layer does, so it probes only when a replay makes the cost matter;
+    the host copy probes at PROBE_AT as before."""
+    device = Speculation("auto")
+    device.timed(True, 1.0)
+    wanted = []
+    for _ in range(3 * WINDOW):
+        wanted.append(device.wanted(device=True))
+        device.record(False)
+    assert all(wanted) and device.active and device.layer_s == 0.0
+    device.record(True)  # a replay: the next step waits per layer, once
+    assert not device.wanted(device=True)
+    device.timed(False, 4.0)  # that step, timed
+    assert all(device.wanted(device=True) for _ in range(WINDOW)) and device.pays()
+    host = Speculation("auto")
+    host.timed(True, 1.0)
+    for _ in range(PROBE_AT):
+        assert host.wanted() and host.wanted(device=False)
+        host.record(False)
+    assert not host.wanted()  # the host copy's probe, replay or none
+
+
 def test_one_slow_step_decides_nothing_and_a_restart_measures_afresh():
     """The first speculative step compiles the device's kernels (hundreds of milliseconds on
     CUDA): one such step must not stop a speculation that pays, and a stop must not outlive
