@@ -6,6 +6,8 @@ reference. An H100 and an H200 (MLX CUDA 0.32.4) gave deepseek_v3's resident log
 each other twice in a row (2026-12-05); this tells where.
 
     python bench/resident_probe.py [--family deepseek_v3] [--length 17]
+
+For deepseek_v3 it then runs layer 0's attention op by op (see deepseek_ops).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.models import base
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from tools.synth import TINY, SynthConfig, synthesize
 
@@ -94,6 +96,75 @@ def sdpa_alone(model, ids) -> None:
               f"{mx.abs(a.astype(mx.float32) - ref.astype(mx.float32)).max().item()!r}")
 
 
+def poison() -> None:
+    """Fill MLX's buffer cache with NaN in many sizes: an op that reads memory it never wrote
+    (its output's or a temporary's) then shows NaN where a fresh buffer's zeros hid it."""
+    for shift in range(6, 23):
+        held = [mx.full((1 << shift,), mx.nan, mx.float32) for _ in range(4)]
+        mx.eval(*held)
+        del held
+
+
+def deepseek_ops(model, ids) -> None:
+    """Layer 0's attention of deepseek_v3 (mlx-lm's ``DeepseekV3Attention.__call__``) op by
+    op: each op's inputs evaluated first, then the op alone, twice, with NaN in MLX's buffer
+    cache before each, and against the same op on the CPU stream. Strided inputs (the splits)
+    are tried as they come and made contiguous."""
+    attn, layer = model.model.layers[0].self_attn, model.model.layers[0]
+    x = layer.input_layernorm(model.model.embed_tokens(ids))
+    mx.eval(x)
+    B, L, _ = x.shape
+    nope, rope_dim = attn.qk_nope_head_dim, attn.qk_rope_head_dim
+    mask = mx.arange(L)[None] <= mx.arange(L)[:, None]
+
+    def step(name, fn, *inputs):
+        mx.eval(*inputs)
+        outs = []
+        for _ in range(2):
+            poison()
+            outs.append(fn(*inputs))
+            mx.eval(outs[-1])
+        with mx.stream(mx.cpu):
+            ref = fn(*[mx.array(i) for i in inputs])
+            mx.eval(ref)
+        diff = mx.abs(outs[0].astype(mx.float32) - ref.astype(mx.float32)).max().item()
+        print(f"op {name}: twice equal {mx.array_equal(outs[0], outs[1], equal_nan=True).item()}; "
+              f"{describe(outs[0])} / nan={mx.isnan(outs[1]).sum().item()}; "
+              f"cpu nan={mx.isnan(ref).sum().item()}, largest difference {diff!r}", flush=True)
+        return outs[0]
+
+    qa = step("q_a_proj", attn.q_a_proj, x)
+    qn = step("q_a_layernorm", attn.q_a_layernorm, qa)
+    q = step("q_b_proj", attn.q_b_proj, qn)
+    q = q.reshape(B, L, attn.num_heads, attn.q_head_dim).transpose(0, 2, 1, 3)
+    q_nope, q_pe = mx.split(q, [nope], axis=-1)
+    ckv = step("kv_a_proj_with_mqa", attn.kv_a_proj_with_mqa, x)
+    latent, k_pe = mx.split(ckv, [attn.kv_lora_rank], axis=-1)
+    k_pe = k_pe.reshape(B, L, 1, rope_dim).transpose(0, 2, 1, 3)
+    kv = step("kv_a_layernorm (strided)", attn.kv_a_layernorm, latent)
+    step("kv_a_layernorm (contiguous)", attn.kv_a_layernorm, mx.contiguous(latent))
+    rq = step("rope q_pe (strided)", lambda t: attn.rope(t, 0), q_pe)
+    step("rope q_pe (contiguous)", lambda t: attn.rope(t, 0), mx.contiguous(q_pe))
+    rk = step("rope k_pe (strided)", lambda t: attn.rope(t, 0), k_pe)
+    step("rope k_pe (contiguous)", lambda t: attn.rope(t, 0), mx.contiguous(k_pe))
+    pe = step("pe_scores, k broadcast over heads", lambda a, b: (a * attn.scale) @ b.swapaxes(-1, -2),
+              rq, rk)
+    step("pe_scores, k repeated per head", lambda a, b: (a * attn.scale) @ mx.repeat(
+        b, attn.num_heads, axis=1).swapaxes(-1, -2), rq, rk)
+    pe = step("pe_scores masked", lambda t: mx.where(mask, t, mx.array(mx.finfo(t.dtype).min, t.dtype)),
+              pe)
+    kv = mx.expand_dims(kv, axis=1)
+    # The model's call passes a cache: k_pe and the latent come back as slices of its buffers.
+    step("KVCache latent", lambda a, b: KVCache().update_and_fetch(a, b)[0], kv, rk)
+    step("KVCache k_pe", lambda a, b: KVCache().update_and_fetch(a, b)[1], kv, rk)
+    step("pe_scores, cached k_pe", lambda a, b: (a * attn.scale) @ b.swapaxes(-1, -2), rq,
+         KVCache().update_and_fetch(kv, rk)[1])
+    k = step("embed_q (transpose=False)", lambda t: attn.embed_q(t, transpose=False), kv)
+    v = step("unembed_out", attn.unembed_out, kv)
+    step("sdpa, mask pe_scores", lambda a, b, c, m: mx.fast.scaled_dot_product_attention(
+        a, b, c, scale=attn.scale, mask=m), q_nope, k, v, pe)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,6 +189,8 @@ def main() -> int:
             same = mx.array_equal(x, y).item()
             print(f"  {name}: equal {same}; {describe(x)} / {describe(y)}")
         sdpa_alone(model, ids)
+        if args.family == "deepseek_v3":
+            deepseek_ops(model, ids)
     return 0
 
 
