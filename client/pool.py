@@ -340,9 +340,10 @@ def smallest_rows(layer, top_k: int) -> int:
     return min(layer.num_experts, max(1, top_k))
 
 
-def free_device_bytes() -> int | None:
-    """Free memory of a discrete GPU as MLX sees it, or None if it does not say."""
-    info = mx.device_info()
+def free_device_bytes(info: dict | None = None) -> int | None:
+    """Free memory of a discrete GPU as MLX sees it (``info``: ``mx.device_info()``, asked
+    for where not given), or None if it does not say."""
+    info = mx.device_info() if info is None else info
     if info.get("free_memory") is not None:  # CUDA says it (cudaMemGetInfo)
         return int(info["free_memory"])
     total = info.get("memory_size") or info.get("total_memory")
@@ -357,9 +358,10 @@ def free_memory() -> int | None:
     memory (shm.layout.available_memory: other processes' pages and, on Linux, the arena's are
     used there, where MLX's own figures count neither), within what MLX sees free of the
     device's size; None if neither is known."""
-    if mx.device_info().get("free_memory") is not None:  # a discrete GPU's (CUDA)
-        return free_device_bytes()
-    known = [b for b in (free_device_bytes(), available_memory()) if b is not None]
+    info = mx.device_info()
+    if info.get("free_memory") is not None:  # a discrete GPU's (CUDA)
+        return free_device_bytes(info)
+    known = [b for b in (free_device_bytes(info), available_memory()) if b is not None]
     return min(known) if known else None
 
 

@@ -188,10 +188,7 @@ def available_memory() -> int | None:
     MemAvailable; macOS's free and inactive pages, which leave out its file cache and so read
     low), within the cgroup's limit on Linux (its reclaimable file pages not counted as used);
     None if unknown."""
-    try:
-        available = int(psutil.virtual_memory().available)
-    except (psutil.Error, OSError, RuntimeError):
-        available = None
+    available = _virtual_memory("available")
     room = cgroup_room()
     if room is not None:
         available = room if available is None else min(available, room)
@@ -200,8 +197,13 @@ def available_memory() -> int | None:
 
 def physical_memory() -> int | None:
     """The host's RAM, None if unknown."""
+    return _virtual_memory("total")
+
+
+def _virtual_memory(field: str) -> int | None:
+    """One field of psutil's ``virtual_memory()``, None where psutil cannot read it."""
     try:
-        return int(psutil.virtual_memory().total)
+        return int(getattr(psutil.virtual_memory(), field))
     except (psutil.Error, OSError, RuntimeError):
         return None
 
