@@ -255,7 +255,8 @@ def pull_rate(blob_dir, cache_gb) -> dict:
     import numpy as np
 
     from expertd.client import pull
-    from expertd.client.session import Session, Stack
+    from expertd.client.prompt_pull import Stack
+    from expertd.client.session import Session
 
     out = dict(grids={})
     chosen = (pull.CHUNKS, pull.THREADS)

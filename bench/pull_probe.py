@@ -21,7 +21,8 @@ from gpu_pools import QWEN3_30B_SHAPES
 from gpu_pull import _median_eval
 
 from expertd.client import pull
-from expertd.client.session import Session, Stack
+from expertd.client.prompt_pull import Stack
+from expertd.client.session import Session
 from expertd.manifest import Manifest
 
 POOL = 32
