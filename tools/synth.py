@@ -102,11 +102,14 @@ class SynthConfig:
             return common | {
                 "intermediate_size": self.moe_inter * 2,
                 "moe_intermediate_size": self.moe_inter,
-                "n_shared_experts": 1,
+                # No quantized linear of 64 inputs (q_b_proj's, the shared expert's down
+                # projection): on MLX CUDA 0.32.4 one read memory it never wrote, so resident
+                # mlx-lm was unrepeatable there (bench/RESULTS.md, ninth session).
+                "n_shared_experts": 2,
                 "n_routed_experts": self.experts,
                 "routed_scaling_factor": 2.5,
                 "kv_lora_rank": 32,
-                "q_lora_rank": 64,
+                "q_lora_rank": self.hidden,
                 "qk_rope_head_dim": 16,
                 "v_head_dim": 32,
                 "qk_nope_head_dim": 32,
