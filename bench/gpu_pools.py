@@ -156,8 +156,7 @@ def summarize(runs: dict, moe_layers: int) -> dict:
                            "speculative_steps")}
     # A speculative step counts its one wait and itself when checked; a step waiting per layer
     # counts a wait per MoE layer and no speculative step. So the waits beyond the speculative
-    # steps are the per-layer steps', whichever side of a window's edge a pipelined step was
-    # checked on.
+    # steps are the per-layer steps'.
     per_token["per_layer_steps"] = (w["host_waits"] - w["speculative_steps"]) / moe_layers
     return dict(resident_tps=res_tps, streamed_tps=st_tps, ratio=st_tps / res_tps,
                 ratios=[s / r for s, r in zip(runs["st_tps"], runs["res_tps"])],

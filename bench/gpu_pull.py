@@ -102,7 +102,7 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
             decode_waits = window["host_waits_per_token"]
             # What the waits per decode step are made of: the speculative steps checked (a
             # wait each, replays included) and the steps that waited per layer (auto's timing
-            # step among them), over the decode windows' steps.
+            # step among them), over the decode windows' tokens after the first.
             decode_waits_split = dict(speculative_per_step=window["speculative_steps_per_token"],
                                       per_layer_steps=window["per_layer_steps"])
             counts = window_counts(session, first)

@@ -7,17 +7,16 @@ and to the shared expert's down projection, run twice.
     python bench/qmm_probe.py
 """
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import deepseek_v3
 from mlx_lm.models.cache import make_prompt_cache
-
-
-def poison() -> None:
-    for shift in range(6, 23):
-        held = [mx.full((1 << shift,), mx.nan, mx.float32) for _ in range(4)]
-        mx.eval(*held)
-        del held
+from resident_probe import poison, twice
 
 
 def qmm(m: int, k: int, n: int = 192, group: int = 64, bits: int = 4) -> str:
@@ -25,19 +24,9 @@ def qmm(m: int, k: int, n: int = 192, group: int = 64, bits: int = 4) -> str:
     w = mx.random.normal((n, k)).astype(mx.bfloat16)
     x = mx.random.normal((1, m, k)).astype(mx.bfloat16)
     wq, s, b = mx.quantize(w, group_size=group, bits=bits)
-    outs = []
-    for _ in range(2):
-        poison()
-        outs.append(mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits))
-        mx.eval(outs[-1])
-    with mx.stream(mx.cpu):
-        ref = mx.quantized_matmul(mx.array(x), mx.array(wq), mx.array(s), mx.array(b),
-                                  transpose=True, group_size=group, bits=bits)
-        mx.eval(ref)
-    nan = [mx.isnan(o).sum().item() for o in outs]
-    diff = mx.abs(outs[0].astype(mx.float32) - ref.astype(mx.float32)).max().item()
-    return (f"qmm M={m} K={k} N={n} group {group}: nan {nan} of {outs[0].size}, twice equal "
-            f"{mx.array_equal(outs[0], outs[1], equal_nan=True).item()}, vs cpu {diff!r}")
+    _, text = twice(lambda *a: mx.quantized_matmul(*a, transpose=True, group_size=group,
+                                                   bits=bits), x, wq, s, b)
+    return f"qmm M={m} K={k} N={n} group {group}: {text}"
 
 
 def model_twice(q_lora_rank: int, shared: int) -> str:

@@ -105,6 +105,24 @@ def poison() -> None:
         del held
 
 
+def twice(fn, *inputs) -> tuple:
+    """``(first, text)``: ``fn`` of ``inputs`` (evaluated first) run twice with NaN in MLX's
+    buffer cache before each (:func:`poison`) and once on the CPU stream, and what differed."""
+    mx.eval(*inputs)
+    outs = []
+    for _ in range(2):
+        poison()
+        outs.append(fn(*inputs))
+        mx.eval(outs[-1])
+    with mx.stream(mx.cpu):
+        ref = fn(*[mx.array(i) for i in inputs])
+        mx.eval(ref)
+    diff = mx.abs(outs[0].astype(mx.float32) - ref.astype(mx.float32)).max().item()
+    return outs[0], (f"twice equal {mx.array_equal(outs[0], outs[1], equal_nan=True).item()}; "
+                     f"{describe(outs[0])} / nan={mx.isnan(outs[1]).sum().item()}; "
+                     f"cpu nan={mx.isnan(ref).sum().item()}, largest difference {diff!r}")
+
+
 def deepseek_ops(model, ids) -> None:
     """Layer 0's attention of deepseek_v3 (mlx-lm's ``DeepseekV3Attention.__call__``) op by
     op: each op's inputs evaluated first, then the op alone, twice, with NaN in MLX's buffer
@@ -118,20 +136,9 @@ def deepseek_ops(model, ids) -> None:
     mask = mx.arange(L)[None] <= mx.arange(L)[:, None]
 
     def step(name, fn, *inputs):
-        mx.eval(*inputs)
-        outs = []
-        for _ in range(2):
-            poison()
-            outs.append(fn(*inputs))
-            mx.eval(outs[-1])
-        with mx.stream(mx.cpu):
-            ref = fn(*[mx.array(i) for i in inputs])
-            mx.eval(ref)
-        diff = mx.abs(outs[0].astype(mx.float32) - ref.astype(mx.float32)).max().item()
-        print(f"op {name}: twice equal {mx.array_equal(outs[0], outs[1], equal_nan=True).item()}; "
-              f"{describe(outs[0])} / nan={mx.isnan(outs[1]).sum().item()}; "
-              f"cpu nan={mx.isnan(ref).sum().item()}, largest difference {diff!r}", flush=True)
-        return outs[0]
+        first, text = twice(fn, *inputs)
+        print(f"op {name}: {text}", flush=True)
+        return first
 
     qa = step("q_a_proj", attn.q_a_proj, x)
     qn = step("q_a_layernorm", attn.q_a_layernorm, qa)

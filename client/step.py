@@ -65,6 +65,7 @@ REPLAY_CAUSES = {"pool": "an expert missed its pool", "absent": "a pulled expert
 REPLAY_COUNTERS = tuple(f"replays_{cause}" for cause in REPLAY_CAUSES if cause != "pool")
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
 PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
+# (with the host copy; a device puller's waits per layer once a step was replayed)
 TIMED_STEPS = 5  # the latest step times of each kind whose median the verdict weighs
 DRAIN_EVERY = 8  # one step in this many is drained (pipelined loop), while drains promote
 MAX_DRAIN_EVERY = 64  # the most, reached by doubling after each drain that promoted nothing
@@ -124,8 +125,10 @@ class Speculation:
         step of a window waits per layer, once, to time what speculating is weighed against:
         a speculative step may cost what such a step does (both copy and compute on the
         host), which stops auto without any replay. A ``device`` puller's speculative step
-        never costs that much, so the cost matters only once a step was replayed: it waits per
-        layer once then, and a session that is never replayed waits once a step."""
+        never costs that much, so the cost matters only once a step was replayed: the step
+        after it waits per layer (in the pipelined loop, the replay's own run; elsewhere the
+        replay itself ran per layer and timed it), and a session never replayed waits once a
+        step."""
         if self._probe_due(device):
             return False  # one step waiting per layer: what speculating is weighed against
         if self.mode != "auto" or self.active:

@@ -259,6 +259,39 @@ def test_pulled_calls_compile_with_the_puller_they_were_made_with(models, isolat
             runtime.close()
 
 
+@pytest.mark.parametrize("device", [True, False], ids=["device-puller", "host-copy"])
+def test_auto_probes_the_per_layer_cost_only_with_the_host_copy(models, isolated_env, tmp_path,
+                                                                device):
+    """Steps tells Speculation which puller pulls: under auto, a device puller's decode (the
+    stand-in, traceable as the kernels are) waits once a step while nothing is replayed, and
+    never times a step waiting per layer; the host copy's does (at PROBE_AT, or after rows
+    found absent ran a step per layer)."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 6), prefetch="off", pull="host",
+                        speculate="auto")
+        runtime, steps = model.expertd_session, model.__dict__["_expertd_steps"]
+        session = steps.session
+        if device:
+            session.puller = GatherPuller(session.puller, expert_stacks(resident, session.manifest))
+        try:
+            run = Lockstep(resident, model)
+            before = counters(session)
+            for _ in range(2 * MIN_WINDOW):
+                run.step()
+            d = delta(counters(session), before)
+            if device:  # nothing is ever absent: the stand-in pulls the checkpoint's bytes
+                assert d["replays"] == 0 and d["host_waits"] == d["speculative_steps"] \
+                    == 2 * MIN_WINDOW, d
+                assert steps.speculation.layer_s == 0.0  # never timed: no step waited per layer
+            else:  # timed by the probe, or by a step run per layer after rows were absent
+                assert steps.speculation.layer_s > 0, d
+        finally:
+            session.puller = None
+            runtime.close()
+
+
 def test_only_a_block_called_with_its_input_alone_is_guarded(models):
     """guard_block installs a new object of the block's class with BlockGuard in front,
     holding the same children, and leaves the block as it was; a decoder layer (called with
@@ -435,7 +468,10 @@ def test_a_device_puller_waits_per_layer_only_once_a_step_was_replayed():
     device.record(True)  # a replay: the next step waits per layer, once
     assert not device.wanted(device=True)
     device.timed(False, 4.0)  # that step, timed
-    assert all(device.wanted(device=True) for _ in range(WINDOW)) and device.pays()
+    assert all(device.wanted(device=True) for _ in range(WINDOW))
+    for _ in range(MIN_WINDOW):  # weighed now: 1.0 + 1/5 * 4.0 < 4.0
+        device.record(False)
+    assert device.pays() and device.active
     host = Speculation("auto")
     host.timed(True, 1.0)
     for _ in range(PROBE_AT):

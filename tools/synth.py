@@ -102,14 +102,16 @@ class SynthConfig:
             return common | {
                 "intermediate_size": self.moe_inter * 2,
                 "moe_intermediate_size": self.moe_inter,
-                # No quantized linear of 64 inputs (q_b_proj's, the shared expert's down
-                # projection): on MLX CUDA 0.32.4 one read memory it never wrote, so resident
-                # mlx-lm was unrepeatable there (bench/RESULTS.md, ninth session).
-                "n_shared_experts": 2,
+                # No dense quantized linear of fewer than 128 inputs (q_b_proj's, the shared
+                # experts' down projection): on MLX CUDA 0.32.4 q_b_proj of 64 inputs read
+                # memory it never wrote, so resident mlx-lm was unrepeatable there
+                # (bench/RESULTS.md, ninth session). The routed experts' down projections
+                # (gather_qmm, another kernel) keep moe_inter inputs: repeatable there.
+                "n_shared_experts": max(1, -(-128 // self.moe_inter)),
                 "n_routed_experts": self.experts,
                 "routed_scaling_factor": 2.5,
                 "kv_lora_rank": 32,
-                "q_lora_rank": self.hidden,
+                "q_lora_rank": max(self.hidden, 128),
                 "qk_rope_head_dim": 16,
                 "v_head_dim": 32,
                 "qk_nope_head_dim": 32,
