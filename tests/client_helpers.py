@@ -82,9 +82,11 @@ def prompt_ids(length: int, vocab: int, seed: int = 0) -> list:
 def require_repeatable(resident, length: int) -> None:
     """Resident mlx-lm gives the same logits twice for a prompt of ``length`` (see
     :func:`prompt_ids`), or the test cannot compare streamed logits with anything. On CUDA that
-    is an expected failure: MLX CUDA 0.32.4 gives deepseek_v3's resident attention NaN rows that
-    change from call to call (bench/resident_probe.py, bench/RESULTS.md 2026-12-05). On any
-    other backend it fails the test: this CPU and Metal have always been repeatable."""
+    is an expected failure: MLX CUDA 0.32.4 gave the earlier tiny deepseek_v3's resident
+    attention NaN rows that changed from call to call, from a 4-bit linear of 64 inputs
+    (bench/resident_probe.py, bench/RESULTS.md 2026-12-05; tools.synth no longer makes one, not
+    yet run there). On any other backend it fails the test: this CPU and Metal have always been
+    repeatable."""
     import mlx.core as mx
     import pytest
     from mlx_lm.models.cache import make_prompt_cache
