@@ -11,12 +11,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models import deepseek_v3
 from mlx_lm.models.cache import make_prompt_cache
-from resident_probe import poison, twice
+from mlx_lm.utils import quantize_model
+from resident_probe import probe_ids, twice
+
+from tools.synth import TINY, SynthConfig
 
 
 def qmm(m: int, k: int, n: int = 192, group: int = 64, bits: int = 4) -> str:
@@ -30,28 +33,16 @@ def qmm(m: int, k: int, n: int = 192, group: int = 64, bits: int = 4) -> str:
 
 
 def model_twice(q_lora_rank: int, shared: int) -> str:
-    args = deepseek_v3.ModelArgs(
-        model_type="deepseek_v3", vocab_size=512, hidden_size=128, intermediate_size=128,
-        moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, n_shared_experts=shared, n_routed_experts=16,
-        routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=q_lora_rank,
-        qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, topk_method="noaux_tc",
-        scoring_func="sigmoid", norm_topk_prob=True, n_group=1, topk_group=1,
-        num_experts_per_tok=4, moe_layer_freq=1, first_k_dense_replace=1)
+    """The suite's tiny deepseek_v3 (tools.synth's config, random weights, 4-bit) with
+    ``q_lora_rank`` and ``shared`` experts, run twice and on the CPU (resident_probe.twice)."""
+    config = SynthConfig(**{**TINY, "family": "deepseek_v3"}).model_config(512) | {
+        "q_lora_rank": q_lora_rank, "n_shared_experts": shared}
     mx.random.seed(0)
-    model = deepseek_v3.Model(args)
-    nn.quantize(model, group_size=64, bits=4, class_predicate=lambda _, m: hasattr(m, "to_quantized")
-                and m.weight.shape[-1] % 64 == 0)
-    mx.eval(model.parameters())
-    ids = mx.array([[(37 * i + 11) % 496 + 8 for i in range(17)]])
-    outs = []
-    for _ in range(2):
-        poison()
-        outs.append(model(ids, cache=make_prompt_cache(model)))
-        mx.eval(outs[-1])
-    nan = [mx.isnan(o).sum().item() for o in outs]
-    return (f"deepseek_v3 q_lora_rank {q_lora_rank}, shared experts {shared}: logits nan {nan}"
-            f" of {outs[0].size}, twice equal {mx.array_equal(outs[0], outs[1], equal_nan=True).item()}")
+    model = deepseek_v3.Model(deepseek_v3.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)  # synth's default dtype
+    model, _ = quantize_model(model, config, 64, 4)
+    _, text = twice(lambda t: model(t, cache=make_prompt_cache(model)), probe_ids(512, 17))
+    return f"deepseek_v3 q_lora_rank {q_lora_rank}, shared experts {shared}: logits {text}"
 
 
 if __name__ == "__main__":

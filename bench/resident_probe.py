@@ -96,6 +96,11 @@ def sdpa_alone(model, ids) -> None:
               f"{mx.abs(a.astype(mx.float32) - ref.astype(mx.float32)).max().item()!r}")
 
 
+def probe_ids(vocab: int, length: int):
+    """A prompt of ``length`` token ids spread over the vocabulary (the tests' prompt_ids)."""
+    return mx.array([[(37 * i + 11) % (vocab - 16) + 8 for i in range(length)]])
+
+
 def poison() -> None:
     """Fill MLX's buffer cache with NaN in many sizes: an op that reads memory it never wrote
     (its output's or a temporary's) then shows NaN where a fresh buffer's zeros hid it."""
@@ -185,8 +190,7 @@ def main() -> int:
                    progress=False)
         print("synthesized", flush=True)
         model = mlx_lm.load(str(out))[0]
-        vocab = model.args.vocab_size
-        ids = mx.array([[(37 * i + 11) % (vocab - 16) + 8 for i in range(args.length)]])
+        ids = probe_ids(model.args.vocab_size, args.length)
         (a, ra) = recorded(model, ids)
         print("first run done", flush=True)
         (b, rb) = recorded(model, ids)
