@@ -73,7 +73,7 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
                                     or not steps.plan(y[None], cache)):
             if steps.settle(current) is not None:
                 trim(cache, 1)
-                _rewind(key)
+                rewind(key)
                 y, logprobs = _sample(model(inputs[None], cache=cache), sampler)
             current = None
         nxt = None
@@ -85,7 +85,7 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
         if current is not None:
             if steps.settle(current, nxt) is not None:  # y is wrong, and nxt (abandoned)
                 trim(cache, 2)
-                _rewind(key)
+                rewind(key)
                 y, logprobs = _sample(model(inputs[None], cache=cache), sampler)
                 current = None
                 continue
@@ -98,7 +98,7 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
         inputs, y, logprobs, current, key = y, next_y, next_logprobs, nxt, next_key
 
 
-def _rewind(key) -> None:
+def rewind(key) -> None:
     """Set MLX's global random key back to ``key`` (an array taken from
     ``mx.random.state``): ``mx.random.seed`` of the 64-bit number whose halves the key holds."""
     import numpy as np

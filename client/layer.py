@@ -44,9 +44,20 @@ def _distinct_per_row(values: np.ndarray) -> np.ndarray:
     return v[first & (v >= 0)]
 
 
+def stacked(shape) -> bool:
+    """A pulled call of router ids of ``shape`` assembles a stack, each routed expert pulled
+    once (see :meth:`StreamedLayer._stacked_call`), rather than a row per (token, slot) pair:
+    a prompt's call (more than DECODE_IDS pairs), or a decode step of several sequences,
+    whose shared experts are pulled once and computed as resident's are."""
+    return math.prod(shape) > DECODE_IDS or math.prod(shape[:-1]) > 1
+
+
 class StackedRows(list):
     """A stacked call's arrays (see :meth:`StreamedLayer._stacked_call`): expert e's bytes
-    are in row e."""
+    are in row e, or, where the stack is ``compact`` (fewer rows than experts), in the row of
+    e's rank among the call's routed experts."""
+
+    compact = False
 
 
 @dataclass
@@ -205,7 +216,7 @@ class StreamedLayer:
         self._seen = (indices.shape, indices.dtype)  # what block_call learns of its shape
         puller = self._current(session.puller)
         kind = self._kind(puller)
-        if kind == "pulled" and indices.size > DECODE_IDS:  # a prompt's
+        if kind == "pulled" and stacked(indices.shape):  # a prompt's, a batch's decode
             out, status, arrays = self._stacked_call(module, x, indices, puller)
             if records is not None:
                 records.append((self, indices, status, arrays))
@@ -228,18 +239,33 @@ class StreamedLayer:
                                                              *self._inputs(kind))[0]
 
     def _stacked_call(self, module, x, indices, puller) -> tuple:
-        """A prompt's speculative call: ``(out, status, stack)``. The experts its router chose
-        are pulled into a stack with a row for every expert (prompt_pull.py), decided on the
-        device (no wait), and mlx-lm's call runs on it with the router's own ids, as resident.
-        ``status``: each pair's, that of its expert's row (see pull.py); ``stack``: the
-        stack's arrays (:class:`StackedRows`), kept for the step's check, which promotes
-        from them (step.stacks_fit bounds what the prompt's stacks may take)."""
+        """A prompt's or a batch's speculative call: ``(out, status, stack)``. The experts its
+        router chose are pulled into a stack (prompt_pull.py), each once however many pairs
+        route to it, decided on the device (no wait), and mlx-lm's call runs on it as
+        resident's does. A call of fewer pairs than experts (a batch's decode) stacks only
+        as many rows, the routed experts in order, and its ids are mapped onto their ranks:
+        the map keeps their order, so mlx-lm's sort groups and orders the pairs exactly as
+        resident's. Else the stack has a row for every expert and the router's own ids
+        compute. ``status``: each pair's, that of its expert's row (see pull.py); ``stack``:
+        the stack's arrays (:class:`StackedRows`), kept for the step's check, which promotes
+        from them (step.stacks_fit bounds what a prompt's stacks may take)."""
         pool, n = self.pool, self.num_experts
         flat = indices.reshape(-1)
         routed = mx.zeros((n,), mx.int32).at[flat].add(1) > 0
-        want = mx.where(routed, mx.arange(n, dtype=mx.int32), -1)
+        every = mx.arange(n, dtype=mx.int32)
+        span = min(n, flat.size)
+        if span == n:
+            want, ids, rank = mx.where(routed, every, -1), indices, None
+        else:
+            order = mx.sort(mx.where(routed, every, n))[:span]  # unrouted last, as n
+            want = mx.where(order < n, order, -1)
+            rank = mx.cumsum(routed.astype(mx.int32)) - 1
+            ids = rank[indices].astype(indices.dtype)
         arrays, rows = puller.assemble(self.index, want, pool)  # the host copy waits for want
-        return compute(module, self.segments, arrays, x, indices), rows[flat], StackedRows(arrays)
+        stack = StackedRows(arrays)
+        stack.compact = rank is not None
+        status = rows[flat] if rank is None else rows[rank[flat]]
+        return compute(module, self.segments, arrays, x, ids), status, stack
 
     def _kind(self, puller) -> str:
         """Which speculative call this layer makes now (see :meth:`_graph`): "pulled" with a
@@ -311,7 +337,8 @@ class StreamedLayer:
         pool, session = self.pool, self.session
         puller = self._current(session.puller)
         kind = self._kind(puller)
-        if not self.compiled or like is None or (kind == "pulled" and not puller.traceable):
+        if not self.compiled or like is None or (kind == "pulled" and (
+                not puller.traceable or stacked(like[0]))):
             self._seen = None
             y = block.plain_call(x)
             if self._seen is not None and math.prod(self._seen[0]) <= DECODE_IDS:
@@ -365,27 +392,32 @@ class StreamedLayer:
         pool.touch(hit)
         pulled, first, counts = np.unique(experts[experts >= 0], return_index=True,
                                           return_counts=True)
-        stacked = isinstance(arrays, StackedRows)
-        self._count(len(hit), pulled if stacked else experts)
+        stack = isinstance(arrays, StackedRows)
+        self._count(len(hit), pulled if stack else experts)
+        used = np.union1d(pool.expert_of[hit], pulled).astype(np.int32)  # in the stack's order
         promoted = 0
         if len(pulled):
-            positions, weights = ((pulled, np.minimum(counts, PROMOTE_AFTER)) if stacked
-                                  else (np.flatnonzero(experts >= 0)[first], None))
+            if stack:  # a compact stack holds the routed experts in order
+                where = np.searchsorted(used, pulled) if arrays.compact else pulled
+                positions, weights = where, np.minimum(counts, PROMOTE_AFTER)
+            else:
+                positions, weights = np.flatnonzero(experts >= 0)[first], None
             promoted = pool.promote(pulled.astype(np.int32), arrays, positions, weights)
-        self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32))
+        self._report(used)
         return promoted
 
     def after_pulled_steps(self, rows: np.ndarray, experts: np.ndarray) -> None:
         """The counting of several steps' pulled calls at once (``(steps, pairs)`` each, as
-        :meth:`after_pull` takes one step's), nothing promoted: each step's distinct hits and
+        :meth:`after_pull` takes one step's; -1 pads a step of fewer pairs), nothing promoted: each step's distinct hits and
         pulls counted once (ExpertPool.count_steps), and the experts used reported to the
         daemon at the rate step-by-step counting reports them (one report per REPORT_EVERY
         steps, each of the experts those steps used)."""
         pool = self.pool
         hit, times = np.unique(_distinct_per_row(rows), return_counts=True)
-        pulled, counts = np.unique(_distinct_per_row(experts), return_counts=True)
+        each = _distinct_per_row(experts)  # a step pulls each expert once (one token's
+        pulled, counts = np.unique(each, return_counts=True)  # pairs are distinct; a stack's)
         pool.count_steps(hit, times, pulled, counts)
-        self._count(int(times.sum()), experts)
+        self._count(int(times.sum()), each)
         for start in range(0, rows.shape[0], REPORT_EVERY):
             r, e = rows[start:start + REPORT_EVERY], experts[start:start + REPORT_EVERY]
             used = np.union1d(pool.expert_of[r[r >= 0]], e[e >= 0]).astype(np.int32)

@@ -100,6 +100,9 @@ class Session:
                              late_leases=0, prefetch_asked=0, misses=0, prefetch_saved=0,
                              hits_reported=0, steps=0, host_waits=0, speculative_steps=0,
                              unchecked_steps=0, replays=0, pulled_steps=0,
+                             # decode steps' sequences (tokens), steps of several, and of
+                             # those checked: pairs routed, distinct experts (a layer each)
+                             decode_tokens=0, batch_steps=0, routed_pairs=0, union_experts=0,
                              **dict.fromkeys(REPLAY_COUNTERS, 0))
         # Where the main thread's time goes per MoE layer call (see layer.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,

@@ -23,8 +23,11 @@ model call waits once, as resident mlx-lm's does, instead of once per layer, whi
 idle while the host moved each layer's rows (bench/RESULTS.md, issue 24). A prompt that found
 rows absent from the arena twice, or lost its epoch twice, runs again per layer (which demands
 rows layer by layer, as a small arena needs), and the next PROMPT_RETRY prompts wait per layer
-straight away. A decode step of a batch (more than DECODE_IDS pairs, one token each) waits per
-layer.
+straight away.
+
+A decode step of several sequences (a batch: client/batch.py) is one step like a single
+sequence's: one wait, the union of the experts its sequences route to pulled once a layer
+(layer.stacked), and a replay trims every sequence's cache by the step's token.
 """
 
 import logging
@@ -196,6 +199,15 @@ def _parts(records: list) -> list:
     return out
 
 
+def _rows(arrays: list) -> np.ndarray:
+    """1-D arrays as the rows of one, each padded with -1 to the longest (a batch's steps
+    differ in length where sequences joined or left between them)."""
+    out = np.full((len(arrays), max(len(a) for a in arrays)), -1, np.int64)
+    for row, a in zip(out, arrays):
+        row[:len(a)] = a
+    return out
+
+
 def token_shape(inputs, kwargs: dict) -> tuple:
     """The shape of a model call's tokens: its ids', or its input embeddings' less their last
     axis where it passes those (mlx-lm's models then take ids of size 0)."""
@@ -256,6 +268,7 @@ class Launched:
     records: list | None  # (layer, ids, status, arrays) to check; None: nothing to check
     flat: list  # the lazy ids / statuses the check reads
     launched: int | None  # the epoch record's step when launched (None: no device pulls)
+    sequences: int = 1  # the step's sequences (tokens: a decode step is one a sequence)
 
 
 class StepGuard:
@@ -312,8 +325,28 @@ class Steps:
         self._stack_bytes = sum(layer.num_experts * session.manifest.layers[layer.index].expert_bytes
                                 for layer in layers)
         self._prompts_waiting = 0  # prompts still to wait per layer (see PROMPT_RETRY)
+        self._holder = None  # who settles a launched step in flight (see hold)
+
+    def hold(self, holder) -> None:
+        """``holder`` (client/batch.py's batch) has a launched step in flight that it settles
+        itself: any other model call settles it first (``holder.settle_held()``), since that
+        call may demand rows (which the daemon would refill only after the held step's epoch)
+        or promote into a pool the held step reads."""
+        self._holder = holder
+
+    def release(self, holder) -> None:
+        """``holder`` settled its step: nothing of it is in flight."""
+        if self._holder is holder:
+            self._holder = None
+
+    def settle_held(self) -> None:
+        """Have the holder of a launched step (see :meth:`hold`) settle it now."""
+        holder, self._holder = self._holder, None
+        if holder is not None:
+            holder.settle_held()
 
     def run(self, forward, inputs, args: tuple, kwargs: dict):
+        self.settle_held()
         # A step starts attached: after a daemon's death or a failed or interrupted wait for
         # it, the session attaches again here (or raises DaemonNotRunning), before any layer.
         self.session.check_alive()
@@ -333,9 +366,10 @@ class Steps:
         pairs = math.prod(shape) * self._top_k
         if pairs > DECODE_IDS and shape[-1] > 1:
             return self._prompt(forward, inputs, args, kwargs, cache, shape[-1])
+        self._count_decode(shape)
         if not self._speculate(shape, cache):
             if (self.speculation.mode == "auto" and self.layers and not self.pipeline
-                    and pairs <= DECODE_IDS):
+                    and (pairs <= DECODE_IDS or shape[-1] == 1)):
                 return self._per_layer(forward, inputs, args, kwargs)  # measured while paused
             return forward(inputs, *args, **kwargs)
         logits = self._attempts(forward, inputs, args, kwargs, cache, shape[-1], prompt=False)
@@ -422,15 +456,17 @@ class Steps:
         self.session.check_alive()
         counters = self.session.counters
         counters["steps"] += 1
+        sequences = self._count_decode(token_shape(inputs, kwargs))
         if self._unchecked():
             counters["unchecked_steps"] += 1
             return Launched(self._without_waits(forward, inputs, args, kwargs, None)[0],
-                            None, [], None)
+                            None, [], None, sequences)
         cache = kwargs.get("cache", args[0] if args else None)
         planned, self._planned = self._planned, None
         if not (self.plan(inputs, cache) if planned is None else planned):
             self.flush()
-            return Launched(self._per_layer(forward, inputs, args, kwargs), None, [], None)
+            return Launched(self._per_layer(forward, inputs, args, kwargs), None, [], None,
+                            sequences)
         epoch = self.session.step_epoch if self.session.puller is not None else None
         launched = None
         if epoch is not None:
@@ -445,7 +481,7 @@ class Steps:
             raise
         # Not started here: the caller starts what it samples from the logits and ``flat`` in
         # one mx.async_eval (on CUDA each is a graph encoded and launched on this thread).
-        return Launched(logits, records, self._flat(records), launched)
+        return Launched(logits, records, self._flat(records), launched, sequences)
 
     def plan(self, inputs, cache) -> bool:
         """Whether the next :meth:`launch` on ``inputs`` will speculate (decided now, once). A
@@ -496,7 +532,7 @@ class Steps:
                 self.abandon(after)
             if cause == "device":
                 session.drop_puller(found.drifted)  # once nothing in flight reads it
-            counters["steps"] -= 1  # the replay through the model counts it (as run() does)
+            self._uncount(step)  # the replay through the model counts it (as run() does)
             self._count_replay(cause)
             for layer, experts in found.absent:
                 session.demand_absent(layer.index, experts)
@@ -506,7 +542,7 @@ class Steps:
         """A launched step that will never be used (built on a bad step's token): its reads
         end before its epoch does, with nothing else in flight. It is launched again, and
         counted then."""
-        self.session.counters["steps"] -= 1
+        self._uncount(step)
         if step.records is None:
             return
         mx.eval(*step.flat)
@@ -612,13 +648,38 @@ class Steps:
         if cause != "pool":
             counters[f"replays_{cause}"] += 1
 
+    def _count_decode(self, shape: tuple) -> int:
+        """A decode step (one token a sequence) of tokens ``shape``: its sequences counted and
+        returned (0 for a call that is no decode step)."""
+        if not shape or shape[-1] != 1:
+            return 0
+        sequences = math.prod(shape)
+        counters = self.session.counters
+        counters["decode_tokens"] += sequences
+        counters["batch_steps"] += sequences > 1
+        return sequences
+
+    def _uncount(self, step: Launched) -> None:
+        """A launched step that runs again (replayed, or launched anew) is counted then."""
+        counters = self.session.counters
+        counters["steps"] -= 1
+        counters["decode_tokens"] -= step.sequences
+        counters["batch_steps"] -= step.sequences > 1
+
+    def _count_union(self, parts: list, experts: list) -> None:
+        """A checked step of several sequences: the pairs its layers routed, and the distinct
+        experts among them (``experts``: each layer's, in ``parts``' order), whose ratio says
+        how much a batch's pulls are shared."""
+        counters = self.session.counters
+        for ((_, ids, _, _), part), used in zip(parts, experts):
+            counters["routed_pairs"] += part.stop - part.start
+            counters["union_experts"] += len(np.unique(used[used >= 0]))
+
     def _speculate(self, shape: tuple, cache, depth: int = 1) -> bool:
         """A decode step of tokens ``shape`` (see :func:`token_shape`) speculates."""
         puller = self.session.puller
         if self.pipeline or not self.layers or not self.speculation.wanted(
                 device=puller is not None and puller.traceable):
-            return False
-        if math.prod(shape) * self._top_k > DECODE_IDS:  # a batch: per layer
             return False
         return cache is None or replayable(cache, depth * shape[-1])
 
@@ -651,6 +712,13 @@ class Steps:
             found.drifted = self._drifted(pulled, kinds)
             if found.drifted is not None:
                 return "device"
+        shape = records[0][1].shape if records else ()
+        if len(shape) >= 3 and shape[-2] == 1 and math.prod(shape[:-2]) > 1:  # a batch's decode
+            self._count_union(plain, [ids[part] for _, part in plain])
+            self._count_union(pulled, [np.where(rows[part] >= 0,
+                                                layer.pool.expert_of[np.maximum(rows[part], 0)],
+                                                experts[part])
+                                       for (layer, _, _, _), part in pulled])
         for (layer, _, _, _), part in plain:
             layer.after_speculation(ids[part])
         if pulled and promote:
@@ -681,5 +749,4 @@ class Steps:
         """Count the pulled steps whose bookkeeping waited (see :meth:`_check`)."""
         deferred, self._deferred = self._deferred, {}
         for layer, steps in deferred.values():
-            layer.after_pulled_steps(np.stack([r for r, _ in steps]),
-                                     np.stack([e for _, e in steps]))
+            layer.after_pulled_steps(_rows([r for r, _ in steps]), _rows([e for _, e in steps]))
