@@ -128,11 +128,11 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
         DaemonNotRunning: no daemon serves ``blob_dir`` (the message says how to start one).
     """
     import mlx.core as mx
-    from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
     from expertd.client import load
+    from expertd.client.decode import stream_generate  # mlx-lm's, on expertd's pipelined step
     from expertd.client.generate import xtc_special_tokens
 
     mx.random.seed(seed)  # before the load, as mlx_lm.chat (building the model draws from it)

@@ -47,9 +47,9 @@ def _distinct_per_row(values: np.ndarray) -> np.ndarray:
 def stacked(shape) -> bool:
     """A pulled call of router ids of ``shape`` assembles a stack, each routed expert pulled
     once (see :meth:`StreamedLayer._stacked_call`), rather than a row per (token, slot) pair:
-    a prompt's call (more than DECODE_IDS pairs), or a decode step of several sequences,
-    whose shared experts are pulled once and computed as resident's are."""
-    return math.prod(shape) > DECODE_IDS or math.prod(shape[:-1]) > 1
+    a prompt's call (more than DECODE_IDS pairs), or a call of several sequences (a batch's
+    decode step), whose shared experts are pulled once and computed as resident's are."""
+    return math.prod(shape) > DECODE_IDS or (len(shape) >= 3 and math.prod(shape[:-2]) > 1)
 
 
 class StackedRows(list):

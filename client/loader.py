@@ -13,7 +13,7 @@ from .adapters import apply_adapters
 from .backing import Staging
 from .layer import StepMode, StreamedLayer
 from .pipeline import refuse_stage, split_model, stage_layers
-from .pool import POOL_BACKINGS, default_backing, default_free, make_pool, plan_rows
+from .pool import POOL_BACKINGS, default_backing, default_free, free_memory, make_pool, plan_rows
 from .predict import check_choice, check_mode, make_guessers
 from .runtime import Runtime
 from .session import Session
@@ -28,7 +28,7 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
          copy_ahead_bytes: int | None = None, pipeline_group=None,
          guess_width: int | None = None, pool_backing: str | None = None,
          speculate: str = "auto", fill_pools: bool | None = None, pull: str = "auto",
-         adapter_path=None, trust_remote_code: bool = False):
+         adapter_path=None, trust_remote_code: bool = False, decode_concurrency: int = 1):
     """Build the model of ``blob_dir`` with mlx-lm's classes, experts served by expertd.
 
     Args:
@@ -36,8 +36,10 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
         pool_gb: GiB of expert pools, split evenly over the MoE layers: this process's own
             copy of the experts it computes with (its expert memory). Default: on a discrete
             GPU (CUDA), every expert that fits in half of its free memory; on unified memory
-            (Metal, the CPU), the smallest pool that works twice over (2 x top-k rows a
-            layer). A budget below the smallest pool (top-k rows a layer) is refused.
+            (Metal, the CPU), top-k rows a layer for each of the ``decode_concurrency``
+            sequences and one more (2 x top-k for one sequence), within half of the host's
+            available memory. A budget below the smallest pool (top-k rows a layer) is
+            refused.
         reconnect_timeout: seconds to wait for a daemon that died to come back (0: fail at
             once).
         max_group: most experts moved from the daemon's arena at once (default: 64 or
@@ -79,6 +81,9 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
         trust_remote_code: run the Python code the converted model's directory brings, as
             ``mlx_lm.load(trust_remote_code=True)`` does: a custom model class (the config's
             ``model_file``) and a tokenizer's own code.
+        decode_concurrency: the sequences the model will decode together (a batch:
+            ``expertd.client.batch``; a server's ``--decode-concurrency``), which the
+            default pools on unified memory are sized for.
     Returns:
         ``(model, tokenizer)``, usable with ``mlx_lm.generate`` / ``stream_generate``.
     Raises:
@@ -95,6 +100,10 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
         check_gib("pool_gb", pool_gb)
     check_mode(prefetch)
     check_speculate(speculate)
+    if isinstance(decode_concurrency, bool) or not isinstance(decode_concurrency, int) \
+            or decode_concurrency < 1:
+        raise ValueError(f"decode_concurrency must be a whole number of at least 1, not "
+                         f"{decode_concurrency!r}")
     backing = check_choice("pool_backing", pool_backing or default_backing(), POOL_BACKINGS)
     if guess_width is not None and (isinstance(guess_width, bool) or not isinstance(guess_width, int)
                                     or guess_width < 1):
@@ -106,7 +115,8 @@ def load(blob_dir, *, pool_gb: float | None = None, reconnect_timeout: float = 6
                       pull=pull)
     try:
         model, tokenizer, runtime = _build(session, prefetch, pipeline_group, pool_gb, backing,
-                                           speculate, tuning, trust_remote_code)
+                                           speculate, tuning, trust_remote_code,
+                                           decode_concurrency)
         if adapter_path is not None:
             apply_adapters(model, adapter_path)
         if fill_pools is None:
@@ -134,7 +144,7 @@ def _fill(states: list) -> None:
 
 
 def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, speculate: str,
-           tuning: dict, trust_remote_code: bool):
+           tuning: dict, trust_remote_code: bool, sequences: int = 1):
     """The model with its switch modules streamed through ``session``, its tokenizer and its
     :class:`~expertd.client.runtime.Runtime`. ``tuning``: the layers' guess width and
     copy-ahead threshold."""
@@ -170,8 +180,10 @@ def _build(session, prefetch: str, pipeline_group, pool_gb, backing: str, specul
                                   session.paths.blob_dir, config["model_type"])
         layers = stage_layers(layers, start, stop)
     modules = dict(model.named_modules())
+    default = pool_gb is None
     rows = plan_rows(layers, session.manifest.top_k, pool_gb,
-                     default_free(backing) if pool_gb is None else None)
+                     default_free(backing) if default else None, sequences,
+                     free_memory() if default and backing == "host" and sequences > 1 else None)
     guessers = make_guessers(modules, layers, prefetch)
     staging = Staging()  # one host buffer for every device pool's moves
     streamed = []

@@ -371,7 +371,8 @@ def default_free(backing: str) -> int | None:
     return free_device_bytes() if backing == "device" else None
 
 
-def plan_rows(layers, top_k: int, pool_gb: float | None, free: int | None) -> list:
+def plan_rows(layers, top_k: int, pool_gb: float | None, free: int | None,
+              sequences: int = 1, room: int | None = None) -> list:
     """Rows of each MoE layer's pool.
 
     Args:
@@ -379,9 +380,14 @@ def plan_rows(layers, top_k: int, pool_gb: float | None, free: int | None) -> li
         top_k: experts each token routes to.
         pool_gb: the budget in GiB, split evenly over the layers; None for the default: every
             expert that fits in half of ``free``, at least the smallest pool that works, or
-            without ``free`` that smallest pool twice over (``2 x top_k`` rows a layer).
+            without ``free`` that smallest pool once more than the ``sequences`` decoded
+            together route to (``(sequences + 1) x top_k`` rows a layer, ``2 x top_k`` for
+            one), within half of ``room``.
         free: the free bytes of a discrete GPU's memory, for device pools (see
             :func:`default_free`); None elsewhere.
+        sequences: the sequences decoded together (a server's ``--decode-concurrency``).
+        room: the bytes host pools may take at most twice over (see :func:`free_memory`);
+            None: unbounded.
     Raises:
         ValueError: a budget below the smallest pool that works (the message names it).
     """
@@ -390,7 +396,15 @@ def plan_rows(layers, top_k: int, pool_gb: float | None, free: int | None) -> li
     smallest = [smallest_rows(layer, top_k) for layer in layers]
     if pool_gb is None:
         if free is None:
-            return [min(layer.num_experts, 2 * s) for layer, s in zip(layers, smallest)]
+            # A batch's sequences share most experts (8 at top-8 of 128 route to about 52),
+            # and a step whose pools lack its experts replays where nothing pulls them.
+            rows = [min(layer.num_experts, (sequences + 1) * s)
+                    for layer, s in zip(layers, smallest)]
+            if room is not None and sequences > 1:
+                share = room // 2 // len(layers)
+                rows = [min(r, max(2 * s, share // layer.expert_bytes))
+                        for r, s, layer in zip(rows, smallest, layers)]
+            return rows
         share = free // 2 // len(layers)
     elif isinstance(pool_gb, bool) or not pool_gb > 0:
         raise ValueError(f"pool_gb must be a positive number of GiB, not {pool_gb!r}")

@@ -70,8 +70,16 @@ def _server_classes():
     does not import mlx."""
     from queue import Empty as QueueEmpty
 
+    import mlx_lm.server
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator
+
+    from expertd.client.batch import StreamedBatchGenerator
+
+    # mlx_lm.server builds its batches (one request's, and many's) by this name: a streamed
+    # model's batch steps are then launched before the last is checked (client/batch.py). For
+    # another model the class is mlx-lm's, step for step; this process serves only ours.
+    mlx_lm.server.BatchGenerator = StreamedBatchGenerator
 
     class StreamedModelProvider(ModelProvider):
         """Serves the one model loaded through expertd under its names; never loads another."""
@@ -402,7 +410,7 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
     def metrics(self) -> str:
         """The Prometheus text exposition of the daemon's counters and this server's."""
         return render_metrics(self._daemon_stats(), self.counters, self.session.all_counters(),
-                              self.session.pool_bytes)
+                              self.session.pool_bytes, self.session.manifest.stride)
 
     def _daemon_stats(self) -> dict | None:
         # Its own socket: the session's belongs to the generation thread.
@@ -580,7 +588,8 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
             model, tokenizer = load(blob_dir, prefetch=prefetch, pipeline_group=pipeline_group,
                                     pool_gb=pool_gb, speculate=speculate, pull=pull,
                                     reconnect_timeout=wait, adapter_path=adapter_path,
-                                    trust_remote_code=trust_remote_code)
+                                    trust_remote_code=trust_remote_code,
+                                    decode_concurrency=cli_args.decode_concurrency)
         except Terminated:
             return 0
         cli_args.pipeline = distributed

@@ -127,14 +127,21 @@ CLIENT_METRICS = [
      "pulls no more)"),
     ("pulled_rows", "expert rows its device pulled from the arena (no host copy)"),
     ("pulled_bytes", "bytes its device pulled from the arena"),
+    ("decode_tokens", "tokens its decode steps computed (a step computes one a sequence)"),
+    ("batch_steps", "decode steps of several sequences (a batch)"),
+    ("routed_pairs", "(token, expert) pairs the checked batch steps routed, a layer each"),
+    ("union_experts", "distinct experts among those pairs, a layer each: the rows pulled or "
+     "read serve several sequences"),
+    ("misses", "experts the daemon had to read from the disk for this server's model"),
 ]
 
 
 def render_metrics(stats: dict | None, server: ServerCounters, client: dict,
-                   pool_bytes: int = 0) -> str:
+                   pool_bytes: int = 0, stride: int = 0) -> str:
     """Prometheus text format: ``expertd_daemon_*`` from STATS (``expertd_daemon_up 0`` and
     nothing else of the daemon's when it does not answer), ``expertd_server_*`` of this server,
-    ``expertd_client_*`` of this process's session."""
+    ``expertd_client_*`` of this process's session (``stride``: the bytes of one arena row, what
+    a miss reads)."""
     lines = []
 
     def metric(name, kind, text, value):
@@ -162,6 +169,13 @@ def render_metrics(stats: dict | None, server: ServerCounters, client: dict,
            timed / seconds / 1e9 if seconds else 0.0)
     metric("expertd_client_pool_bytes", "gauge",
            "this server's own expert memory: its pools' bytes", pool_bytes)
+    pairs, tokens = client.get("routed_pairs", 0), client.get("decode_tokens", 0)
+    metric("expertd_client_batch_union_ratio", "gauge", "distinct experts / routed pairs of "
+           "its batch steps (1 before any; lower: more shared)",
+           client.get("union_experts", 0) / pairs if pairs else 1.0)
+    metric("expertd_client_disk_bytes_per_token", "gauge", "bytes the daemon read from the "
+           "disk for its misses, per decode token (0 before any)",
+           client.get("misses", 0) * stride / tokens if tokens else 0.0)
     return "\n".join(lines) + "\n"
 
 

@@ -30,7 +30,7 @@ from expertd.client.links import Links, weak_method
 from expertd.client.predict import check_choice
 from expertd.client.pull import PULL_MODES, StepEpoch, make_puller
 from expertd.client.requester import DaemonDied, Requester
-from expertd.client.step import REPLAY_COUNTERS
+from expertd.client.step import BATCH_COUNTERS, REPLAY_COUNTERS
 from expertd.client.switch import MLX_DTYPES
 from expertd.connection import Connection
 from expertd.errors import BlobStoreError, DaemonError, DaemonNotRunning
@@ -100,9 +100,7 @@ class Session:
                              late_leases=0, prefetch_asked=0, misses=0, prefetch_saved=0,
                              hits_reported=0, steps=0, host_waits=0, speculative_steps=0,
                              unchecked_steps=0, replays=0, pulled_steps=0,
-                             # decode steps' sequences (tokens), steps of several, and of
-                             # those checked: pairs routed, distinct experts (a layer each)
-                             decode_tokens=0, batch_steps=0, routed_pairs=0, union_experts=0,
+                             **dict.fromkeys(BATCH_COUNTERS, 0),
                              **dict.fromkeys(REPLAY_COUNTERS, 0))
         # Where the main thread's time goes per MoE layer call (see layer.py).
         self.timing = dict(sync_s=0.0, exposed_s=0.0, copy_s=0.0, fill_wait_s=0.0,
@@ -340,7 +338,8 @@ class Session:
                 "pulled_bytes": pulled["bytes_pulled"],
                 **{key: self.counters[key] for key in REPLAY_COUNTERS},
                 "pull_us": round(1e6 * pulled["pull_s"]),
-                "pull_timed_bytes": pulled["timed_bytes"]}
+                "pull_timed_bytes": pulled["timed_bytes"],
+                **{key: self.counters[key] for key in BATCH_COUNTERS}}
 
     def _reap(self) -> bool:
         requester = self.requester

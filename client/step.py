@@ -66,6 +66,9 @@ REPLAY_CAUSES = {"pool": "an expert missed its pool", "absent": "a pulled expert
                  "device": "the device's pull differed from the host copy"}
 # The counters of replays by cause beside "replays" (a pool miss counts in "replays" alone).
 REPLAY_COUNTERS = tuple(f"replays_{cause}" for cause in REPLAY_CAUSES if cause != "pool")
+# Decode steps' sequences (tokens), steps of several sequences, and of those checked: the
+# pairs their layers routed and the distinct experts among them (see Steps._count_union).
+BATCH_COUNTERS = ("decode_tokens", "batch_steps", "routed_pairs", "union_experts")
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
 PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
 # (with the host copy; a device puller's waits per layer once a step was replayed)

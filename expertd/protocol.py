@@ -98,6 +98,10 @@ class Heartbeat:
     replays_device: int = 0
     pull_us: int = 0  # microseconds of pulls timed under their own evaluation (a prompt's),
     pull_timed_bytes: int = 0  # and their bytes: the pull rate
+    decode_tokens: int = 0  # its decode steps' sequences, and its steps of several (batches)
+    batch_steps: int = 0
+    routed_pairs: int = 0  # of its checked batch steps: pairs routed, distinct experts among
+    union_experts: int = 0  # them (a layer each): how much a batch's pulls are shared
 
 
 HEARTBEAT_COUNTS = tuple(f.name for f in fields(Heartbeat))[2:]  # after client and token

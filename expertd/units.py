@@ -18,6 +18,18 @@ def pull_rate(timed_bytes: int, seconds: float) -> str:
     return f", prompt pulls at {timed_bytes / seconds / 1e9:.1f} GB/s" if seconds else ""
 
 
+def batch_sharing(counts: dict) -> str:
+    """``, 40 batch steps (their experts 62% of the pairs routed)``: a client's decode steps
+    of several sequences and how much their pulls were shared, from its batch counters (a
+    heartbeat's or a session's); "" if it decoded no batch."""
+    steps, pairs = counts.get("batch_steps", 0), counts.get("routed_pairs", 0)
+    if not steps:
+        return ""
+    shared = (f" (their experts {counts.get('union_experts', 0) / pairs:.0%} of the pairs "
+              "routed)" if pairs else "")
+    return f", {steps} batch steps{shared}"
+
+
 def replay_causes(counts: dict) -> str:
     """`` (2 absent, 1 epoch)``: a client's replays by cause, from its ``replays_<cause>``
     counts (a heartbeat's or a session's), those it had; "" if none."""

@@ -294,15 +294,17 @@ def test_a_prompt_whose_stacks_do_not_fit_waits_per_layer(models, isolated_env, 
         run.step()
 
 
-def test_a_batched_decode_step_waits_per_layer_and_fills_the_pools(models, isolated_env,
-                                                                    tmp_path):
+def test_a_batched_decode_step_is_one_pulled_step_and_fills_the_pools(models, isolated_env,
+                                                                       tmp_path):
     """Twenty sequences decoding together (80 pairs a step, one token each) are not a
-    prompt: each step waits per layer, as before, and its experts join the pools."""
+    prompt: each step is one speculative step, one host wait, whose layers pull the union of
+    their sequences' experts once each (fewer than the pairs), exact; the experts that keep
+    coming join the pools."""
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     resident = resident_model(model_dir)
     vocab, batch = resident.args.vocab_size, 20
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_EVERY, tmp_path / "s.json")):
-        model = streamed(blob_dir, 12)
+        model = streamed(blob_dir, 12, speculate="on")
         session = model.expertd_session
         try:
             every_expert_read(session)
@@ -315,7 +317,12 @@ def test_a_batched_decode_step_waits_per_layer_and_fills_the_pools(models, isola
                 if step == 0:
                     before = counts(session)
             d = since(session, before)
-            assert d["speculative_steps"] == 0 and d["steps"] == 11, d
+            assert d["speculative_steps"] == d["host_waits"] == d["steps"] == 11, d
+            c = session.counters
+            layers = len(session.pools)
+            assert c["batch_steps"] == 11
+            assert c["routed_pairs"] == 11 * batch * session.manifest.top_k * layers
+            assert 0 < c["union_experts"] < c["routed_pairs"]
             assert all((pool.expert_of >= 0).sum() == pool.rows for pool in session.pools)
         finally:
             session.close()

@@ -27,7 +27,7 @@ from expertd.cli.options import (
 )
 from expertd.errors import DaemonError, DaemonNotRunning, FlagError
 from expertd.serving.hotset import read_pin_file
-from expertd.units import pull_rate, replay_causes, size_text
+from expertd.units import batch_sharing, pull_rate, replay_causes, size_text
 
 MAX_SIDE_ROWS = 64  # x top_k: prefetch rows per generation, at most
 MAX_CACHE_GB = argtypes.MAX_GIB
@@ -407,6 +407,7 @@ def status_lines(s: dict) -> list:
              f"({c['pulled_bytes'] / max(1, c.get('steps', 0)) / 2**20:.2f} MiB) a step"
              if c.get("pulled_rows") else "")
           + pull_rate(c.get("pull_timed_bytes", 0), c.get("pull_us", 0) / 1e6)
+          + batch_sharing(c)
           for c in s.get("client_pools", [])],
         f"  epochs       {s.get('epoch_clients', 0)} records given out, "
         f"{s.get('deferred_fills', 0)} refills waited for a step to end (longest "
