@@ -65,23 +65,23 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
     made = 0
     while True:
         last = max_tokens != -1 and made + 1 >= max_tokens
-        # Settled before the next is launched: the last token's step, a drain (Steps.drains),
-        # and one followed by a step that will not speculate (it may demand rows; Steps.plan).
-        # A step that pulled nothing (no puller: none to promote) is never drained.
-        if current is not None and (last or (current.launched is not None
-                                             and steps.drains.due())
+        # Settled before the next is launched: a drain (Steps.drains), and one followed by a
+        # step that will not speculate (it may demand rows; Steps.plan). A step that pulled
+        # nothing (no puller: none to promote) is never drained.
+        if current is not None and ((current.launched is not None and steps.drains.due())
                                     or not steps.plan(y[None], cache)):
             if steps.settle(current) is not None:
                 trim(cache, 1)
                 rewind(key)
                 y, logprobs = _sample(model(inputs[None], cache=cache), sampler)
             current = None
-        nxt = None
-        if not last:
-            nxt = steps.launch(forward, y[None], (), {"cache": cache})
-            next_key = mx.random.state[0]
-            next_y, next_logprobs = _sample(nxt.logits, sampler)
-            mx.async_eval(next_y, next_logprobs, *nxt.flat)  # the step and its check, at once
+        # As mlx-lm's loop, a step is launched on every token before it leaves, the last's
+        # too: its KV entries stay in the cache (a chat's next turn computes with them), and
+        # its sample draws from the random key.
+        nxt = steps.launch(forward, y[None], (), {"cache": cache})
+        next_key = mx.random.state[0]
+        next_y, next_logprobs = _sample(nxt.logits, sampler)
+        mx.async_eval(next_y, next_logprobs, *nxt.flat)  # the step and its check, at once
         if current is not None:
             if steps.settle(current, nxt) is not None:  # y is wrong, and nxt (abandoned)
                 trim(cache, 2)
@@ -89,13 +89,27 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
                 y, logprobs = _sample(model(inputs[None], cache=cache), sampler)
                 current = None
                 continue
-        yield y.item(), logprobs
+        try:
+            yield y.item(), logprobs
+        except GeneratorExit:  # the consumer stopped (an end-of-text token): as at the end
+            _finish(model, steps, cache, nxt, y, next_key, sampler)
+            raise
         made += 1
         if last:
+            _finish(model, steps, cache, nxt, y, next_key, sampler)
             return
         if made % 256 == 0:
             mx.clear_cache()
         inputs, y, logprobs, current, key = y, next_y, next_logprobs, nxt, next_key
+
+
+def _finish(model, steps, cache, step, inputs, key, sampler) -> None:
+    """The step launched on the last token that left is checked, and run again if it was bad:
+    the KV cache the generation leaves is exact (its token is never used)."""
+    if steps.settle(step) is not None:
+        trim(cache, 1)
+        rewind(key)
+        mx.eval(_sample(model(inputs[None], cache=cache), sampler))
 
 
 def rewind(key) -> None:

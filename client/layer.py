@@ -136,6 +136,9 @@ class StreamedLayer:
             self.previous.pool.evaluated()
         pool.begin_call()
         unique = distinct(idx)
+        if idx.ndim >= 3 and idx.shape[-2] == 1 and idx.size > idx.shape[-1]:  # a batch's
+            session.counters["routed_pairs"] += idx.size  # decode (see Steps._count_union)
+            session.counters["union_experts"] += len(unique)
         if pool.ahead is not None:
             waited = time.perf_counter()
             pool.commit_ahead(session.epoch)
@@ -414,10 +417,9 @@ class StreamedLayer:
         steps, each of the experts those steps used)."""
         pool = self.pool
         hit, times = np.unique(_distinct_per_row(rows), return_counts=True)
-        each = _distinct_per_row(experts)  # a step pulls each expert once (one token's
-        pulled, counts = np.unique(each, return_counts=True)  # pairs are distinct; a stack's)
+        pulled, counts = np.unique(_distinct_per_row(experts), return_counts=True)
         pool.count_steps(hit, times, pulled, counts)
-        self._count(int(times.sum()), each)
+        self._count(int(times.sum()), experts)
         for start in range(0, rows.shape[0], REPORT_EVERY):
             r, e = rows[start:start + REPORT_EVERY], experts[start:start + REPORT_EVERY]
             used = np.union1d(pool.expert_of[r[r >= 0]], e[e >= 0]).astype(np.int32)

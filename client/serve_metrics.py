@@ -129,7 +129,7 @@ CLIENT_METRICS = [
     ("pulled_bytes", "bytes its device pulled from the arena"),
     ("decode_tokens", "tokens its decode steps computed (a step computes one a sequence)"),
     ("batch_steps", "decode steps of several sequences (a batch)"),
-    ("routed_pairs", "(token, expert) pairs the checked batch steps routed, a layer each"),
+    ("routed_pairs", "(token, expert) pairs its batch steps routed, a layer each"),
     ("union_experts", "distinct experts among those pairs, a layer each: the rows pulled or "
      "read serve several sequences"),
     ("misses", "experts the daemon had to read from the disk for this server's model"),

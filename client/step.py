@@ -42,7 +42,7 @@ import numpy as np
 
 from expertd.choices import SPECULATE_MODES
 
-from .layer import DECODE_IDS, StepMode
+from .layer import DECODE_IDS, StackedRows, StepMode
 from .pool import free_memory
 from .predict import check_choice
 from .pull import ABSENT, PULLED, decode_status
@@ -66,8 +66,9 @@ REPLAY_CAUSES = {"pool": "an expert missed its pool", "absent": "a pulled expert
                  "device": "the device's pull differed from the host copy"}
 # The counters of replays by cause beside "replays" (a pool miss counts in "replays" alone).
 REPLAY_COUNTERS = tuple(f"replays_{cause}" for cause in REPLAY_CAUSES if cause != "pool")
-# Decode steps' sequences (tokens), steps of several sequences, and of those checked: the
-# pairs their layers routed and the distinct experts among them (see Steps._count_union).
+# Decode steps' sequences (tokens), steps of several sequences, and of those (their good
+# speculative runs, and their layers waiting per layer): the pairs routed and the distinct
+# experts among them (see Steps._count_union).
 BATCH_COUNTERS = ("decode_tokens", "batch_steps", "routed_pairs", "union_experts")
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
 PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
@@ -199,6 +200,14 @@ def _parts(records: list) -> list:
     for record in records:
         out.append((record, slice(at, at + record[1].size)))
         at += record[1].size
+    return out
+
+
+def _first_only(experts: np.ndarray) -> np.ndarray:
+    """``experts`` with each one's later pairs -1 (none pulled)."""
+    out = np.full_like(experts, -1)
+    _, first = np.unique(experts, return_index=True)
+    out[first] = experts[first]
     return out
 
 
@@ -729,9 +738,10 @@ class Steps:
         for (layer, _, _, arrays), part in pulled:
             if promote:
                 found.promoted += layer.after_pull(rows[part], experts[part], arrays)
-            else:
+            else:  # a stack pulled each expert once: its other pairs count as none
                 self._deferred.setdefault(layer.index, (layer, []))[1].append(
-                    (rows[part], experts[part]))
+                    (rows[part], _first_only(experts[part]) if isinstance(arrays, StackedRows)
+                     else experts[part]))
         return None
 
     def _drifted(self, pulled: list, kinds: np.ndarray) -> int | None:

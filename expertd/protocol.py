@@ -100,7 +100,7 @@ class Heartbeat:
     pull_timed_bytes: int = 0  # and their bytes: the pull rate
     decode_tokens: int = 0  # its decode steps' sequences, and its steps of several (batches)
     batch_steps: int = 0
-    routed_pairs: int = 0  # of its checked batch steps: pairs routed, distinct experts among
+    routed_pairs: int = 0  # of its batch steps: pairs routed, and the distinct experts among
     union_experts: int = 0  # them (a layer each): how much a batch's pulls are shared
 
 

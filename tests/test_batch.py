@@ -1,0 +1,174 @@
+"""A batch decoded on expertd's pipelined step (client/batch.py): mlx-lm's BatchGenerator, each
+step launched before the last is checked.
+
+Every sequence's tokens and log-probabilities equal resident mlx-lm's ``BatchGenerator`` run
+on the same requests with the same batch sizes, bit for bit: for 1 to 16 sequences at once,
+greedy and sampled, with requests joining and leaving mid-batch, while rows are absent from
+the arena (bad steps replayed), while the daemon revokes a step in flight, and with pools
+too small for a batch where nothing pulls (every step's misses replayed).
+"""
+
+import mlx.core as mx
+import pytest
+from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, routed_model
+from harness import Daemon
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.sample_utils import make_sampler
+from test_step import resident_model
+
+from expertd import native
+from expertd.client import load
+from expertd.client.batch import StreamedBatchGenerator, batch_generate
+
+SIZES = (1, 2, 4, 8, 16)
+
+
+def prompts(vocab: int, n: int) -> list:
+    return [[(31 * i + 7 * s) % (vocab - 8) + 4 for i in range(3 + s % 5)] for s in range(n)]
+
+
+def decode(cls, model, requests: list, *, temp: float = 0.0, join_after: int | None = None,
+           **sizes) -> list:
+    """Each request's ``(tokens, logprobs)`` from a ``cls`` batch generator: ``requests`` are
+    ``(prompt, max_tokens)``; with ``join_after``, the second half is inserted once that many
+    batches of tokens came out (they join mid-batch). Seeded alike for every ``cls``."""
+    mx.random.seed(11)
+    gen = cls(model, **sizes)
+    half = len(requests) // 2 if join_after is not None else len(requests)
+    out = {}
+
+    def insert(part):
+        samplers = [make_sampler(temp) for _ in part] if temp else None
+        uids = gen.insert([p for p, _ in part], [m for _, m in part], samplers=samplers)
+        out.update({uid: ([], []) for uid in uids})
+        return uids
+
+    uids = insert(requests[:half])
+    batches = 0
+    try:
+        while responses := gen.next_generated():
+            for r in responses:
+                out[r.uid][0].append(r.token)
+                out[r.uid][1].append(r.logprobs)
+            batches += 1
+            if batches == join_after:
+                uids += insert(requests[half:])
+    finally:
+        gen.close()
+    return [out[uid] for uid in uids]
+
+
+def assert_same(got: list, want: list) -> None:
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for s, ((_, a), (_, b)) in enumerate(zip(got, want)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert mx.array_equal(x, y).item(), f"sequence {s}, token {i}: logprobs differ"
+
+
+def streamed(blob_dir, rows: int = 4, pull: str = "host"):
+    return load(blob_dir, pool_gb=pool_gb(blob_dir, rows), prefetch="off",
+                pool_backing="device", pull=pull, speculate="on")[0]
+
+
+def test_batches_of_1_to_16_are_resident_ones_through_replays(models, isolated_env, tmp_path):
+    """Batches of 1, 2, 4, 8 and 16 sequences over an arena of a few rows: every step is one
+    pulled step whose absent rows replay it (and the one built on its tokens), exactly."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_TINY, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        session = model.expertd_session
+        try:
+            for size in SIZES:
+                requests = [(p, 10 + s % 3) for s, p in enumerate(
+                    prompts(resident.args.vocab_size, size))]
+                sizes = dict(completion_batch_size=size, prefill_batch_size=size)
+                want = decode(BatchGenerator, resident, requests, **sizes)
+                before = dict(session.counters)
+                assert_same(decode(StreamedBatchGenerator, model, requests, **sizes), want)
+                d = {k: session.counters[k] - before[k] for k in before}
+                assert d["pulled_steps"] > 0 and d["decode_tokens"] >= sum(m for _, m in requests)
+                if size > 1:
+                    assert d["batch_steps"] > 0 and 0 < d["union_experts"] <= d["routed_pairs"]
+                assert not session.step_epoch.inside  # the generator closed: nothing in flight
+            assert session.counters["replays_absent"] > 0  # rows the arena lacked: replayed
+            assert session.counters["union_experts"] < session.counters["routed_pairs"]
+        finally:
+            session.close()
+
+
+@pytest.mark.parametrize("pull", ["host", "off"])
+def test_sampled_requests_joining_and_leaving_are_resident_ones(models, isolated_env, tmp_path,
+                                                                pull):
+    """Six requests of different lengths at temperature 1, per-request samplers, three decoding
+    at most, prompts two at a time, half of them inserted mid-batch: each replayed step draws
+    its tokens again with the key it had. Without a puller (``off``) a pool of 4 rows misses
+    at most steps of a batch, which are replayed per layer."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    requests = [(p, 8 + 3 * (s % 3)) for s, p in enumerate(
+        prompts(resident.args.vocab_size, 6))]
+    sizes = dict(completion_batch_size=3, prefill_batch_size=2)
+    want = decode(BatchGenerator, resident, requests, temp=1.0, join_after=4, **sizes)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model = streamed(blob_dir, pull=pull)
+        session = model.expertd_session
+        try:
+            got = decode(StreamedBatchGenerator, model, requests, temp=1.0, join_after=4, **sizes)
+            assert_same(got, want)
+            assert session.counters["batch_steps"] > 0
+            if pull == "off":
+                assert session.counters["replays"] > 0  # the pool missed: replayed exactly
+            assert not session.step_epoch or not session.step_epoch.inside
+        finally:
+            session.close()
+
+
+def test_a_batch_step_revoked_in_flight_is_replayed(models, isolated_env, tmp_path, monkeypatch):
+    """The daemon writes the record's step into ``lost`` while a batch's steps are in flight:
+    the held step is replayed and the one built on its tokens abandoned, exactly."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    requests = [(p, 16) for p in prompts(resident.args.vocab_size, 4)]
+    want = decode(BatchGenerator, resident, requests)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        session = model.expertd_session
+        try:
+            puller = session.puller
+            assemble = puller.assemble
+            calls = [0]
+
+            def revoking(layer, idx, pool):
+                calls[0] += 1
+                epoch = session.step_epoch
+                if calls[0] % 20 == 0 and epoch.inside:  # as the daemon does to a step held
+                    native.publish_u64(epoch._raw, epoch._lost_at, epoch.step)  # too long
+                return assemble(layer, idx, pool)
+
+            monkeypatch.setattr(puller, "assemble", revoking)
+            assert_same(decode(StreamedBatchGenerator, model, requests), want)
+            assert session.counters["replays_epoch"] >= 2
+        finally:
+            session.close()
+
+
+def test_batch_generate_is_mlx_lm_s(models, isolated_env, tmp_path):
+    """expertd's ``batch_generate`` gives mlx-lm's token ids and texts, each sequence's final
+    stop token left out as mlx-lm leaves it."""
+    from mlx_lm import batch_generate as mlx_batch_generate
+    from mlx_lm.utils import load_tokenizer
+
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    ids = prompts(resident.args.vocab_size, 5)
+    want = mlx_batch_generate(resident, tokenizer, ids, max_tokens=12, return_token_ids=True)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        try:
+            got = batch_generate(model, tokenizer, ids, max_tokens=12)
+            assert got.token_ids == want.token_ids and got.texts == want.texts
+            assert got.stats.generation_tokens == want.stats.generation_tokens
+        finally:
+            model.expertd_session.close()
