@@ -411,10 +411,10 @@ class StreamedLayer:
 
     def after_pulled_steps(self, rows: np.ndarray, experts: np.ndarray) -> None:
         """The counting of several steps' pulled calls at once (``(steps, pairs)`` each, as
-        :meth:`after_pull` takes one step's; -1 pads a step of fewer pairs), nothing promoted: each step's distinct hits and
-        pulls counted once (ExpertPool.count_steps), and the experts used reported to the
-        daemon at the rate step-by-step counting reports them (one report per REPORT_EVERY
-        steps, each of the experts those steps used)."""
+        :meth:`after_pull` takes one step's; -1 pads a step of fewer pairs), nothing promoted:
+        each step's distinct hits and pulls counted once (ExpertPool.count_steps), and the
+        experts used reported to the daemon at the rate step-by-step counting reports them
+        (one report per REPORT_EVERY steps, each of the experts those steps used)."""
         pool = self.pool
         hit, times = np.unique(_distinct_per_row(rows), return_counts=True)
         pulled, counts = np.unique(_distinct_per_row(experts), return_counts=True)

@@ -519,7 +519,7 @@ class Steps:
         if step.records is None:
             return None
         more = after is not None and after.launched is not None
-        session, counters = self.session, self.session.counters
+        session = self.session
         epoch = session.step_epoch if step.launched is not None else None
         lost = False
         waited = time.perf_counter()
@@ -683,7 +683,7 @@ class Steps:
         experts among them (``experts``: each layer's, in ``parts``' order), whose ratio says
         how much a batch's pulls are shared."""
         counters = self.session.counters
-        for ((_, ids, _, _), part), used in zip(parts, experts):
+        for (_, part), used in zip(parts, experts):
             counters["routed_pairs"] += part.stop - part.start
             counters["union_experts"] += len(np.unique(used[used >= 0]))
 

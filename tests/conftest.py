@@ -211,7 +211,7 @@ ONCE = {"test_cli", "test_service", "test_serve", "test_chat", "test_convert_out
         "test_daemon_fairness", "test_daemon_recovery", "test_fill_verify", "test_attack_pools",
         "test_flood", "test_client_flags", "test_client_lifecycle", "test_remote",
         "test_remote_daemon", "test_remote_attack", "test_stats_record", "test_slot_layout",
-        "test_packaging"}
+        "test_packaging", "test_batch"}
 
 
 def pytest_collection_modifyitems(items):

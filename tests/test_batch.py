@@ -14,6 +14,7 @@ from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, routed_mo
 from harness import Daemon
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
+from test_pull import PULLS
 from test_step import resident_model
 
 from expertd import native
@@ -70,17 +71,20 @@ def streamed(blob_dir, rows: int = 4, pull: str = "host"):
                 pool_backing="device", pull=pull, speculate="on")[0]
 
 
-def test_batches_of_1_to_16_are_resident_ones_through_replays(models, isolated_env, tmp_path):
+@pytest.mark.parametrize("pull", PULLS)
+def test_batches_of_1_to_16_are_resident_ones_through_replays(models, isolated_env, tmp_path,
+                                                              pull):
     """Batches of 1, 2, 4, 8 and 16 sequences over an arena of a few rows: every step is one
-    pulled step whose absent rows replay it (and the one built on its tokens), exactly."""
+    pulled step whose absent rows replay it (and the one built on its tokens), exactly (the
+    host copy here; on a GPU the device's own pull too)."""
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     resident = resident_model(model_dir)
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_TINY, tmp_path / "s.json")):
-        model = streamed(blob_dir)
+        model = streamed(blob_dir, pull=pull)
         session = model.expertd_session
         try:
             for size in SIZES:
-                requests = [(p, 10 + s % 3) for s, p in enumerate(
+                requests = [(p, 6 + s % 3) for s, p in enumerate(
                     prompts(resident.args.vocab_size, size))]
                 sizes = dict(completion_batch_size=size, prefill_batch_size=size)
                 want = decode(BatchGenerator, resident, requests, **sizes)

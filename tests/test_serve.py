@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx_lm
 import pytest
-from client_helpers import parse_metrics
+from client_helpers import ROWS_TINY, cache_gb, parse_metrics, pool_gb
 from harness import SMALL_CACHE_GB, Daemon, expertd_cli, sigint_as_usual, stop_process, wait_until
 from openai import APIError, APIStatusError, NotFoundError, OpenAI
 
@@ -224,6 +224,36 @@ def test_two_servers_share_one_daemon(models, isolated_env, tmp_path):
         # SIGTERM: exit 0, and the goodbye drops the client at once.
         assert a.close() == 0 and b.close() == 0
         assert daemon.stats()["clients"] == 0
+
+
+def test_two_servers_batching_over_a_small_arena(models, isolated_env, tmp_path):
+    """Two ``expertd serve`` processes on one daemon whose arena holds a few rows, each with
+    pools of 4 rows a layer and the host copy's pulls (the device's path on this CPU), each
+    sent four requests at once: both decode their requests as one batch, each step launched
+    before the last is checked, the rows each one's demands evict replaying the other's
+    steps; every reply is resident mlx-lm's."""
+    blobs, model_dir = models.blobs(), models.model()
+    prompts = ["hello there my friend", "x = [1, 2, 3]", "import os", PROMPT]
+    flags = ("--pool-gb", pool_gb(blobs, 4), "--pull", "host", "--speculate", "on",
+             "--decode-concurrency", len(prompts), "--prefetch", "off")
+    with (Daemon(blobs, isolated_env, "--cache-gb", cache_gb(blobs, ROWS_TINY)) as daemon,
+          Server(blobs, tmp_path, *flags) as a, Server(blobs, tmp_path, *flags) as b):
+        def ask(job):
+            server, prompt = job
+            return reply_tokens(server.client.completions.create(
+                model=blobs.name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                logprobs=True).choices[0])
+
+        jobs = [(server, prompt) for server in (a, b) for prompt in prompts]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            replies = list(pool.map(ask, jobs))
+        want = [resident_tokens(model_dir, prompt) for prompt in prompts]
+        assert replies == want + want
+        for server in (a, b):
+            values, _ = parse_metrics(server.get("/metrics")[2])
+            assert values["expertd_client_batch_steps_total"] > 0  # decoded together
+            assert 0 < values["expertd_client_batch_union_ratio"] < 1
+        assert daemon.stats()["fills"] > ROWS_TINY  # the two evicted each other's rows
 
 
 def test_serve_without_a_daemon(models, isolated_env):

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 42's serving runs on the lent GPU machine (../shared/gpu/README.md), as the second call:
+#   run  carry [".gpu/a"]  command: bash .gpu/a/stash.sh
+#   run  carry [".gpu/b"]  command: bash bench/device_serve.sh
+# Installs MLX's CUDA backend and the project (skipped on a warm machine with INSTALLED=1), then
+# TESTS=1: the batch exactness tests on the device (its own pull too); CASES (serve_load.py's,
+# default "pooled"; "none": the tests alone), CLIENTS (default 1,4,8,16), ROUNDS (3), TOKENS
+# (64); PULL=1 also runs gpu_pull.py's pooled-own case (expertd's loop, which chat decodes on).
+set -u
+if [ "${INSTALLED:-0}" != 1 ]; then
+  bash /root/keep/a/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
+  tail -1 "$OUT/install.log"; echo "installed at ${SECONDS}s"
+fi
+export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+if [ "${TESTS:-0}" = 1 ]; then
+  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_batch.py > "$OUT/tests.log" 2>&1
+  echo "tests rc=$? at ${SECONDS}s"; tail -3 "$OUT/tests.log"
+fi
+cd bench
+if [ "${CASES:-pooled}" != none ]; then
+  timeout $(( 570 - SECONDS )) python3 serve_load.py --cases "${CASES:-pooled}" \
+    --clients "${CLIENTS:-1,4,8,16}" --rounds "${ROUNDS:-3}" --tokens "${TOKENS:-64}" \
+    --out "$OUT/serve.json" --logs "$OUT/logs" > "$OUT/serve.log" 2>&1
+  echo "serve_load rc=$? at ${SECONDS}s"; grep "^| \|clients\|Error\|error" "$OUT/serve.log" | tail -20
+fi
+if [ "${PULL:-0}" = 1 ]; then
+  timeout $(( 585 - SECONDS )) python3 gpu_pull.py --cases pooled-own --rounds "${ROUNDS:-3}" \
+    --tokens 32 --out "$OUT/pull.json" > "$OUT/pull.log" 2>&1
+  echo "gpu_pull rc=$? at ${SECONDS}s"; grep "^| \|Error\|error" "$OUT/pull.log" | tail -6
+fi
