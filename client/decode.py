@@ -13,7 +13,7 @@ pools (a promotion must not rewrite a pool that a step in flight reads).
 
 ``stream_generate`` is mlx-lm's, with this loop for a streamed model; what this loop does not do
 (a draft model, logits processors, a quantized KV cache, input embeddings, a pipeline rank, a
-model that is not streamed) goes to mlx-lm's own.
+model that is not streamed) goes to mlx-lm's own. Options given as None or empty are not given.
 """
 
 import time
@@ -22,7 +22,9 @@ import mlx.core as mx
 
 from .step import Drains, StepGuard, trim
 
-OWN = {"sampler", "max_kv_size", "prompt_cache", "prefill_step_size"}  # the rest: mlx-lm's
+# What the pipelined loop does itself; the rest is mlx-lm's, where given (not None or empty).
+OWN = {"sampler", "max_kv_size", "prompt_cache", "prefill_step_size", "prompt_progress_callback"}
+HONOURED = OWN | {"stream", "kv_group_size", "quantized_kv_start"}  # kv_bits None: not quantized
 
 
 def _sample(logits, sampler):
@@ -32,9 +34,12 @@ def _sample(logits, sampler):
 
 
 def pipelined_step(prompt, model, *, max_tokens: int = 256, sampler=None, prompt_cache=None,
-                   max_kv_size: int | None = None, prefill_step_size: int = 2048):
+                   max_kv_size: int | None = None, prefill_step_size: int = 2048,
+                   prompt_progress_callback=None):
     """Yield ``(token, logprobs)`` as ``mlx_lm.generate.generate_step`` does (greedy without a
-    sampler; ``max_tokens`` -1 for no limit), each token's step checked before it leaves."""
+    sampler; ``max_tokens`` -1 for no limit; ``prompt_progress_callback(done, total)`` after
+    each chunk of the prompt and once it is all done), each token's step checked before it
+    leaves."""
     from mlx_lm.models.cache import make_prompt_cache
 
     steps = model.__dict__["_expertd_steps"]
@@ -43,14 +48,21 @@ def pipelined_step(prompt, model, *, max_tokens: int = 256, sampler=None, prompt
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size)
 
+    progress = prompt_progress_callback or (lambda done, total: None)
+    total, done = prompt.size, 0  # the prompt's tokens, and those computed
     while prompt.size > 1:  # the prompt but its last token, in chunks (the checked path)
         n = min(prefill_step_size, prompt.size - 1)
         model(prompt[:n][None], cache=cache)
         mx.eval([c.state for c in cache])
+        done += n
+        progress(done, total)
         prompt = prompt[n:]
         mx.clear_cache()
     y, logprobs = _sample(model(prompt[None], cache=cache), sampler)
     mx.async_eval(y, logprobs)
+    if prompt_progress_callback is not None:  # once the prompt is computed, as mlx-lm says
+        mx.eval(y)
+        progress(total, total)
     try:
         yield from _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens)
     finally:  # closed, interrupted or failed with steps in flight: none outlives its epoch
@@ -124,9 +136,12 @@ def rewind(key) -> None:
 def pipelines(model, kwargs: dict) -> bool:
     """Whether :func:`stream_generate` runs ``model`` with ``kwargs`` on the pipelined loop."""
     steps = getattr(model, "__dict__", {}).get("_expertd_steps")
+    given = {k for k, v in kwargs.items() if v is not None and not (
+        isinstance(v, (list, tuple)) and not v)}
+    if kwargs.get("draft_model") is None:
+        given.discard("num_draft_tokens")  # mlx-lm drops it too
     return (steps is not None and not steps.pipeline and steps.speculation.mode != "off"
-            and set(kwargs) <= OWN | {"kv_group_size", "quantized_kv_start", "kv_bits"}
-            and kwargs.get("kv_bits") is None)
+            and given <= HONOURED)
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, **kwargs):
@@ -150,8 +165,9 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, **kwargs):
             prompt = tokenizer.encode(prompt, add_special_tokens=special)
         prompt = mx.array(prompt)
     detokenizer = tokenizer.detokenizer
-    own = {k: v for k, v in kwargs.items() if k in OWN}
-    with wired_limit(model, [generation_stream]), mx.stream(generation_stream):
+    own = {k: v for k, v in kwargs.items() if k in OWN and v is not None}
+    stream = kwargs.get("stream") or generation_stream
+    with wired_limit(model, [stream]), mx.stream(stream):
         tic = time.perf_counter()
         token = logprobs = None
         n = 0

@@ -75,11 +75,14 @@ def _server_classes():
     from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator
 
     from expertd.client.batch import StreamedBatchGenerator
+    from expertd.client.decode import stream_generate
 
-    # mlx_lm.server builds its batches (one request's, and many's) by this name: a streamed
-    # model's batch steps are then launched before the last is checked (client/batch.py). For
-    # another model the class is mlx-lm's, step for step; this process serves only ours.
+    # mlx_lm.server builds its batches (one request's, and many's) and runs a request no batch
+    # takes (a seed, a draft model) by these names: a streamed model's steps are then launched
+    # before the last is checked (client/batch.py, client/decode.py). For another model, or
+    # what those loops do not do, they are mlx-lm's own; this process serves only ours.
     mlx_lm.server.BatchGenerator = StreamedBatchGenerator
+    mlx_lm.server.stream_generate = stream_generate
 
     class StreamedModelProvider(ModelProvider):
         """Serves the one model loaded through expertd under its names; never loads another."""

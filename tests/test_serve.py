@@ -254,6 +254,11 @@ def test_two_servers_batching_over_a_small_arena(models, isolated_env, tmp_path)
             assert values["expertd_client_batch_steps_total"] > 0  # decoded together
             assert 0 < values["expertd_client_batch_union_ratio"] < 1
         assert daemon.stats()["fills"] > ROWS_TINY  # the two evicted each other's rows
+        # A seeded request is one no batch takes (mlx_lm.server runs it alone): expertd's
+        # pipelined loop, the same tokens.
+        seeded = a.client.completions.create(model=blobs.name, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                             temperature=0, seed=3, logprobs=True)
+        assert reply_tokens(seeded.choices[0]) == want[-1]
 
 
 def test_serve_without_a_daemon(models, isolated_env):
