@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, BatchResponse, GenerationBatch
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from .decode import rewind
+from .decode import replayed
 from .step import Launched, StepGuard, trim
 
 
@@ -49,6 +50,7 @@ class StreamedGenerationBatch(GenerationBatch):
 
     def __init__(self, *args, **kwargs):
         self._held = None
+        self._broken = None  # what stopped a step whose check or replay did not finish
         super().__init__(*args, **kwargs)
 
     def _pipelines(self, steps) -> bool:
@@ -56,17 +58,30 @@ class StreamedGenerationBatch(GenerationBatch):
                 and not any(self.logits_processors))
 
     def _step(self):
+        self._check_whole()
         steps = steps_of(self.model)
         if not self._pipelines(steps):
             self.settle_held()
             return super()._step()
         try:
             return self._pipelined_step(steps)
-        except BaseException:  # nothing stays in flight past a failed or interrupted step
-            self._held = None
-            steps.release(self)
-            steps.quiesce()
+        except BaseException as exc:
+            self._break(steps, exc)
             raise
+
+    def _check_whole(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"this batch stopped inside a step ({self._broken!r}): its KV "
+                               "caches may hold a step that was never checked, so it decodes "
+                               "no more; insert its requests into a new batch") from None
+
+    def _break(self, steps, exc: BaseException) -> None:
+        """A step's check or replay did not finish: nothing stays in flight, and the batch,
+        whose caches and next tokens may hold a step that was wrong, decodes no more (mlx-lm's
+        batch could not be resumed exactly either)."""
+        self._held, self._broken = None, exc
+        steps.release(self)
+        steps.quiesce()
 
     def _pipelined_step(self, steps):
         cache = self.prompt_cache
@@ -90,7 +105,7 @@ class StreamedGenerationBatch(GenerationBatch):
             if held is None or steps.settle(held.step, step) is None:
                 break
             trim(cache, 2)  # the held step was bad, and the one built on its tokens too
-            current, current_logprobs = self._replay(held)
+            current, current_logprobs = self._replay(held, then=key)  # its draw is redone
             held = None
         self._held = Held(step, current, key)
         steps.hold(self)
@@ -113,12 +128,15 @@ class StreamedGenerationBatch(GenerationBatch):
             return samplers[0](logprobs), logprobs
         return mx.concatenate([s(logprobs[i:i + 1]) for i, s in enumerate(samplers)]), logprobs
 
-    def _replay(self, held: Held) -> tuple:
+    def _replay(self, held: Held, then=None) -> tuple:
         """A bad held step run again on the checked path (its cache entries trimmed already),
-        its tokens drawn again with the key they had: ``(tokens, logprobs per sequence)``."""
-        rewind(held.key)
-        tokens, logprobs = self._sample(self.model(held.inputs[:, None], cache=self.prompt_cache))
+        its tokens drawn again with the key they had (``then``: see decode.replayed):
+        ``(tokens, logprobs per sequence)``."""
+        tokens, logprobs = replayed(held.key, self._again, held.inputs, then=then)
         return tokens, list(logprobs)
+
+    def _again(self, inputs) -> tuple:
+        return self._sample(self.model(inputs[:, None], cache=self.prompt_cache))
 
     def settle_held(self) -> None:
         """Check the step in flight now (replayed if bad): the batch's next tokens are then
@@ -129,12 +147,11 @@ class StreamedGenerationBatch(GenerationBatch):
             return
         steps.release(self)
         try:
-            bad = steps.settle(held.step) is not None
-            if bad:
+            if steps.settle(held.step) is not None:
                 trim(self.prompt_cache, 1)
                 self._next_tokens, self._next_logprobs = self._replay(held)
-        except BaseException:
-            steps.quiesce()
+        except BaseException as exc:
+            self._break(steps, exc)
             raise
 
     def abandon_held(self) -> None:
@@ -148,6 +165,10 @@ class StreamedGenerationBatch(GenerationBatch):
 
     # What changes the batch, or reads a cache, comes after the step in flight is checked.
 
+    def next(self):
+        self._check_whole()  # (an empty batch has no step to take)
+        return super().next()
+
     def extend(self, batch):
         self.settle_held()
         super().extend(batch)
@@ -155,6 +176,8 @@ class StreamedGenerationBatch(GenerationBatch):
     def filter(self, keep):
         self.settle_held()
         super().filter(keep)
+        if not keep:  # no cache of a broken step is left
+            self._broken = None
 
     def extract_cache(self, idx: int):
         self.settle_held()
@@ -170,6 +193,27 @@ class StreamedBatchGenerator(BatchGenerator):
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
         self._generation_batch = StreamedGenerationBatch.empty(self.model, self.sampler)
+
+    def insert_segments(self, segments, max_tokens=None, caches=None, all_tokens=None,
+                        *args, **kwargs):
+        """mlx-lm's, with a request whose prompt a cache covers whole (mlx_lm.server's prompt
+        cache found it exactly: no segment left) given its last token again, its cache trimmed
+        by one, as mlx-lm's single-request path does; mlx-lm's raised, on the server's
+        generation thread, which then died for every request."""
+        segments = [list(s) for s in segments]
+        caches = list(caches) if caches else [None] * len(segments)
+        all_tokens = [list(t) for t in all_tokens] if all_tokens else [[] for _ in segments]
+        for i, seq in enumerate(segments):
+            if any(seq) or not all_tokens[i]:
+                continue
+            cache = caches[i]
+            if cache is not None and can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                segments[i], all_tokens[i] = [all_tokens[i][-1:]], all_tokens[i][:-1]
+            else:  # computed again from the start
+                segments[i], caches[i], all_tokens[i] = [all_tokens[i]], None, []
+        return super().insert_segments(segments, max_tokens, caches, all_tokens, *args,
+                                       **kwargs)
 
     def close(self):
         batch = getattr(self, "_generation_batch", None)

@@ -84,8 +84,7 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
                                     or not steps.plan(y[None], cache)):
             if steps.settle(current) is not None:
                 trim(cache, 1)
-                rewind(key)
-                y, logprobs = _sample(model(inputs[None], cache=cache), sampler)
+                y, logprobs = replayed(key, _again, model, inputs, cache, sampler)
             current = None
         # As mlx-lm's loop, a step is launched on every token before it leaves, the last's
         # too: its KV entries stay in the cache (a chat's next turn computes with them), and
@@ -97,8 +96,9 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
         if current is not None:
             if steps.settle(current, nxt) is not None:  # y is wrong, and nxt (abandoned)
                 trim(cache, 2)
-                rewind(key)
-                y, logprobs = _sample(model(inputs[None], cache=cache), sampler)
+                # nxt draws again, with the key it had, once launched again
+                y, logprobs = replayed(key, _again, model, inputs, cache, sampler,
+                                       then=next_key)
                 current = None
                 continue
         try:
@@ -120,8 +120,25 @@ def _finish(model, steps, cache, step, inputs, key, sampler) -> None:
     the KV cache the generation leaves is exact (its token is never used)."""
     if steps.settle(step) is not None:
         trim(cache, 1)
-        rewind(key)
-        mx.eval(_sample(model(inputs[None], cache=cache), sampler))
+        mx.eval(replayed(key, _again, model, inputs, cache, sampler))
+
+
+def _again(model, inputs, cache, sampler) -> tuple:
+    """A bad step run again on the checked path, its token sampled."""
+    return _sample(model(inputs[None], cache=cache), sampler)
+
+
+def replayed(key, run, *args, then=None):
+    """``run(*args)`` (a bad step run again, its token sampled) with MLX's random key set back to
+    ``key``, the key its sample had: it draws what it drew. Then the key is ``then`` (the key of
+    a step launched after it and abandoned, to be drawn again), or by default what it was
+    before: whatever drew since the step's sample (another generation, the caller's own draws)
+    keeps its draws."""
+    after = mx.random.state[0] if then is None else then
+    rewind(key)
+    out = run(*args)
+    rewind(after)
+    return out
 
 
 def rewind(key) -> None:

@@ -263,8 +263,10 @@ def _server_classes():
                         and all(isinstance(m, dict) and "role" in m for m in messages)):
                     raise RequestRefused("messages", "messages must be a non-empty list of "
                                          "objects, each with a role and its content")
-            elif not isinstance(body.get("prompt"), str):
-                raise RequestRefused("prompt", "prompt must be a string")
+            elif not isinstance(body.get("prompt"), str) or not body["prompt"]:
+                # (mlx-lm's batch raised on an empty one, on its generation thread, which then
+                # died for every request)
+                raise RequestRefused("prompt", "prompt must be a non-empty string")
             refused = unsupported(body, self.path.endswith("/chat/completions"))
             if refused is not None:  # what it would otherwise ignore
                 raise refused

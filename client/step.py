@@ -464,7 +464,9 @@ class Steps:
         host has built the next step on its lazy token, as resident mlx-lm overlaps building
         with computing. The caller starts it computing: ``mx.async_eval`` of its token and of
         the step's ``flat`` together. A step that cannot speculate runs as :meth:`run` runs it
-        (nothing left to check). At most two launched steps are unsettled at a time."""
+        (nothing left to check). At most two launched steps are unsettled at a time: another
+        loop's held step (see :meth:`hold`) is settled first."""
+        self.settle_held()
         self.session.check_alive()
         counters = self.session.counters
         counters["steps"] += 1

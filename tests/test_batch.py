@@ -29,10 +29,11 @@ def prompts(vocab: int, n: int) -> list:
 
 
 def decode(cls, model, requests: list, *, temp: float = 0.0, join_after: int | None = None,
-           **sizes) -> list:
+           draw_between: bool = False, **sizes) -> list:
     """Each request's ``(tokens, logprobs)`` from a ``cls`` batch generator: ``requests`` are
     ``(prompt, max_tokens)``; with ``join_after``, the second half is inserted once that many
-    batches of tokens came out (they join mid-batch). Seeded alike for every ``cls``."""
+    batches of tokens came out (they join mid-batch); with ``draw_between``, the caller draws
+    from MLX's random key between batches. Seeded alike for every ``cls``."""
     mx.random.seed(11)
     gen = cls(model, **sizes)
     half = len(requests) // 2 if join_after is not None else len(requests)
@@ -54,6 +55,8 @@ def decode(cls, model, requests: list, *, temp: float = 0.0, join_after: int | N
             batches += 1
             if batches == join_after:
                 uids += insert(requests[half:])
+            if draw_between:
+                mx.eval(mx.random.uniform(shape=(3,)))
     finally:
         gen.close()
     return [out[uid] for uid in uids]
@@ -105,20 +108,23 @@ def test_batches_of_1_to_16_are_resident_ones_through_replays(models, isolated_e
 def test_sampled_requests_joining_and_leaving_are_resident_ones(models, isolated_env, tmp_path,
                                                                 pull):
     """Six requests of different lengths at temperature 1, per-request samplers, three decoding
-    at most, prompts two at a time, half of them inserted mid-batch: each replayed step draws
-    its tokens again with the key it had. Without a puller (``off``) a pool of 4 rows misses
+    at most, prompts two at a time, half of them inserted mid-batch, the caller drawing from
+    the random key between batches: each replayed step draws its tokens again with the key it
+    had, and the caller's draws keep theirs. Without a puller (``off``) a pool of 4 rows misses
     at most steps of a batch, which are replayed per layer."""
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     resident = resident_model(model_dir)
     requests = [(p, 8 + 3 * (s % 3)) for s, p in enumerate(
         prompts(resident.args.vocab_size, 6))]
     sizes = dict(completion_batch_size=3, prefill_batch_size=2)
-    want = decode(BatchGenerator, resident, requests, temp=1.0, join_after=4, **sizes)
-    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+    want = decode(BatchGenerator, resident, requests, temp=1.0, join_after=4, draw_between=True,
+                  **sizes)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_TINY, tmp_path / "s.json")):
         model = streamed(blob_dir, pull=pull)
         session = model.expertd_session
         try:
-            got = decode(StreamedBatchGenerator, model, requests, temp=1.0, join_after=4, **sizes)
+            got = decode(StreamedBatchGenerator, model, requests, temp=1.0, join_after=4,
+                         draw_between=True, **sizes)
             assert_same(got, want)
             assert session.counters["batch_steps"] > 0
             if pull == "off":
@@ -174,5 +180,124 @@ def test_batch_generate_is_mlx_lm_s(models, isolated_env, tmp_path):
             got = batch_generate(model, tokenizer, ids, max_tokens=12)
             assert got.token_ids == want.token_ids and got.texts == want.texts
             assert got.stats.generation_tokens == want.stats.generation_tokens
+        finally:
+            model.expertd_session.close()
+
+
+def test_two_batches_on_one_model_take_turns(models, isolated_env, tmp_path):
+    """Two batch generators on one model, stepped in turn at temperature 1 over an arena of a
+    few rows: one's step launched settles the other's held step first (one step in flight at
+    a time), and both draw what two resident generators stepped alike draw."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    ps = prompts(resident.args.vocab_size, 6)
+
+    def turns(cls, model, check=None):
+        mx.random.seed(3)
+        gens = [cls(model, completion_batch_size=3, prefill_batch_size=3) for _ in range(2)]
+        out = {}
+        for g, part in zip(gens, (ps[:3], ps[3:])):
+            uids = g.insert(part, [10] * 3, samplers=[make_sampler(1.0)] * 3)
+            out.update({(id(g), u): [] for u in uids})
+        try:
+            live = list(gens)
+            while live:
+                for g in list(live):
+                    responses = g.next_generated()
+                    if not responses:
+                        live.remove(g)
+                    for r in responses:
+                        out[(id(g), r.uid)].append(r.token)
+                    if check is not None:
+                        check(gens)
+        finally:
+            for g in gens:
+                g.close()
+        return list(out.values())
+
+    def one_in_flight(gens):
+        held = [g._generation_batch._held is not None for g in gens]
+        assert sum(held) <= 1, held
+
+    want = turns(BatchGenerator, resident)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_TINY, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        session = model.expertd_session
+        try:
+            assert turns(StreamedBatchGenerator, model, one_in_flight) == want
+            assert session.counters["replays_absent"] > 0
+            assert not session.step_epoch.inside
+        finally:
+            session.close()
+
+
+def test_a_batch_whose_daemon_died_inside_a_step_decodes_no_more(models, isolated_env,
+                                                                tmp_path):
+    """The daemon killed while a batch step is in flight, a client that does not wait for it
+    (reconnect_timeout 0): the step's check fails, nothing stays in flight, and the batch
+    refuses to go on (its caches may hold a step that was never checked) rather than decode
+    wrong tokens once a daemon is back. A batch emptied of its requests takes new ones."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    with Daemon(blob_dir, isolated_env,
+                *client_flags(blob_dir, ROWS_TINY, tmp_path / "s.json")) as daemon:
+        model = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off", pull="host",
+                     speculate="on", reconnect_timeout=0)[0]
+        session = model.expertd_session
+        gen = StreamedBatchGenerator(model, completion_batch_size=4)
+        try:
+            uids = gen.insert(prompts(resident.args.vocab_size, 4), [40] * 4)
+            for _ in range(3):
+                assert gen.next_generated()
+            assert gen._generation_batch._held is not None  # a step in flight
+            daemon.kill()
+            with pytest.raises(Exception) as failed:
+                while gen.next_generated():
+                    pass
+            assert not isinstance(failed.value, RuntimeError) or "stopped inside" not in str(
+                failed.value)
+            assert gen._generation_batch._held is None  # the session detached: no epoch
+            with pytest.raises(RuntimeError, match="stopped inside a step"):
+                gen.next_generated()
+            gen.remove(uids)
+            assert gen._generation_batch._broken is None
+        finally:
+            gen.close()
+            session.close()
+
+
+def test_a_request_whose_prompt_a_cache_covers_whole(models, isolated_env, tmp_path):
+    """A request inserted with a cache of its whole prompt and nothing left to compute (what
+    mlx_lm.server's prompt cache gives a prompt it holds exactly): mlx-lm's batch raises, on
+    the server's generation thread; expertd's gives its last token again, its cache trimmed
+    by one, and decodes it as the same request would decode from scratch."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    prompt = prompts(resident.args.vocab_size, 1)[0]
+
+    def first(gen):
+        gen.insert([prompt], [5])
+        while responses := gen.next_generated():
+            done = [r for r in responses if r.finish_reason is not None]
+        return done[0].prompt_cache, done[0].all_tokens
+
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        try:
+            mine = StreamedBatchGenerator(model)
+            theirs = BatchGenerator(resident)
+            try:
+                cache, tokens = first(mine)
+                with pytest.raises(ValueError, match="empty prompt"):
+                    theirs.insert_segments([[]], [4], [first(theirs)[0]], [tokens])
+                mine.insert_segments([[]], [4], [cache], [tokens])
+                got = [r.token for r in mine.next_generated()]
+                while responses := mine.next_generated():
+                    got += [r.token for r in responses]
+            finally:
+                mine.close()
+                theirs.close()
+            fresh = decode(BatchGenerator, resident, [(tokens, 4)])[0][0]
+            assert got == fresh
         finally:
             model.expertd_session.close()
