@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from expertd import native
+from expertd.choices import PULL_MODES  # noqa: F401 (its users' name)
 from expertd.shm.layout import EPOCH_DTYPE, SLOT_DTYPE, SlotState
 
 from .backing import buffer_bytes, segment_bases
@@ -66,7 +67,6 @@ THREADS = 512  # threads per block (CUDA) / threadgroup (Metal)
 # bench/pull_probe.py: 4 x 512 threads 36 GB/s, 128 x 256 8 GB/s, 512 x 256 1.3 GB/s).
 CHUNKS = 4
 
-PULL_MODES = ("auto", "device", "host", "off")
 U64 = 2**64 - 1
 
 # Parameters every kernel reads from one int64 array (index -> meaning); the segments' offsets

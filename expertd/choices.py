@@ -6,6 +6,7 @@ import math
 
 PREFETCH_MODES = ("auto", "on", "off")
 SPECULATE_MODES = ("auto", "on", "off")  # the client's one-wait-a-step mode (client/step.py)
+PULL_MODES = ("auto", "device", "host", "off")  # who reads a pool's misses (client/pull.py)
 
 # mlx-lm's defaults, and the KV quantizations MLX supports (mx.quantize, affine).
 DEFAULT_PREFILL_STEP_SIZE = 2048

@@ -217,3 +217,29 @@ def test_the_license_is_an_spdx_expression_in_the_built_metadata():
     assert meta["License-Expression"] == "MIT"
     assert meta["License"] is None
     assert not [c for c in meta.get_all("Classifier") or [] if c.startswith("License ::")]
+
+
+def test_status_stop_and_start_import_no_mlx(models, isolated_env):
+    """The commands that only talk to the daemon (start, status, stop) run with MLX and mlx-lm
+    unimportable: they build their parsers without the client's compute modules."""
+    import subprocess
+    import sys
+
+    blobs = models.blobs()
+    script = ("import sys\n"
+              "for name in ('mlx', 'mlx.core', 'mlx.nn', 'mlx_lm'):\n"
+              "    sys.modules[name] = None  # import mlx raises ImportError\n"
+              "from expertd.cli.main import main\n"
+              "sys.argv = ['expertd'] + sys.argv[1:]\n"
+              "main()\n")
+    runs = [["start", "--blobs", str(blobs), "--cache-gb", "0.01"],
+            ["status", "--blobs", str(blobs)], ["stop", "--blobs", str(blobs)]]
+    try:
+        for args in runs:
+            done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, (args, done.stderr)
+    finally:
+        subprocess.run([sys.executable, "-m", "expertd", "stop", "--blobs", str(blobs)],
+                       capture_output=True, timeout=120)
+    assert "serving" in done.stdout or "stopped" in done.stdout

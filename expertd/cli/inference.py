@@ -158,8 +158,7 @@ def add_kv_flags(p) -> None:
 def add_prefetch_flag(p, help_text: str) -> None:
     """The client's --prefetch and --pool-gb, the same on every subcommand that loads the
     model."""
-    from expertd.client.pull import PULL_MODES
-    from expertd.serving.config import PREFETCH_MODES, SPECULATE_MODES
+    from expertd.choices import PREFETCH_MODES, PULL_MODES, SPECULATE_MODES
 
     p.add_argument("--prefetch", choices=PREFETCH_MODES, default="auto", help=help_text)
     p.add_argument("--pool-gb", type=argtypes.gib, default=None, metavar="G",
