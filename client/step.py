@@ -74,6 +74,7 @@ MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is jud
 PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
 # (with the host copy; a device puller's waits per layer once a step was replayed)
 TIMED_STEPS = 5  # the latest step times of each kind whose median the verdict weighs
+BATCH_FIT_EVERY = 256  # steps after which a batch's stacks are weighed against free memory again
 DRAIN_EVERY = 8  # one step in this many is drained (pipelined loop), while drains promote
 MAX_DRAIN_EVERY = 64  # the most, reached by doubling after each drain that promoted nothing
 
@@ -338,6 +339,7 @@ class Steps:
                                 for layer in layers)
         self._prompts_waiting = 0  # prompts still to wait per layer (see PROMPT_RETRY)
         self._holder = None  # who settles a launched step in flight (see hold)
+        self._fits, self._fits_at = {}, 0  # _batch_fits' answers by pairs, and since when
 
     def hold(self, holder) -> None:
         """``holder`` (client/batch.py's batch) has a launched step in flight that it settles
@@ -690,12 +692,32 @@ class Steps:
             counters["union_experts"] += len(np.unique(used[used >= 0]))
 
     def _speculate(self, shape: tuple, cache, depth: int = 1) -> bool:
-        """A decode step of tokens ``shape`` (see :func:`token_shape`) speculates."""
+        """A decode step of tokens ``shape`` (see :func:`token_shape`) speculates (a batch's,
+        pulled, where its stacks fit: :meth:`_batch_fits`)."""
         puller = self.session.puller
         if self.pipeline or not self.layers or not self.speculation.wanted(
                 device=puller is not None and puller.traceable):
             return False
+        if puller is not None and len(shape) > 1 and math.prod(shape[:-1]) > 1 \
+                and not self._batch_fits(math.prod(shape) * self._top_k):
+            return False
         return cache is None or replayable(cache, depth * shape[-1])
+
+    def _batch_fits(self, pairs: int) -> bool:
+        """A pulled batch step of ``pairs`` pairs a layer may speculate: its stacks (a row per
+        routed expert, at most ``pairs``, every layer's: they may all be allocated before the
+        first is freed) fit, as a prompt's must (:func:`stacks_fit`). Asked of the free memory
+        once per batch size, and again every BATCH_FIT_EVERY steps."""
+        steps = self.session.counters["steps"]
+        if steps - self._fits_at >= BATCH_FIT_EVERY:
+            self._fits, self._fits_at = {}, steps
+        fits = self._fits.get(pairs)
+        if fits is None:
+            manifest = self.session.manifest
+            stack = sum(min(layer.num_experts, pairs) * manifest.layers[layer.index].expert_bytes
+                        for layer in self.layers)
+            fits = self._fits[pairs] = stacks_fit(stack, free_memory())
+        return fits
 
     def _check(self, records: list, found: Findings, *flat: np.ndarray,
                promote: bool = True) -> str | None:

@@ -301,3 +301,36 @@ def test_a_request_whose_prompt_a_cache_covers_whole(models, isolated_env, tmp_p
             assert got == fresh
         finally:
             model.expertd_session.close()
+
+
+@pytest.mark.parametrize("room", [0, 1])
+def test_a_batch_whose_stacks_do_not_fit_waits_per_layer(models, isolated_env, tmp_path,
+                                                         monkeypatch, room):
+    """The free memory a pulled batch step's stacks are weighed against (every layer's, a row
+    per routed expert: they may all be allocated at once), stood in for by the figure the
+    step reads: a byte short of twice them, the batch's steps wait per layer, exactly; with
+    room, they speculate."""
+    from expertd.client import step
+
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    requests = [(p, 8) for p in prompts(resident.args.vocab_size, 4)]
+    sizes = dict(completion_batch_size=4, prefill_batch_size=4)
+    want = decode(BatchGenerator, resident, requests, **sizes)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        session = model.expertd_session
+        try:
+            m = session.manifest
+            stacks = sum(min(layer.num_experts, 4 * m.top_k) * layer.expert_bytes
+                         for layer in m.layers)
+            monkeypatch.setattr(step, "free_memory", lambda: 2 * stacks - 1 + room)
+            assert_same(decode(StreamedBatchGenerator, model, requests, **sizes), want)
+            c = session.counters
+            assert c["batch_steps"] > 0
+            if room:
+                assert c["routed_pairs"] and c["speculative_steps"] >= c["batch_steps"] // 2, c
+            else:
+                assert c["speculative_steps"] == 0, c
+        finally:
+            session.close()
