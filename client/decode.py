@@ -20,7 +20,7 @@ import time
 
 import mlx.core as mx
 
-from .step import Drains, StepGuard, trim
+from .step import StepGuard, trim
 
 # What the pipelined loop does itself; the rest is mlx-lm's, where given (not None or empty).
 OWN = {"sampler", "max_kv_size", "prompt_cache", "prefill_step_size", "prompt_progress_callback"}
@@ -43,7 +43,7 @@ def pipelined_step(prompt, model, *, max_tokens: int = 256, sampler=None, prompt
     from mlx_lm.models.cache import make_prompt_cache
 
     steps = model.__dict__["_expertd_steps"]
-    steps.drains = Drains()  # each generation starts draining often: its experts are new
+    steps.new_generation()
     forward = super(StepGuard, model).__call__  # the model unguarded: launch checks later
     sampler = sampler or (lambda x: mx.argmax(x, axis=-1))
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size)

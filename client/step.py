@@ -341,6 +341,10 @@ class Steps:
         self._holder = None  # who settles a launched step in flight (see hold)
         self._fits, self._fits_at = {}, 0  # _batch_fits' answers by pairs, and since when
 
+    def new_generation(self) -> None:
+        """A generation starts (client/decode.py): its experts are new, so it drains often."""
+        self.drains = Drains()
+
     def hold(self, holder) -> None:
         """``holder`` (client/batch.py's batch) has a launched step in flight that it settles
         itself: any other model call settles it first (``holder.settle_held()``), since that
