@@ -5,7 +5,7 @@
 Each flood runs for a few seconds in child processes while this process asks STATS back to
 back, each time on a new connection (as `expertd status` does). The figures are the daemon's
 peak growth of RSS outside the arena (VmHWM, /proc: Linux) and the worst STATS round trip.
-Bars (DESIGN.md): under 100 MB, and STATS within 100 ms, for every flood ZeroMQ lets us bound;
+Bars (docs/ARCHITECTURE.md): under 100 MB, and STATS within 100 ms, for every flood ZeroMQ lets us bound;
 one message of many frames it cannot (README, security), and its row says what it costs. The
 tests (tests/test_flood.py) check what a busy machine cannot change: the memory bound, and that
 STATS is answered at all. Hand-made ZMTP peers (tests/harness/zmtp.py) do what a DEALER never

@@ -255,7 +255,7 @@ def section(results: list, seconds: float, zipf: dict) -> str:
         f"tokens, {ZIPF['layers']} layers × {ZIPF['experts']} experts, top-{ZIPF['top_k']}, skew "
         f"{ZIPF['skew']}, tokens drawn independently) the shipped policy loses: {cells} for "
         "plain LFU (÷ Belady, 10/25/50/75%). Quotas are on by default because the learned "
-        "trace is the benchmark of record (DESIGN.md: hit rates are judged on learned routing) "
+        "trace is the benchmark of record (docs/ARCHITECTURE.md: hit rates are judged on learned routing) "
         "and the random-router trace loses at most 0.005; `LfuPolicy(layer_quotas=False)` is "
         "today's LFU.")
     for other in results[1:]:

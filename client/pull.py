@@ -28,7 +28,7 @@ Backings, one per platform, behind that interface:
   tests the rest of the path with.
 
 What keeps a pulled row still while a device reads it is the step's epoch (:class:`StepEpoch`,
-DESIGN.md "Epochs"): the daemon refills no row evicted during a step before the step ends, and a
+docs/ARCHITECTURE.md "Epochs"): the daemon refills no row evicted during a step before the step ends, and a
 step held past the lease bound loses its epoch and is replayed. A device never waits for a row.
 """
 

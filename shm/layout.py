@@ -4,7 +4,7 @@
 [ header 4 KiB ][ epochs: EPOCH_DTYPE[EPOCH_SLOTS] ][ slot_of: int32[layers * experts] ]
 [ slots: SLOT_DTYPE[rows] ][ pad ][ rows ]
 ```
-``epochs`` is the reclamation table of device reads (DESIGN.md, "Epochs"): the daemon gives each
+``epochs`` is the reclamation table of device reads (docs/ARCHITECTURE.md, "Epochs"): the daemon gives each
 attached client one record; the client publishes in ``step`` the step it is in (odd while a step
 that reads arena rows from a device runs, even between steps) and the daemon writes the step it
 revoked into ``lost`` (a client that stayed in one step longer than the lease bound). Only the

@@ -1,4 +1,4 @@
-"""Reclamation by epochs, against the real serving loop (DESIGN.md, "Epochs").
+"""Reclamation by epochs, against the real serving loop (docs/ARCHITECTURE.md, "Epochs").
 
 A client publishes in its epoch record, through the arena mapping, the step it is in; a row
 evicted while that step is odd keeps its old bytes (its refill is held back, the row FILLING

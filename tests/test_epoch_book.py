@@ -1,4 +1,4 @@
-"""The epoch book: pure logic, no daemon (DESIGN.md, "Epochs")."""
+"""The epoch book: pure logic, no daemon (docs/ARCHITECTURE.md, "Epochs")."""
 
 import pytest
 from hypothesis import settings

@@ -1,4 +1,4 @@
-"""Floods must not grow the daemon's memory (DESIGN.md: daemon RSS - arena < 100 MB under any
+"""Floods must not grow the daemon's memory (docs/ARCHITECTURE.md, Bars: daemon RSS - arena < 100 MB under any
 flood ZeroMQ lets us bound) nor keep STATS from being answered: rejected messages from many
 peers, frames past MAXMSGSIZE, a thousand connections each holding a frame open. What ZeroMQ
 cannot bound, one message of many frames, is measured here too (README, security).

@@ -1,4 +1,4 @@
-"""The epoch table attacked by hostile or careless local clients (DESIGN.md, "Epochs").
+"""The epoch table attacked by hostile or careless local clients (docs/ARCHITECTURE.md, "Epochs").
 
 Every client maps the arena read-write, so any of them can write any record. What must hold
 whatever they write: the daemon keeps serving the others, and a refill waits at most the lease

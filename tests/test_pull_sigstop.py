@@ -1,4 +1,4 @@
-"""A pulling client stopped with SIGSTOP (DESIGN.md, "Epochs"), against real processes: a
+"""A pulling client stopped with SIGSTOP (docs/ARCHITECTURE.md, "Epochs"), against real processes: a
 daemon, the client (this file run as a script, see ``main``), and an evicting client in the test
 process.
 

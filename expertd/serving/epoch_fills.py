@@ -1,5 +1,5 @@
 """The expert cache's epochs: refills of evicted rows held back until the clients that were
-inside a step when the row was unmapped have finished it (DESIGN.md, "Epochs").
+inside a step when the row was unmapped have finished it (docs/ARCHITECTURE.md, "Epochs").
 
 Half of :class:`~expertd.serving.cache.ExpertCache`, kept in a module of its own: the epoch book
 (epochs.py) decides; this reads the records' steps from the arena, writes the ``lost`` field

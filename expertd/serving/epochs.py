@@ -3,7 +3,7 @@ rows wait for a step to end before they may be refilled.
 
 Pure logic, no I/O, like the lease and side-row books: the serving loop reads the records'
 steps from shared memory (after a full fence, see ``EpochFills._steps``) and writes the
-``lost`` field of the records this book gives up on. DESIGN.md, "Epochs": a client publishes in
+``lost`` field of the records this book gives up on. docs/ARCHITECTURE.md, "Epochs": a client publishes in
 its record the step it is in, odd while its device may read arena rows; a row unmapped while a
 client showed step ``s`` (odd) is refilled only once that client can no longer read it: its
 record shows an even step (nothing in flight), or an odd one at least ``PIPELINE_ADVANCE`` past

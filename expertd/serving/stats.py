@@ -116,7 +116,7 @@ class LeaseStats:
 
 @dataclass(frozen=True)
 class EpochStats:
-    """The epoch book: refills that waited for clients' steps to end (DESIGN.md, "Epochs")."""
+    """The epoch book: refills that waited for clients' steps to end (docs/ARCHITECTURE.md, "Epochs")."""
 
     deferred_fills: int  # refills of evicted rows held back for a step, so far
     epochs_lost: int  # records whose step outlasted the lease bound while a row waited
