@@ -40,6 +40,7 @@ from gpu_pools import QWEN3_30B_SHAPES, TINY
 from overlap import arena_gb
 
 SECTION = "## GPU: serving under load (issue 42)"
+CPU_SECTION = "## CPU: serving under load, a small model (issue 42; its bars are the GPU's)"
 CAPPED = 0.25
 BARS = dict(pooled=0.8, target=0.9, bytes=0.85, disk=0.8)
 START_TIMEOUT = 600.0
@@ -209,11 +210,21 @@ def run(args) -> dict:
     return out
 
 
+def model_text(spec: dict) -> str:
+    return (f"{spec['layers']} MoE layers × {spec['experts']} experts, top-{spec['top_k']}, "
+            f"hidden {spec['hidden']}, {spec['bits']}-bit")
+
+
+def section(r: dict) -> str:
+    return CPU_SECTION if "cpu" in r["device"] else SECTION
+
+
 def table(r: dict) -> str:
-    lines = [f"{SECTION}\n", f"{r['device']}, MLX {r['mlx']}; `expertd serve` (pools 25%) and "
+    lines = [f"{section(r)}\n", f"{r['device']}, MLX {r['mlx']}; `expertd serve` (pools 25%) and "
              f"`mlx_lm.server` (resident) on one machine, real HTTP, greedy requests of "
              f"{r['tokens']} tokens sent at once by N clients, the two servers alternating "
-             f"over {r['rounds']} rounds. `python bench/serve_load.py`.\n",
+             f"over {r['rounds']} rounds; model {model_text(r['model'])}. "
+             f"`python bench/serve_load.py{' --small' if r['model'] == TINY else ''}`.\n",
              "| case | clients | aggregate ÷ mlx_lm.server (median; rounds) | replies equal | "
              "target | verdict |", "| --- | --- | --- | --- | --- | --- |"]
     for clients, level in r.get("pooled", {}).get("levels", {}).items():
@@ -271,7 +282,7 @@ def main() -> None:
     text = table(r)
     print(text)
     if args.results:
-        write_section(ROOT / "RESULTS.md", SECTION, text)
+        write_section(ROOT / "RESULTS.md", section(r), text)
 
 
 if __name__ == "__main__":
