@@ -24,6 +24,9 @@ import numpy as np
 import xxhash
 from harness import RawClient, query_stats, validate
 
+# Daemon flags that make lease reclamation quick enough to test (test_daemon, test_daemon_recovery).
+FAST_TIMEOUTS = ("--client-timeout", "1.5", "--heartbeat", "0.3")
+
 
 def _checksum_ok(manifest, layer: int, expert: int, data) -> bool:
     info = manifest.layers[layer]

@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY, flip_byte, lm_head_offset, mounted
 from harness import expertd_cli
 
-from expertd.blobstore import BlobStore
+from expertd.blobstore import BlobStore, trunk_faults
 from expertd.errors import BlobStoreError, ChecksumError
 
 
@@ -372,10 +372,21 @@ def test_trunk_faults_are_named(blob_dir, fault, expected):
 
 
 def test_dot_files_in_the_trunk_are_not_the_model(blob_dir):
-    (blob_dir / "trunk" / ".DS_Store").write_bytes(b"finder")
+    """A dot file (Finder's .DS_Store) in trunk/ is no fault; the same file without the dot,
+    which mlx-lm might load, is one."""
+    trunk = blob_dir / "trunk"
+    (trunk / ".DS_Store").write_bytes(b"finder")
     store = BlobStore(blob_dir)
     try:
-        store.verify_trunk()
+        assert list(trunk_faults(blob_dir, store.manifest)) == []
+        store.verify_trunk()  # raises on any fault
+        # The same file, its dot gone: the check does see unlisted files.
+        (trunk / ".DS_Store").rename(trunk / "DS_Store")
+        faults = list(trunk_faults(blob_dir, store.manifest))
+        assert [(f.path, f.layer, f.expert) for f in faults] == [(trunk / "DS_Store", None, None)]
+        assert "not written by expertd convert" in faults[0].message
+        with pytest.raises(BlobStoreError, match="DS_Store: not written by expertd convert"):
+            store.verify_trunk()
     finally:
         store.close()
 

@@ -142,16 +142,19 @@ def test_sigint_anywhere_in_fetch_leaks_no_lease(models, isolated_env):
 
 # ---- a daemon that is gone or stuck ----------------------------------------------------------
 
+@pytest.mark.timeout(60)  # well inside the 300 s request bound
 def test_reused_pid_does_not_stall_the_client(blobs, isolated_env):
     """The daemon is SIGKILLed and its pid and run files then name a live, unrelated process:
-    the client gives up at once (after its reconnect timeout), not after 300 s."""
+    the client gives up by its reconnect timeout (the error says so), while the impostor still
+    lives, not by the 300 s request bound (which raises another error)."""
     from expertd.client.session import Session
     from expertd.errors import DaemonNotRunning
     from expertd.paths import daemon_paths
     from expertd.runfile import RunInfo, read_run_info, write_run_info
 
     paths = daemon_paths(blobs)
-    impostor = subprocess.Popen(["sleep", "120"])
+    # Lives until the test kills it: the client cannot be let go by its end.
+    impostor = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     try:
         with Daemon(blobs, isolated_env, *tiny_cache(blobs), *PATIENT) as daemon:
             session = Session(blobs, reconnect_timeout=1.0)
@@ -161,10 +164,10 @@ def test_reused_pid_does_not_stall_the_client(blobs, isolated_env):
                 daemon.kill()
                 write_run_info(paths, RunInfo(impostor.pid, info.arena, info.epoch, True))
                 paths.pidfile.write_text(str(impostor.pid))
-                start = time.monotonic()
-                with pytest.raises(DaemonNotRunning, match="did not come back"):
+                with pytest.raises(DaemonNotRunning, match="is gone and did not come back "
+                                   "within 1 s"):
                     session.stats()
-                assert time.monotonic() - start < 5.0
+                assert impostor.poll() is None  # given up on while the pid still lives
                 # A client living on hits learns it from its heartbeat as quickly.
                 wait_until(lambda: session._heartbeat is None or session._heartbeat.lost, 5.0,
                            "the heartbeat to notice")
@@ -175,10 +178,12 @@ def test_reused_pid_does_not_stall_the_client(blobs, isolated_env):
         impostor.wait()
 
 
+@pytest.mark.timeout(60)  # well inside the 300 s request bound
 def test_stuck_daemon_is_reported_after_its_time_to_dead(blobs, isolated_env):
     """A daemon that holds its lock but answers nothing (SIGSTOP) is waited for as a daemon
     gone, once no heartbeat has been answered for the time-to-dead (not after the 300 s
-    request bound), then reported as stuck; resumed, it serves the session again."""
+    request bound, which raises another error), then reported as stuck; resumed, it serves
+    the session again, through one new attach."""
     from expertd.client.session import Session
     from expertd.errors import DaemonError
 
@@ -187,17 +192,18 @@ def test_stuck_daemon_is_reported_after_its_time_to_dead(blobs, isolated_env):
         session = Session(blobs, reconnect_timeout=1.0)
         try:
             assert session._heartbeat.time_to_dead == 2.0
+            reconnects = session.counters["reconnects"]
             os.kill(daemon.pid, signal.SIGSTOP)
             try:
-                start = time.monotonic()
                 with pytest.raises(DaemonError, match="answered no heartbeat for 2 s, and it did "
                                    "not answer within 1 s .stopped, or stuck.*expertd restart"):
                     session.stats()
-                assert time.monotonic() - start < 6.0
+                assert session.counters["reconnects"] == reconnects  # given up, not attached
             finally:
                 os.kill(daemon.pid, signal.SIGCONT)
-            # Answers again: the session attaches again at its next request.
+            # Answers again: the session attaches again (once) at its next request.
             assert session.stats()["pid"] == daemon.pid
+            assert session.counters["reconnects"] == reconnects + 1
         finally:
             session.close()
 

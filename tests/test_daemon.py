@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from daemon_helpers import FAST_TIMEOUTS
 from harness import (
     SMALL_CACHE_GB,
     TINY_CACHE_GB,
@@ -42,9 +43,6 @@ from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
 from expertd.protocol import PROTOCOL_VERSION, ErrorCode, Op
 from expertd.shm.layout import SlotState
-
-# Timeouts that make lease reclamation quick enough to test.
-FAST_TIMEOUTS = ("--client-timeout", "1.5", "--heartbeat", "0.3")
 
 
 def _groups(experts, size):
@@ -137,7 +135,8 @@ def test_concurrent_clients_under_eviction_never_read_torn_rows(blobs, isolated_
 @pytest.mark.timeout(60)
 def test_sigkilled_clients_leave_no_lease_behind(blobs, isolated_env):
     want = expected_bytes(blobs)
-    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS) as d:
+    with InProcessDaemon(blobs, "--cache-gb", TINY_CACHE_GB, *FAST_TIMEOUTS,
+                         clock=FakeClock()) as d:
         procs = []
         try:
             # Two clients lease 8 of the 10 rows; a third one's demand for 4 more must queue.
@@ -147,12 +146,19 @@ def test_sigkilled_clients_leave_no_lease_behind(blobs, isolated_env):
             procs.append(spawn_client("hold", blobs, 2, "0,1,2,3", "nowait"))
             read_json_line(procs[-1], 20)
             wait_until(lambda: query_stats(blobs)["demands"] == 3, 10, "the third demand")
-            # Heartbeats keep all three alive well past the client timeout.
-            end = time.monotonic() + 2.0
-            while time.monotonic() < end:
+            # Heartbeats keep all three alive well past the client timeout: the daemon's clock
+            # moves on by less than the timeout at a time (each move ends with a tick at the new
+            # time), and again only once every client has been heard from since.
+            timeout = float(FAST_TIMEOUTS[FAST_TIMEOUTS.index("--client-timeout") + 1])
+            registry = d.server.clients
+            for _ in range(3):  # 3 x 2/3 of the timeout: twice the timeout in all
+                d.advance(timeout * 2 / 3)
                 s = query_stats(blobs)
-                assert (s["clients"], s["leases"]) == (3, 2), s
-                time.sleep(0.1)
+                assert (s["clients"], s["leases"], s["clients_timed_out"]) == (3, 2, 0), s
+                now = d.clock()
+                wait_until(lambda: all(c.last_seen >= now
+                                       for c in list(registry._clients.values())),
+                           10, "every client's heartbeat at the daemon's new time")
             for proc in procs:
                 proc.kill()
                 proc.wait(5)

@@ -5,6 +5,7 @@ process, with a clock the test moves where a client's timeout is waited out."""
 import shutil
 
 import pytest
+from daemon_helpers import FAST_TIMEOUTS
 from harness import (
     STOP_TIMEOUT,
     TINY_CACHE_GB,
@@ -20,8 +21,6 @@ from expertd.errors import DaemonError
 from expertd.manifest import Manifest
 from expertd.paths import daemon_paths
 from expertd.protocol import Op
-
-FAST_TIMEOUTS = ("--client-timeout", "1.5", "--heartbeat", "0.3")
 
 
 def test_demand_queued_behind_fills_is_answered(models, isolated_env):

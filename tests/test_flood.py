@@ -10,6 +10,7 @@ the arena's.
 
 import os
 import resource
+import signal
 import subprocess
 import sys
 
@@ -50,18 +51,30 @@ def test_a_flood_of_rejected_messages_from_many_peers_does_not_grow_the_daemon(b
                                                                               isolated_env):
     """32 peers send 300 messages of 60 KB each without waiting (576 MB in all; a ROUTER with
     no high-water mark grew by ~370 MB and kept most of it): the daemon grows by less than
-    100 MB, answers STATS in the middle of the flood, and rejects every message."""
-    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as d:
+    100 MB, answers STATS in the middle of the flood, and rejects every message.
+
+    The daemon is stopped (SIGSTOP) while the flood and the STATS request are queued, so that
+    it meets them together however fast it is: STATS must be answered before the flood is."""
+    # A long client timeout: libzmq's heartbeats must not close connections while it is stopped.
+    with Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB, "--client-timeout", "120") as d:
         before = _memory_mb(d.pid)
         peers = [Connection(blobs) for _ in range(32)]
+        asker = Connection(blobs)
         try:
-            sent = 0
-            for _ in range(300):
-                for peer in peers:
-                    sent += peer.send_frames(HOSTILE, wait=False)  # queued by the client
+            for conn in (*peers, asker):  # every connection made before the daemon stops
+                conn.request(Op.STATS)
+            os.kill(d.pid, signal.SIGSTOP)
+            try:
+                sent = 0
+                for _ in range(300):
+                    for peer in peers:
+                        sent += peer.send_frames(HOSTILE, wait=False)  # queued by the client
+                rid = asker.send(Op.STATS, {})
+            finally:
+                os.kill(d.pid, signal.SIGCONT)
             assert sent == 300 * len(peers)
-            during = query_stats(blobs)  # answers within the client's usual timeout
-            assert during["bad_requests"] < sent, "the flood was over before STATS was asked"
+            during = asker.wait(rid, 30)
+            assert during["bad_requests"] < sent, "STATS was answered only after the flood"
 
             def rejected():
                 for peer in peers:
@@ -72,8 +85,8 @@ def test_a_flood_of_rejected_messages_from_many_peers_does_not_grow_the_daemon(b
             wait_until(rejected, 60, f"the daemon to reject all {sent} messages")
             after = _memory_mb(d.pid)
         finally:
-            for peer in peers:
-                peer.close()
+            for conn in (*peers, asker):
+                conn.close()
         _grew(before, after)
         assert query_stats(blobs)["internal_errors"] == 0
 
