@@ -35,13 +35,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, bench_env, daemon, ensure_model, stats, write_section
+from common import ROOT, bench_env, daemon, stats, write_section
 from gpu_pools import QWEN3_30B_SHAPES, TINY
 from overlap import arena_gb
 
 SECTION = "## GPU: serving under load (issue 42)"
 CPU_SECTION = "## CPU: serving under load, a small model (issue 42; its bars are the GPU's)"
-CAPPED = 0.25
+CAPPED = 0.25  # of the experts: the capped arena (the pools: gpu_pull.pull_model's, the same)
 BARS = dict(pooled=0.8, target=0.9, bytes=0.85, disk=0.8)
 START_TIMEOUT = 600.0
 
@@ -189,15 +189,10 @@ def capped_case(blob_dir, capped_gb, pool_gb, args, env) -> dict:
 
 def run(args) -> dict:
     import mlx.core as mx
-
-    from expertd.manifest import Manifest
+    from gpu_pull import pull_model
 
     spec = TINY if args.small else QWEN3_30B_SHAPES
-    name = "gpu-pools-tiny" if args.small else "gpu-pools-qwen3-30b-shapes"
-    model_dir, blob_dir = ensure_model(name, spec)
-    m = Manifest.load(blob_dir)
-    all_gb = m.total_expert_bytes * 1.3 / 2**30 + 0.01
-    pool_gb = CAPPED * sum(la.num_experts * la.expert_bytes for la in m.layers) / 2**30
+    model_dir, blob_dir, m, all_gb, pool_gb = pull_model(args.small)
     capped_gb = arena_gb(blob_dir, round(CAPPED * len(m.layers) * m.max_experts))
     env = dict(bench_env(), PYTHONSAFEPATH="1")
     args.logs.mkdir(parents=True, exist_ok=True)

@@ -14,10 +14,10 @@ from client_helpers import ROWS_ALL, ROWS_TINY, client_flags, pool_gb, routed_mo
 from harness import Daemon
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
+from test_decode import revoke_every
 from test_pull import PULLS
 from test_step import resident_model
 
-from expertd import native
 from expertd.client import load
 from expertd.client.batch import StreamedBatchGenerator, batch_generate
 
@@ -145,18 +145,7 @@ def test_a_batch_step_revoked_in_flight_is_replayed(models, isolated_env, tmp_pa
         model = streamed(blob_dir)
         session = model.expertd_session
         try:
-            puller = session.puller
-            assemble = puller.assemble
-            calls = [0]
-
-            def revoking(layer, idx, pool):
-                calls[0] += 1
-                epoch = session.step_epoch
-                if calls[0] % 20 == 0 and epoch.inside:  # as the daemon does to a step held
-                    native.publish_u64(epoch._raw, epoch._lost_at, epoch.step)  # too long
-                return assemble(layer, idx, pool)
-
-            monkeypatch.setattr(puller, "assemble", revoking)
+            revoke_every(20, session, monkeypatch)
             assert_same(decode(StreamedBatchGenerator, model, requests), want)
             assert session.counters["replays_epoch"] >= 2
         finally:

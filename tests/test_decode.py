@@ -94,6 +94,23 @@ def test_sampled_tokens_are_resident_ones_through_replays(models, isolated_env, 
     assert got == want
 
 
+def revoke_every(n: int, session, monkeypatch) -> None:
+    """Have every ``n``-th pull of ``session`` find its step revoked, as the daemon revokes a
+    step held past the lease bound: the record's step written into ``lost`` mid-step."""
+    puller = session.puller
+    assemble = puller.assemble
+    calls = [0]
+
+    def revoking(layer, idx, pool):
+        calls[0] += 1
+        epoch = session.step_epoch
+        if calls[0] % n == 0 and epoch.inside:
+            native.publish_u64(epoch._raw, epoch._lost_at, epoch.step)
+        return assemble(layer, idx, pool)
+
+    monkeypatch.setattr(puller, "assemble", revoking)
+
+
 def test_a_step_revoked_in_flight_is_replayed_with_the_one_built_on_it(
         models, isolated_env, tmp_path, monkeypatch):
     """The daemon writes the record's step into ``lost`` while two steps are in flight: the
@@ -105,18 +122,7 @@ def test_a_step_revoked_in_flight_is_replayed_with_the_one_built_on_it(
         model = streamed(blob_dir)
         session = model.expertd_session
         try:
-            puller = session.puller
-            assemble = puller.assemble
-            calls = [0]
-
-            def revoking(layer, idx, pool):
-                calls[0] += 1
-                epoch = session.step_epoch
-                if calls[0] % 25 == 0 and epoch.inside:  # as the daemon does to a step held
-                    native.publish_u64(epoch._raw, epoch._lost_at, epoch.step)  # too long
-                return assemble(layer, idx, pool)
-
-            monkeypatch.setattr(puller, "assemble", revoking)
+            revoke_every(25, session, monkeypatch)
             got = list(pipelined_step(ids, model, max_tokens=TOKENS))
             assert_same(got, want)
             assert session.counters["replays_epoch"] >= 2
