@@ -71,7 +71,7 @@ cdef extern from *:
     void xd_cpu_relax() nogil
 
 # Slot record layout: shm/layout.py's SLOT_DTYPE and SlotState are the definition; these
-# compile-time copies are exported as SLOT_LAYOUT, which tests/test_slot_layout.py compares.
+# compile-time copies are exported as SLOT_LAYOUT, which expertd/native.py checks at import.
 DEF SLOT_SIZE = 32
 DEF OFF_VERSION = 0
 DEF OFF_LAYER = 8

@@ -7,7 +7,24 @@ place that reads it: others ask ``PURE_PYTHON_FORCED`` (the switch) or ``IMPLEME
 
 import os
 
+from expertd.shm.layout import slot_layout
+
 PURE_PYTHON_FORCED = os.environ.get("EXPERTD_PURE_PYTHON", "") not in ("", "0")
+
+
+def check_layout(extension) -> None:
+    """The extension's compile-time copy of the slot record is shm/layout.py's, or it would
+    read the daemon's slots wrong: an extension built from other sources is refused.
+
+    Raises:
+        ImportError: the copies differ (the message says how to rebuild).
+    """
+    built = getattr(extension, "SLOT_LAYOUT", None)
+    if built != slot_layout():
+        raise ImportError(f"expertd._native was built for another slot layout ({built}, "
+                          f"shm/layout.py has {slot_layout()}): rebuild it with "
+                          "pip install -e . (or run with EXPERTD_PURE_PYTHON=1)")
+
 
 if PURE_PYTHON_FORCED:
     from expertd import _fallback as _chosen
@@ -16,6 +33,8 @@ else:
         from expertd import _native as _chosen
     except ImportError:
         from expertd import _fallback as _chosen
+    else:
+        check_layout(_chosen)
 
 IMPLEMENTATION = _chosen.IMPLEMENTATION
 remap, validate, drain = _chosen.remap, _chosen.validate, _chosen.drain

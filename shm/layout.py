@@ -89,6 +89,15 @@ class SlotState(enum.IntEnum):
     READY = 2
 
 
+def slot_layout() -> dict:
+    """The slot record as the native extension's compile-time copy (cython_ext/_native.pyx's
+    ``SLOT_LAYOUT``) must hold it: its size, fields' offsets and the states it tests."""
+    fields = {name: SLOT_DTYPE.fields[name][1] for name in ("version", "layer", "expert",
+                                                            "state", "hits")}
+    return {"size": SLOT_DTYPE.itemsize, **fields, "filling": int(SlotState.FILLING),
+            "ready": int(SlotState.READY)}
+
+
 def _round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 

@@ -5,7 +5,8 @@ The pure-Python twin reads records through ``SLOT_DTYPE`` itself."""
 
 import pytest
 
-from expertd.shm.layout import SLOT_DTYPE, SlotState, cgroup_room
+from expertd.native import check_layout
+from expertd.shm.layout import SLOT_DTYPE, SlotState, cgroup_room, slot_layout
 
 try:
     from expertd import _native
@@ -21,6 +22,19 @@ def test_the_native_slot_layout_is_the_dtype():
                                                             "state", "hits")}
     assert layout == {"size": SLOT_DTYPE.itemsize, **fields,
                       "filling": SlotState.FILLING, "ready": SlotState.READY}
+    assert layout == slot_layout()
+    check_layout(_native)  # what expertd.native checks when it loads the extension
+
+
+def test_an_extension_built_for_another_layout_is_refused_at_import():
+    """expertd.native refuses an extension whose slot record differs from shm/layout.py's (a
+    build from other sources), and one that predates the check, naming the remedy."""
+    from types import SimpleNamespace
+
+    moved = {**slot_layout(), "hits": slot_layout()["hits"] + 8}
+    for stale in (SimpleNamespace(SLOT_LAYOUT=moved), SimpleNamespace()):
+        with pytest.raises(ImportError, match="pip install -e"):
+            check_layout(stale)
 
 
 def test_a_cgroups_room_leaves_out_the_file_pages_it_could_drop(tmp_path):
