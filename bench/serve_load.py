@@ -147,6 +147,8 @@ def pooled_case(model_dir, blob_dir, all_gb, pool_gb, args, env) -> dict:
                     ratio=statistics.median(r["ratio"] for r in rounds), rounds=rounds)
                 print(f"pooled {clients} clients: {out['levels'][clients]['ratio']:.2f}",
                       flush=True)
+                if args.out:  # what a run cut short by its time limit keeps
+                    args.out.write_text(json.dumps(dict(partial=out), indent=1))
             out["metrics"] = ours.metrics()
         finally:
             ours.close()
