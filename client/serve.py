@@ -335,7 +335,7 @@ def _server_classes():
 
         def _models(self, path: str):
             name = self.response_generator.cli_args.model_id
-            entry = {"id": name, "object": "model", "created": self.created,
+            entry = {"id": name, "object": "model", "created": self.server.created,
                      "owned_by": "expertd"}
             wanted = path[len("/v1/models/"):]
             if not wanted:
@@ -372,6 +372,9 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
         super().__init__(address, handler)
         self.blob_dir, self.cli_args = blob_dir, cli_args  # mlx_lm.server's settings
         self.api_key = getattr(cli_args, "api_key", None)  # what requests must bear, or None
+        # The model's "created" in /v1/models: one time, the server's start (mlx-lm's handler
+        # took its own request's, so two listings a second apart differed)
+        self.created = int(time.time())
         self.session = self.counters = self.names = self.watch = None  # set by ready()
         self._down = False  # the last look found no daemon (see daemon_serves)
 

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from contextlib import nullcontext
@@ -191,6 +192,10 @@ def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
         # Routes: a query changes none; a path of no endpoint is a 404 of ours (mlx_lm.server's
         # GET listed a Hugging Face cache, or failed); HEAD /health is a probe's status.
         assert get(server.base + "/v1/models?limit=2") == get(server.base + "/v1/models")
+        # The model's "created" is one time, not each listing's: the same a second later.
+        listed = get(server.base + "/v1/models")[1]["data"][0]["created"]
+        wait_until(lambda: int(time.time()) > listed, 5, "the clock to pass a second")
+        assert get(server.base + "/v1/models")[1]["data"][0]["created"] == listed
         assert get(server.base + "/health?x=1") == (200, {"status": "ok"})
         status, body = get(server.base + "/v1/modelsX")
         assert status == 404 and body["error"]["code"] == "not_found"
