@@ -95,6 +95,20 @@ class HttpServer:
         self.log.close()
 
 
+def read_every_expert(blob_dir) -> None:
+    """Have the daemon read every expert into its arena (one that holds them all)."""
+    import numpy as np
+
+    from expertd.client.session import Session
+
+    session = Session(blob_dir)
+    try:
+        for layer in session.manifest.layers:
+            session.demand_absent(layer.index, np.arange(layer.num_experts, dtype=np.int32))
+    finally:
+        session.close()
+
+
 def burst(server: HttpServer, prompts: list, tokens: int) -> dict:
     """All ``prompts`` sent at once: aggregate completion tokens/s, and each reply's text."""
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -123,6 +137,7 @@ def pooled_case(model_dir, blob_dir, all_gb, pool_gb, args, env) -> dict:
     concurrency = max(levels)
     out = dict(levels={})
     with daemon(blob_dir, all_gb):
+        read_every_expert(blob_dir)  # the arena holds every expert: none read while timed
         port = free_port()
         ours = HttpServer(serve_cmd(blob_dir, port, pool_gb, concurrency), port,
                           args.logs / "expertd-serve.log", env)
