@@ -18,14 +18,13 @@ generated tokens per second (decode: each run's ``generation_tps``).
 """
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, daemon, ensure_model, write_section
+from common import daemon, ensure_model, report
 
 ISSUE_MODEL = dict(family="qwen3_moe", layers=4, experts=64, top_k=8, hidden=512, moe_inter=384,
                    bits=4, mode="affine", seed=5)
@@ -140,12 +139,7 @@ def main() -> None:
     p.add_argument("--results", action="store_true", help="write bench/RESULTS.md's section")
     args = p.parse_args()
     r = run(args)
-    if args.out:
-        args.out.write_text(json.dumps(r, indent=1))
-    text = table(r)
-    print(text)
-    if args.results:
-        write_section(ROOT / "RESULTS.md", SECTION, text)
+    report(args, r, table(r), SECTION)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,19 @@ def write_section(results_md: Path, header: str, text: str) -> None:
     results_md.write_text(current)
 
 
+def report(args, r: dict, text: str, header: str) -> None:
+    """A benchmark's last words: its results ``r`` as JSON to ``args.out`` (if given), its
+    section ``text`` printed, and written into RESULTS.md under ``header`` with
+    ``args.results``."""
+    import json
+
+    if args.out:
+        args.out.write_text(json.dumps(r, indent=1))
+    print(text)
+    if args.results:
+        write_section(ROOT / "RESULTS.md", header, text)
+
+
 def ensure_model(name: str, spec: dict) -> tuple:
     """(model_dir, blob_dir) of a synthetic model, built and converted once."""
     from expertd.tools.convert import convert

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import ROOT, bench_env, daemon, stats, write_section
+from common import bench_env, daemon, report, stats
 from gpu_pools import QWEN3_30B_SHAPES, TINY
 from overlap import arena_gb
 
@@ -289,12 +289,7 @@ def main() -> None:
     p.add_argument("--results", action="store_true", help="write bench/RESULTS.md's section")
     args = p.parse_args()
     r = run(args)
-    if args.out:
-        args.out.write_text(json.dumps(r, indent=1))
-    text = table(r)
-    print(text)
-    if args.results:
-        write_section(ROOT / "RESULTS.md", section(r), text)
+    report(args, r, table(r), section(r))
 
 
 if __name__ == "__main__":
