@@ -5,7 +5,9 @@
 # Installs MLX's CUDA backend and the project (skipped on a warm machine with INSTALLED=1), then
 # TESTS=1: the batch exactness tests on the device (its own pull too); CASES (serve_load.py's,
 # default "pooled"; "none": the tests alone), CLIENTS (default 1,4,8,16), ROUNDS (3), TOKENS
-# (64); PULL=1 also runs gpu_pull.py's pooled-own case (expertd's loop, which chat decodes on).
+# (64); PULL=1 also runs gpu_pull.py's pooled-own case (expertd's loop, which chat decodes on);
+# BATCH=N first runs batch_cpu.py --gpu with N sequences (one process, side by side, compiled and
+# plain).
 set -u
 if [ "${INSTALLED:-0}" != 1 ]; then
   bash /root/keep/a/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
@@ -17,6 +19,11 @@ if [ "${TESTS:-0}" = 1 ]; then
   echo "tests rc=$? at ${SECONDS}s"; tail -3 "$OUT/tests.log"
 fi
 cd bench
+if [ "${BATCH:-0}" != 0 ]; then
+  timeout 300 python3 batch_cpu.py --gpu --batch "$BATCH" --rounds "${ROUNDS:-3}" --tokens 32 \
+    --out "$OUT/batch.json" > "$OUT/batch.log" 2>&1
+  echo "batch_cpu rc=$? at ${SECONDS}s"; grep "^| \|Error\|error" "$OUT/batch.log" | tail -8
+fi
 if [ "${CASES:-pooled}" != none ]; then
   timeout $(( 570 - SECONDS )) python3 serve_load.py --cases "${CASES:-pooled}" \
     --clients "${CLIENTS:-1,4,8,16}" --rounds "${ROUNDS:-3}" --tokens "${TOKENS:-64}" \

@@ -60,6 +60,45 @@ class StackedRows(list):
     compact = False
 
 
+def stacked_compute(module, segments: list, x, indices, n: int, assemble) -> tuple:
+    """A prompt's or a batch's speculative call: ``(out, status, stack)``. The experts the
+    router chose (``indices``, of ``n`` experts) are pulled into a stack by ``assemble(want)``
+    (``want``: an expert a row, -1 a row not wanted; returns the arrays and each row's status,
+    see pull.py), each once however many pairs route to it, decided on the device (no wait),
+    and mlx-lm's call runs on it as resident's does. A call of fewer pairs than experts (a
+    batch's decode) stacks only as many rows, the routed experts in order, and its ids are
+    mapped onto their ranks: the map keeps their order, so mlx-lm's sort groups and orders
+    the pairs exactly as resident's. Else the stack has a row for every expert and the
+    router's own ids compute. ``status``: each pair's, that of its expert's row; ``stack``:
+    the stack's arrays (:class:`StackedRows`), kept for the step's check, which promotes
+    from them (step.stacks_fit bounds what a prompt's stacks may take). Device operations
+    alone where ``assemble``'s are: a batch's decode traces it into one compiled graph
+    (:meth:`StreamedLayer.block_call`)."""
+    flat = indices.reshape(-1)
+    routed = mx.zeros((n,), mx.int32).at[flat].add(1) > 0
+    every = mx.arange(n, dtype=mx.int32)
+    span = min(n, flat.size)
+    if span == n:
+        want, ids, rank = mx.where(routed, every, -1), indices, None
+    else:
+        order = mx.sort(mx.where(routed, every, n))[:span]  # unrouted last, as n
+        want = mx.where(order < n, order, -1)
+        rank = mx.cumsum(routed.astype(mx.int32)) - 1
+        ids = rank[indices].astype(indices.dtype)
+    arrays, rows = assemble(want)  # the host copy waits for want
+    stack = StackedRows(arrays)
+    stack.compact = rank is not None
+    status = rows[flat] if rank is None else rows[rank[flat]]
+    return compute(module, segments, arrays, x, ids), status, stack
+
+
+def decoding(shape) -> bool:
+    """Whether router ids of ``shape`` are a decode's: at most DECODE_IDS pairs, or one token
+    of each of several sequences (a batch's step, whose call :meth:`StreamedLayer.block_call`
+    compiles as it does one sequence's)."""
+    return math.prod(shape) <= DECODE_IDS or (len(shape) >= 3 and shape[-2] == 1)
+
+
 @dataclass
 class StepMode:
     """What the running model call is, for its layers to ask (step.Steps sets it): a
@@ -242,33 +281,10 @@ class StreamedLayer:
                                                              *self._inputs(kind))[0]
 
     def _stacked_call(self, module, x, indices, puller) -> tuple:
-        """A prompt's or a batch's speculative call: ``(out, status, stack)``. The experts its
-        router chose are pulled into a stack (prompt_pull.py), each once however many pairs
-        route to it, decided on the device (no wait), and mlx-lm's call runs on it as
-        resident's does. A call of fewer pairs than experts (a batch's decode) stacks only
-        as many rows, the routed experts in order, and its ids are mapped onto their ranks:
-        the map keeps their order, so mlx-lm's sort groups and orders the pairs exactly as
-        resident's. Else the stack has a row for every expert and the router's own ids
-        compute. ``status``: each pair's, that of its expert's row (see pull.py); ``stack``:
-        the stack's arrays (:class:`StackedRows`), kept for the step's check, which promotes
-        from them (step.stacks_fit bounds what a prompt's stacks may take)."""
-        pool, n = self.pool, self.num_experts
-        flat = indices.reshape(-1)
-        routed = mx.zeros((n,), mx.int32).at[flat].add(1) > 0
-        every = mx.arange(n, dtype=mx.int32)
-        span = min(n, flat.size)
-        if span == n:
-            want, ids, rank = mx.where(routed, every, -1), indices, None
-        else:
-            order = mx.sort(mx.where(routed, every, n))[:span]  # unrouted last, as n
-            want = mx.where(order < n, order, -1)
-            rank = mx.cumsum(routed.astype(mx.int32)) - 1
-            ids = rank[indices].astype(indices.dtype)
-        arrays, rows = puller.assemble(self.index, want, pool)  # the host copy waits for want
-        stack = StackedRows(arrays)
-        stack.compact = rank is not None
-        status = rows[flat] if rank is None else rows[rank[flat]]
-        return compute(module, self.segments, arrays, x, ids), status, stack
+        """A prompt's or a batch's speculative call, plainly: ``(out, status, stack)`` (see
+        :func:`stacked_compute`), its stack assembled from this layer's pool."""
+        return stacked_compute(module, self.segments, x, indices, self.num_experts,
+                               lambda want: puller.assemble(self.index, want, self.pool))
 
     def _kind(self, puller) -> str:
         """Which speculative call this layer makes now (see :meth:`_graph`): "pulled" with a
@@ -283,6 +299,8 @@ class StreamedLayer:
         pool = self.pool
         if kind == "pulled":
             return (pool.pull_table(), self._pair_rows(shape, dtype), *pool.arrays)
+        if kind == "stacked":
+            return (pool.pull_table(), *pool.arrays)
         if kind == "remap":
             return (pool.table(), *pool.arrays)
         return tuple(pool.arrays)
@@ -293,9 +311,16 @@ class StreamedLayer:
         entry = self._graphs.get(kind)
         if entry is None:
             segments, index, n = self.segments, self.index, len(self.segments)
+            experts = self.num_experts
 
             def call(x, indices, *inputs):
                 extra, arrays = inputs[:-n], list(inputs[-n:])
+                if kind == "stacked":
+                    table, = extra
+                    out, status, stack = stacked_compute(
+                        module, segments, x, indices, experts,
+                        lambda want: puller.pull(index, want, table, arrays))
+                    return (out, status, *stack)
                 if kind == "pulled":
                     table, rows = extra
                     arrays, status = puller.pull(index, indices, table, arrays)
@@ -340,14 +365,16 @@ class StreamedLayer:
         pool, session = self.pool, self.session
         puller = self._current(session.puller)
         kind = self._kind(puller)
-        if not self.compiled or like is None or (kind == "pulled" and (
-                not puller.traceable or stacked(like[0]))):
+        if kind == "pulled" and like is not None and stacked(like[0]):
+            kind = "stacked"  # a batch's decode: its routed experts pulled once, stacked
+        if not self.compiled or like is None or (kind in ("pulled", "stacked") and
+                                                 not puller.traceable):
             self._seen = None
             y = block.plain_call(x)
-            if self._seen is not None and math.prod(self._seen[0]) <= DECODE_IDS:
+            if self._seen is not None and decoding(self._seen[0]):
                 self._ids_like[x.shape] = self._seen  # a decode's shape: compiled next time
             return y
-        if kind != "pulled":
+        if kind not in ("pulled", "stacked"):
             puller = None
         if pool.ahead is not None:
             pool.commit_ahead(session.epoch)
@@ -368,8 +395,14 @@ class StreamedLayer:
         y, indices, *rest = entry[2](x, *self._inputs(kind, *like))
         records = self.mode.records
         if records is not None:
-            records.append((self, indices, rest[0], rest[1:]) if rest else (self, indices,
-                                                                             None, None))
+            if not rest:
+                records.append((self, indices, None, None))
+            else:
+                arrays = rest[1:]
+                if kind == "stacked":
+                    arrays = StackedRows(arrays)
+                    arrays.compact = math.prod(indices.shape) < self.num_experts
+                records.append((self, indices, rest[0], arrays))
         return y
 
     def _pair_rows(self, shape, dtype):

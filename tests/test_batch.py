@@ -16,7 +16,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_sampler
 from test_decode import revoke_every
 from test_pull import PULLS
-from test_step import resident_model
+from test_step import GatherPuller, expert_stacks, resident_model
 
 from expertd.client import load
 from expertd.client.batch import StreamedBatchGenerator, batch_generate
@@ -102,6 +102,37 @@ def test_batches_of_1_to_16_are_resident_ones_through_replays(models, isolated_e
             assert session.counters["union_experts"] < session.counters["routed_pairs"]
         finally:
             session.close()
+
+
+def test_a_device_puller_s_batch_steps_are_one_compiled_graph_a_layer(models, isolated_env,
+                                                                      tmp_path):
+    """With a device puller (its stand-in here, device operations alone as the kernels are), a
+    batch's decode step is traced once a batch size and then runs compiled in every MoE layer:
+    its routed experts pulled once into a stack, exactly resident's tokens and logprobs for
+    2, 4, 8 and 16 sequences, promotions and all."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    resident = resident_model(model_dir)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        model = streamed(blob_dir)
+        runtime, steps = model.expertd_session, model.__dict__["_expertd_steps"]
+        session, layers = steps.session, steps.layers
+        session.puller = GatherPuller(session.puller, expert_stacks(resident, session.manifest))
+        try:
+            for size in SIZES[1:]:
+                requests = [(p, 8) for p in prompts(resident.args.vocab_size, size)]
+                sizes = dict(completion_batch_size=size, prefill_batch_size=size)
+                want = decode(BatchGenerator, resident, requests, **sizes)
+                before = [layer.traces for layer in layers]
+                assert_same(decode(StreamedBatchGenerator, model, requests, **sizes), want)
+                # traced for this batch size (and for the sizes it shrank to as requests
+                # finished), run compiled at the steps after
+                assert all(layer.traces > b for layer, b in zip(layers, before))
+                assert all(("block", "stacked") in layer._graphs for layer in layers)
+            assert sum(layer.pool.counters["promoted"] for layer in layers) > 0
+            assert session.counters["union_experts"] < session.counters["routed_pairs"]
+        finally:
+            session.puller = None
+            runtime.close()
 
 
 @pytest.mark.parametrize("pull", ["host", "off"])

@@ -191,8 +191,9 @@ class GatherPuller(HostPuller):
         self.stacks = stacks
 
     def pull(self, layer, ids, table, arrays):
-        experts = ids.reshape(-1).astype(mx.int32)
-        rows = table[experts]
+        # (a stack's unwanted row, id -1, is never read: it takes expert 0's bytes)
+        experts = mx.maximum(ids.reshape(-1).astype(mx.int32), 0)
+        rows = mx.where(ids.reshape(-1) >= 0, table[experts], -1)
         hit = rows >= 0
         status = mx.where(hit, rows, -1 - 2 * experts).astype(mx.int32)
         out = []
