@@ -81,8 +81,8 @@ def run(args) -> dict:
     from expertd.manifest import Manifest
 
     if args.gpu:
-        from gpu_pull import pull_model, read_every_expert
         from gpu_pools import QWEN3_30B_SHAPES, TINY
+        from gpu_pull import pull_model, read_every_expert
 
         spec = TINY if args.small else QWEN3_30B_SHAPES
         model_dir, blob_dir, m, all_gb, pool_gb = pull_model(args.small)
