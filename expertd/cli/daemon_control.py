@@ -145,17 +145,11 @@ def config_from_args(args):
             raise FlagError(f"--side-rows must be between 0 and {MAX_SIDE_ROWS * top_k} "
                             f"({MAX_SIDE_ROWS} x top_k = {top_k}), not {args.side_rows}")
         budget = cache_bytes(args.cache_gb, store.manifest, args.blobs, args.side_rows)
-        # Auto-pins are pins: at most a quarter of the cache rows (config.cache_limits), as
-        # the daemon lays the arena out (server.Server).
-        from expertd.protocol import GUESS_WIDTH
-        from expertd.serving.config import cache_limits
-        from expertd.shm.layout import Geometry
+        # Auto-pins are pins: at most a quarter of the cache rows (config.cache_limits), of
+        # the arena the daemon lays out (config.arena_geometry).
+        from expertd.serving.config import arena_geometry, cache_limits
 
-        m = store.manifest
-        side = args.side_rows if args.side_rows is not None else Geometry.default_side_rows(
-            len(m.layers), m.max_experts, m.stride, budget, m.top_k, GUESS_WIDTH)
-        rows = Geometry.for_budget(len(m.layers), m.max_experts, m.stride, budget,
-                                   side_rows=side).cache_rows
+        rows = arena_geometry(store.manifest, budget, args.side_rows).cache_rows
         if not 0 <= args.auto_pin <= cache_limits(rows)[0]:
             raise FlagError(f"--auto-pin must be between 0 and {cache_limits(rows)[0]} (a "
                             f"quarter of this cache's {rows} rows), not {args.auto_pin}")

@@ -5,8 +5,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from expertd.choices import PREFETCH_MODES, SPECULATE_MODES  # noqa: F401 (its users' names)
+from expertd.protocol import GUESS_WIDTH
 from expertd.serving.preads import VERIFY_MODES
 from expertd.serving.side import SIDE_HOLD
+from expertd.shm.layout import Geometry
 
 IO_MODES = ("direct", "buffered")  # O_DIRECT / F_NOCACHE reads, or through the page cache
 
@@ -60,6 +62,20 @@ class ServerConfig:
             raise ValueError("side rows must not be negative")
         if self.prefetch not in PREFETCH_MODES:
             raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}")
+
+
+def arena_geometry(manifest, cache_bytes: int, side_rows: int | None) -> Geometry:
+    """The arena a daemon lays out for ``manifest`` in ``cache_bytes``: ``side_rows`` prefetch
+    rows a generation, or when None the default for that budget (Geometry.default_side_rows).
+    ``expertd start`` checks its flags against this same layout.
+
+    Raises:
+        ValueError: if the budget cannot hold one cache row beside the side rows.
+    """
+    shape = len(manifest.layers), manifest.max_experts, manifest.stride
+    if side_rows is None:
+        side_rows = Geometry.default_side_rows(*shape, cache_bytes, manifest.top_k, GUESS_WIDTH)
+    return Geometry.for_budget(*shape, cache_bytes, side_rows=side_rows)
 
 
 def cache_limits(cache_rows: int) -> tuple:

@@ -15,7 +15,6 @@ from expertd import native
 from expertd.blobstore import BlobStore
 from expertd.errors import ProtocolError
 from expertd.protocol import (
-    GUESS_WIDTH,
     HEARTBEAT_COUNTS,
     PROTOCOL_VERSION,
     ErrorCode,
@@ -28,7 +27,7 @@ from expertd.protocol import (
 )
 from expertd.serving.cache import ExpertCache
 from expertd.serving.clients import MAX_CLIENTS, ClientRegistry
-from expertd.serving.config import ServerConfig, cache_limits
+from expertd.serving.config import ServerConfig, arena_geometry, cache_limits
 from expertd.serving.hotset import HotSet
 from expertd.serving.leases import Demand, LeaseBook
 from expertd.serving.peers import Peers
@@ -70,15 +69,10 @@ class ExpertServer:
         self.store = BlobStore(config.blob_dir, direct=config.io == "direct")
         m = self.store.manifest
         self.n_experts = [layer.num_experts for layer in m.layers]
-        side = config.side_rows
-        if side is None:
-            side = Geometry.default_side_rows(len(m.layers), m.max_experts, m.stride,
-                                              config.cache_bytes, m.top_k, GUESS_WIDTH)
-        g = self.geometry = Geometry.for_budget(len(m.layers), m.max_experts, m.stride,
-                                                config.cache_bytes, side_rows=side)
+        g = self.geometry = arena_geometry(m, config.cache_bytes, config.side_rows)
         # A budget with room for a row more than every expert: the arena is cut to what is useful.
         self.capped = config.cache_bytes >= Geometry.smallest_budget(
-            g.n_layers, g.n_experts, g.stride, side_rows=side, cache_rows=g.cache_rows + 1)
+            g.n_layers, g.n_experts, g.stride, side_rows=g.side_rows, cache_rows=g.cache_rows + 1)
         self.max_pins, self.max_demand, client_cap = cache_limits(g.cache_rows)
         # The pin file is checked before anything is created: more pins than PIN allows would
         # leave demands too few rows, and they would wait forever.
