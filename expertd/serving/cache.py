@@ -2,20 +2,21 @@
 
 Demands are leased what is resident and filled what is not, or queued while rows are short;
 fills run on the pread pool; background fills (warm-up, pins) use workers the demands leave
-free; prefetches fill the side rows, behind every demand in the pool; the refill of a row
-evicted while a client was inside a step waits for that step to end (epoch_fills.py). The
-serving loop hands requests in and gets answers out through ``send``; the decisions are the
-slot table's, the policy's, the pin book's, the lease book's, the side-row book's and the
-epoch book's.
+free; prefetches fill the side rows (side_rows.py), behind every demand in the pool; the refill
+of a row evicted while a client was inside a step waits for that step to end (epoch_fills.py).
+The serving loop hands requests in through verbs (demands, pins, prefetches, releases) and gets
+answers out through ``send``; it never reaches the books themselves. The decisions are the slot
+table's, the policy's, the pin book's, the lease book's, the side-row book's and the epoch
+book's.
 """
 
 import logging
 import time
-from collections import deque
 
 import numpy as np
 
 from expertd.protocol import Op, reply_error, reply_ok
+from expertd.serving.background import BackgroundFills
 from expertd.serving.epoch_fills import EpochFills
 from expertd.serving.leases import Demand, LeaseBook
 from expertd.serving.policy import DEFAULT_POLICY, KeySpace, PinBook, make_policy
@@ -28,7 +29,7 @@ from expertd.shm.layout import SlotState
 log = logging.getLogger("expertd")
 
 
-class ExpertCache(EpochFills):
+class ExpertCache:
     """Rows of the arena and the fills, leases and demands around them.
 
     Args:
@@ -71,16 +72,14 @@ class ExpertCache(EpochFills):
         self.stride = g.stride
         self.workers = workers
         self.send = send
-        self.background: deque = deque()  # (layer, expert) to fill when workers are free
-        self.background_rows: set = set()  # rows being filled for warm-up or pins
-        self.warm_total = self.warm_done = 0
+        self.background = BackgroundFills(workers)
         self.room_changed = False  # rows were freed: queued demands may fit now
         self.counters = CacheCounters()
         self.in_flight = 0
         self._withdrawing: set = set()  # keys to empty once neither leased nor filling
         self._busy_since = 0.0
         self._fill_seconds = 0.0
-        self._init_epochs(arena, epoch_hold)
+        self.epochs = EpochFills(arena, epoch_hold, clock)
 
     # ---- demands ---------------------------------------------------------------------------
 
@@ -97,9 +96,9 @@ class ExpertCache(EpochFills):
                 rows.append(row)
                 if state == SlotState.FILLING:
                     waiting.add(row)
-                if self.side.book.side[row]:
+                if self.side.is_side(row):
                     side_used.append(row)
-                elif self.side.book.prefetched[row]:  # read ahead, then taken into the cache
+                elif self.side.is_prefetched(row):  # read ahead, then taken into the cache
                     absorbed.append(row)
             else:
                 rows.append(-1)
@@ -127,12 +126,13 @@ class ExpertCache(EpochFills):
         for row in side_used:
             first = self.side.use(row, self._evictable())
             if row in self.prefetch_rows:
-                self._expedite(row)  # a demand waits on it now: it goes first
+                if not self.epochs.expedite(row):  # a demand waits on it now: it goes first
+                    self.pool.expedite(row)
                 if first:  # counted now, taken back should the read fail
                     self._saved_unread.add(row)
             saved += first
         for row in absorbed:
-            saved += self.side.book.take(row)
+            saved += self.side.take(row)
         self.counters.demand_hits += len(d.experts) - len(need) - saved
         self.counters.prefetch_hits += saved
         self.counters.misses += len(need)
@@ -145,9 +145,30 @@ class ExpertCache(EpochFills):
             self._answer(d)
         return True
 
+    def enqueue(self, d: Demand) -> bool:
+        """Queue a demand :meth:`start` could not serve now; False if its client's queue is
+        full."""
+        return self.book.enqueue(d)
+
+    def held_by(self, owner: bytes) -> int:
+        """Rows ``owner``'s leases hold now."""
+        return self.book.held(owner)
+
+    def fail_pending(self, code, message: str) -> None:
+        """At shutdown: queued background fills dropped, every demand that waits answered with
+        error ``code``, and every held fill ended failed (its row empty) without a read."""
+        self.background.clear()
+        for d in self.book.pending():
+            self.send(d.owner, reply_error(d.rid, bytes([Op.DEMAND]), code, message))
+        for row in self.epochs.drop():
+            self.table.end_fill(row, False)
+            self.prefetch_rows.discard(row)
+            self._saved_unread.discard(row)
+            self.background.dropped(row)
+
     def _evictable(self) -> np.ndarray:
         """Bool per row: a cache row a demand may take (not leased, not filling)."""
-        return ~self.side.book.side & (self.book.leased == 0) & ~self.table.filling()
+        return ~self.side.side_mask() & (self.book.leased == 0) & ~self.table.filling()
 
     def _answer(self, d: Demand) -> None:
         if d.error is not None:
@@ -184,14 +205,31 @@ class ExpertCache(EpochFills):
     def forget(self, client) -> None:
         """A client left or died: its leases, queued demands and pins go with it."""
         self.book.drop_owner(client.identity)
-        self.side.book.forget(client.identity)
+        self.side.forget(client.identity)
         self.pins.forget(client.identity)
-        self.detach_client(client.identity)
+        self.epochs.detach(client.identity)
         self.room_changed = True
 
     def expire(self, now: float) -> None:
         if self.book.expire(now):
             self.room_changed = True
+
+    # ---- step epochs -----------------------------------------------------------------------
+
+    def attach_client(self, owner: bytes, pid: int) -> int:
+        """A hello: ``owner``'s epoch record, or -1 when every record is taken."""
+        return self.epochs.attach(owner, pid)
+
+    def holds_fills(self) -> bool:
+        """Whether a refill waits for a client's step to end (nothing wakes the loop then)."""
+        return bool(self.epochs.held)
+
+    def check_epochs(self, now: float) -> None:
+        """Submit the held fills whose blockers moved on (EpochFills.check)."""
+        for row, urgent in self.epochs.check(now):
+            self._submit(row, *self.table.key(row), urgent)
+
+    # ---- prefetches ------------------------------------------------------------------------
 
     def prefetch(self, owner: bytes, layer: int, experts, core: int | None = None,
                  claim=()) -> int:
@@ -216,7 +254,7 @@ class ExpertCache(EpochFills):
             c.prefetch_ignored += len(experts) + len(claim)
             return 0
         now = self.clock()
-        gen = self.side.book.next_generation(owner)
+        gen = self.side.next_generation(owner)
         for e in claim:
             self._merge(layer, e, owner, gen, now)
         core = len(experts) if core is None else core
@@ -235,11 +273,11 @@ class ExpertCache(EpochFills):
         self.side.absorb(now)
         # Only the side rows are looked at: clients send a PREFETCH per layer, and work over
         # the whole arena on each would take the serving thread from the demands.
-        self.harvest_hits(self.side.book.side_rows())  # a used prefetch is promoted first
+        self.harvest_hits(self.side.side_rows())  # a used prefetch is promoted first
         rows = self.side.choose(len(want), now)
         c.prefetch_dropped += len(want) - len(rows)
         for e, row in zip(want, rows):
-            c.prefetch_wasted += self.side.book.filled(row, owner, gen, now)
+            c.prefetch_wasted += self.side.filled(row, owner, gen, now)
             self._fill(row, layer, e, urgent=False)
             self.prefetch_rows.add(row)
         return len(rows)
@@ -251,14 +289,13 @@ class ExpertCache(EpochFills):
         if state == SlotState.EMPTY:
             return False
         self.counters.prefetch_merged += 1
-        if self.side.book.side[row]:
-            self.side.book.claim(row, owner, gen, now)
+        self.side.claim(row, owner, gen, now)
         return True
 
     # ---- fills -----------------------------------------------------------------------------
 
     def _fill(self, row: int, layer: int, expert: int, urgent: bool = True) -> None:
-        if not self.side.book.side[row] and self.side.book.take(row):
+        if not self.side.is_side(row) and self.side.take(row):
             self.counters.prefetch_wasted += 1  # read ahead, taken into the cache, never used
         evicted = self.table.begin_fill(row, layer, expert)
         if evicted is not None:
@@ -269,7 +306,8 @@ class ExpertCache(EpochFills):
                       f", evicting layer {evicted[0][0]} expert {evicted[0][1]}" if evicted else "")
         self.policy.on_filled((layer, expert), used=urgent)  # a prefetch's is a guess
         # Held back while a client that may read the evicted expert is inside a step.
-        self._hold_or_submit(row, layer, expert, urgent, evicted is not None)
+        if not self.epochs.hold(row, urgent, evicted is not None):
+            self._submit(row, layer, expert, urgent)
 
     def _submit(self, row: int, layer: int, expert: int, urgent: bool) -> None:
         """Start the read of a begun fill: from here it counts ``in_flight``."""
@@ -301,9 +339,7 @@ class ExpertCache(EpochFills):
                     self.counters.prefetch_hits -= 1  # nothing was read: nothing saved
             self._saved_unread.discard(row)
             self.prefetch_rows.discard(row)
-            if row in self.background_rows:
-                self.background_rows.discard(row)
-                self._warm_progress()
+            self.background.finished(row)
             for d in self.book.filled(row, error):
                 self._answer(d)
         if done and not stopping:
@@ -328,7 +364,7 @@ class ExpertCache(EpochFills):
             evicted = self.table.begin_fill(row, layer, expert)
             if evicted is not None:
                 self.policy.on_evicted(*evicted)
-            self._must_wait(row, True)  # its refill, whenever, waits for steps begun before
+            self.epochs.block(row)  # its refill, whenever, waits for steps begun before
             self.table.end_fill(row, False)
             self.side.emptied(row)
             self.room_changed = True
@@ -344,31 +380,59 @@ class ExpertCache(EpochFills):
         # A prefetched row used is a saved miss: it counts beside hits and misses, in neither.
         looked_up = hits + c.misses + c.prefetch_hits
         return CacheStats(
-            rows_used=self.table.rows_used(~self.side.book.side), side_rows=2 * self.side.book.per_prefetch,
-            side_rows_used=self.table.rows_used(self.side.book.side), prefetch=self.prefetch_mode,
+            rows_used=self.table.rows_used(~self.side.side_mask()), side_rows=self.side.count(),
+            side_rows_used=self.table.rows_used(self.side.side_mask()), prefetch=self.prefetch_mode,
             hits=hits, hit_rate=round(hits / max(1, looked_up), 4), fill_seconds=round(busy, 6),
             fill_gbps=round(c.bytes_read / busy / 1e9, 3) if busy else 0.0,
             pinned=self.pins.n_pinned_rows(self.side.cache_row_keys()), in_flight=self.in_flight)
+
+    def stats_records(self) -> tuple:
+        """The cache's STATS records: its counters, :meth:`stats`, the lease book's and the
+        epoch book's."""
+        return self.counters, self.stats(), self.book.stats(), self.epochs.stats()
+
+    # ---- pins, warm-up and the hot set -----------------------------------------------------
+
+    def pin(self, owner: bytes, keys) -> int | None:
+        """Hold ``keys`` pinned for ``owner`` while it lives and fill them first; how many
+        keys are pinned now, or None (nothing pinned) past the pins' cap."""
+        held = self.pins.hold(owner, keys)
+        if held is None:
+            return None
+        self.background.add(held, first=True)
+        self.top_up_background()
+        return len(self.pins.pinned_keys)
+
+    def unpin(self, owner: bytes, keys) -> int:
+        """Let go of ``owner``'s pins of ``keys``; how many keys are pinned now."""
+        self.pins.release(owner, keys)
+        return len(self.pins.pinned_keys)
+
+    def policy_state(self, limit: int) -> dict:
+        """What the hot set saves: the policy's state and its ``limit`` hottest keys."""
+        return {"policy": self.policy.state(),
+                "hot": [list(k) for k in self.policy.hot_keys(limit)]}
+
+    def restore_policy(self, hot_set) -> list:
+        """Read the policy back from ``hot_set`` (HotSet.load); the keys to warm with."""
+        return hot_set.load(self.policy)
+
+    def warm(self, keys) -> None:
+        """Fill ``keys`` in the background, counting the warm-up's progress in the log."""
+        self.background.warm(keys)
+        self.top_up_background()
 
     def auto_pin(self, n: int) -> None:
         """Pin the ``n`` hottest resident cache rows' keys (as the pins' cap leaves room)."""
         self.pins.auto_pin(n, self.side.cache_row_keys(), self.policy.hottest)
 
-    def add_background(self, keys, first: bool = False) -> None:
-        """Fill ``keys`` when workers are free (``first``: before what already waits)."""
-        if first:
-            self.background.extendleft(keys)
-        else:
-            self.background.extend(keys)
-        self.top_up_background()
-
     def top_up_background(self) -> None:
         """Start queued background fills (warm-up, pins) while workers are free."""
-        while self.background and len(self.background_rows) < self.workers:
-            layer, expert = self.background.popleft()
+        while (key := self.background.next_key()) is not None:
+            layer, expert = key
             row, state = self.table.lookup(layer, expert)
             if state != SlotState.EMPTY:
-                if self.side.book.side[row]:  # a pin (or warm key) in a side row joins the cache
+                if self.side.is_side(row):  # a pin (or warm key) in a side row joins the cache
                     self.side.promote(row, self._evictable())
                 continue
             victims = self.policy.victims(1, self._evictable(), self.table.row_keys())
@@ -377,15 +441,7 @@ class ExpertCache(EpochFills):
                 return
             row = int(victims[0])
             self._fill(row, layer, expert)
-            self.background_rows.add(row)
-
-    def _warm_progress(self) -> None:
-        if self.warm_done >= self.warm_total:
-            return
-        self.warm_done += 1
-        step = max(1, self.warm_total // 10)
-        if self.warm_done % step == 0 or self.warm_done == self.warm_total:
-            log.info("warm-up: %d/%d experts read", self.warm_done, self.warm_total)
+            self.background.started(row)
 
     def harvest_hits(self, rows: np.ndarray | None = None) -> None:
         """Credit the uses clients counted in the table since the last call, and promote the
@@ -398,12 +454,11 @@ class ExpertCache(EpochFills):
         rows, counts = self.table.harvest(rows)
         for row, count in zip(rows.tolist(), counts.tolist()):
             self.policy.on_touched(self.table.key(row), count)
-            book = self.side.book
-            if book.side[row] or book.prefetched[row]:
-                saved = (self.side.use(row, self._evictable()) if book.side[row]
-                         else book.take(row))
+            side = self.side.is_side(row)
+            if side or self.side.is_prefetched(row):
+                saved = self.side.use(row, self._evictable()) if side else self.side.take(row)
                 self.counters.prefetch_hits += saved
                 count -= saved
             self.counters.client_hits += count
-        for row in sorted(self.side.book.pending):  # used before, no cache row was free then
+        for row in self.side.pending():  # used before, no cache row was free then
             self.side.promote(row, self._evictable())

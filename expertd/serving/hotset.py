@@ -9,8 +9,9 @@ from expertd.runfile import read_private, write_atomically
 log = logging.getLogger("expertd")
 
 
-def save_hot_set(path: Path, blob_dir: Path, policy, limit: int) -> None:
-    """Write the policy's frequencies, pins and hottest ``limit`` keys (0600, atomically).
+def save_hot_set(path: Path, blob_dir: Path, state: dict) -> None:
+    """Write ``state``, the policy's state and hottest keys (``ExpertCache.policy_state``),
+    beside ``blob_dir`` (0600, atomically).
 
     Through an O_EXCL | O_NOFOLLOW temporary in a directory checked to be the user's own: a
     symlink planted next to the state file is never followed.
@@ -18,9 +19,7 @@ def save_hot_set(path: Path, blob_dir: Path, policy, limit: int) -> None:
     Raises:
         OSError: if the file cannot be written (PermissionError for a directory not ours).
     """
-    state = {"blob_dir": str(blob_dir), "policy": policy.state(),
-             "hot": [list(k) for k in policy.hot_keys(limit)]}
-    write_atomically(path, json.dumps(state).encode())
+    write_atomically(path, json.dumps({"blob_dir": str(blob_dir), **state}).encode())
 
 
 def load_hot_set(path: Path, policy) -> list:
@@ -76,9 +75,10 @@ class HotSet:
         return (type(layer) is int and type(expert) is int and 0 <= layer < len(self.n_experts)
                 and 0 <= expert < self.n_experts[layer])
 
-    def save(self, blob_dir: Path, policy) -> None:
-        """Raises OSError as :func:`save_hot_set`."""
-        save_hot_set(self.path, blob_dir, policy, self.limit)
+    def save(self, blob_dir: Path, state: dict) -> None:
+        """Save ``state`` (the cache's ``policy_state(limit)``). Raises OSError as
+        :func:`save_hot_set`."""
+        save_hot_set(self.path, blob_dir, state)
 
     def load(self, policy) -> list:
         """Read the state back into ``policy`` and pin the pin file's keys in place of the

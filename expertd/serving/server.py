@@ -1,9 +1,9 @@
 """The serving loop: one thread owns the daemon's ROUTER (peers.py) and dispatches each request.
 
 What it decides lives in rooms of its own: the expert cache (cache.py: the slot table, the
-policy and the lease book, and the fills around them) and the client registry (hello,
-heartbeat, time-to-dead). Fills run on the pread pool and come back through a wake-up pipe
-polled next to the peers.
+policy and the lease book, and the fills around them, reached only through its verbs) and the
+client registry (hello, heartbeat, time-to-dead). Fills run on the pread pool and come back
+through a wake-up pipe polled next to the peers.
 """
 
 import logging
@@ -73,7 +73,7 @@ class ExpertServer:
         # A budget with room for a row more than every expert: the arena is cut to what is useful.
         self.capped = config.cache_bytes >= Geometry.smallest_budget(
             g.n_layers, g.n_experts, g.stride, side_rows=g.side_rows, cache_rows=g.cache_rows + 1)
-        self.max_pins, self.max_demand, client_cap = cache_limits(g.cache_rows)
+        self.max_pins, self.max_demand, self.client_cap = cache_limits(g.cache_rows)
         # The pin file is checked before anything is created: more pins than PIN allows would
         # leave demands too few rows, and they would wait forever.
         self.hot_set = HotSet(state_file, config.pin_file, self.n_experts, self.max_pins,
@@ -82,7 +82,7 @@ class ExpertServer:
         try:
             self.arena.populate()
             self.pool = FillPool(self.store, self.arena, config.workers, config.verify)
-            book = LeaseBook(g.total_rows, client_cap, MAX_QUEUED_PER_CLIENT,
+            book = LeaseBook(g.total_rows, self.client_cap, MAX_QUEUED_PER_CLIENT,
                              config.lease_timeout)
             self.cache = ExpertCache(self.arena, self.pool, book, config.workers, self._send,
                                      prefetch=config.prefetch, top_k=m.top_k,
@@ -130,7 +130,8 @@ class ExpertServer:
         next_tick = next_save = self.clock()
         while self.running:
             # Nothing wakes the loop when a step ends: while a refill waits for one, poll fast.
-            woken, messages = self.peers.poll(EPOCH_POLL if self.cache.held else TICK, RECV_BATCH)
+            woken, messages = self.peers.poll(EPOCH_POLL if self.cache.holds_fills() else TICK,
+                                              RECV_BATCH)
             self._stats_body = None
             if woken:
                 self.cache.completions()
@@ -157,12 +158,9 @@ class ExpertServer:
     def _shutdown(self) -> None:
         """Fail what waits, let running reads finish (bounded), save, unlink, whatever fails."""
         log.info("shutting down")
-        self.cache.background.clear()
         try:
-            for d in self.cache.book.pending():
-                self._send(d.owner, reply_error(d.rid, bytes([Op.DEMAND]),
-                                                ErrorCode.SHUTTING_DOWN, "expertd is stopping"))
-            self.cache.drop_held()  # no read started for them: nothing to wait for
+            # Held fills end too: no read started for them, nothing to wait for.
+            self.cache.fail_pending(ErrorCode.SHUTTING_DOWN, "expertd is stopping")
             deadline = time.monotonic() + SHUTDOWN_GRACE  # real seconds: reads take real time
             while self.cache.in_flight and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -278,8 +276,8 @@ class ExpertServer:
             elif op is Op.PIN:
                 self._pin(client, rid, req)
             elif op is Op.UNPIN:
-                self.cache.pins.release(identity, [(req.layer, e) for e in req.experts])
-                self._send(identity, reply_ok(rid, op, pinned=len(self.cache.pins.pinned_keys)))
+                pinned = self.cache.unpin(identity, [(req.layer, e) for e in req.experts])
+                self._send(identity, reply_ok(rid, op, pinned=pinned))
 
     def _check_range(self, req) -> None:
         if req.layer >= len(self.n_experts):
@@ -302,21 +300,18 @@ class ExpertServer:
         # in expertd fetch a moment ago) are not leased from the arena: a stat, then nothing.
         self.cache.withdraw(self.pool.withdrawn(req.layer))
         demand = Demand(identity, rid, req.layer, req.experts)
-        if not self.cache.start(demand) and \
-                not self.cache.book.enqueue(demand):
+        if not self.cache.start(demand) and not self.cache.enqueue(demand):
             self.counters.busy += 1
             raise ProtocolError(f"{MAX_QUEUED_PER_CLIENT} demands of this client wait already; "
                                 "release leases first", ErrorCode.BUSY)
 
     def _pin(self, client, rid: bytes, req) -> None:
         """A client's pins hold while it lives; only the pin file pins for good."""
-        pins = self.cache.pins
-        keys = pins.hold(client.identity, [(req.layer, e) for e in req.experts])
-        if keys is None:
+        pinned = self.cache.pin(client.identity, [(req.layer, e) for e in req.experts])
+        if pinned is None:
             raise ProtocolError(f"at most {self.max_pins} experts can be pinned in this cache",
                                 ErrorCode.OUT_OF_RANGE)
-        self.cache.add_background(keys, first=True)
-        self._send(client.identity, reply_ok(rid, Op.PIN, pinned=len(pins.pinned_keys)))
+        self._send(client.identity, reply_ok(rid, Op.PIN, pinned=pinned))
 
     def _hello(self) -> dict:
         g = self.geometry
@@ -325,7 +320,7 @@ class ExpertServer:
                     pid=os.getpid(), blob_dir=str(self.store.dir), model_type=m.model_type,
                     manifest=m.digest, n_layers=g.n_layers, n_experts=g.n_experts,
                     cache_rows=g.cache_rows, side_rows=g.side_rows, stride=g.stride,
-                    max_demand=self.max_demand, client_cap=self.cache.book.client_cap,
+                    max_demand=self.max_demand, client_cap=self.client_cap,
                     heartbeat_interval=self.config.heartbeat_interval,
                     client_timeout=self.config.client_timeout,
                     lease_timeout=self.config.lease_timeout, prefetch=self.config.prefetch)
@@ -354,7 +349,7 @@ class ExpertServer:
         self.pool.arrivals()  # rows expertd fetch brought beside us: status counts them
         for client in self.clients.dead(now):
             log.info("client pid %d timed out; reclaiming its %d leased rows", client.pid,
-                     self.cache.book.held(client.identity))
+                     self.cache.held_by(client.identity))
             self.counters.clients_timed_out += 1
             self._forget(client)
         self.cache.expire(now)
@@ -373,8 +368,7 @@ class ExpertServer:
             max_demand=self.max_demand, io=store.io_mode, io_reason=store.io_reason,
             workers=self.config.workers, verify=self.config.verify,
             implementation=native.IMPLEMENTATION, peers=self.peers.count)
-        return {**assemble(info, self.counters, self.cache.counters, self.cache.stats(),
-                           self.cache.book.stats(), self.cache.epochs.stats(),
+        return {**assemble(info, self.counters, *self.cache.stats_records(),
                            self.clients.stats(), self.peers.counters),
                 **self.pool.remote_stats()}
 
@@ -382,13 +376,12 @@ class ExpertServer:
 
     def _save_state(self) -> None:
         try:
-            self.hot_set.save(self.store.dir, self.cache.policy)
+            self.hot_set.save(self.store.dir, self.cache.policy_state(self.hot_set.limit))
         except OSError as exc:
             log.warning("could not save the hot set to %s: %s", self.state_file, exc)
 
     def _load_state(self) -> None:
-        keys = self.hot_set.load(self.cache.policy)
+        keys = self.cache.restore_policy(self.hot_set)
         if keys:
             log.info("warming %d experts from %s", len(keys), self.state_file)
-        self.cache.warm_total = len(keys)
-        self.cache.add_background(keys)
+        self.cache.warm(keys)

@@ -3,8 +3,9 @@
 A prefetch is read into a side row that the side-row book (side.py) chooses. A side row becomes
 a cache row by swapping roles with the policy's victim when a real hit or demand uses it, or
 while a cache row is still empty (its bytes never move, so a client may go on reading them).
-:class:`SideRows` holds the book and those swaps; the cache (cache.py) owns one and calls it,
-and keeps the fills.
+:class:`SideRows` holds the book and those swaps; the cache (cache.py) owns one and asks it
+about rows (:meth:`~SideRows.is_side`, :meth:`~SideRows.is_prefetched`) and claims, never
+the book itself, and keeps the fills.
 """
 
 import numpy as np
@@ -29,6 +30,56 @@ class SideRows:
         self.book = SideBook(cache_rows, side_rows, hold=hold)
         # False while the LFU cache may still have rows that never held anything (see absorb).
         self.cache_full = False
+
+    # ---- rows and claims -----------------------------------------------------------------
+
+    def is_side(self, row: int) -> bool:
+        """Whether ``row`` is a side row now (else a cache row)."""
+        return bool(self.book.side[row])
+
+    def is_prefetched(self, row: int) -> bool:
+        """Whether ``row`` holds a prefetched expert nobody has used yet."""
+        return bool(self.book.prefetched[row])
+
+    def side_mask(self) -> np.ndarray:
+        """Bool per row, True where a side row is now (the book's own array: read it only)."""
+        return self.book.side
+
+    def side_rows(self) -> np.ndarray:
+        """Row numbers that are side rows now."""
+        return self.book.side_rows()
+
+    def count(self) -> int:
+        """Side rows in all: twice what one PREFETCH may take."""
+        return 2 * self.book.per_prefetch
+
+    def pending(self) -> list:
+        """Side rows used already that wait for a cache row to swap with, in row order."""
+        return sorted(self.book.pending)
+
+    def next_generation(self, owner: bytes) -> int:
+        """A new PREFETCH from ``owner``: its generation number (see SideBook)."""
+        return self.book.next_generation(owner)
+
+    def forget(self, owner: bytes) -> None:
+        """``owner`` went away: its claims protect nothing any more."""
+        self.book.forget(owner)
+
+    def claim(self, row: int, owner: bytes, gen: int, now: float) -> None:
+        """A prefetch merged onto resident ``row``: a side row is claimed for ``owner``'s
+        generation ``gen``; a cache row needs no claim."""
+        if self.book.side[row]:
+            self.book.claim(row, owner, gen, now)
+
+    def filled(self, row: int, owner: bytes, gen: int, now: float) -> bool:
+        """Side row ``row`` is rewritten for ``owner``'s generation ``gen``: True if it held a
+        prefetched expert nobody used (a wasted prefetch)."""
+        return self.book.filled(row, owner, gen, now)
+
+    def take(self, row: int) -> bool:
+        """Cache row ``row`` was used or is being rewritten: True if it held a prefetched
+        expert nobody had used yet (one that joined the cache unused)."""
+        return self.book.take(row)
 
     def cache_row_keys(self) -> np.ndarray:
         """The slot table's flat key per row, -1 for side rows as for empty ones."""
