@@ -78,8 +78,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
 
     from expertd.client import load
 
+    from .counters import REPLAY_COUNTERS
     from .decode import stream_generate
-    from .step import REPLAY_COUNTERS
 
     if seed is not None:  # as mlx_lm.generate: no seed, no seeding; seeded before the load
         mx.random.seed(seed)  # (adapters draw their initial values from it)

@@ -35,20 +35,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from expertd.choices import PREFETCH_MODES
+from expertd.choices import PREFETCH_MODES, check_choice
 
 WINDOW = 32  # guesses per precision verdict
 MIN_PRECISION = 0.5
 RETEST_AFTER = 256  # calls a switched-off layer waits before it guesses again
 READ_WINDOW = 16  # experts a read-ahead verdict is judged on
 MIN_READ_PRECISION = 0.5  # a right read-ahead saves a demand read, a wrong one costs a read
-
-
-def check_choice(name: str, value: str, choices) -> str:
-    """``value`` if it is one of ``choices``, else a ValueError naming ``name`` and them."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
-    return value
 
 
 def check_mode(mode: str) -> str:

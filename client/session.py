@@ -21,17 +21,17 @@ import weakref
 import numpy as np
 
 from expertd import native
+from expertd.choices import check_choice
 from expertd.client.arena_view import ArenaView
 from expertd.client.backing import Stage, buffer_bytes, segment_bases
 from expertd.client.copier import Copier
+from expertd.client.counters import BATCH_COUNTERS, REPLAY_COUNTERS
+from expertd.client.dtypes import MLX_DTYPES
 from expertd.client.heartbeat import Heartbeat
 from expertd.client.interrupts import HeldInterrupts
 from expertd.client.links import Links, weak_method
-from expertd.client.predict import check_choice
 from expertd.client.pull import PULL_MODES, StepEpoch, make_puller
 from expertd.client.requester import DaemonDied, Requester
-from expertd.client.step import BATCH_COUNTERS, REPLAY_COUNTERS
-from expertd.client.switch import MLX_DTYPES
 from expertd.connection import Connection
 from expertd.errors import BlobStoreError, DaemonError, DaemonNotRunning
 from expertd.manifest import Manifest, blob_dir_problem

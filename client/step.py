@@ -42,6 +42,7 @@ import numpy as np
 
 from expertd.choices import SPECULATE_MODES
 
+from .counters import REPLAY_CAUSES
 from .layer import DECODE_IDS, StackedRows, StepMode
 from .pool import free_memory
 from .predict import check_choice
@@ -61,15 +62,6 @@ def check_speculate(mode: str) -> str:
 
 
 log = logging.getLogger("expertd")
-REPLAY_CAUSES = {"pool": "an expert missed its pool", "absent": "a pulled expert was absent "
-                 "from the arena", "epoch": "the daemon revoked the step's epoch",
-                 "device": "the device's pull differed from the host copy"}
-# The counters of replays by cause beside "replays" (a pool miss counts in "replays" alone).
-REPLAY_COUNTERS = tuple(f"replays_{cause}" for cause in REPLAY_CAUSES if cause != "pool")
-# Decode steps' sequences (tokens), steps of several sequences, and of those (their good
-# speculative runs, and their layers waiting per layer): the pairs routed and the distinct
-# experts among them (see Steps._count_union).
-BATCH_COUNTERS = ("decode_tokens", "batch_steps", "routed_pairs", "union_experts")
 MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
 PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
 # (with the host copy; a device puller's waits per layer once a step was replayed)

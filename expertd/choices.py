@@ -42,6 +42,13 @@ def checked(name: str, value, what: str, hi: float) -> float:
         raise ValueError(f"{name} {exc}") from None
 
 
+def check_choice(name: str, value: str, choices) -> str:
+    """``value`` if it is one of ``choices``, else a ValueError naming ``name`` and them."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+    return value
+
+
 def check_seconds(name: str, value) -> float:
     """A timeout given to the Python API: a number of seconds in (0, a day].
 

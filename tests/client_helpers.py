@@ -189,7 +189,7 @@ def compare_runs(resident, streamed, vocab: int, lengths=PROMPT_LENGTHS,
 def replay_causes_shown(counts: dict) -> str:
     """The replays by cause as status and generate's summary write them ("1 absent, 2
     epoch"), written here apart from expertd.units.replay_causes, which they test."""
-    from expertd.client.step import REPLAY_COUNTERS
+    from expertd.client.counters import REPLAY_COUNTERS
 
     return ", ".join(f"{counts[k]} {k[8:]}" for k in REPLAY_COUNTERS if counts[k])
 

@@ -29,6 +29,7 @@ from test_step import Lockstep, resident_model
 
 from expertd import native
 from expertd.client import load
+from expertd.client.counters import REPLAY_COUNTERS
 from expertd.client.pull import (
     ABSENT,
     N_FIXED,
@@ -46,7 +47,6 @@ from expertd.client.pull import (
     vector_copy,
 )
 from expertd.client.session import Session
-from expertd.client.step import REPLAY_COUNTERS
 from expertd.manifest import Manifest
 from expertd.shm.layout import SLOT_DTYPE
 
