@@ -1,14 +1,14 @@
 """The client's heartbeat: a thread that tells the daemon the client lives, and notices when
 the daemon does not, the jupyter_client way (a time-to-dead computed from replies)."""
 
-import os
 import threading
 import time
 
-from expertd.protocol import CLIENT_ID_BYTES, Op, request
-from expertd.wire import Channel
+from expertd.connection import Connection
+from expertd.errors import DaemonNotRunning, ProtocolError
+from expertd.protocol import Op
 
-REAP_SLICE = 0.01  # how often the idle client looks for late replies to interrupted demands
+IDLE_SLICE = 0.01  # how often the idle hook runs while it asks to come back soon
 STOP_TIMEOUT = 2.0  # the thread wakes at once when stopped; this only bounds a stuck one
 
 
@@ -16,42 +16,45 @@ class Heartbeat:
     """A thread with its own connection that tells the daemon this client is alive, and
     notices when the daemon is gone, the jupyter_client way: ``lost`` when ``alive()`` says the
     daemon no longer holds its directory, ``stuck`` when it still does but has answered no
-    heartbeat for ``time_to_dead`` seconds. Between heartbeats it calls ``reap()``, which
-    releases late leases while the client is idle (polled every REAP_SLICE while it returns
-    True). Each heartbeat carries ``report()``'s counters (for the daemon's status).
+    heartbeat for ``time_to_dead`` seconds. Each heartbeat carries ``report()``'s counters
+    (for the daemon's status).
 
-    The thread's socket is its own, a DEALER opened and closed in the thread (a ZeroMQ socket
-    belongs to one thread; ZeroMQ connects it again should the daemon drop it): :meth:`stop`
-    asks, the thread closes it."""
+    Between heartbeats the thread runs ``idle()`` (the session's: releasing late leases while
+    the client is idle), again every IDLE_SLICE while it returns True, and at once when ``wake``
+    (an event of the idle hook's owner) is set. Its connection is its own, a DEALER opened and
+    closed in the thread (a ZeroMQ socket belongs to one thread; ZeroMQ connects it again
+    should the daemon drop it): :meth:`stop` asks, the thread closes it."""
 
     def __init__(self, socket_path: str, client_id: bytes, token: bytes, interval: float,
-                 time_to_dead: float, alive, reap, report):
+                 time_to_dead: float, alive, report, idle, wake: threading.Event):
         self.lost = self.stuck = False
         self.time_to_dead = time_to_dead
-        self._alive, self._reap, self._report = alive, reap, report
+        self._alive, self._report, self._idle = alive, report, idle
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._wake = wake
         self._thread = threading.Thread(target=self._run,
                                         args=(socket_path, client_id, token, interval),
                                         name="expertd-heartbeat", daemon=True)
         self._thread.start()
 
     def _run(self, socket_path: str, client_id: bytes, token: bytes, interval: float) -> None:
-        channel = None
-        n = 0
+        conn = None
         now = last_reply = time.monotonic()
         next_beat = now + interval
-        reaping = False
+        again = False
         try:
             while True:
-                self._wake.wait(min(REAP_SLICE, interval) if reaping else interval)
+                self._wake.wait(min(IDLE_SLICE, interval) if again else interval)
                 self._wake.clear()
                 if self._stop.is_set():
                     return
-                reaping = self._reap()
+                again = self._idle()
                 now = time.monotonic()
-                while channel is not None and channel.poll(0):
-                    channel.recv()
+                while conn is not None and conn.poll(0):
+                    try:
+                        conn.recv()
+                    except ProtocolError:
+                        pass  # an answer all the same
                     last_reply = now
                 if now < next_beat:
                     continue
@@ -60,22 +63,17 @@ class Heartbeat:
                     self.lost = True
                     return
                 self.stuck = now - last_reply > self.time_to_dead
-                n += 1
-                beat = request(n.to_bytes(8, "little"), Op.HEARTBEAT,
-                               {"client": client_id, "token": token, **self._report()})
                 try:
-                    if channel is None:
-                        channel = Channel(socket_path, os.urandom(CLIENT_ID_BYTES))
-                    channel.send(beat, quiet=True)  # dropped when the daemon reads none
-                except FileNotFoundError:
+                    if conn is None:
+                        conn = Connection(socket=socket_path, at_exit=False)
+                    # Dropped when the daemon reads none.
+                    conn.send_quietly(Op.HEARTBEAT, {"client": client_id, "token": token,
+                                                     **self._report()})
+                except DaemonNotRunning:
                     pass  # no daemon's socket now: alive() tells the rest
         finally:
-            if channel is not None:
-                channel.close()
-
-    def wake(self) -> None:
-        """Look for late replies now rather than at the next heartbeat."""
-        self._wake.set()
+            if conn is not None:
+                conn.close()
 
     def stop(self) -> None:
         """Stop the thread and wait for it to close its socket (unless called from it: a

@@ -7,56 +7,57 @@ is released by whichever thread reads it next (the heartbeat thread when the cli
 """
 
 import threading
-import time
 
 import numpy as np
 
 from expertd.client.interrupts import HeldInterrupts
-from expertd.errors import DaemonError, ProtocolError
-from expertd.protocol import ErrorCode, Op, request
+from expertd.errors import DaemonDied, DaemonError, NoReply, ProtocolError
+from expertd.protocol import Op, request
 from expertd.wire import DaemonUnreachable
 
-POLL_SLICE = 0.05  # how often a wait looks at the daemon's liveness and a held-back SIGINT
 REQUEST_TIMEOUT = 300.0  # a daemon that heartbeats but never answers one request
 
-
-class DaemonDied(DaemonError):
-    """The daemon this client was attached to is gone."""
+__all__ = ["DaemonDied", "Requester"]
 
 
 class Requester:
-    """Requests over one connection (``conn``) to the daemon of ``pid``.
+    """Requests over one connection (``conn``), every one waited for by ``conn.wait``.
 
     The socket is used by the calling thread, and by the heartbeat thread only while no request
-    is in progress (to release late leases); ``lock`` hands it over between them.
+    is in progress (to release late leases: :meth:`reap`); ``lock`` hands it over between them.
 
     Args:
-        conn: the :class:`~expertd.connection.Connection` its hello went through.
-        pid: the daemon's pid (for messages).
-        blob_dir: the directory it serves (for messages).
+        conn: the :class:`~expertd.connection.Connection` its hello goes through.
+        blob_dir: the directory the daemon serves (for messages).
         alive: callable, True while the daemon that said hello still serves.
+        silent: callable, the seconds the daemon has answered no heartbeat for once that is
+            past its time-to-dead, else None.
         counters: the session's counters (``demanded``, ``misses``, ``prefetch_saved``,
             ``late_leases``, ``prefetch_asked``).
     """
 
-    def __init__(self, conn, blob_dir, alive, counters: dict):
+    def __init__(self, conn, blob_dir, alive, silent, counters: dict):
         self.conn, self.blob_dir = conn, blob_dir
-        self.pid = None  # the daemon's, once its hello answered (see hello())
-        self.alive = alive
+        self.alive, self.silent = alive, silent
         self.counters = counters
-        self.heartbeat = None  # set once the heartbeat thread runs (it needs reap())
+        # Set when something is left to release: the thread that runs reap() (the heartbeat's)
+        # waits on it, so that a late lease goes back as soon as it comes.
+        self.reap_soon = threading.Event()
         self.lock = threading.RLock()
         self.demands: set = set()  # ids of demands sent whose reply has not been read
         self.leases: set = set()  # leases granted and not yet released
 
     # ---- requests ------------------------------------------------------------------------
 
+    @property
+    def pid(self) -> int | None:
+        """The daemon's, once its hello answered."""
+        return self.conn.daemon_pid
+
     def hello(self, body: dict, timeout: float) -> dict:
         """Say hello (the first request on the socket, and again to tell the daemon new pool
-        bytes); the daemon's pid is known from its reply on."""
-        reply = self.ask(Op.HELLO, body, timeout=timeout)
-        self.pid = reply["pid"]
-        return reply
+        bytes); the connection knows the daemon's pid from its reply on."""
+        return self.ask(Op.HELLO, body, timeout=timeout)
 
     def ask(self, op: Op, body: dict, held: HeldInterrupts | None = None,
             timeout: float = REQUEST_TIMEOUT) -> dict:
@@ -64,7 +65,7 @@ class Requester:
         error or not within ``timeout`` s.
 
         SIGINT is held back (by ``held``, or here) except while waiting, where one that came is
-        delivered every POLL_SLICE. A demand's lease is in ``leases`` when this returns.
+        delivered every connection.POLL_SLICE. A demand's lease is in ``leases`` when this returns.
         """
         if held is None:
             with HeldInterrupts() as held:
@@ -75,12 +76,20 @@ class Requester:
                 self.demands.add(rid)  # before the send: its reply is never unaccounted for
             try:
                 self.conn.send_frames(request(rid, op, body))
-                return self._wait(rid, held, timeout)
+                if held.pending:
+                    held.deliver()  # KeyboardInterrupt: the demand, if any, stays recorded
+                return self.conn.wait(rid, timeout, lambda: self._idle(held),
+                                      lambda got, reply: self._read_reply(got, reply, rid))
             except DaemonUnreachable as exc:
                 raise self._died(exc) from None
+            except NoReply:
+                raise DaemonError(f"{self._daemon} serving {self.blob_dir} holds its lock but "
+                                  f"has not answered for {timeout:g} s (stopped, or stuck?); "
+                                  f"restart it with: expertd restart --blobs {self.blob_dir}"
+                                  ) from None
             except BaseException:
-                if self.demands and self.heartbeat is not None:
-                    self.heartbeat.wake()  # to release the late lease as soon as it comes
+                if self.demands:
+                    self.reap_soon.set()  # to release the late lease as soon as it comes
                 raise
 
     def demand(self, layer: int, experts: np.ndarray, held: HeldInterrupts) -> tuple:
@@ -136,8 +145,8 @@ class Requester:
             with HeldInterrupts():
                 self.release_leases()
         finally:
-            if self.leases and self.heartbeat is not None:
-                self.heartbeat.wake()
+            if self.leases:
+                self.reap_soon.set()
 
     def reap(self) -> bool:
         """Heartbeat thread: while no request or read runs, release the leases of late replies
@@ -150,7 +159,8 @@ class Requester:
             return bool(pending)
         try:
             while self.conn.poll(0):
-                self._read_reply(None)
+                got, _, body = self.conn.recv()
+                self._read_reply(got, body, None)
             self.release_leases()
             return bool(self.demands)
         except (DaemonError, ProtocolError):  # the connection is lost: so are its leases
@@ -165,13 +175,12 @@ class Requester:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _read_reply(self, rid: bytes | None):
-        """Read one waiting reply; the body if it answers ``rid``, else None.
-
-        Replies to interrupted demands have their lease released here. Call with the lock held
-        and, in the main thread, SIGINT held back.
+    def _read_reply(self, got: bytes, body: dict, rid: bytes | None) -> None:
+        """Book a reply read (``got``'s ``body``) while waiting for ``rid``: the lease of a
+        demand's reply is recorded when it answers ``rid``, else (a late reply to an
+        interrupted demand) released. Call with the lock held and, in the main thread, SIGINT
+        held back.
         """
-        got, _, body = self.conn.recv()
         if got in self.demands:
             self.demands.discard(got)
             if body.get("ok") and "lease" in body:
@@ -180,52 +189,28 @@ class Requester:
                 else:
                     self.counters["late_leases"] += 1
                     self.send_quietly(Op.RELEASE, {"lease": body["lease"]})
-        return body if got == rid else None
 
     @property
     def _daemon(self) -> str:
-        return f"expertd (pid {self.pid})" if self.pid is not None else "expertd"
+        return self.conn.daemon
 
-    def _wait(self, rid: bytes, held: HeldInterrupts, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        conn = self.conn
-        while True:
-            if held.pending:
-                held.deliver()  # KeyboardInterrupt: the demand, if any, stays recorded
-            if conn.poll(POLL_SLICE):
-                while conn.poll(0):
-                    body = self._read_reply(rid)
-                    if body is not None:
-                        return self._checked(body)
-                continue
-            if not self.alive():
-                raise DaemonDied(f"{self._daemon} serving {self.blob_dir} died")
-            if self.heartbeat is not None and self.heartbeat.stuck:
-                # As a daemon gone: the session waits (up to its reconnect timeout) for one to
-                # answer again, this one resumed (a SIGSTOP, a stall) or a new one. Raised as
-                # an error, it killed serve's generation thread for good.
-                raise DaemonDied(f"{self._daemon} serving {self.blob_dir} has answered no "
-                                 f"heartbeat for {self.heartbeat.time_to_dead:g} s")
-            if time.monotonic() > deadline:
-                raise DaemonError(f"{self._daemon} serving {self.blob_dir} holds its lock but "
-                                  f"has not answered for {timeout:g} s (stopped, or stuck?); "
-                                  f"restart it with: expertd restart --blobs {self.blob_dir}")
+    def _idle(self, held: HeldInterrupts) -> None:
+        """Between a wait's slices: deliver a held-back SIGINT, and end the wait on a daemon
+        gone or silent."""
+        if held.pending:
+            held.deliver()  # KeyboardInterrupt: the demand, if any, stays recorded
+        if not self.alive():
+            raise DaemonDied(f"{self._daemon} serving {self.blob_dir} died")
+        silent = self.silent()
+        if silent is not None:
+            # As a daemon gone: the session waits (up to its reconnect timeout) for one to
+            # answer again, this one resumed (a SIGSTOP, a stall) or a new one. Raised as
+            # an error, it killed serve's generation thread for good.
+            raise DaemonDied(f"{self._daemon} serving {self.blob_dir} has answered no "
+                             f"heartbeat for {silent:g} s")
 
     def _died(self, lost: DaemonUnreachable) -> DaemonDied:
         if not self.alive():
             return DaemonDied(f"{self._daemon} serving {self.blob_dir} died")
         return DaemonDied(f"{self._daemon} serving {self.blob_dir} is alive but "
                           f"unreachable ({lost})")
-
-    def _checked(self, body: dict) -> dict:
-        if body.get("ok"):
-            return body
-        code = body.get("code")
-        if code == ErrorCode.SHUTTING_DOWN:
-            raise DaemonDied(f"{self._daemon} is shutting down")
-        if code == ErrorCode.NOT_HELLO:
-            # The daemon timed this client out (it was stopped, or its heartbeat starved):
-            # attach again.
-            raise DaemonDied(f"expertd serving {self.blob_dir} no longer knows this client "
-                             "(restarted?)")
-        raise DaemonError(str(body.get("error", "unknown error")), code)

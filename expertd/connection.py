@@ -1,15 +1,18 @@
 """A request/reply connection to the daemon serving a blob directory (one thread owns it): a
-ZeroMQ DEALER (wire.py) whose routing id is the client id."""
+ZeroMQ DEALER (wire.py) whose routing id is the client id. Its :meth:`Connection.wait` is the
+one place a reply is waited for and an error reply is turned into an exception."""
 
 import os
 import time
 import weakref
 
-from .errors import DaemonError, DaemonNotRunning
+from .errors import DaemonDied, DaemonError, DaemonNotRunning, NoReply
 from .paths import daemon_paths
-from .protocol import CLIENT_ID_BYTES, Op, parse_reply, request
+from .protocol import CLIENT_ID_BYTES, ErrorCode, Op, parse_reply, request
 from .runfile import elsewhere
 from .wire import Channel, endpoint
+
+POLL_SLICE = 0.05  # how often a wait with an ``on_idle`` hook calls it while no reply comes
 
 
 class Connection:
@@ -29,6 +32,8 @@ class Connection:
             paths = daemon_paths(blob_dir)
             path, what = str(paths.socket), paths.blob_dir
         self.endpoint = endpoint(path)
+        self.serves = what  # for messages: the blob directory (or the socket) it reaches
+        self.daemon_pid = None  # known from the daemon's answer to a hello (for messages)
         self.client_id = client_id or os.urandom(CLIENT_ID_BYTES)
         try:
             self.channel = Channel(path, self.client_id)
@@ -92,20 +97,59 @@ class Connection:
         rid = self.send(op, body or {})
         return self.wait(rid, timeout)
 
-    def wait(self, rid: bytes, timeout: float) -> dict:
+    @property
+    def daemon(self) -> str:
+        """The daemon, for messages: with its pid once a hello answered."""
+        return f"expertd (pid {self.daemon_pid})" if self.daemon_pid is not None else "expertd"
+
+    def wait(self, rid: bytes, timeout: float, on_idle=None, on_reply=None) -> dict:
+        """Wait for the reply to ``rid`` and return its body; replies to other requests (late
+        ones, errors of fire-and-forget messages) are read and passed over.
+
+        Args:
+            rid: the request id :meth:`send` returned.
+            timeout: seconds to wait for the reply.
+            on_idle: called after each POLL_SLICE s without a reply; it ends the wait by
+                raising (a daemon found gone, a held-back SIGINT delivered).
+            on_reply: called with ``(request id, body)`` for every reply read, ``rid``'s
+                included, before it is returned or raised (a lease is recorded there).
+        Raises:
+            DaemonDied: the daemon is shutting down, or no longer knows this client (it timed
+                the client out or restarted); ``code`` set.
+            DaemonError: any other error reply (``code`` set).
+            NoReply: no reply within ``timeout`` s.
+        """
         deadline = time.monotonic() + timeout
         while True:
-            if not self.poll(max(0.0, deadline - time.monotonic())):
-                raise DaemonError(f"expertd ({self.endpoint}) did not answer within "
-                                  f"{timeout:g} s")
-            got_rid, _, body = self.recv()
-            if got_rid != rid:
-                # A late reply, or the error answer to a fire-and-forget message.
-                self.stray_errors += not body.get("ok", False)
+            left = max(0.0, deadline - time.monotonic())
+            if self.poll(min(left, POLL_SLICE) if on_idle is not None else left):
+                while self.poll(0):
+                    got, op, body = self.recv()
+                    if on_reply is not None:
+                        on_reply(got, body)
+                    if got == rid:
+                        return self._checked(op, body)
+                    self.stray_errors += not body.get("ok", False)
                 continue
-            if not body.get("ok", False):
-                raise DaemonError(str(body.get("error", "unknown error")), body.get("code"))
+            if on_idle is not None:
+                on_idle()
+            if time.monotonic() >= deadline:
+                raise NoReply(f"{self.daemon} ({self.endpoint}) did not answer within "
+                              f"{timeout:g} s")
+
+    def _checked(self, op: int, body: dict) -> dict:
+        """A reply's body, or the exception its error code means."""
+        if body.get("ok", False):
+            if op == Op.HELLO and "pid" in body:
+                self.daemon_pid = body["pid"]
             return body
+        code = body.get("code")
+        if code == ErrorCode.SHUTTING_DOWN:
+            raise DaemonDied(f"{self.daemon} is shutting down", code)
+        if code == ErrorCode.NOT_HELLO:
+            raise DaemonDied(f"expertd serving {self.serves} no longer knows this client "
+                             "(restarted?)", code)
+        raise DaemonError(str(body.get("error", "unknown error")), code)
 
     def close(self, linger: float = 0.0) -> None:
         """Close the socket; what is queued still goes out for up to ``linger`` s, in the

@@ -55,5 +55,14 @@ class DaemonNotRunning(DaemonError):
     """No expertd serves the requested blob directory."""
 
 
+class DaemonDied(DaemonError):
+    """The daemon a client was attached to is gone: dead, shutting down, or no longer knowing
+    the client. A session attaches again (to the same daemon or its successor)."""
+
+
+class NoReply(DaemonError):
+    """No reply came within a request's timeout (the daemon may be stopped or stuck)."""
+
+
 class RemoteError(ExpertdError):
     """A remote checkpoint's bytes could not be fetched (network, server, or a wrong answer)."""

@@ -109,6 +109,35 @@ def test_the_product_code_imports_in_no_circle():
     assert circles == []
 
 
+# The client's upper floor: the step and what runs it, and the model's front ends.
+ABOVE_THE_SESSION = ("step", "switch", "predict", "layer", "decode", "batch", "loader", "serve",
+                     "chat", "generate")
+
+
+def test_the_session_imports_nothing_above_it():
+    """The session is a floor below the step (issue 43): neither session.py nor any client
+    module it reaches through its imports imports the step or what sits above it."""
+    graph = _import_graph()
+    above = {f"expertd.client.{name}" for name in ABOVE_THE_SESSION}
+    assert above <= set(graph)  # the names are the modules'
+    reached, todo, found = set(), ["expertd.client.session"], []
+    while todo:
+        module = todo.pop()
+        if module in reached:
+            continue
+        reached.add(module)
+        for target in graph[module]:
+            # The package itself (client/__init__.py, which loads the model) is not a floor.
+            if not target.startswith("expertd.client."):
+                continue
+            if target in above:
+                found.append(f"{module} imports {target}")
+            else:
+                todo.append(target)
+    assert {"expertd.client.attach", "expertd.client.requester"} <= reached  # the walk is read
+    assert found == []
+
+
 def test_no_product_module_changes_an_objects_class():
     """Streamed switches and the guarded model are new modules installed in place (issue 25):
     no product code assigns ``__class__`` to a live object."""
