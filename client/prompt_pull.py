@@ -17,8 +17,13 @@ import mlx.core as mx
 import numpy as np
 
 from expertd.errors import DaemonError
+from expertd.retry import RetryPolicy
 
 from .pull import ABSENT, decode_status
+
+# A pass whose epoch was revoked or that found rows absent (evicted between the read and the
+# pull) is tried again; after four, the caller takes the host path.
+PASS_AGAIN = RetryPolicy(attempts=4)
 
 
 class Stack:
@@ -63,7 +68,7 @@ def assemble(session, layer: int, experts: np.ndarray, pool):
 
 def _pass(session, layer: int, chunk: np.ndarray, want: np.ndarray, source) -> list:
     wanted = np.flatnonzero(want >= 0)
-    for _ in range(4):
+    for _ in PASS_AGAIN.tries():
         if len(chunk):  # else every row comes from the source: no arena read, no epoch
             session.demand_absent(layer, chunk)
         puller, epoch = session.puller, session.step_epoch
