@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from conftest import FAMILY_MODES, TINY
+from conftest import FAMILY_MODES, TINY, mounted
 from harness import EXPERTD, drawn, sigint_as_usual, terminal, wait_until
 from mlx.utils import tree_flatten
 
@@ -212,3 +212,22 @@ def test_ctrl_c_mid_write_leaves_nothing_and_a_rerun_succeeds(tmp_path):
     assert "synth: random weights: 100%" in said and "synth: quantize: 100%" in said, said
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
     mlx_lm.load(str(out))
+
+
+# ---- issue 44: a full disk -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("size,fails_in", [("16k", "the tokenizer's file"),
+                                           ("128k", "MLX's weights")])
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, size, fails_in):
+    """A real full filesystem (a small tmpfs): the tokenizer library and MLX's writer report a
+    failed write without an errno (a bare Exception, a RuntimeError); synth says, as convert
+    does, that the disk is full, in one line, and leaves no partial directory."""
+    with mounted(tmp_path / "small", "tmpfs", "-o", f"size={size}") as small:
+        out = small / "model"
+        run = subprocess.run([EXPERTD, *SMALL, str(out)], stdin=subprocess.DEVNULL,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1, (fails_in, run.stdout)
+        assert run.stderr == (f"expertd synth: error: {out}: no space left on the device, the "
+                              "disk is full; the partial output was removed: free some space "
+                              "and re-run expertd synth\n"), (fails_in, run.stderr)
+        assert list(small.iterdir()) == []

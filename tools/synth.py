@@ -148,6 +148,7 @@ def synthesize(cfg: SynthConfig, out_dir: Path, progress: bool = True) -> Path:
         ValueError: on an invalid configuration.
         FileExistsError: if ``out_dir`` already exists and is not empty.
         FileNotFoundError: if the parent of ``out_dir`` is not a directory.
+        OSError: if the checkpoint cannot be written (a full disk, ...), in one line.
     """
     cfg.validate()
     out_dir = Path(out_dir)
@@ -162,8 +163,16 @@ def synthesize(cfg: SynthConfig, out_dir: Path, progress: bool = True) -> Path:
 
     tmp = out_dir.parent / f".{out_dir.name}.partial-{secrets.token_hex(8)}"
     try:
-        os.mkdir(tmp)  # inside the try: a Ctrl-C just after it still removes it
-        _write_checkpoint(cfg, tmp, progress)
+        try:
+            os.mkdir(tmp)  # inside the try: a Ctrl-C just after it still removes it
+            _write_checkpoint(cfg, tmp, progress)
+        except Exception as exc:
+            failure = _write_failure(exc, tmp)
+            if failure is None:
+                raise
+            remedy = "free some space and re-run" if failure == NO_SPACE else "re-run"
+            raise OSError(f"{out_dir}: {failure}; the partial output was removed: {remedy} "
+                          "expertd synth") from None
         try:
             os.rename(tmp, out_dir)  # replaces an empty directory, never a filled one
         except OSError as exc:
@@ -175,6 +184,39 @@ def synthesize(cfg: SynthConfig, out_dir: Path, progress: bool = True) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+NO_SPACE = "no space left on the device, the disk is full"  # convert's words
+
+
+def _write_failure(exc: Exception, where: Path) -> str | None:
+    """Why writing the checkpoint into ``where`` failed, in words for one line, or None if
+    ``exc`` is not a failed write.
+
+    MLX ("[write] Unable to write N bytes") and the tokenizer library ("... (os error 28)")
+    give no errno: writing into ``where`` again finds it, failing the same way on a full disk.
+    """
+    error = exc if isinstance(exc, OSError) else _probe_write(where)
+    if error is None:  # the disk takes writes: not a failed write
+        return None
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NO_SPACE
+    return f"{error.strerror or error} (while writing the checkpoint)"
+
+
+def _probe_write(where: Path, nbytes: int = 1 << 20) -> OSError | None:
+    """The error of writing ``nbytes`` into a new file in ``where`` (removed after), or None."""
+    probe = where / ".write-probe"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(nbytes))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        return exc
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
 
 
 def _write_checkpoint(cfg: SynthConfig, out_dir: Path, progress: bool) -> None:
