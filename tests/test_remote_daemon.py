@@ -174,7 +174,10 @@ def test_verify_checks_what_arrived_and_the_daemon_refuses_a_corrupt_row(qwen, i
         total = sum(layer.num_experts for layer in manifest.layers)
         done = expertd_cli("verify", "--blobs", out, "-q")
         assert done.returncode == 0, done.stdout
-        assert f"all 2 experts present (of {total}: a lazy directory)" in done.stdout
+        assert done.stdout.startswith(f"{out}: 2 of {total} experts fetched (a lazy "
+                                      f"directory) in {len(manifest.layers)} layers and "
+                                      f"{len(manifest.trunk)} trunk files: all match their "
+                                      "checksums"), done.stdout
         flip_byte(out / manifest.layers[0].file, 6 * manifest.stride + 100)
         done = expertd_cli("verify", "--blobs", out, "-q")
         assert done.returncode == 1

@@ -87,8 +87,9 @@ def _cmd_verify(args) -> int:
             bad += 1
             bar.write(str(fault), file=sys.stdout)  # above the bar, not through it
     manifest = check.manifest
-    experts = (f"{check.experts} experts" if check.records is None else
-               f"{check.present} experts present (of {check.experts}: a lazy directory)")
+    lazy = check.records is not None
+    experts = (f"{check.present} of {check.experts} experts fetched (a lazy directory)" if lazy
+               else f"{check.experts} experts")
     shards = f", {len(check.shards_checked)} whole shards" if check.shards_checked else ""
     what = (f"{experts} in {len(manifest.layers)} layers{shards} and "
             f"{len(manifest.trunk)} trunk files")
@@ -96,7 +97,8 @@ def _cmd_verify(args) -> int:
     if bad:
         return answer(f"{check.dir}: {bad} problem{'s' if bad > 1 else ''} found checking "
                       f"{what}; {check.advice()}{note}", 1)
-    return answer(f"{check.dir}: all {what} match their checksums{note}", 0)
+    matched = f"{what}: all match" if lazy else f"all {what} match"
+    return answer(f"{check.dir}: {matched} their checksums{note}", 0)
 
 
 class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
