@@ -201,9 +201,10 @@ def add_client_subcommands(sub) -> None:
     p = sub.add_parser("generate", help="generate text through the daemon (a client process)",
                        description="Load the model of BLOB_DIR with its experts served by the "
                        "running expertd, and stream a completion of --prompt to stdout. Unless "
-                       "--verbose False, end with a summary on stderr: tok/s for prompt and "
-                       "generation, this client's hit rate, the bytes the daemon read for it, "
-                       "and the peak memory. The flags that mlx_lm.generate also has mean what "
+                       "--verbose False, end as mlx_lm.generate does, with its summary on "
+                       "stdout (tok/s for prompt and generation, the peak memory), then one "
+                       "line of expertd's on stderr (this client's hit rate, the bytes the "
+                       "daemon read for it). The flags that mlx_lm.generate also has mean what "
                        "they mean there.")
     add_model_flag(p)
     p.add_argument("--prompt", "-p", default=argtypes.DEFAULT_PROMPT,
