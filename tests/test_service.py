@@ -21,7 +21,6 @@ from expertd.cli.service import (
     plist_dict,
     service_id,
     systemd_quote,
-    this_platform,
 )
 from expertd.paths import daemon_paths
 
@@ -31,11 +30,26 @@ CACHE = "80%"  # of the tiny model's 768 KiB of experts: 37 of its 48 rows
 
 @pytest.fixture
 def home(tmp_path, monkeypatch, isolated_env):
-    """A temporary HOME (Path.home() follows it) beside the test's runtime directories."""
+    """A temporary HOME (Path.home() follows it) beside the test's runtime directories.
+
+    The runtime directory is the test's own and the session bus's address is dropped, so
+    `systemctl --user` reaches no user manager, as in a container: never the developer's."""
     path = tmp_path / "home"
     path.mkdir()
     monkeypatch.setenv("HOME", str(path))
+    monkeypatch.delenv("DBUS_SESSION_BUS_ADDRESS", raising=False)
     return path
+
+
+@pytest.fixture
+def systemctl(home):
+    """This machine's real systemctl, which reaches no user manager from the test (see home)."""
+    if sys.platform == "darwin" or not shutil.which("systemctl"):
+        pytest.skip("systemctl is Linux's, and not installed here")
+    probe = subprocess.run(["systemctl", "--user", "show-environment"], capture_output=True,
+                           text=True, timeout=60)
+    assert probe.returncode != 0, "a user manager answered in the test's runtime directory"
+    return probe.stderr.strip()
 
 
 @pytest.fixture
@@ -128,59 +142,78 @@ def test_unit_without_a_runtime_dir_unsets_the_managers(models):
     assert f"\nEnvironment=EXPERTD_SERVICE={plan.name}\n" in unit
 
 
-def test_install_with_the_real_systemctl_reports_its_failure(awkward_blobs, home):
-    """No mock: this machine's systemctl runs. Where it has no user bus (containers, CI) it
-    fails; where it has one it cannot find a unit in the temporary HOME. Either way the file
-    stays, the error is shown and the commands to run by hand are printed."""
+def test_without_a_user_manager_install_enables_the_unit_and_says_what_to_run(
+        awkward_blobs, home, systemctl):
+    """No mock: this machine's systemctl runs, and reaches no user manager (a container, an
+    SSH session without lingering). install writes the unit and enables it on its files alone,
+    says why it is not started and what to run, and exits 1 (the daemon does not run); status
+    exits 3 (not running), as systemctl does; uninstall disables and removes it and exits 0."""
+    unit = make_plan(awkward_blobs, platform="linux")
+    wants = unit.path.parent / "default.target.wants" / unit.name
     got = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE,
                       "--platform", "linux")
-    if sys.platform == "darwin":
-        pytest.skip("systemctl is Linux's")
-    unit = make_plan(awkward_blobs, platform="linux")
     assert got.returncode == 1, got
-    assert unit.path.exists()
-    assert "failed:" in got.stderr and "run by hand once it can work:" in got.stderr
-    assert f"systemctl --user enable --now {unit.name}" in got.stderr
-    assert "Traceback" not in got.stderr
+    assert _files(home) == sorted([unit.path, wants]) and wants.resolve() == unit.path
+    assert (f"enabled {unit.name}: it starts when your user manager does (at your next login, "
+            "or at boot after `loginctl enable-linger`)") in got.stdout.splitlines(), got.stdout
+    assert got.stderr.splitlines() == [
+        "expertd service install: systemd's user manager is unreachable from this shell "
+        f"({systemctl}), so the service is not started",
+        "once it is reachable, start it with:",
+        f"  systemctl --user daemon-reload && systemctl --user enable --now {unit.name}",
+        "without a user manager (a container), run the daemon by hand instead:",
+        f"  expertd start --blobs '{awkward_blobs}' --cache-gb 80%"], got.stderr
     status = expertd_cli("service", "status", "--blobs", awkward_blobs)
-    assert status.returncode == 0 and f"{unit.path} installed" in status.stdout, status
-    assert f"systemctl --user is-active {unit.name}:" in status.stdout
+    assert status.returncode == 3 and f"{unit.path} installed" in status.stdout, status
+    assert (f"  systemd's user manager: unreachable from this shell ({systemctl})"
+            in status.stdout.splitlines()), status.stdout
     assert "the daemon: not running" in status.stdout
     # The daemon's status names the service's log (the journal), running or not.
-    import json
-
     daemon = expertd_cli("status", "--blobs", awkward_blobs, "--json")
     assert json.loads(daemon.stdout)[0]["log"] == f"journalctl --user -u {unit.name}"
     gone = expertd_cli("service", "uninstall", "--blobs", awkward_blobs)
-    assert not unit.path.exists() and f"removed {unit.path}" in gone.stdout, gone
+    assert gone.returncode == 0 and gone.stderr == "", gone
+    assert gone.stdout.splitlines() == [
+        f"removed {unit.path}",
+        f"  systemd's user manager is unreachable from this shell ({systemctl}); nothing of "
+        "the service's runs, so nothing is left to stop"]
+    assert _files(home) == []  # the unit and its link
     status = expertd_cli("service", "status", "--blobs", awkward_blobs)
     assert status.returncode == 3 and "not installed" in status.stdout
     # No service: no journal and no manager's command; where a daemon started by hand logs.
     assert "journalctl" not in status.stdout and "systemctl" not in status.stdout
-    from expertd.paths import daemon_paths
-
     assert f"logs to {daemon_paths(awkward_blobs).log}" in status.stdout
 
 
 def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home, monkeypatch,
-                                                          other_runtime):
+                                                          other_runtime, systemctl):
     """The service's daemon could not start beside one started by hand (its manager would
-    retry in a loop): install says so before writing anything; with the hand-started one
-    stopped it goes on (to this machine's systemctl, which may fail here, as above)."""
+    retry in a loop): install says so before writing anything, --no-start writes the file and
+    says the unit will not start while that daemon runs. With the service's own daemon
+    running, a reinstall goes on (to this machine's systemctl, which reaches no manager), and
+    uninstall, unable to stop it, says so and exits 1."""
     unit = make_plan(awkward_blobs, platform="linux")
     home_runtime = os.environ["XDG_RUNTIME_DIR"]
     other = other_runtime
     try:
         assert expertd_cli("start", "--blobs", awkward_blobs, "--cache-gb", CACHE).returncode == 0
+        by_hand = f"an expertd (pid {try_stats(awkward_blobs)['pid']}) started by hand serves " \
+                  f"{awkward_blobs}"
         got = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE)
         assert got.returncode == 1 and "Traceback" not in got.stderr, got
-        assert "could not start beside it: stop it first" in got.stderr, got.stderr
+        assert f"{by_hand}, so the service's daemon could not start beside it: stop it first" \
+            in got.stderr, got.stderr
         assert got.stderr.startswith("expertd service install: error: "), got.stderr
         assert not unit.path.exists() and not make_plan(awkward_blobs, platform="macos").path.exists()
-        # --no-start only writes the file: nothing starts, nothing to refuse.
+        # --no-start only writes the file, and says it will not start while that one runs.
         wrote = expertd_cli("service", "install", "--blobs", awkward_blobs, "--cache-gb", CACHE,
                             "--platform", "linux", "--no-start")
         assert wrote.returncode == 0 and unit.path.exists(), wrote
+        note = (f"note: {by_hand}: the service's daemon will not start while it runs")
+        assert wrote.stdout.splitlines()[-1] == (f"{note}; stop it first (expertd stop --blobs "
+                                                 f"{awkward_blobs})"), wrote.stdout
+        status = expertd_cli("service", "status", "--blobs", awkward_blobs)
+        assert status.returncode == 0 and status.stdout.splitlines()[-1] == note, status
         # The file there, the daemon is still the hand-started one: its log, and refused again.
         log = json.loads(expertd_cli("status", "--blobs", awkward_blobs, "--json").stdout)[0]
         assert log["log"] == str(daemon_paths(awkward_blobs).log), log
@@ -188,8 +221,7 @@ def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home, mo
         assert again.returncode == 1 and "could not start beside it" in again.stderr, again
         assert expertd_cli("stop", "--blobs", awkward_blobs).returncode == 0
         # The unit's own daemon (its command line and environment, as systemd runs it): its
-        # log is the journal, and a reinstall goes on to restart it (this machine's systemctl
-        # then succeeds or fails, as above).
+        # log is the journal, and a reinstall goes on to restart it.
         env = {**os.environ, **dict(unit.environment)}
         with open(os.devnull, "wb") as quiet:
             own = subprocess.Popen(unit.argv, env=env, stdin=subprocess.DEVNULL, stdout=quiet,
@@ -198,25 +230,36 @@ def test_install_refuses_beside_a_daemon_started_by_hand(awkward_blobs, home, mo
             wait_until(lambda: try_stats(awkward_blobs), 60, "the unit's daemon to answer")
             log = json.loads(expertd_cli("status", "--blobs", awkward_blobs, "--json").stdout)[0]
             assert log["log"] == f"journalctl --user -u {unit.name}", log
+            status = expertd_cli("service", "status", "--blobs", awkward_blobs)
+            assert status.returncode == 0 and "note:" not in status.stdout, status
             # Restarted by its manager, not by hand (the service would fail beside it).
             by_hand = expertd_cli("restart", "--blobs", awkward_blobs)
             assert by_hand.returncode == 1, by_hand
             assert f"restart it with systemctl --user restart {unit.name}" in by_hand.stderr
-            if this_platform() == "linux":
-                # From a shell whose XDG_RUNTIME_DIR differs too: the service's own is found
-                # (its claim names its runtime directory, whose run file names the service).
-                for runtime in (None, other):
-                    if runtime is not None:
-                        monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-                    reinstall = expertd_cli("service", "install", "--blobs", awkward_blobs,
-                                            "--cache-gb", CACHE)
-                    assert reinstall.returncode == 1, reinstall  # this machine's systemctl
-                    assert "failed:" in reinstall.stderr, reinstall.stderr
-                    assert "run by hand once it can work:" in reinstall.stderr  # it went on
-                    assert "could not start beside it" not in reinstall.stderr, reinstall.stderr
+            # From a shell whose XDG_RUNTIME_DIR differs too: the service's own is found (its
+            # claim names its runtime directory, whose run file names the service).
+            for runtime in (None, other):
+                if runtime is not None:
+                    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+                reinstall = expertd_cli("service", "install", "--blobs", awkward_blobs,
+                                        "--cache-gb", CACHE)
+                assert reinstall.returncode == 1, reinstall  # no manager to restart it
+                assert "systemd's user manager is unreachable" in reinstall.stderr, reinstall
+                assert f"systemctl --user restart {unit.name}" in reinstall.stderr  # it went on
+                assert "could not start beside it" not in reinstall.stderr, reinstall.stderr
+            # Its daemon runs under a manager this shell cannot reach: nothing here stops it.
+            gone = expertd_cli("service", "uninstall", "--blobs", awkward_blobs)
+            assert gone.returncode == 1 and not unit.path.exists(), gone
+            assert gone.stderr == (
+                f"expertd service uninstall: its daemon (pid {own.pid}) still runs, under a "
+                f"user manager this shell cannot reach ({systemctl}): stop it with expertd "
+                f"stop --blobs {awkward_blobs}\n"), gone.stderr
         finally:
             monkeypatch.setenv("XDG_RUNTIME_DIR", home_runtime)
             stop_process(own)
+        nothing = expertd_cli("service", "uninstall", "--blobs", awkward_blobs)
+        assert nothing.returncode == 0 and "nothing to remove" in nothing.stdout, nothing
+        assert _files(home) == []
     finally:
         kill_serving_daemon(awkward_blobs)
 

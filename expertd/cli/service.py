@@ -25,7 +25,7 @@ from expertd.cli.service_plan import (  # noqa: F401 (service's names for them)
     service_id,
     this_platform,
 )
-from expertd.errors import FlagError
+from expertd.errors import DaemonError, FlagError
 
 # ---- file contents ---------------------------------------------------------------------------
 
@@ -124,6 +124,18 @@ def status_command(plan: ServicePlan) -> list:
     return ["systemctl", "--user", "is-active", plan.name]
 
 
+def manager_unreachable(plan: ServicePlan) -> str | None:
+    """Why systemd's user manager cannot be reached from this shell (its words), or None if
+    it can, or on macOS. Without one (a container, a session without lingering) a unit can
+    be written and enabled, but nothing can be started, stopped or asked."""
+    if plan.platform == "macos":
+        return None
+    done = run(["systemctl", "--user", "show-environment"])  # fails only without the manager
+    if done.returncode == 0:
+        return None
+    return (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
+
+
 def shell_line(cmd) -> str:
     """A command as one line to paste into a shell."""
     import shlex
@@ -196,8 +208,13 @@ def _manages_here(args, plan: ServicePlan) -> bool:
 def _cmd_install(args) -> int:
     config_from_args(args)  # refuse a bad blob directory or budget now, not in a restart loop
     plan = _plan(args)
-    if _manages_here(args, plan):
-        _refuse_beside_a_daemon(plan)
+    by_hand = _daemon_beside(plan)[0] if plan.platform == this_platform() else ""
+    if by_hand and _manages_here(args, plan):
+        earlier = (" (if it is this service's own, started by an earlier expertd, restart it "
+                   "with its manager instead)" if plan.path.exists() else "")
+        raise DaemonError(f"{by_hand}, so the service's daemon could not start beside it: stop "
+                          f"it first (expertd stop --blobs {plan.blob_dir}), then install; "
+                          f"--no-start only writes the file{earlier}")
     if plan.log is not None:  # launchd and the daemon's --log-file both need it to exist
         plan.log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     replaced = write_file(plan.path, render(plan))
@@ -210,7 +227,13 @@ def _cmd_install(args) -> int:
             [restart_command(plan.platform, plan.name)] if plan.platform == "linux" else [])
     if not _manages_here(args, plan):
         print("to start it, run:\n" + "\n".join(f"  {shell_line(c)}" for c in commands))
+        if by_hand:
+            print(f"note: {by_hand}: the service's daemon will not start while it runs; stop "
+                  f"it first (expertd stop --blobs {plan.blob_dir})")
         return 0
+    unreachable = manager_unreachable(plan)
+    if unreachable is not None:
+        return _install_without_manager(plan, commands, unreachable)
     if replaced and plan.platform == "macos":
         run(commands.pop(0))  # bootout of an agent that is not loaded fails: that is fine
     if not _run_all(commands, "install"):
@@ -219,13 +242,29 @@ def _cmd_install(args) -> int:
     return 0
 
 
-def _refuse_beside_a_daemon(plan: ServicePlan) -> None:
-    """A daemon started by hand serves the directory: the service's would fail to start
-    beside it, and its manager retry in a loop (systemd then gives up). Refused before
-    anything is written. The service's own daemon (its run file names the service) is the one
-    a reinstall restarts."""
+def _install_without_manager(plan: ServicePlan, commands, why: str) -> int:
+    """The unit is written; systemd's user manager cannot be reached, so nothing can start
+    it now. It is enabled without the manager (systemctl does that on the files alone), so
+    that it starts with the manager; exit status 1: the daemon does not run."""
+    enabled = run(["systemctl", "--user", "enable", plan.name])
+    if enabled.returncode == 0:
+        print(f"enabled {plan.name}: it starts when your user manager does (at your next "
+              "login, or at boot after `loginctl enable-linger`)")
+    print(f"expertd service install: systemd's user manager is unreachable from this shell "
+          f"({why}), so the service is not started\n"
+          f"once it is reachable, start it with:\n  {' && '.join(map(shell_line, commands))}\n"
+          "without a user manager (a container), run the daemon by hand instead:\n"
+          f"  {shell_line(['expertd', *plan.argv[len(expertd_command()):-1]])}",
+          file=sys.stderr)
+    return 1
+
+
+def _daemon_beside(plan: ServicePlan) -> tuple:
+    """Who serves the blob directory: ``(sentence, None)`` for a daemon started by hand (its
+    service's daemon could not start beside it, and its manager would retry in a loop);
+    ``("", pid)`` for the service's own (its run file names the service); ``("", None)``
+    for none."""
     from expertd.cli.lifecycle import serving_pid
-    from expertd.errors import DaemonError
     from expertd.paths import daemon_paths
     from expertd.runfile import claimant, claimant_runtime, elsewhere_text, read_run_info
 
@@ -237,17 +276,10 @@ def _refuse_beside_a_daemon(plan: ServicePlan) -> None:
     run = claimant_runtime(other)
     info = read_run_info(daemon_paths(plan.blob_dir, run)) if pid is not None or run else None
     if info is not None and info.service == plan.name:
-        return  # the service's own: the install restarts it
+        return "", info.pid
     if pid is not None:
-        there = f"an expertd (pid {pid}) started by hand serves {plan.blob_dir}"
-    else:
-        there = elsewhere_text(paths, other)
-    if there:
-        earlier = (" (if it is this service's own, started by an earlier expertd, restart it "
-                   "with its manager instead)" if plan.path.exists() else "")
-        raise DaemonError(f"{there}, so the service's daemon could not start beside it: stop "
-                          f"it first (expertd stop --blobs {plan.blob_dir}), then install; "
-                          f"--no-start only writes the file{earlier}")
+        return f"an expertd (pid {pid}) started by hand serves {plan.blob_dir}", None
+    return elsewhere_text(paths, other), None
 
 
 def _cmd_uninstall(args) -> int:
@@ -262,11 +294,31 @@ def _cmd_uninstall(args) -> int:
         commands = stop_commands(plan) + reload_commands(plan)
         print("to stop it, run:\n" + "\n".join(f"  {shell_line(c)}" for c in commands))
         return 0
+    unreachable = manager_unreachable(plan)
+    if unreachable is not None:
+        return _uninstall_without_manager(plan, unreachable)
     # The file goes even if the manager cannot be reached: uninstall means "not any more".
     stopped = _run_all(stop_commands(plan), "uninstall", then=reload_commands(plan))
     plan.path.unlink()
     print(f"removed {plan.path}")
     return 0 if stopped and _run_all(reload_commands(plan), "uninstall") else 1
+
+
+def _uninstall_without_manager(plan: ServicePlan, why: str) -> int:
+    """Disabled and removed without the manager; exit status 0 unless the service's daemon
+    still runs (under a manager this shell cannot reach), which nothing here can stop."""
+    run(["systemctl", "--user", "disable", plan.name])  # on the files alone; may be disabled
+    plan.path.unlink()
+    print(f"removed {plan.path}")
+    pid = _daemon_beside(plan)[1]
+    if pid is None:
+        print(f"  systemd's user manager is unreachable from this shell ({why}); nothing of "
+              "the service's runs, so nothing is left to stop")
+        return 0
+    print(f"expertd service uninstall: its daemon (pid {pid}) still runs, under a user manager "
+          f"this shell cannot reach ({why}): stop it with expertd stop --blobs {plan.blob_dir}",
+          file=sys.stderr)
+    return 1
 
 
 def _cmd_status(args) -> int:
@@ -282,7 +334,12 @@ def _cmd_status(args) -> int:
               f"logs to {daemon_paths(plan.blob_dir).log}")
     else:
         print(f"  log: {plan.log_hint}")
+    unreachable = None
     if installed and plan.platform == this_platform():
+        unreachable = manager_unreachable(plan)
+    if unreachable is not None:
+        print(f"  systemd's user manager: unreachable from this shell ({unreachable})")
+    elif installed and plan.platform == this_platform():
         cmd = status_command(plan)
         done = run(cmd)
         view = (done.stdout.strip() or done.stderr.strip() or f"exit status {done.returncode}")
@@ -292,7 +349,11 @@ def _cmd_status(args) -> int:
         print(f"  {shell_line(cmd)}: " + view.replace("\n", "\n    "))
     code, out = snapshot(argparse.Namespace(blobs=str(plan.blob_dir), json=False, timeout=5.0))
     print(out if code == 0 else "  the daemon: not running")
-    return 0 if installed else 3
+    by_hand = _daemon_beside(plan)[0] if installed and plan.platform == this_platform() else ""
+    if by_hand:
+        print(f"note: {by_hand}: the service's daemon will not start while it runs")
+    # LSB's and systemctl's: 0 running, 3 not running (or no service).
+    return 0 if installed and code == 0 else 3
 
 
 def add_subcommands(sub) -> None:
@@ -311,7 +372,11 @@ def add_subcommands(sub) -> None:
     q = actions.add_parser("install", help="write the service file and start the service",
                            description="Write the agent/unit file for BLOB_DIR (replacing one "
                            "already there) and start it with launchctl bootstrap / systemctl "
-                           "--user enable --now. The flags are `expertd start`'s.")
+                           "--user enable --now. The flags are `expertd start`'s. Exits 0 once "
+                           "the service is started (with --no-start, once the file is written); "
+                           "1 if it is not started: where systemd's user manager is unreachable "
+                           "(a container, a session without lingering) the unit is left written "
+                           "and enabled, and the commands to run are printed.")
     add_start_flags(q)
     common(q)
     q.add_argument("--no-start", action="store_true",
@@ -320,7 +385,9 @@ def add_subcommands(sub) -> None:
 
     q = actions.add_parser("uninstall", help="stop the service and remove its file",
                            description="Stop and disable the service of BLOB_DIR, remove its "
-                           "file. Nothing installed is not an error.")
+                           "file. Exits 0 once the file is gone and no daemon of the service "
+                           "runs (nothing installed is not an error; without systemd's user "
+                           "manager the unit is disabled on its files alone), 1 otherwise.")
     q.add_argument("--blobs", required=True, metavar="BLOB_DIR")
     common(q)
     q.add_argument("--no-start", action="store_true",
@@ -330,7 +397,8 @@ def add_subcommands(sub) -> None:
     q = actions.add_parser("status", help="the service file, the manager's view, the daemon's",
                            description="Whether the service file of BLOB_DIR exists, what "
                            "systemctl/launchctl say about it, and the daemon's own status. "
-                           "Exits 3 if no service is installed.")
+                           "Exits 0 if the service is installed and its daemon answers, 3 "
+                           "otherwise (not running, or not installed), as systemctl does.")
     q.add_argument("--blobs", required=True, metavar="BLOB_DIR")
     common(q)
     q.set_defaults(func=_cmd_status)
