@@ -296,7 +296,7 @@ def decode_client(args) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from expertd.client import load
-    from expertd.client import session as session_module
+    from expertd.client import pulling as pulling_module
     from expertd.client.pull import ABSENT, HostPuller, StepEpoch, decode_status
     from expertd.manifest import Manifest
 
@@ -348,7 +348,7 @@ def decode_client(args) -> None:
         assert mode == "host"
         return DeviceLikePuller(view, layers)
 
-    session_module.make_puller = make_puller
+    pulling_module.make_puller = make_puller  # the module that makes the puller at attach
     top_k = Manifest.load(args.blobs).top_k
     model, _ = load(args.blobs, pool_backing="device", pull="host", speculate="on",
                     prefetch="off", pool_gb=pool_gb(args.blobs, top_k))
