@@ -1,5 +1,8 @@
 """What a new user reads before running a command (issue 44): the help text says where each
-part of the output goes, as test_generate.py checks that it goes there."""
+part of the output goes (test_generate.py checks that it goes there), and the README says what
+`make demo` shows before the first run."""
+
+from pathlib import Path
 
 from harness import expertd_cli
 
@@ -14,3 +17,16 @@ def test_generate_help_says_the_summary_goes_to_stdout():
             "generation, the peak memory), then one line of expertd's on stderr (this client's "
             "hit rate, the bytes the daemon read for it)") in text, text
     assert "summary on stderr" not in text
+
+
+# ---- the README ---------------------------------------------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_explains_make_demo_before_the_first_run():
+    headings = [line for line in README.read_text().splitlines() if line.startswith("## ")]
+    assert headings.index("## What `make demo` shows") + 1 == \
+        headings.index("## A first run, without a model"), headings
+    assert headings.index("## What `make demo` shows") < headings.index("## Measured")
+
