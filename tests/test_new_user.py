@@ -1,10 +1,13 @@
 """What a new user reads before running a command (issue 44): the help text says where each
 part of the output goes (test_generate.py checks that it goes there), and the README says what
-`make demo` shows before the first run."""
+`make demo` shows before the first run, and which servers a lazy convert can read."""
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
-from harness import expertd_cli
+from harness import expertd_cli, stop_process
 
 
 def test_generate_help_says_the_summary_goes_to_stdout():
@@ -30,3 +33,22 @@ def test_readme_explains_make_demo_before_the_first_run():
         headings.index("## A first run, without a model"), headings
     assert headings.index("## What `make demo` shows") < headings.index("## Measured")
 
+
+def test_python_http_server_is_refused_for_lazy_convert_as_the_readme_says(models, tmp_path):
+    """The README names `python -m http.server` as a server that ignores Range: a real one,
+    on the tiny model's directory, is refused by `convert --lazy` in the line it quotes."""
+    server = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "0", "--bind",
+                               "127.0.0.1"], cwd=models.model(), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        port = re.search(r" port (\d+) ", server.stdout.readline()).group(1)
+        out = tmp_path / "lazy"
+        got = expertd_cli("convert", "--lazy", "-q", f"http://127.0.0.1:{port}/", out)
+    finally:
+        stop_process(server)
+    assert got.returncode == 1 and not out.exists(), got
+    refusal = "the server ignores Range requests (HTTP 200, not 206)"
+    assert got.stderr.strip().endswith(refusal), got.stderr
+    readme = " ".join(README.read_text().split())
+    assert ("`python -m http.server` does not (it answers 200 with the whole file" in readme
+            and f"`convert --lazy` refuses it at once (`{refusal}`)" in readme)
