@@ -126,19 +126,23 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
                             "none, or --ignore-chat-template was given)")
         before = session.stats()
         tokens, last, drafted = [], None, 0
-        out.write(before_text)
-        out.flush()
+        # The rule goes out with the first text: a failure before it (an expert that fails its
+        # checksum, the daemon gone) leaves no half-printed block above its message.
+        pending = before_text
         started = time.perf_counter()
         sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k,
                                xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
                                xtc_special_tokens=xtc_special_tokens(tokenizer))
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
                                         sampler=sampler, **asdict(kv), **extra):
-            out.write(response.text)
+            out.write(pending + response.text)
             out.flush()
+            pending = ""
             tokens.append(response.token)
             drafted += response.from_draft
             last = response
+        out.write(pending)  # nothing generated: the rule alone, as mlx_lm.generate prints it
+        out.flush()
         elapsed = time.perf_counter() - started
         mine = session.usage()
         counters = session.all_counters()

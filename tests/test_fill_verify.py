@@ -89,6 +89,8 @@ def test_generate_fails_with_the_checksum_error_instead_of_wrong_text(blob_dir, 
     assert "Traceback" not in bad.stderr, bad.stderr
     text = good.stdout.rsplit("[expertd]", 1)[0].strip()
     assert text.startswith(bad.stdout.strip()), (bad.stdout, good.stdout)
+    # No rule printed above the error with nothing under it: it goes out with the first text.
+    assert bad.stdout.strip() != "=" * 10, bad.stdout
 
 
 # ---- the pool on its own: real blob files, rows in anonymous memory ----------------------------

@@ -403,3 +403,32 @@ def test_start_refuses_careless_flags_in_one_line(models, isolated_env, tmp_path
     got = expertd_cli("start", "--blobs", models.blobs(), *flags, timeout=30)
     assert got.returncode == 2 and message in got.stderr, got.stderr
     assert "Traceback" not in got.stderr and len(got.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_pin_whose_blob_is_damaged_is_named_at_start_and_in_plain_status(models, isolated_env,
+                                                                           tmp_path):
+    """A byte of a pinned expert flipped on the disk: start says at once that the pin cannot
+    be served and what to run, and plain status names the expert beside the fills that
+    failed (not only the log and --json)."""
+    from test_fill_verify import flip_byte
+
+    blobs = tmp_path / "blobs"
+    shutil.copytree(models.blobs(), blobs)  # its own copy: the shared one is read by others
+    flip_byte(blobs, 1, 2)
+    pins = tmp_path / "pins.json"
+    pins.write_text("[[0, 1], [1, 2]]")
+    try:
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", CACHE_GB, "--pin-file",
+                              pins, timeout=60)
+        assert started.returncode == 0, started.stderr
+        assert "pin layer 1 expert 2 cannot be served" in started.stderr, started.stderr
+        assert "pin layer 0 expert 1" not in started.stderr  # its blob is sound
+        assert f"expertd verify --blobs {blobs}" in started.stderr
+        status = expertd_cli("status", "--blobs", blobs, timeout=30)
+        assert status.returncode == 0, status.stderr
+        assert "1 fills failed; 1 expert cannot be served now:" in status.stdout, status.stdout
+        assert "layer 1 expert 2: " in status.stdout and "expertd verify" in status.stdout
+        assert expertd_cli("stop", "--blobs", blobs).returncode == 0
+    finally:
+        kill_serving_daemon(blobs)

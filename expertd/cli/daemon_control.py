@@ -31,6 +31,8 @@ from expertd.units import batch_sharing, pull_rate, replay_causes, size_text
 
 MAX_SIDE_ROWS = 64  # x top_k: prefetch rows per generation, at most
 MAX_CACHE_GB = argtypes.MAX_GIB
+PIN_WAIT = 30.0  # seconds start waits for its pinned experts to be read, to name any it cannot
+PIN_POLL = 0.1
 NOT_RUNNING = 3  # status's exit code when no daemon runs, as pg_ctl and LSB init scripts use
 _UNITS = {"": 2**30, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _SIZE = re.compile(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(%|[kmgt]?)(?:i?b)?", re.IGNORECASE)
@@ -197,8 +199,34 @@ def _cmd_start(args) -> int:
     if stats.get("cache_capped"):
         print(f"  --cache-gb {args.cache_gb} is more than every expert needs: the arena holds "
               f"all {stats['arena_rows']} in {size_text(stats['arena_bytes'])}")
+    if config.pin_file:
+        _report_pins(config)
     print(f"  log: {log_file}")
     return 0
+
+
+def _report_pins(config) -> None:
+    """Once the daemon has read its pinned experts, say which it could not (their blob
+    failed its checksum, or a read failed): they are served by no one until fixed."""
+    from expertd.connection import Connection
+    from expertd.protocol import Op
+
+    pins = {tuple(k) for k in read_pin_file(config.pin_file)}
+    deadline = time.monotonic() + PIN_WAIT
+    try:
+        with Connection(config.blob_dir) as conn:
+            while True:  # until its pins (read first) and warm-up are read, or PIN_WAIT
+                stats = conn.request(Op.STATS, timeout=5.0)
+                if not stats.get("background_pending") or time.monotonic() > deadline:
+                    break
+                time.sleep(PIN_POLL)
+    except (DaemonError, OSError):
+        return  # it went away: status says why
+    bad = [(la, ex, why) for la, ex, why in stats.get("failed_experts", []) if (la, ex) in pins]
+    for layer, expert, why in bad:
+        print(f"  pin layer {layer} expert {expert} cannot be served: {why}", file=sys.stderr)
+    if bad:
+        print(f"  check the blobs: expertd verify --blobs {config.blob_dir}", file=sys.stderr)
 
 
 def attached_clients(blob_dir) -> list:
@@ -388,6 +416,7 @@ def status_lines(s: dict) -> list:
         "spare worker)",
         f"  read         {s['bytes_read'] / 2**20:.1f} MiB in {s['fills']} fills, "
         f"{s['fill_gbps']:.2f} GB/s while filling",
+        *failed_lines(s),
         *([f"  remote       {r['rows_present']}/{r['rows_total']} rows present, "
            f"{r['bytes_fetched'] / 2**20:.1f} MiB fetched in {r['fetch_requests']} requests, "
            f"{r['pending']} pending, {r['fetch_errors']} failed, from {r['source']}"]
@@ -408,6 +437,22 @@ def status_lines(s: dict) -> list:
         f"{s.get('epoch_wait_max_s', 0.0):.3f} s), {s.get('epochs_lost', 0)} epochs lost",
         f"  log          {s['log']}",
     ]
+
+
+def failed_lines(s: dict) -> list:
+    """Status lines naming the experts whose latest read failed, and the remedy (none if
+    every fill succeeded)."""
+    failed = s.get("failed_experts") or []
+    if not s.get("fill_errors") and not failed:
+        return []
+    lines = [f"  failed       {s.get('fill_errors', 0)} fills failed; "
+             + (f"{len(failed)} expert{'s' * (len(failed) != 1)} cannot be served now:"
+                if failed else "each was read again since")]
+    lines += [f"    layer {layer} expert {expert}: {why}" for layer, expert, why in failed]
+    if failed:
+        lines.append(f"    check the blobs: expertd verify --blobs {s['blob_dir']} (a damaged "
+                     "blob: convert the checkpoint again)")
+    return lines
 
 
 def log_location(blob_dir, run: Path | None = None) -> str:

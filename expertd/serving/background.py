@@ -46,6 +46,10 @@ class BackgroundFills:
         """Drop every key that waits (no row is free for them, or the daemon stops)."""
         self.queue.clear()
 
+    def pending(self) -> int:
+        """Keys waiting or being filled."""
+        return len(self.queue) + len(self.rows)
+
     def started(self, row: int) -> None:
         self.rows.add(row)
 

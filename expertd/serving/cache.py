@@ -27,6 +27,8 @@ from expertd.serving.stats import CacheCounters, CacheStats
 from expertd.shm.layout import SlotState
 
 log = logging.getLogger("expertd")
+FAILED_KEPT = 256  # experts whose failed fill the cache remembers (until one of theirs succeeds)
+FAILED_SHOWN = 16  # of those, how many STATS names
 
 
 class ExpertCache:
@@ -75,6 +77,7 @@ class ExpertCache:
         self.background = BackgroundFills(workers)
         self.room_changed = False  # rows were freed: queued demands may fit now
         self.counters = CacheCounters()
+        self.failed: dict = {}  # (layer, expert) -> why its latest fill failed
         self.in_flight = 0
         self._withdrawing: set = set()  # keys to empty once neither leased nor filling
         self._busy_since = 0.0
@@ -319,7 +322,7 @@ class ExpertCache:
     def completions(self, stopping: bool = False) -> None:
         """Take in every fill the pool finished: answer the demands they complete."""
         done = self.pool.completions()
-        for row, _, _, error in done:
+        for row, layer, expert, error in done:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._fill_seconds += time.monotonic() - self._busy_since
@@ -327,6 +330,7 @@ class ExpertCache:
             if error is None and log.isEnabledFor(logging.DEBUG):
                 log.debug("filled row %d", row)
             if error is None:
+                self.failed.pop((layer, expert), None)
                 self.counters.bytes_read += self.stride
                 self.counters.fills += 1
                 if row in self.prefetch_rows:
@@ -334,6 +338,8 @@ class ExpertCache:
             else:
                 log.error("fill failed: %s", error[1])
                 self.counters.fill_errors += 1
+                if len(self.failed) < FAILED_KEPT or (layer, expert) in self.failed:
+                    self.failed[(layer, expert)] = error[1]
                 self.side.emptied(row)  # maybe an empty cache row again; nothing to waste
                 if row in self._saved_unread:
                     self.counters.prefetch_hits -= 1  # nothing was read: nothing saved
@@ -384,7 +390,10 @@ class ExpertCache:
             side_rows_used=self.table.rows_used(self.side.side_mask()), prefetch=self.prefetch_mode,
             hits=hits, hit_rate=round(hits / max(1, looked_up), 4), fill_seconds=round(busy, 6),
             fill_gbps=round(c.bytes_read / busy / 1e9, 3) if busy else 0.0,
-            pinned=self.pins.n_pinned_rows(self.side.cache_row_keys()), in_flight=self.in_flight)
+            pinned=self.pins.n_pinned_rows(self.side.cache_row_keys()), in_flight=self.in_flight,
+            failed_experts=[[la, ex, why] for (la, ex), why in
+                            sorted(self.failed.items())[:FAILED_SHOWN]],
+            background_pending=self.background.pending())
 
     def stats_records(self) -> tuple:
         """The cache's STATS records: its counters, :meth:`stats`, the lease book's and the
