@@ -123,15 +123,15 @@ class Phases:
 
 
 def decodes(resident, streamed, tokenizer, args) -> list:
-    from expertd.client import step
+    from expertd.client import speculation
 
     rows = []
-    original = step.MAX_DRAIN_EVERY
+    original = speculation.MAX_DRAIN_EVERY
     steps = streamed.__dict__["_expertd_steps"]
     try:
         for drain in args.drains:
-            step.MAX_DRAIN_EVERY = drain  # step.DRAIN_EVERY: drains never back off
-            steps.drains = step.Drains()
+            speculation.MAX_DRAIN_EVERY = drain  # DRAIN_EVERY: drains never back off
+            steps.drains = speculation.Drains()
             for model, own in ((resident, False), (streamed, True)):
                 decode(model, tokenizer, args.tokens, 0.0, None, own)  # warm
             res, st = [], []
@@ -166,7 +166,7 @@ def decodes(resident, streamed, tokenizer, args) -> list:
                              drained=phases["drained"], per_round=per_round))
             print(rows[-1], flush=True)
     finally:
-        step.MAX_DRAIN_EVERY = original
+        speculation.MAX_DRAIN_EVERY = original
     return rows
 
 

@@ -76,7 +76,7 @@ def record_routing(model) -> list:
 def snapshot(session, blob_dir) -> dict:
     s = stats(blob_dir)
     return dict(timing=dict(session.timing), counters=session.all_counters(),
-                busy=session.copier.busy_seconds, stats={k: s[k] for k in STAT_KEYS},
+                busy=session.session.copier.busy_seconds, stats={k: s[k] for k in STAT_KEYS},
                 rows=s["arena_rows"])
 
 
@@ -105,7 +105,7 @@ def copier_costs(session, n: int = 1000) -> dict:
     and of waiting for a copy of those rows just handed over (what writing a guess ahead costs
     besides the copy)."""
     rng = np.random.default_rng(0)
-    dest = np.empty(session.staging_bytes(), np.uint8)
+    dest = np.empty(session.session.staging_bytes(), np.uint8)
     layers, k = len(session.manifest.layers), session.manifest.top_k
     positions = np.arange(k, dtype=np.int32)
     out = {key: [] for key in ("lookup", "empty_job", "job_wait")}
@@ -113,13 +113,13 @@ def copier_costs(session, n: int = 1000) -> dict:
         layer = 1 + i % (layers - 1)
         guessed = np.sort(rng.choice(session.manifest.layers[layer].num_experts, k,
                                      replace=False)).astype(np.int32)
-        view, bases = session.view, session.bases(layer)
+        view, bases = session.session.view, session.session.bases(layer)
         t0 = time.perf_counter()
         slots = view.lookup(layer, guessed).slots
         t1 = time.perf_counter()
-        session.copier.submit(lambda: None).wait()
+        session.session.copier.submit(lambda: None).wait()
         t2 = time.perf_counter()
-        session.copier.submit(lambda: view.copy(layer, slots, dest, bases, positions)).wait()
+        session.session.copier.submit(lambda: view.copy(layer, slots, dest, bases, positions)).wait()
         t3 = time.perf_counter()
         for key, span in (("lookup", t1 - t0), ("empty_job", t2 - t1),
                           ("job_wait", t3 - t2)):
@@ -166,11 +166,11 @@ def one_run(blob_dir, tokenizer, prompts, rows: int, mode: str, all_resident: bo
         try:
             trace = record_routing(model)
             if all_resident:  # every expert in the arena before anything is measured
-                dest = np.empty(session.staging_bytes(), np.uint8)
+                dest = np.empty(session.session.staging_bytes(), np.uint8)
                 for layer in session.manifest.layers:
                     every = np.arange(layer.num_experts, dtype=np.int32)
-                    for s in range(0, len(every), session.max_group):
-                        session.fetch(layer.index, every[s:s + session.max_group], dest)
+                    for s in range(0, len(every), session.session.max_group):
+                        session.session.fetch(layer.index, every[s:s + session.session.max_group], dest)
             generate(model, tokenizer, warm_ids, warm_tokens or tokens)
             begin = snapshot(session, blob_dir)
             marks = {}
@@ -184,10 +184,10 @@ def one_run(blob_dir, tokenizer, prompts, rows: int, mode: str, all_resident: bo
             if probe and mode == "on":
                 result["copier_costs"] = copier_costs(session)
             if timeline:
-                session.timeline = []
+                session.session.timeline = []
                 generate(model, tokenizer, ids, TIMELINE_TOKENS + 2)
                 n = TIMELINE_TOKENS * len(session.manifest.layers)
-                result["timeline"] = [r for r in session.timeline if r[3] is not None][-n:]
+                result["timeline"] = [r for r in session.session.timeline if r[3] is not None][-n:]
         finally:
             session.close()
     return result

@@ -3,7 +3,9 @@
 Nothing here talks to the daemon: the slot table is read lock-free (acquire/release atomics in
 the native extension), rows being filled are waited for, and every copy is checked against the
 row versions read before it, so a row evicted and refilled meanwhile is never taken for the
-expert it held (invariant 2).
+expert it held (invariant 2). A device that reads rows without those checks (pull.py) reads
+them inside a step's epoch, published in this client's record of the arena's epoch table
+(:class:`StepEpoch`).
 """
 
 from dataclasses import dataclass
@@ -11,7 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from expertd import native
-from expertd.shm.layout import Arena
+from expertd.shm.layout import EPOCH_DTYPE, Arena
+
+U64 = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -138,3 +142,73 @@ class ArenaRows:
         if len(slots):
             self.view._count_hits(slots)
         return len(slots)
+
+
+class StepEpoch:
+    """This client's record in the arena's epoch table: the step it is in.
+
+    Args:
+        raw: the arena mapping (uint8 array).
+        offset: where the record starts (``epochs_offset + slot * EPOCH_DTYPE.itemsize``).
+    """
+
+    def __init__(self, raw: np.ndarray, offset: int):
+        self._raw, self._step_at = raw, offset + EPOCH_DTYPE.fields["step"][1]
+        self._lost_at = offset + EPOCH_DTYPE.fields["lost"][1]
+        self._pid_at = offset + EPOCH_DTYPE.fields["pid"][1]
+        # What the record holds while it is ours: the pid the daemon wrote when it gave it
+        # out (before the hello's reply) and the last step published in it.
+        self._pid = native.read_u64(raw, self._pid_at)
+        self._published = self.step = native.read_u64(raw, self._step_at)
+        if self.step & 1:  # a record given out mid-step (never by a daemon that zeroes it)
+            self.step = (self.step + 1) & U64
+        self.disowned = False  # the record stopped being ours (see :meth:`owned`)
+
+    @property
+    def inside(self) -> bool:
+        return bool(self.step & 1)
+
+    def owned(self) -> bool:
+        """The record is still this client's. A client forgotten by the daemon (stopped longer
+        than the client timeout) finds its record zeroed or given to another client: the daemon
+        protects none of its reads, and it must not write the record any more."""
+        return (not self.disowned and native.read_u64(self._raw, self._pid_at) == self._pid != 0
+                and native.read_u64(self._raw, self._step_at) == self._published)
+
+    def _publish(self, step: int) -> None:
+        native.publish_u64(self._raw, self._step_at, step)
+        self._published = step
+
+    def begin(self) -> None:
+        """Enter a step: published (and fenced) before any read of the slot table. A record
+        that is no longer ours is left alone; the step's end then says it was lost."""
+        if not self.step & 1:
+            self.step = (self.step + 1) & U64  # a hostile 2**64 - 1 wraps, as the record does
+            if self.owned():
+                self._publish(self.step)
+            else:
+                self.disowned = True
+
+    def end(self) -> bool:
+        """Leave the step, after every read of it is done. True if the daemon revoked it or
+        stopped protecting it (its record went free or to another client meanwhile): the
+        step's rows may have been refilled while read, and it must be replayed."""
+        return self.check(self.step, more=False)
+
+    def check(self, launched: int, more: bool) -> bool:
+        """A step launched while the record showed ``launched`` is done (every read of it).
+        With ``more``, another step is still in flight (a pipelining client): the record
+        advances by two and stays odd, which tells the daemon this one is done (see
+        expertd.serving.epochs); else it leaves the step (even). True if that step was lost:
+        the daemon gave up on a step it showed at or after ``launched`` (the loss covers
+        every step then in flight), or the record is no longer ours."""
+        if not self.step & 1:
+            return False
+        gave_up = native.read_u64(self._raw, self._lost_at)
+        lost = bool(gave_up & 1) and (gave_up - launched) & U64 <= (self.step - launched) & U64
+        self.step = (self.step + (2 if more else 1)) & U64
+        if self.owned():
+            self._publish(self.step)
+        else:
+            self.disowned, lost = True, True
+        return lost

@@ -54,8 +54,7 @@ class StreamedGenerationBatch(GenerationBatch):
         super().__init__(*args, **kwargs)
 
     def _pipelines(self, steps) -> bool:
-        return (steps is not None and not steps.pipeline and steps.speculation.mode != "off"
-                and not any(self.logits_processors))
+        return steps is not None and steps.pipelinable() and not any(self.logits_processors)
 
     def _step(self):
         self._check_whole()
@@ -89,9 +88,9 @@ class StreamedGenerationBatch(GenerationBatch):
         current, current_logprobs = self._next_tokens, self._next_logprobs
         held, self._held = self._held, None
         steps.release(self)
-        # Checked before the next is launched: a drain (Steps.drains), and a step followed by
-        # one that will not speculate (it may demand rows; Steps.plan).
-        if held is not None and ((held.step.launched is not None and steps.drains.due())
+        # Checked before the next is launched: a drain (Steps.drain_due), and a step followed
+        # by one that will not speculate (it may demand rows; Steps.plan).
+        if held is not None and (steps.drain_due(held.step)
                                  or not steps.plan(current[:, None], cache)):
             if steps.settle(held.step) is not None:
                 trim(cache, 1)

@@ -77,11 +77,9 @@ def _decode(model, steps, forward, cache, y, logprobs, sampler, max_tokens: int)
     made = 0
     while True:
         last = max_tokens != -1 and made + 1 >= max_tokens
-        # Settled before the next is launched: a drain (Steps.drains), and one followed by a
-        # step that will not speculate (it may demand rows; Steps.plan). A step that pulled
-        # nothing (no puller: none to promote) is never drained.
-        if current is not None and ((current.launched is not None and steps.drains.due())
-                                    or not steps.plan(y[None], cache)):
+        # Settled before the next is launched: a drain (Steps.drain_due), and one followed by a
+        # step that will not speculate (it may demand rows; Steps.plan).
+        if current is not None and (steps.drain_due(current) or not steps.plan(y[None], cache)):
             if steps.settle(current) is not None:
                 trim(cache, 1)
                 y, logprobs = replayed(key, _again, model, inputs, cache, sampler)
@@ -157,8 +155,7 @@ def pipelines(model, kwargs: dict) -> bool:
         isinstance(v, (list, tuple)) and not v)}
     if kwargs.get("draft_model") is None:
         given.discard("num_draft_tokens")  # mlx-lm drops it too
-    return (steps is not None and not steps.pipeline and steps.speculation.mode != "off"
-            and given <= HONOURED)
+    return steps is not None and steps.pipelinable() and given <= HONOURED
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens: int = 256, **kwargs):

@@ -100,14 +100,30 @@ def decoding(shape) -> bool:
 
 
 @dataclass
+class StepRecord:
+    """What one layer's speculative call leaves for the step's check (step.Steps): its
+    router's ids (lazy), and for a pulled call each pair's status and the rows it pulled
+    (:class:`StackedRows` for a stack); a remapped call has neither."""
+
+    layer: "StreamedLayer"
+    ids: object
+    status: object = None
+    arrays: object = None
+
+
+@dataclass
 class StepMode:
     """What the running model call is, for its layers to ask (step.Steps sets it): a
-    speculative step (``speculative``: no layer waits, and each records what the step's check
-    reads into ``records``, or records nothing where ``records`` is None) or not (each layer
-    waits for its router's ids)."""
+    speculative step (no layer waits, and each :meth:`report` s what the step's check reads,
+    kept where the step keeps ``records``) or not (each layer waits for its router's ids)."""
 
     speculative: bool = False
-    records: list | None = None
+    records: list | None = None  # the step's StepRecords; None: the step checks nothing
+
+    def report(self, layer: "StreamedLayer", ids, status=None, arrays=None) -> None:
+        """A layer's speculative call, for the step's check: the layers' one way to the step."""
+        if self.records is not None:
+            self.records.append(StepRecord(layer, ids, status, arrays))
 
 
 @dataclass
@@ -154,7 +170,7 @@ class StreamedLayer:
     def forward(self, module, x, indices):
         session, pool = self.session, self.pool
         if self.mode.speculative:
-            return self._speculative(module, x, indices, self.mode.records)
+            return self._speculative(module, x, indices)
         started = time.perf_counter()
         misses = session.counters["misses"]  # the demand misses of this call earn read-ahead
         nxt = self.next
@@ -176,7 +192,7 @@ class StreamedLayer:
         pool.begin_call()
         unique = distinct(idx)
         if idx.ndim >= 3 and idx.shape[-2] == 1 and idx.size > idx.shape[-1]:  # a batch's
-            session.counters["routed_pairs"] += idx.size  # decode (see Steps._count_union)
+            session.counters["routed_pairs"] += idx.size  # decode (see StepCheck.count_union)
             session.counters["union_experts"] += len(unique)
         if pool.ahead is not None:
             waited = time.perf_counter()
@@ -239,7 +255,7 @@ class StreamedLayer:
                        max(1, pool.rows // 2), self.num_experts, pool.place,
                        pool.computing), None
 
-    def _speculative(self, module, x, indices, records: list | None):
+    def _speculative(self, module, x, indices):
         """No host wait. With a puller, its one primitive assembles the pairs' rows (pool hits
         and arena misses) and mlx-lm's computation runs on them; else ids are remapped on the
         device (not at all in a pool with a row for every expert, each at its own index) and
@@ -260,8 +276,7 @@ class StreamedLayer:
         kind = self._kind(puller)
         if kind == "pulled" and stacked(indices.shape):  # a prompt's, a batch's decode
             out, status, arrays = self._stacked_call(module, x, indices, puller)
-            if records is not None:
-                records.append((self, indices, status, arrays))
+            self.mode.report(self, indices, status, arrays)
             return out
         if kind == "pulled":
             if not puller.traceable:  # the host copy waits for the ids: not a graph
@@ -272,11 +287,9 @@ class StreamedLayer:
                 graph = self._graph(module, "pulled", puller, indices.size)
                 out, status, *arrays = graph(x, indices, *self._inputs("pulled", indices.shape,
                                                                        indices.dtype))
-            if records is not None:
-                records.append((self, indices, status, arrays))
+            self.mode.report(self, indices, status, arrays)
             return out
-        if records is not None:
-            records.append((self, indices, None, None))
+        self.mode.report(self, indices)
         return self._graph(module, kind, None, indices.size)(x, indices,
                                                              *self._inputs(kind))[0]
 
@@ -393,16 +406,14 @@ class StreamedLayer:
 
             entry = self._graphs[key] = (puller, call, mx.compile(call))
         y, indices, *rest = entry[2](x, *self._inputs(kind, *like))
-        records = self.mode.records
-        if records is not None:
-            if not rest:
-                records.append((self, indices, None, None))
-            else:
-                arrays = rest[1:]
-                if kind == "stacked":
-                    arrays = StackedRows(arrays)
-                    arrays.compact = math.prod(indices.shape) < self.num_experts
-                records.append((self, indices, rest[0], arrays))
+        if not rest:
+            self.mode.report(self, indices)
+        else:
+            arrays = rest[1:]
+            if kind == "stacked":
+                arrays = StackedRows(arrays)
+                arrays.compact = math.prod(indices.shape) < self.num_experts
+            self.mode.report(self, indices, rest[0], arrays)
         return y
 
     def _pair_rows(self, shape, dtype):

@@ -17,7 +17,8 @@ from .pool import POOL_BACKINGS, default_backing, default_free, free_memory, mak
 from .predict import check_choice, check_mode, make_guessers
 from .runtime import Runtime
 from .session import Session
-from .step import Steps, check_speculate, guarded
+from .speculation import check_speculate
+from .step import Steps, guarded
 from .switch import StreamedSwitch, expert_segments, guard_block
 
 COPY_AHEAD_MIN_BYTES = 512 * 1024  # see load(copy_ahead_bytes=)

@@ -90,14 +90,9 @@ def _pass(session, layer: int, chunk: np.ndarray, want: np.ndarray, source) -> l
             return None
         kinds = decode_status(np.array(status)[wanted])[2]
         if not lost and not (kinds == ABSENT).any():
-            nbytes = puller.count(layer, len(chunk))
-            # The pull rate: passes that took their rows, less a kernel's first (its
-            # build and compile) and the comparison with the host copy.
-            if puller.warming:
-                puller.warming = False
-            else:
-                puller.counters["pull_s"] += took
-                puller.counters["timed_bytes"] += nbytes
+            # The pull rate: passes that took their rows, less the comparison with the host
+            # copy (and a kernel's first: Puller.timed).
+            puller.timed(took, puller.count(layer, len(chunk)))
             return arrays
         session.counters["retries"] += 1  # evicted between the read and the pull: again
     return None

@@ -3,8 +3,9 @@
 The loader makes the daemon session first (it attaches, and the pools are sized within what
 it leases), then the streamed layers with their pools and guessers, then the steps over them.
 :class:`Runtime` holds them together from then on and is what ``model.expertd_session`` is:
-the model's reports (pool counters, guesses, this client's use of the cache) are its own, and
-what the session does (counters, requests, stats, closing) it answers from the session.
+the model's reports (pool counters, guesses, this client's use of the cache) are its own, and it
+passes on the few things of the session a model's user reads (counters, stats, closing); the
+rest is reached as ``session`` (no attribute is forwarded by name).
 """
 
 from .pool import POOL_COUNTERS
@@ -26,11 +27,51 @@ class Runtime:
         self.guessers = list(guessers)
         self.pools = [layer.pool for layer in self.layers]
 
-    def __getattr__(self, name: str):
-        # Only for names this object lacks: the session's counters, requests and the rest.
-        if name == "session":  # not set yet (a half-built object): no recursion
-            raise AttributeError(name)
-        return getattr(self.session, name)
+    # What a user of the model reads of its daemon session; the rest is ``session``'s own.
+
+    @property
+    def counters(self) -> dict:
+        """The session's counters (see counters.py), the steps' among them."""
+        return self.session.counters
+
+    @property
+    def timing(self) -> dict:
+        return self.session.timing
+
+    @property
+    def manifest(self):
+        return self.session.manifest
+
+    @property
+    def paths(self):
+        return self.session.paths
+
+    @property
+    def puller(self):
+        """The device's or the host's puller, or None (the per-layer host path)."""
+        return self.session.puller
+
+    @property
+    def step_epoch(self):
+        return self.session.step_epoch
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.session.pool_bytes
+
+    def pull_counters(self) -> dict:
+        return self.session.pull_counters()
+
+    def stats(self) -> dict:
+        """The daemon's STATS, as this client sees them."""
+        return self.session.stats()
+
+    def demand_absent(self, layer: int, experts) -> None:
+        self.session.demand_absent(layer, experts)
+
+    def close(self) -> None:
+        """Say goodbye to the daemon (the model computes no more streamed layers)."""
+        self.session.close()
 
     def pool_counters(self) -> dict:
         """The pools' counters summed over the layers."""

@@ -5,14 +5,13 @@ are used as they are. What differs: the model comes from ``expertd.client.load``
 ModelProvider that serves it and refuses any other name), ``/metrics`` is added, errors have
 OpenAI's shape, requests are answered 503 at once while the daemon is gone (the model waits for
 it to come back), and the HTTP server is bound here, so that ``--port 0`` reports the real port
-and SIGTERM closes the session (a goodbye to the daemon). This module is the only one that
-relies on mlx_lm.server's private surface (``ModelProvider._load`` and its attributes,
-``ResponseGenerator``, ``APIHandler``); pyproject.toml pins mlx-lm to the range it was written
-against.
+and SIGTERM closes the session (a goodbye to the daemon). mlx_lm.server's classes, extended,
+are in serve_http.py; this module is the process: binding, loading, signals and shutdown. The
+two are the only ones relying on mlx_lm.server's private surface; pyproject.toml pins mlx-lm to
+the range they were written against.
 """
 
 import argparse
-import dataclasses
 import errno
 import functools
 import ipaddress
@@ -27,35 +26,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from expertd.choices import MLX_SERVER_DEFAULTS
+from expertd.client.serve_auth import authorized, route
 from expertd.client.serve_errors import (
     DaemonWatch,
-    ModelNotServed,
-    RequestRefused,
-    ServerStopping,
-    ShapedErrors,
-    abandon,
-    authorized,
     error_object,
-    route,
-    unsupported,
 )
 from expertd.client.serve_metrics import ServerCounters, render_metrics
 from expertd.client.session import check_served
 from expertd.connection import Connection
-from expertd.errors import DaemonError, DaemonNotRunning, FlagError
+from expertd.errors import DaemonError, FlagError
 from expertd.paths import daemon_paths
 from expertd.protocol import Op
 
 METRICS_STATS_TIMEOUT = 2.0  # seconds a scrape waits for the daemon's STATS
-PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The model waits this long for a restarted daemon; requests meanwhile get 503 at once.
 RECONNECT_TIMEOUT = 24 * 3600.0
-AWAIT_SLICE = 0.1  # how often a request waiting for its tokens checks that the daemon serves
-GENERATION_STOP_TIMEOUT = 3.0  # shutdown waits this long for the generation thread
 STOP_GRACE = 5.0  # shutdown waits this long for requests in flight to send their error
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports a process that SIGINT ended
-# mlx_lm.server's attribute names in its validation messages, by the request's key.
-MLX_PARAMS = {"requested_model": "model", "adapter": "adapters", "max_tokens": "max_tokens"}
 
 
 def model_names(blob_dir: Path) -> tuple[str, set]:
@@ -63,304 +50,6 @@ def model_names(blob_dir: Path) -> tuple[str, set]:
     request may use for it: that id, the path as given or resolved, and "default_model"."""
     name = blob_dir.resolve().name  # "." has no name of its own
     return name, {name, str(blob_dir), str(blob_dir.resolve()), "default_model"}
-
-
-def _server_classes():
-    """mlx_lm.server's classes, extended; built on first use so that importing this module
-    does not import mlx."""
-    from queue import Empty as QueueEmpty
-
-    import mlx_lm.server
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator
-
-    from expertd.client.batch import StreamedBatchGenerator
-    from expertd.client.decode import stream_generate
-
-    # mlx_lm.server builds its batches (one request's, and many's) and runs a request no batch
-    # takes (a seed, a draft model) by these names: a streamed model's steps are then launched
-    # before the last is checked (client/batch.py, client/decode.py). For another model, or
-    # what those loops do not do, they are mlx-lm's own; this process serves only ours.
-    mlx_lm.server.BatchGenerator = StreamedBatchGenerator
-    mlx_lm.server.stream_generate = stream_generate
-
-    class StreamedModelProvider(ModelProvider):
-        """Serves the one model loaded through expertd under its names; never loads another."""
-
-        def __init__(self, cli_args, model, tokenizer, names: set, draft=None):
-            super().__init__(cli_args)
-            self.streamed, self.names, self.draft = (model, tokenizer), names, draft
-
-        def load(self, model_path, adapter_path=None, draft_model_path=None):
-            if model_path not in self.names:
-                raise ModelNotServed(f"model {model_path!r} is not served here; this server "
-                                     f"serves {self.cli_args.model_id!r} (GET /v1/models "
-                                     "lists it)")
-            if adapter_path not in (None, self.cli_args.adapter_path):
-                raise ValueError(f"adapters {adapter_path!r} are not loaded here; start "
-                                 "expertd serve with --adapter-path for them")
-            if draft_model_path not in (None, "default_model", self.cli_args.draft_model):
-                raise ValueError(f"draft model {draft_model_path!r} is not loaded here; "
-                                 "start expertd serve with --draft-model for one")
-            if self.model is None:
-                self._load(model_path)
-            return self.model, self.tokenizer
-
-        def _load(self, model_path, adapter_path=None, draft_model_path=None):
-            model, tokenizer = self.streamed
-            self.model_key = (self.cli_args.model, None, None)
-            self.model, self.tokenizer = model, tokenizer
-            self.processor = None
-            self.draft_model = self.draft
-            self.is_batchable = self.draft is None and all(
-                hasattr(c, "merge") for c in make_prompt_cache(model))
-
-    class CountingResponseGenerator(ResponseGenerator):
-        """mlx-lm's generator, counting requests and tokens on their way to the handler, and
-        giving up on a request whose daemon is gone rather than waiting with the model."""
-
-        def __init__(self, provider, prompt_cache, counters: ServerCounters,
-                     watch: DaemonWatch):
-            self.counters, self.watch = counters, watch
-            self.stopping = threading.Event()  # set at shutdown: requests end with an error
-            self._local = threading.local()  # the handler thread's request: Flight, failure
-            super().__init__(provider, prompt_cache)
-
-        def generate(self, request, generation_args, progress_callback=None):
-            flight = self._local.flight = self.counters.arrived()
-            self._local.failure = None
-            try:
-                ctx, responses = super().generate(request, generation_args, progress_callback)
-            except Exception as exc:
-                self._local.failure = exc
-                self.counters.refused(flight)
-                raise
-            self.counters.admitted(flight, len(ctx.prompt))
-            return ctx, self._counted(ctx, flight, responses, generation_args.stop_words)
-
-        def _counted(self, ctx, flight, responses, stop_words):
-            text = ""
-            for response in responses:
-                flight.last = time.perf_counter()
-                if flight.first is None:
-                    flight.first = flight.last
-                    flight.prompt_computed = len(ctx.prompt) - max(0, ctx.prompt_cache_count)
-                flight.tokens += 1
-                if stop_words and response.finish_reason != "stop":
-                    # mlx_lm.server stops only where the tokens spell a stop word, and strips
-                    # the word from the text elsewhere but keeps generating: as OpenAI does,
-                    # the text's first stop word ends the request, its text kept up to the
-                    # word. This token goes out with its text before the word and no finish
-                    # reason (the handler's default is "stop"; a "stop" response's own text
-                    # is dropped); what earlier tokens sent of a word they began stays sent.
-                    sent = len(text)
-                    text += response.text
-                    cut = min((at for at in (text.find(w) for w in stop_words) if at >= 0),
-                              default=-1)
-                    if cut >= 0:
-                        ctx.stop()
-                        yield dataclasses.replace(response, text=text[sent:max(sent, cut)],
-                                                  finish_reason=None)
-                        return
-                yield response
-
-        def failure(self) -> Exception | None:
-            """What this thread's last generate() raised."""
-            return getattr(self._local, "failure", None)
-
-        def settle(self) -> None:
-            """Count this thread's request as ended (the handler's last word on it)."""
-            flight, self._local.flight = getattr(self._local, "flight", None), None
-            if flight is not None:
-                self.counters.settle(flight)
-
-        def _await_response(self, response_queue):
-            # mlx-lm's wait, which also gives up once the daemon is gone: the model, waiting
-            # for the daemon to come back, would not answer until then.
-            while True:
-                if self.stopping.is_set():
-                    abandon(response_queue, lambda: self.counters.add(abandoned=1))
-                    raise ServerStopping("expertd serve is shutting down (Ctrl-C or SIGTERM); "
-                                         "this request was not finished")
-                try:
-                    return response_queue.get(timeout=AWAIT_SLICE)
-                except QueueEmpty:
-                    if not self.generation_available():
-                        raise RuntimeError("generation thread died") from None
-                    if not self.watch.serving():
-                        abandon(response_queue, lambda: self.counters.add(abandoned=1))
-                        raise DaemonNotRunning(self.watch.refusal()) from None
-
-        def stop_and_join(self):
-            # Bounded: the generation thread may be waiting for a daemon that is gone.
-            self._stop = True
-            self._generation_thread.join(GENERATION_STOP_TIMEOUT)
-
-    class ExpertdHandler(APIHandler):
-        """mlx-lm's handler; /v1/models lists the streamed model, /metrics is added, errors
-        are OpenAI-shaped, and nothing waits for a daemon that is gone."""
-
-        def setup(self):
-            super().setup()
-            self.wfile = ShapedErrors(self.wfile)
-
-        def _set_completion_headers(self, status_code: int = 200):
-            code = None
-            if status_code == 404:  # mlx-lm's answer to whatever generate() raised
-                failure = self.response_generator.failure()
-                if isinstance(failure, DaemonNotRunning):
-                    status_code = 503
-                    self.server.counters.add(daemon_refusals=1)
-                elif isinstance(failure, ModelNotServed):
-                    code, self._param = "model_not_found", "model"
-            self._error = ((status_code, code, getattr(self, "_param", None))
-                           if status_code >= 400 else None)
-            super()._set_completion_headers(status_code)
-
-        def end_headers(self):
-            super().end_headers()
-            # mlx-lm writes an error's body right after its headers.
-            self.wfile.pending, self._error = getattr(self, "_error", None), None
-
-        def validate_model_parameters(self):
-            """mlx-lm's checks, then what mlx_lm.server 0.32 gets wrong, refused in OpenAI's
-            shape with the parameter named: more than one choice, messages that are not a
-            list of objects, a prompt that is not text. A request naming no model is answered
-            with the served model's id (not "default_model")."""
-            self._param = None
-            try:
-                super().validate_model_parameters()
-                self._check_body()
-            except RequestRefused as exc:
-                self._param = exc.param
-                raise
-            except ValueError as exc:  # mlx-lm's: "<attribute> must be ..."
-                name = str(exc).split(" ", 1)[0]
-                self._param = MLX_PARAMS.get(name, name if name in self.body else None)
-                if self._param and self._param != name:  # said with the request's own key
-                    raise ValueError(self._param + str(exc)[len(name):]) from None
-                raise
-            if self.body.get("model", "default_model") == "default_model" and \
-                    not self.response_generator.cli_args.pipeline:
-                # (A pipeline's ranks know the model as "default_model": each stage has its
-                # own directory's name.)
-                self.requested_model = self.response_generator.cli_args.model_id
-
-        def _check_body(self):
-            body = self.body
-            n = body.get("n", 1)
-            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n != 1):
-                raise RequestRefused("n", f"n must be 1 here, not {n!r}: this server returns "
-                                     "one choice a request (send the request again for more)")
-            stop = body.get("stop")
-            if stop is not None and not ((isinstance(stop, str) and stop) or (
-                    isinstance(stop, list) and all(isinstance(w, str) and w for w in stop))):
-                raise RequestRefused("stop", "stop must be a non-empty string or a list of "
-                                     "non-empty strings")
-            if self.path.endswith("/chat/completions"):
-                messages = body.get("messages")
-                if not (isinstance(messages, list) and messages
-                        and all(isinstance(m, dict) and "role" in m for m in messages)):
-                    raise RequestRefused("messages", "messages must be a non-empty list of "
-                                         "objects, each with a role and its content")
-            elif not isinstance(body.get("prompt"), str) or not body["prompt"]:
-                # (mlx-lm's batch raised on an empty one, on its generation thread, which then
-                # died for every request)
-                raise RequestRefused("prompt", "prompt must be a non-empty string")
-            refused = unsupported(body, self.path.endswith("/chat/completions"))
-            if refused is not None:  # what it would otherwise ignore
-                raise refused
-
-        def handle_completion(self, request, stop_words):
-            if not self.server.daemon_serves():
-                self.server.counters.add(daemon_refusals=1)
-                self._send_error(503, self.server.refusal())
-                return
-            try:
-                super().handle_completion(request, stop_words)
-            except DaemonNotRunning as exc:  # gone while this request waited for tokens
-                self.server.counters.add(daemon_refusals=1)
-                self._fail_midway(503, str(exc))
-            except ServerStopping as exc:
-                self._fail_midway(503, str(exc), "server_shutting_down")
-            except ConnectionError:
-                raise  # the client hung up: ExpertdHTTPServer.handle_error counts it
-            except Exception as exc:  # generation failed once the request was taken
-                logging.error("expertd serve: generation failed: %s", exc)
-                self._fail_midway(500, f"generation failed: {exc}")
-            finally:
-                self.response_generator.settle()
-
-        def _fail_midway(self, status: int, message: str, code: str | None = None) -> None:
-            if self.stream:  # the 200 is sent: end the stream with an error event
-                body = json.dumps(error_object(status, message, code))
-                self.wfile.write(f"data: {body}\n\n".encode())
-                self.wfile.flush()
-            else:
-                self._headers_buffer = []  # the 200 that mlx-lm queued is not sent yet
-                self._send_error(status, message, code)
-
-        def handle_health_check(self):
-            if self.server.daemon_serves():
-                super().handle_health_check()
-            else:
-                body = {"status": "unavailable", **error_object(503, self.server.refusal())}
-                self._send(503, "application/json", json.dumps(body).encode())
-
-        def do_POST(self):
-            if authorized(self, self.server.api_key, self._set_cors_headers):
-                super().do_POST()
-
-        def do_GET(self):
-            if not authorized(self, self.server.api_key, self._set_cors_headers):
-                return
-            path = route(self)
-            if path == "/metrics":
-                self._send(200, PROMETHEUS_TYPE, self.server.metrics().encode())
-            elif path == "/v1/models" or path.startswith("/v1/models/"):
-                self._models(path)
-            elif path == "/health":
-                self.handle_health_check()
-            else:  # never mlx_lm.server's own GET: it lists a Hugging Face cache's models
-                self._send_error(404, f"no such endpoint: GET {path}", "not_found")
-
-        def do_HEAD(self):
-            """/health's status alone (a load balancer's probe); other paths: 405."""
-            if not authorized(self, self.server.api_key, self._set_cors_headers):
-                return
-            ok = route(self) == "/health"
-            self.send_response((200 if self.server.daemon_serves() else 503) if ok else 405)
-            self._set_cors_headers()
-            self.end_headers()
-
-        def _models(self, path: str):
-            name = self.response_generator.cli_args.model_id
-            entry = {"id": name, "object": "model", "created": self.server.created,
-                     "owned_by": "expertd"}
-            wanted = path[len("/v1/models/"):]
-            if not wanted:
-                body = {"object": "list", "data": [entry]}
-            elif wanted in self.server.names:
-                body = entry
-            else:
-                self._send_error(404, f"model {wanted!r} is not served here; this server "
-                                 f"serves {name!r}", "model_not_found")
-                return
-            self._send(200, "application/json", json.dumps(body).encode())
-
-        def _send_error(self, status: int, message: str, code: str | None = None) -> None:
-            body = json.dumps(error_object(status, message, code)).encode()
-            self._send(status, "application/json", body)
-
-        def _send(self, status: int, content_type: str, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self._set_cors_headers()
-            self.end_headers()
-            self.wfile.write(body)
-
-    return StreamedModelProvider, CountingResponseGenerator, ExpertdHandler
 
 
 class ExpertdHTTPServer(ThreadingHTTPServer):
@@ -406,7 +95,7 @@ class ExpertdHTTPServer(ThreadingHTTPServer):
 
     def _stuck(self) -> bool:
         """The session's daemon holds its lock but does not answer (Session.unanswered)."""
-        return self.session is not None and self.session.unanswered()
+        return self.session is not None and self.session.session.unanswered()
 
     def handle_error(self, request, client_address):
         # A client that hangs up before its reply is written is no error of the server's.
@@ -527,7 +216,7 @@ def serve(blob_dir, host: str = "127.0.0.1", port: int = 8080, prefetch: str = "
         pool_gb: the client's expert pools (see ``expertd.client.load``).
         speculate: one host wait per decode step (see ``expertd.client.load``).
         api_key: the key every request but /health must bear (``Authorization: Bearer
-            KEY``; serve_errors.read_api_key), or None: whoever reaches the port may use it.
+            KEY``; serve_auth.read_api_key), or None: whoever reaches the port may use it.
         options: mlx_lm.server settings by their argparse names (``temp``, ``max_tokens``,
             ``chat_template``, ...); the rest keep mlx_lm.server's defaults.
         out: where the "listening" line goes.
@@ -666,13 +355,14 @@ def _serve_loaded(httpd, loading, listen, session, model, tokenizer, draft, cli_
         tokenizer.has_chat_template = True
     elif cli_args.use_default_chat_template and tokenizer.chat_template is None:
         tokenizer.chat_template = tokenizer.default_chat_template
-    provider_class, generator_class, handler_class = _server_classes()
-    provider = provider_class(cli_args, model, tokenizer, names,
-                              draft[0] if draft is not None else None)
+    from expertd.client import serve_http  # mlx_lm.server's classes, extended
+
+    provider = serve_http.StreamedModelProvider(cli_args, model, tokenizer, names,
+                                                draft[0] if draft is not None else None)
     counters, watch = ServerCounters(), DaemonWatch(session.paths)
     fingerprint = get_system_fingerprint()
-    generator = generator_class(provider, LRUPromptCache(cli_args.prompt_cache_size),
-                                counters, watch)
+    generator = serve_http.CountingResponseGenerator(
+        provider, LRUPromptCache(cli_args.prompt_cache_size), counters, watch)
     distributed = pipeline_group is not None
     if distributed:
         # Every rank's generation thread shares the requests with the others (mlx-lm does),
@@ -689,11 +379,11 @@ def _serve_loaded(httpd, loading, listen, session, model, tokenizer, draft, cli_
         if httpd is None:  # a pipeline's rank 0: listens once every rank has loaded
             httpd = listen()
         _stop_loading(httpd, loading)
-        httpd.ready(lambda *a, **k: handler_class(generator, *a, system_fingerprint=fingerprint,
-                                                  **k),
+        httpd.ready(lambda *a, **k: serve_http.ExpertdHandler(
+            generator, *a, system_fingerprint=fingerprint, **k),
                     session=session, counters=counters, names=names, watch=watch)
         print(f"expertd serve: {name} on {_url(httpd)}/v1 (blob dir {session.paths.blob_dir}, "
-              f"daemon pid {session.daemon_pid}); {_access(httpd)}; stop with Ctrl-C",
+              f"daemon pid {session.session.daemon_pid}); {_access(httpd)}; stop with Ctrl-C",
               file=out, flush=True)
         if distributed:
             httpd.serve_forever()  # until a signal ends the process

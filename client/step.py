@@ -32,185 +32,23 @@ sequence's: one wait, the union of the experts its sequences route to pulled onc
 
 import logging
 import math
-import statistics
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
-from expertd.choices import SPECULATE_MODES
-
 from .counters import REPLAY_CAUSES
-from .layer import DECODE_IDS, StackedRows, StepMode
+from .layer import DECODE_IDS, StepMode
 from .pool import free_memory
-from .predict import check_choice
-from .pull import ABSENT, PULLED, decode_status
+from .speculation import Drains, Speculation
+from .step_check import Findings, StepCheck
 from .switch import fronted
 
-WINDOW = 16  # speculative steps per verdict
-MAX_REPLAYS = 4  # replays in a window above which auto stops speculating (a replay costs a
-# step, a speculative hit saves one wait per MoE layer, about a layer's compute on a GPU)
-RETRY_AFTER = 32  # steps a stopped session first waits before it speculates again; the wait
-MAX_RETRY_AFTER = 1024  # doubles each time it stops again, up to this, and resets on a good window
 PROMPT_RETRY = 8  # prompts that wait per layer after one that could not speculate ran so
 
-
-def check_speculate(mode: str) -> str:
-    return check_choice("speculate", mode, SPECULATE_MODES)
-
-
 log = logging.getLogger("expertd")
-MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is judged by cost
-PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
-# (with the host copy; a device puller's waits per layer once a step was replayed)
-TIMED_STEPS = 5  # the latest step times of each kind whose median the verdict weighs
 BATCH_FIT_EVERY = 256  # steps after which a batch's stacks are weighed against free memory again
-DRAIN_EVERY = 8  # one step in this many is drained (pipelined loop), while drains promote
-MAX_DRAIN_EVERY = 64  # the most, reached by doubling after each drain that promoted nothing
-
-
-@dataclass
-class Speculation:
-    """Whether steps should speculate (pure logic): auto stops when replays are frequent, or
-    when they cost more than the waits speculation saves, judged from measured times: a
-    speculative step costs ``spec_s`` and, replayed, a per-layer step ``layer_s`` more; a
-    per-layer step costs ``layer_s``. Speculating pays while ``spec_s + rate * layer_s <
-    layer_s``. On a backend where the per-layer waits cost little (a CPU), that rate is low.
-
-    Each cost is the median of the latest TIMED_STEPS steps of its kind, so that one slow step
-    (the first, which compiles the device's kernels: hundreds of milliseconds on CUDA) decides
-    nothing; and a restart after a stop measures its speculative steps afresh."""
-
-    mode: str = "auto"
-    active: bool = True
-    window_steps: int = 0
-    window_replays: int = 0
-    idle_steps: int = 0
-    retry_after: int = RETRY_AFTER
-    stopped: int = 0  # times auto stopped speculating
-    stopped_by_cost: int = 0  # of ``stopped``, times the measured costs decided
-    _spec: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
-    _layer: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
-
-    @property
-    def spec_s(self) -> float:
-        """A speculative decode step's seconds (its one wait included): the median of the
-        latest measured, 0 while none is."""
-        return statistics.median(self._spec) if self._spec else 0.0
-
-    @property
-    def layer_s(self) -> float:
-        """A per-layer decode step's seconds, as :attr:`spec_s`."""
-        return statistics.median(self._layer) if self._layer else 0.0
-
-    def timed(self, speculative: bool, seconds: float) -> None:
-        """A decode step's seconds: speculative (its one wait included), or per layer."""
-        (self._spec if speculative else self._layer).append(seconds)
-
-    def pays(self) -> bool:
-        """Speculating at this window's replay rate costs less than waiting per layer (True
-        while either cost is unmeasured)."""
-        if not (self.spec_s and self.layer_s) or self.window_steps < MIN_WINDOW:
-            return True
-        rate = self.window_replays / self.window_steps
-        return self.spec_s + rate * self.layer_s < self.layer_s
-
-    def __post_init__(self):
-        self.active = check_speculate(self.mode) != "off"
-
-    def wanted(self, device: bool = False) -> bool:
-        """Whether the next decode step speculates. With the host copy (``device`` False) one
-        step of a window waits per layer, once, to time what speculating is weighed against:
-        a speculative step may cost what such a step does (both copy and compute on the
-        host), which stops auto without any replay. A ``device`` puller's speculative step
-        never costs that much, so the cost matters only once a step was replayed: the step
-        after it waits per layer (in the pipelined loop, the replay's own run; elsewhere the
-        replay itself ran per layer and timed it), and a session never replayed waits once a
-        step."""
-        if self._probe_due(device):
-            return False  # one step waiting per layer: what speculating is weighed against
-        if self.mode != "auto" or self.active:
-            return self.active
-        self.idle_steps += 1
-        if self.idle_steps >= self.retry_after:
-            self.active, self.idle_steps = True, 0
-            self._spec.clear()  # measured afresh: what stopped it may have passed
-        return self.active
-
-    def _probe_due(self, device: bool) -> bool:
-        if self.mode != "auto" or not self.active or not self.spec_s or self.layer_s:
-            return False
-        return self.window_replays > 0 if device else self.window_steps == PROBE_AT
-
-    def record(self, replayed: bool) -> None:
-        self.window_steps += 1
-        self.window_replays += replayed
-        # Weighed on a replay, and at a window's end. A speculative step that costs as much as
-        # waiting per layer (a CPU, where both cost compute) does not pay even without
-        # replays: that is known once MIN_WINDOW steps are measured, and stops it then.
-        level = self.window_steps >= MIN_WINDOW and self.spec_s >= self.layer_s > 0
-        costly = (replayed or level or self.window_steps >= WINDOW) and not self.pays()
-        if (self.window_replays > MAX_REPLAYS or costly) and self.mode == "auto":
-            self.stopped_by_cost += costly and self.window_replays <= MAX_REPLAYS
-            if self.stopped:
-                self.retry_after = min(2 * self.retry_after, MAX_RETRY_AFTER)
-            self.active = False
-            self.stopped += 1
-        elif self.window_steps >= WINDOW:
-            self.retry_after = RETRY_AFTER  # a window that paid: a later stop waits little
-        if self.window_steps >= WINDOW or not self.active:
-            self.window_steps = self.window_replays = 0
-
-
-@dataclass
-class Drains:
-    """When expertd's pipelined loop (client/decode.py) drains: checks a step with nothing else
-    in flight, so that the experts its pulls keep bringing are promoted into the pools (a
-    promotion must not rewrite a pool that a step in flight reads). A drain costs the device an
-    idle spell (the host's bookkeeping, then the next step's build), so one that promoted
-    nothing doubles the interval, up to MAX_DRAIN_EVERY; one that promoted brings it back to
-    DRAIN_EVERY. A pulled step checked by :meth:`Steps.run` (a replay, a prompt's last token)
-    has nothing in flight either, so it counts as a drain. Pure logic."""
-
-    every: int = DRAIN_EVERY
-    pipelined: int = 0  # steps settled with another in flight since the last drain
-
-    def due(self) -> bool:
-        """The step to settle next should be drained."""
-        return self.pipelined + 1 >= self.every
-
-    def drained(self, promoted: int) -> None:
-        self.pipelined = 0
-        self.every = DRAIN_EVERY if promoted else min(2 * self.every, MAX_DRAIN_EVERY)
-
-
-def _parts(records: list) -> list:
-    """``(record, slice)`` per record: where its ids (``record[1]``) sit when the records'
-    are concatenated in order."""
-    out, at = [], 0
-    for record in records:
-        out.append((record, slice(at, at + record[1].size)))
-        at += record[1].size
-    return out
-
-
-def _first_only(experts: np.ndarray) -> np.ndarray:
-    """``experts`` with each one's later pairs -1 (none pulled)."""
-    out = np.full_like(experts, -1)
-    _, first = np.unique(experts, return_index=True)
-    out[first] = experts[first]
-    return out
-
-
-def _rows(arrays: list) -> np.ndarray:
-    """1-D arrays as the rows of one, each padded with -1 to the longest (a batch's steps
-    differ in length where sequences joined or left between them)."""
-    out = np.full((len(arrays), max(len(a) for a in arrays)), -1, np.int64)
-    for row, a in zip(out, arrays):
-        row[:len(a)] = a
-    return out
 
 
 def token_shape(inputs, kwargs: dict) -> tuple:
@@ -254,23 +92,11 @@ def replayable(cache, tokens: int) -> bool:
 
 
 @dataclass
-class Findings:
-    """What a step's check found beside its cause: what a replay acts on (the (layer,
-    experts) the arena lacked, demanded once nothing in flight holds rows; the layer whose
-    pull differed from the host copy, whose puller is dropped), and what it promoted (a
-    drain's promotions set the next drain's interval)."""
-
-    absent: list = field(default_factory=list)
-    drifted: int | None = None
-    promoted: int = 0  # experts the check promoted into the pools (a drain's)
-
-
-@dataclass
 class Launched:
     """A decode step built and computing, its check still to come (:meth:`Steps.launch`)."""
 
     logits: object
-    records: list | None  # (layer, ids, status, arrays) to check; None: nothing to check
+    records: list | None  # the layers' StepRecords to check; None: nothing to check
     flat: list  # the lazy ids / statuses the check reads
     launched: int | None  # the epoch record's step when launched (None: no device pulls)
     sequences: int = 1  # the step's sequences (tokens: a decode step is one a sequence)
@@ -316,8 +142,7 @@ class Steps:
         self.pipeline = pipeline
         self._settled = None  # when the last pipelined step was checked, another in flight
         self._planned = None  # plan()'s decision for the next launch
-        # layer index -> (layer, [(rows, experts)] of its pulled steps not yet counted)
-        self._deferred: dict = {}
+        self.checks = StepCheck(session)
         self._top_k = session.manifest.top_k
         self.drains = Drains()
         # Prompts speculate: None where the puller pulls on the device (the host copy waits
@@ -336,6 +161,17 @@ class Steps:
     def new_generation(self) -> None:
         """A generation starts (client/decode.py): its experts are new, so it drains often."""
         self.drains = Drains()
+
+    def pipelinable(self) -> bool:
+        """A loop may launch these steps before checking the last (:meth:`launch`): not on a
+        pipeline rank, and speculation not off."""
+        return not self.pipeline and self.speculation.mode != "off"
+
+    def drain_due(self, step: Launched) -> bool:
+        """``step`` should be checked with nothing else in flight (see
+        speculation.Drains): a step that pulled nothing (no puller: none to promote) never
+        is."""
+        return step.launched is not None and self.drains.due()
 
     def hold(self, holder) -> None:
         """``holder`` (client/batch.py's batch) has a launched step in flight that it settles
@@ -360,7 +196,7 @@ class Steps:
         # A step starts attached: after a daemon's death or a failed or interrupted wait for
         # it, the session attaches again here (or raises DaemonNotRunning), before any layer.
         self.session.check_alive()
-        self.flush()  # the pools may change during this step: count what waited first
+        self.checks.flush()  # the pools may change during this step: count what waited first
         counters = self.session.counters
         counters["steps"] += 1
         if self._unchecked():
@@ -447,7 +283,7 @@ class Steps:
         if self._prompts_waiting:
             self._prompts_waiting -= 1
             return False
-        if not puller.counters["timed_bytes"]:
+        if not puller.rate_known:
             return False
         if any(puller.unverified(layer.index) for layer in self.layers):
             return False
@@ -476,7 +312,7 @@ class Steps:
         cache = kwargs.get("cache", args[0] if args else None)
         planned, self._planned = self._planned, None
         if not (self.plan(inputs, cache) if planned is None else planned):
-            self.flush()
+            self.checks.flush()
             return Launched(self._per_layer(forward, inputs, args, kwargs), None, [], None,
                             sequences)
         epoch = self.session.step_epoch if self.session.puller is not None else None
@@ -570,7 +406,7 @@ class Steps:
         if epoch is not None and epoch.inside:
             mx.synchronize()
             epoch.end()
-        self.flush()
+        self.checks.flush()
 
     def _per_layer(self, forward, inputs, args: tuple, kwargs: dict):
         """A decode step waiting in every MoE layer, timed for the speculation's verdict (its
@@ -583,7 +419,7 @@ class Steps:
 
     def _speculative_step(self, forward, inputs, args: tuple, kwargs: dict) -> tuple:
         """One step without waits: ``(logits, cause, found)``; ``cause`` is None, or why the
-        step must be replayed (see :meth:`_check`), ``found`` its :class:`Findings`."""
+        step must be replayed (see StepCheck.check), ``found`` its Findings."""
         session = self.session
         epoch = session.step_epoch if session.puller is not None else None
         if epoch is not None:
@@ -604,7 +440,7 @@ class Steps:
                 lost = epoch.end()  # every read of the step is done
         waited = time.perf_counter()
         cause, found = self._book(records, flat, lost,
-                                  any(status is not None for _, _, status, _ in records))
+                                  any(r.status is not None for r in records))
         timing = session.timing
         timing["step_build_s"] += built - started
         timing["step_wait_s"] += waited - built
@@ -613,7 +449,7 @@ class Steps:
 
     def _book(self, records: list, flat: list, lost: bool, pulled: bool,
               promote: bool = True) -> tuple:
-        """A waited-for speculative step counted and checked (see :meth:`_check`; ``lost``:
+        """A waited-for speculative step counted and checked (see StepCheck.check; ``lost``:
         its epoch was revoked): ``(cause, found)``. A good step that ``pulled`` moves
         :attr:`drains` on: checked with another step in flight (not ``promote``), a
         pipelined one; with nothing in flight, a drain."""
@@ -622,7 +458,7 @@ class Steps:
         counters["speculative_steps"] += 1
         counters["pulled_steps"] += pulled
         found = Findings()
-        cause = "epoch" if lost else self._check(records, found, *(np.array(f) for f in flat),
+        cause = "epoch" if lost else self.checks.check(records, found, *(np.array(f) for f in flat),
                                                  promote=promote)
         if cause is None and pulled:
             if promote:
@@ -648,9 +484,9 @@ class Steps:
     @staticmethod
     def _flat(records: list) -> list:
         """What a step's check reads, lazy: the plain layers' ids, then the pulled ones'
-        statuses, each concatenated (see :meth:`_check`)."""
-        ids = [idx.reshape(-1) for _, idx, status, _ in records if status is None]
-        statuses = [status for _, _, status, _ in records if status is not None]
+        statuses, each concatenated (see StepCheck.check)."""
+        ids = [r.ids.reshape(-1) for r in records if r.status is None]
+        statuses = [r.status for r in records if r.status is not None]
         return [mx.concatenate(part) for part in (ids, statuses) if part]
 
     def _count_replay(self, cause: str) -> None:
@@ -677,15 +513,6 @@ class Steps:
         counters["steps"] -= 1
         counters["decode_tokens"] -= step.sequences
         counters["batch_steps"] -= step.sequences > 1
-
-    def _count_union(self, parts: list, experts: list) -> None:
-        """A checked step of several sequences: the pairs its layers routed, and the distinct
-        experts among them (``experts``: each layer's, in ``parts``' order), whose ratio says
-        how much a batch's pulls are shared."""
-        counters = self.session.counters
-        for (_, part), used in zip(parts, experts):
-            counters["routed_pairs"] += part.stop - part.start
-            counters["union_experts"] += len(np.unique(used[used >= 0]))
 
     def _speculate(self, shape: tuple, cache, depth: int = 1) -> bool:
         """A decode step of tokens ``shape`` (see :func:`token_shape`) speculates (a batch's,
@@ -714,72 +541,3 @@ class Steps:
                         for layer in self.layers)
             fits = self._fits[pairs] = stacks_fit(stack, free_memory())
         return fits
-
-    def _check(self, records: list, found: Findings, *flat: np.ndarray,
-               promote: bool = True) -> str | None:
-        """Why the speculative step must be replayed ("pool": an id missed its pool without a
-        puller; "absent": a pulled expert had no ready row in the arena; "device": a pull
-        differed from the host copy), what the replay acts on in ``found``, or None after the
-        host's bookkeeping of the step (pool use counts, promotions, reports to the daemon).
-        Without ``promote`` (a pipelined step, another in flight) the pulled layers' counting
-        waits in ``_deferred`` for the next step that promotes (:meth:`flush`): the pools do not
-        change in between, so counting then decides what counting now would, but for the
-        order of the uses' decays against the counts (ExpertPool.count_steps)."""
-        # Each layer's part of the concatenated ids / statuses (see _flat), in record order.
-        plain = _parts([r for r in records if r[2] is None])
-        pulled = _parts([r for r in records if r[2] is not None])
-        flat = list(flat)
-        ids = flat.pop(0) if plain else None
-        for (layer, _, _, _), part in plain:
-            if (layer.pool.row_of[ids[part]] < 0).any():
-                return "pool"  # the replay does the bookkeeping, on the per-layer path
-        if pulled:
-            rows, experts, kinds = decode_status(flat.pop(0))  # every pulled layer at once
-            if (kinds == ABSENT).any():
-                for (layer, _, _, _), part in pulled:
-                    lacked = experts[part][kinds[part] == ABSENT]
-                    if lacked.size:
-                        found.absent.append((layer, np.unique(lacked).astype(np.int32)))
-                return "absent"
-            found.drifted = self._drifted(pulled, kinds)
-            if found.drifted is not None:
-                return "device"
-        shape = records[0][1].shape if records else ()
-        if len(shape) >= 3 and shape[-2] == 1 and math.prod(shape[:-2]) > 1:  # a batch's decode
-            self._count_union(plain, [ids[part] for _, part in plain])
-            self._count_union(pulled, [np.where(rows[part] >= 0,
-                                                layer.pool.expert_of[np.maximum(rows[part], 0)],
-                                                experts[part])
-                                       for (layer, _, _, _), part in pulled])
-        for (layer, _, _, _), part in plain:
-            layer.after_speculation(ids[part])
-        if pulled and promote:
-            self.flush()
-        for (layer, _, _, arrays), part in pulled:
-            if promote:
-                found.promoted += layer.after_pull(rows[part], experts[part], arrays)
-            else:  # a stack pulled each expert once: its other pairs count as none
-                self._deferred.setdefault(layer.index, (layer, []))[1].append(
-                    (rows[part], _first_only(experts[part]) if isinstance(arrays, StackedRows)
-                     else experts[part]))
-        return None
-
-    def _drifted(self, pulled: list, kinds: np.ndarray) -> int | None:
-        """The layer whose pull differed from the host copy, of those whose pulls are still
-        compared with it (Metal's: pull.verify_pull): the step's logits are wrong. None if
-        none did. A layer whose pull with rows from the arena agreed is compared no more.
-        (The step's epoch held: a revoked one is replayed before this is asked.)"""
-        puller = self.session.puller
-        if puller is None or not puller.verify_first:
-            return None
-        for (layer, ids, status, arrays), part in pulled:
-            if (kinds[part] == PULLED).any() and puller.differs(layer.index, ids, layer.pool,
-                                                                arrays, status):
-                return layer.index
-        return None
-
-    def flush(self) -> None:
-        """Count the pulled steps whose bookkeeping waited (see :meth:`_check`)."""
-        deferred, self._deferred = self._deferred, {}
-        for layer, steps in deferred.values():
-            layer.after_pulled_steps(_rows([r for r, _ in steps]), _rows([e for _, e in steps]))

@@ -241,7 +241,7 @@ def parity_client(args) -> dict:
     runs = compare_runs(resident, streamed, tokenizer.vocab_size)
     session = streamed.expertd_session
     result = dict(implementation=native.IMPLEMENTATION, runs=runs,
-                  counters=session.all_counters(), max_group=session.max_group,
+                  counters=session.all_counters(), max_group=session.session.max_group,
                   prediction=session.prediction())
     session.close()
     return result

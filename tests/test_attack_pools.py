@@ -257,7 +257,7 @@ def test_daemon_killed_mid_decode_small_pool(qwen, isolated_env, tmp_path, backi
                     # A lazy step built before the kill, evaluated after the restart.
                     pending = (model(x, cache=cs), resident(x, cache=cr))
                     first.kill()
-                    wait_until(lambda: session._heartbeat.lost, 10.0, "the death noticed")
+                    wait_until(lambda: session.session._heartbeat.lost, 10.0, "the death noticed")
                     dead = first
                     first = client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY, "b.json")
                     dead.close()

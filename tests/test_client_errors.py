@@ -24,5 +24,5 @@ def test_load_refuses_a_daemon_serving_another_version_of_the_directory(blob_dir
 def test_load_works_with_the_directory_the_daemon_serves(blobs, isolated_env):
     with InProcessDaemon(blobs, "--cache-gb", SMALL_CACHE_GB):
         model, _ = load(blobs)
-        assert model.expertd_session.hello["manifest"] == model.expertd_session.manifest.digest
+        assert model.expertd_session.session.hello["manifest"] == model.expertd_session.manifest.digest
         model.expertd_session.close()

@@ -142,7 +142,7 @@ def test_restarted_daemon_with_another_cache_size(qwen, isolated_env, tmp_path, 
         assert mx.array_equal(a, b).item()
         daemon.kill()
         # Every expert may be a hit in the dead daemon's arena; the client must notice anyway.
-        wait_until(lambda: streamed.expertd_session._heartbeat.lost, 10.0, "the death noticed")
+        wait_until(lambda: streamed.expertd_session.session._heartbeat.lost, 10.0, "the death noticed")
         dead, daemon = daemon, client_daemon(blob_dir, isolated_env, tmp_path, rows[1])
         dead.close()
         for step in range(6):
@@ -197,7 +197,7 @@ def test_calls_after_a_reconnect_gave_up_attach_again_once_the_daemon_is_back(
         streamed, _ = load(blob_dir, reconnect_timeout=0.05)
         session = streamed.expertd_session
         same_as_resident(resident, streamed, prompt, steps=1)
-        killed_and_noticed(daemon, session)
+        killed_and_noticed(daemon, session.session)
         for _ in range(3):  # each call starts from the state the previous failure left
             with pytest.raises(DaemonNotRunning) as failed:
                 same_as_resident(resident, streamed, prompt, steps=1)
@@ -229,11 +229,11 @@ def test_a_call_after_an_interrupted_reconnect_attaches_again(qwen, isolated_env
         streamed, _ = load(blob_dir, reconnect_timeout=120.0)
         session = streamed.expertd_session
         same_as_resident(resident, streamed, prompt, steps=1)
-        killed_and_noticed(daemon, session)
+        killed_and_noticed(daemon, session.session)
 
         def interrupt_the_wait():
             # The session detaches as its wait for the daemon begins.
-            wait_until(lambda: session.view is None, 60.0, "the wait for the daemon")
+            wait_until(lambda: session.session.view is None, 60.0, "the wait for the daemon")
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
         interrupter = threading.Thread(target=interrupt_the_wait)
@@ -270,7 +270,7 @@ def test_a_daemon_gone_between_its_hello_and_the_arena_map_is_waited_through(
         streamed, _ = load(blob_dir, reconnect_timeout=120.0)
         session = streamed.expertd_session
         same_as_resident(resident, streamed, prompt, steps=1)
-        killed_and_noticed(daemons[0], session)
+        killed_and_noticed(daemons[0], session.session)
         daemons[0].close()
         daemons.append(client_daemon(blob_dir, isolated_env, tmp_path, ROWS_TINY))
         hello, raced = Requester.hello, []
@@ -286,8 +286,8 @@ def test_a_daemon_gone_between_its_hello_and_the_arena_map_is_waited_through(
 
         monkeypatch.setattr(Requester, "hello", hello_then_gone)
         same_as_resident(resident, streamed, prompt)
-        assert raced and session.hello["arena"] != raced[0]
-        assert session.hello["pid"] == daemons[-1].pid
+        assert raced and session.session.hello["arena"] != raced[0]
+        assert session.session.hello["pid"] == daemons[-1].pid
         session.close()
     finally:
         with ExitStack() as stack:  # every daemon is stopped, even if one's close fails

@@ -18,8 +18,8 @@ from test_step import resident_model
 
 from expertd import native
 from expertd.client import load
+from expertd.client.arena_view import StepEpoch
 from expertd.client.decode import pipelined_step, pipelines, stream_generate
-from expertd.client.pull import StepEpoch
 from expertd.shm.layout import EPOCH_DTYPE
 
 TOKENS = 24
@@ -254,7 +254,7 @@ def test_a_puller_dropped_at_a_drain_leaves_the_loop_pipelining(models, isolated
     was due when the puller went stayed due for good: every later step waited for the one
     before, the device idle while the host built.) Each generation starts draining at the
     shortest interval."""
-    from expertd.client.step import DRAIN_EVERY, MAX_DRAIN_EVERY, Drains
+    from expertd.client.speculation import DRAIN_EVERY, MAX_DRAIN_EVERY, Drains
 
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     ids = prompt(resident_model(model_dir).args.vocab_size)
@@ -270,7 +270,7 @@ def test_a_puller_dropped_at_a_drain_leaves_the_loop_pipelining(models, isolated
             assert steps.drains.every == DRAIN_EVERY
             loop.close()
             settles, dropped = [], []
-            settle, drifted = steps.settle, steps._drifted
+            settle, drifted = steps.settle, steps.checks.drifted
 
             def recorded(step, after=None):
                 settles.append((bool(dropped), after is not None))
@@ -279,10 +279,10 @@ def test_a_puller_dropped_at_a_drain_leaves_the_loop_pipelining(models, isolated
             def drifting_at_a_drain(pulled, kinds):
                 if not dropped and steps._settled is None and steps.drains.due():
                     dropped.append(True)
-                    return pulled[0][0][0].index  # the step is replayed, the puller dropped
+                    return pulled[0][0].layer.index  # the step is replayed, the puller dropped
                 return drifted(pulled, kinds)
 
-            steps.settle, steps._drifted = recorded, drifting_at_a_drain
+            steps.settle, steps.checks.drifted = recorded, drifting_at_a_drain
             # (the first drain comes once replays of rows absent from the cold arena, each
             # a drain, stopped resetting the interval: 36 steps in)
             got = list(pipelined_step(ids, model, max_tokens=64))
@@ -299,7 +299,7 @@ def test_a_replay_that_promoted_brings_the_drains_back_to_the_shortest_interval(
     """A replayed step (and the prompt's last) runs checked with nothing in flight, so it is a
     drain: what it promoted sets the interval as a pipelined loop's drain does (a promotion in
     a replay left the interval where 64 steps of promoting nothing had put it)."""
-    from expertd.client.step import DRAIN_EVERY, MAX_DRAIN_EVERY, Drains
+    from expertd.client.speculation import DRAIN_EVERY, MAX_DRAIN_EVERY, Drains
 
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     ids = prompt(resident_model(model_dir).args.vocab_size)

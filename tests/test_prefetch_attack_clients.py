@@ -136,7 +136,7 @@ def interrupted(blobs, out, expected) -> None:
     tokens = [int(t) for t, _ in generate_step(prompt, model, max_tokens=len(expected))]
     if tokens != expected:
         wrong.append(tokens)
-    leases = len(session._leases)
+    leases = len(session.session._leases)
     session.close()
     with open(out, "w") as f:
         json.dump({"interrupted": interrupts, "runs": runs, "wrong": wrong, "leases": leases,

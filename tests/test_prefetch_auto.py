@@ -169,7 +169,7 @@ def test_rows_too_small_to_pay_for_a_thread_hand_off_are_not_copied_ahead(models
             prompt = mx.array(prompt_ids(8, 512))
             for _ in generate_step(prompt, model, max_tokens=16):
                 pass
-            assert session.copier.busy_seconds == 0.0 and session.all_counters()["ahead_used"] == 0
+            assert session.session.copier.busy_seconds == 0.0 and session.all_counters()["ahead_used"] == 0
             assert all(p["calls"] >= 16 for p in session.prediction()[1:])
         finally:
             session.close()

@@ -137,7 +137,7 @@ def test_a_prompt_waits_once_and_is_exact(models, isolated_env, tmp_path, family
             assert not any(pool.complete for pool in session.pools)
             assert (session.puller.name == "host") == (pull == "host")
             if pull == "host":
-                session.session.puller = UnsetRowsPuller(session.view, session.puller.layers)
+                session.session.puller = UnsetRowsPuller(session.session.view, session.puller.layers)
             every_expert_read(session)
             timing_prompt(resident, model, session, layers, prompt_length(top_k, 20))
             for tokens in (prompt_length(top_k, 17), 300):
@@ -213,7 +213,7 @@ def test_metal_prompts_wait_per_layer_until_their_pulls_agree(models, isolated_e
     layer's pull agreed, prompts speculate."""
     with qwen3_client(models, isolated_env, tmp_path, timed=False) as (resident, model, session,
                                                                        layers):
-        checked = CheckedPuller(session.view, session.puller.layers, drift=False)
+        checked = CheckedPuller(session.session.view, session.puller.layers, drift=False)
         session.session.puller = checked
         before = counts(session)
         Lockstep(resident, model, prompt_len=40)

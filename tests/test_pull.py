@@ -32,16 +32,18 @@ from expertd.client import load
 from expertd.client.counters import REPLAY_COUNTERS
 from expertd.client.pull import (
     ABSENT,
-    N_FIXED,
-    P_N_ROWS,
     PULLED,
     HostPuller,
-    cuda_source,
     decode_status,
     encode_miss,
+    make_puller,
+)
+from expertd.client.pull_kernels import (
+    N_FIXED,
+    P_N_ROWS,
+    cuda_source,
     input_names,
     kernel_params,
-    make_puller,
     metal_source,
     output_names,
     vector_copy,
@@ -221,7 +223,7 @@ def test_a_pull_unlike_the_host_copy_stops_pulling(models, isolated_env, tmp_pat
                         pool_backing="device", pull="host", speculate=speculate)
         session = model.expertd_session
         try:
-            checked = CheckedPuller(session.view, session.puller.layers, drift)
+            checked = CheckedPuller(session.session.view, session.puller.layers, drift)
             session.session.puller = checked  # the client session's puller (the runtime's)
             if prompt == 1:  # every expert in the arena: the first steps pull, speculatively
                 for layer in session.manifest.layers:
@@ -233,7 +235,7 @@ def test_a_pull_unlike_the_host_copy_stops_pulling(models, isolated_env, tmp_pat
             warned = [line for line in capfd.readouterr().err.splitlines()
                       if "differs from the host copy" in line]
             if drift:
-                assert session.puller is None and session.pull_mode == "off"
+                assert session.puller is None and session.session.pull_mode == "off"
                 assert len(warned) == 1 and "metal pull of layer" in warned[0]
                 if speculate == "on" and prompt == 1:  # caught at the step's end
                     assert session.counters["replays_device"] == 1
@@ -368,7 +370,7 @@ def test_metal_adopts_the_arena_in_windows_within_its_largest_buffer():
     is adopted as its index and windows of whole rows, each within the limit and 16 KiB-aligned;
     past the windows a kernel can bind beside its own buffers (or a row larger than the
     limit), the host copy stays, saying why."""
-    from expertd.client.pull import METAL_BUFFERS, max_windows, metal_windows
+    from expertd.client.pull_kernels import METAL_BUFFERS, max_windows, metal_windows
     from expertd.shm.layout import ROW_ALIGN, Geometry
 
     # 9 segments (qwen3's affine): 8 windows; 12 (gpt-oss's affine): 2; every buffer counted.

@@ -30,7 +30,7 @@ from test_step import Lockstep, resident_model
 
 from expertd import native
 from expertd.client import load
-from expertd.client.pull import StepEpoch
+from expertd.client.arena_view import StepEpoch
 from expertd.client.session import Session
 from expertd.errors import DaemonError
 from expertd.protocol import ErrorCode, Op
@@ -268,7 +268,7 @@ def test_a_client_without_a_record_copies_on_the_host_exactly(models, isolated_e
                         pool_backing="device", pull="host", speculate="on")
         session = model.expertd_session
         try:
-            assert session.hello["epoch_slot"] == -1
+            assert session.session.hello["epoch_slot"] == -1
             assert session.puller is None and session.step_epoch is None
             run = Lockstep(resident_model(model_dir), model, prompt_len=5)
             for _ in range(8):

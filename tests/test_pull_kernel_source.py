@@ -20,13 +20,11 @@ import pytest
 from client_helpers import ROWS_ALL, client_flags, routed_model
 from harness import Daemon
 
-from expertd.client.pull import (
-    CHUNKS,
+from expertd.client.pull import CHUNKS, HostPuller, decode_status
+from expertd.client.pull_kernels import (
     N_FIXED,
     P_BASE,
-    HostPuller,
     cuda_source,
-    decode_status,
     input_names,
     kernel_params,
     metal_source,

@@ -297,7 +297,8 @@ def decode_client(args) -> None:
 
     from expertd.client import load
     from expertd.client import pulling as pulling_module
-    from expertd.client.pull import ABSENT, HostPuller, StepEpoch, decode_status
+    from expertd.client.arena_view import StepEpoch
+    from expertd.client.pull import ABSENT, HostPuller, decode_status
     from expertd.manifest import Manifest
 
     if args.ignore_lost:
@@ -338,7 +339,7 @@ def decode_client(args) -> None:
                     and state["absent_step"] != epoch.step and (found.slots >= 0).all()):
                 return
             state["fired"] = True
-            print(json.dumps(dict(stopped=True, record=session.hello["epoch_slot"],
+            print(json.dumps(dict(stopped=True, record=session.session.hello["epoch_slot"],
                                   step=epoch.step, decode_step=state["decode_step"],
                                   layer=int(layer), experts=experts.tolist(),
                                   slots=found.slots.tolist())), flush=True)
@@ -364,7 +365,7 @@ def decode_client(args) -> None:
     for step in range(args.steps + 1):
         state["decode_step"], state["armed"] = step, step >= args.armed
         if step == args.pause_at:  # between two steps: the record shows an even step
-            print(json.dumps(dict(paused=True, record=session.hello["epoch_slot"],
+            print(json.dumps(dict(paused=True, record=session.session.hello["epoch_slot"],
                                   step=session.step_epoch.step)), flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
         logits = model(x, cache=cache)[:, -1, :]

@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
+from client_helpers import parse_metrics
 from harness import SMALL_CACHE_GB, TINY_CACHE_GB, Daemon, stop_process, wait_until
 from openai import AuthenticationError, BadRequestError, OpenAI
 from test_serve import START_TIMEOUT, STOP_TIMEOUT, Server
@@ -176,7 +177,11 @@ def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
                 {"type": "text", "text": "Hi"},
                 {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x"}}]}],
                 max_tokens=2),
+            # The synthetic model has no chat template: its tools would vanish unsaid.
+            "tools": dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=2, tools=[
+                {"type": "function", "function": {"name": "f", "parameters": {}}}]),
         }
+        before = parse_metrics(server.get("/metrics")[2])[0]
         for param, fields in refusals.items():
             param = param.strip()  # a second case of one parameter
             path = "/chat/completions" if "messages" in fields else "/completions"
@@ -189,6 +194,17 @@ def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
             assert error["param"] == param and error["type"] == "invalid_request_error", error
         with pytest.raises(BadRequestError, match="n must be 1"):
             server.client.completions.create(model=blobs.name, prompt="Once", max_tokens=2, n=2)
+        # Refused before any generation, by mlx-lm's checks: a body that is no JSON, no tokens.
+        for data in (b"{not json", json.dumps(dict(prompt="Once", max_tokens=0)).encode()):
+            request = urllib.request.Request(server.url + "/completions", data=data,
+                                             headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=60)
+            assert refused.value.code == 400
+        # Every refusal is a request and an error in /metrics.
+        after = parse_metrics(server.get("/metrics")[2])[0]
+        for name in ("expertd_server_requests_total", "expertd_server_request_errors_total"):
+            assert after[name] - before[name] == len(refusals) + 3, (name, before, after)
         # Routes: a query changes none; a path of no endpoint is a 404 of ours (mlx_lm.server's
         # GET listed a Hugging Face cache, or failed); HEAD /health is a probe's status.
         assert get(server.base + "/v1/models?limit=2") == get(server.base + "/v1/models")
@@ -396,7 +412,7 @@ def test_an_api_key_guards_every_request_but_health(models, isolated_env, tmp_pa
 
 
 def test_an_api_key_file_must_be_private_and_hold_one_key(tmp_path):
-    from expertd.client.serve_errors import read_api_key
+    from expertd.client.serve_auth import read_api_key
 
     key_file = tmp_path / "key"
     key_file.write_text("abc\n")

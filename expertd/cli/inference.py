@@ -279,7 +279,7 @@ def add_client_subcommands(sub) -> None:
 
 def _cmd_serve(args) -> int:
     from expertd.client.serve import serve
-    from expertd.client.serve_errors import read_api_key
+    from expertd.client.serve_auth import read_api_key
 
     api_key = read_api_key(args.api_key_file)
     status = serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,

@@ -1,0 +1,147 @@
+"""A speculative step's check: what its layers recorded, read after its one wait.
+
+Steps (step.py) runs the step and decides what follows; :class:`StepCheck` reads the step's
+records (layer.StepRecord) against the pools they ran with and the pulls' statuses, and either
+names why the step must be replayed (what the replay acts on in :class:`Findings`) or does its
+bookkeeping: use counts, promotions into the pools, reports to the daemon, and for a batch the
+experts its sequences shared (docs/ARCHITECTURE.md, "The step").
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .layer import StackedRows
+from .pull import ABSENT, PULLED, decode_status
+
+
+def _parts(records: list) -> list:
+    """``(record, slice)`` per :class:`~expertd.client.layer.StepRecord`: where its ids sit
+    when the records' are concatenated in order."""
+    out, at = [], 0
+    for record in records:
+        out.append((record, slice(at, at + record.ids.size)))
+        at += record.ids.size
+    return out
+
+
+def _first_only(experts: np.ndarray) -> np.ndarray:
+    """``experts`` with each one's later pairs -1 (none pulled)."""
+    out = np.full_like(experts, -1)
+    _, first = np.unique(experts, return_index=True)
+    out[first] = experts[first]
+    return out
+
+
+def _rows(arrays: list) -> np.ndarray:
+    """1-D arrays as the rows of one, each padded with -1 to the longest (a batch's steps
+    differ in length where sequences joined or left between them)."""
+    out = np.full((len(arrays), max(len(a) for a in arrays)), -1, np.int64)
+    for row, a in zip(out, arrays):
+        row[:len(a)] = a
+    return out
+
+
+@dataclass
+class Findings:
+    """What a step's check found beside its cause: what a replay acts on (the (layer,
+    experts) the arena lacked, demanded once nothing in flight holds rows; the layer whose
+    pull differed from the host copy, whose puller is dropped), and what it promoted (a
+    drain's promotions set the next drain's interval)."""
+
+    absent: list = field(default_factory=list)
+    drifted: int | None = None
+    promoted: int = 0  # experts the check promoted into the pools (a drain's)
+
+
+class StepCheck:
+    """The check of one streamed model's steps, and the pulled steps' counting it defers.
+
+    Args:
+        session: the client session (its puller, and the counters ``routed_pairs`` and
+            ``union_experts``).
+    """
+
+    def __init__(self, session):
+        self.session = session
+        # layer index -> (layer, [(rows, experts)] of its pulled steps not yet counted)
+        self.deferred: dict = {}
+
+    def check(self, records: list, found: Findings, *flat: np.ndarray,
+              promote: bool = True) -> str | None:
+        """Why the speculative step must be replayed ("pool": an id missed its pool without a
+        puller; "absent": a pulled expert had no ready row in the arena; "device": a pull
+        differed from the host copy), what the replay acts on in ``found``, or None after the
+        host's bookkeeping of the step (pool use counts, promotions, reports to the daemon).
+        Without ``promote`` (a pipelined step, another in flight) the pulled layers' counting
+        waits in ``deferred`` for the next step that promotes (:meth:`flush`): the pools do not
+        change in between, so counting then decides what counting now would, but for the
+        order of the uses' decays against the counts (ExpertPool.count_steps)."""
+        # Each layer's part of the concatenated ids / statuses (see _flat), in record order.
+        plain = _parts([r for r in records if r.status is None])
+        pulled = _parts([r for r in records if r.status is not None])
+        flat = list(flat)
+        ids = flat.pop(0) if plain else None
+        for record, part in plain:
+            if (record.layer.pool.row_of[ids[part]] < 0).any():
+                return "pool"  # the replay does the bookkeeping, on the per-layer path
+        if pulled:
+            rows, experts, kinds = decode_status(flat.pop(0))  # every pulled layer at once
+            if (kinds == ABSENT).any():
+                for record, part in pulled:
+                    lacked = experts[part][kinds[part] == ABSENT]
+                    if lacked.size:
+                        found.absent.append((record.layer, np.unique(lacked).astype(np.int32)))
+                return "absent"
+            found.drifted = self.drifted(pulled, kinds)
+            if found.drifted is not None:
+                return "device"
+        shape = records[0].ids.shape if records else ()
+        if len(shape) >= 3 and shape[-2] == 1 and math.prod(shape[:-2]) > 1:  # a batch's decode
+            self.count_union(plain, [ids[part] for _, part in plain])
+            self.count_union(pulled, [np.where(
+                rows[part] >= 0, r.layer.pool.expert_of[np.maximum(rows[part], 0)], experts[part])
+                for r, part in pulled])
+        for record, part in plain:
+            record.layer.after_speculation(ids[part])
+        if pulled and promote:
+            self.flush()
+        for record, part in pulled:
+            layer, arrays = record.layer, record.arrays
+            if promote:
+                found.promoted += layer.after_pull(rows[part], experts[part], arrays)
+            else:  # a stack pulled each expert once: its other pairs count as none
+                self.deferred.setdefault(layer.index, (layer, []))[1].append(
+                    (rows[part], _first_only(experts[part]) if isinstance(arrays, StackedRows)
+                     else experts[part]))
+        return None
+
+    def drifted(self, pulled: list, kinds: np.ndarray) -> int | None:
+        """The layer whose pull differed from the host copy, of those whose pulls are still
+        compared with it (Metal's: pull.verify_pull): the step's logits are wrong. None if
+        none did. A layer whose pull with rows from the arena agreed is compared no more.
+        (The step's epoch held: a revoked one is replayed before this is asked.)"""
+        puller = self.session.puller
+        if puller is None or not puller.verify_first:
+            return None
+        for r, part in pulled:
+            if (kinds[part] == PULLED).any() and puller.differs(r.layer.index, r.ids,
+                                                                r.layer.pool, r.arrays, r.status):
+                return r.layer.index
+        return None
+
+    def flush(self) -> None:
+        """Count the pulled steps whose bookkeeping waited (see :meth:`check`)."""
+        deferred, self.deferred = self.deferred, {}
+        for layer, steps in deferred.values():
+            layer.after_pulled_steps(_rows([r for r, _ in steps]), _rows([e for _, e in steps]))
+
+    def count_union(self, parts: list, experts: list) -> None:
+        """A checked step of several sequences: the pairs its layers routed, and the distinct
+        experts among them (``experts``: each layer's, in ``parts``' order), whose ratio says
+        how much a batch's pulls are shared."""
+        counters = self.session.counters
+        for (_, part), used in zip(parts, experts):
+            counters["routed_pairs"] += part.stop - part.start
+            counters["union_experts"] += len(np.unique(used[used >= 0]))

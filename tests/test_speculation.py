@@ -1,0 +1,164 @@
+"""Speculation and Drains (client/speculation.py) on their own: no daemon, no model, no MLX
+computation. When auto stops and restarts speculating, how it weighs replays against the
+waits they save, and how drains back off."""
+
+import pytest
+
+from expertd.client.speculation import (
+    DRAIN_EVERY,
+    MAX_DRAIN_EVERY,
+    MAX_REPLAYS,
+    MIN_WINDOW,
+    PROBE_AT,
+    RETRY_AFTER,
+    WINDOW,
+    Drains,
+    Speculation,
+)
+
+
+def test_auto_stops_speculating_when_replays_are_frequent_and_tries_again():
+    auto = Speculation("auto")
+    for _ in range(MAX_REPLAYS + 1):
+        assert auto.wanted()
+        auto.record(True)
+    assert not auto.active and auto.stopped == 1
+    assert not any(auto.wanted() for _ in range(RETRY_AFTER - 1))
+    assert auto.wanted()  # tries again
+    for _ in range(MAX_REPLAYS + 1):  # and fails again: it waits twice as long
+        auto.record(True)
+    assert not any(auto.wanted() for _ in range(2 * RETRY_AFTER - 1)) and auto.wanted()
+    for _ in range(WINDOW):  # a window that pays resets the wait
+        auto.record(False)
+    assert auto.retry_after == RETRY_AFTER
+    on, off = Speculation("on"), Speculation("off")
+    for _ in range(3 * MAX_REPLAYS):
+        on.record(True)
+    assert on.wanted() and not off.wanted()
+    with pytest.raises(ValueError, match="speculate must be one of"):
+        Speculation("sometimes")
+
+
+def test_auto_weighs_replays_against_the_waits_they_save():
+    """Measured costs decide before the replay count does: where a replay costs a whole
+    per-layer step and speculating saves little (a CPU), one replay in a few steps stops it;
+    where it saves most of a step (a GPU), the same rate keeps it."""
+    cheap_waits = Speculation("auto")
+    cheap_waits.timed(True, 1.0)
+    cheap_waits.timed(False, 1.1)  # waiting per layer costs 10% more than one wait
+    for replayed in (False, False, False, True):  # 25% replays: 1.0 + 0.25 * 1.1 > 1.1
+        cheap_waits.record(replayed)
+    assert not cheap_waits.active and cheap_waits.stopped_by_cost == 1
+    costly_waits = Speculation("auto")
+    costly_waits.timed(True, 1.0)
+    costly_waits.timed(False, 4.0)  # per-layer waits quadruple a step: 1.0 + 0.25 * 4 < 4
+    for replayed in (False, False, False, True):
+        costly_waits.record(replayed)
+    assert costly_waits.active and costly_waits.pays()
+    unmeasured = Speculation("auto")
+    for replayed in (False, False, False, True):
+        unmeasured.record(replayed)
+    assert unmeasured.active  # the replay count alone, as before
+    # Never replayed, but a speculative step costs what a per-layer one does: it stops as
+    # soon as MIN_WINDOW steps are measured, not at the window's end. The per-layer cost is
+    # measured by one probe step early in the window.
+    level = Speculation("auto")
+    level.timed(True, 1.0)
+    wanted = []
+    while level.active and len(wanted) < WINDOW:
+        wanted.append(level.wanted())
+        if wanted[-1]:
+            level.record(False)
+        else:
+            level.timed(False, 1.0)  # the probe: a step waiting in every layer
+    assert wanted.count(False) == 1 and wanted.index(False) == PROBE_AT
+    assert not level.active and level.stopped_by_cost == 1
+    assert wanted.count(True) == MIN_WINDOW  # stopped at the first verdict it could make
+    # Where the waits cost more than a speculative step, no replay: it goes on to the window.
+    fast = Speculation("auto")
+    fast.timed(True, 1.0)
+    fast.timed(False, 3.0)
+    for _ in range(WINDOW):
+        fast.record(False)
+    assert fast.active and fast.stopped == 0
+
+
+def test_a_device_puller_waits_per_layer_only_once_a_step_was_replayed():
+    """The per-layer probe costs a wait per MoE layer (12 on the bench's model: 0.11 of a wait
+    per token over 96 tokens, measured on an H100). A device puller's speculative step never
+    costs what waiting per layer does, so it probes only when a replay makes the cost matter;
+    the host copy probes at PROBE_AT as before."""
+    device = Speculation("auto")
+    device.timed(True, 1.0)
+    wanted = []
+    for _ in range(3 * WINDOW):
+        wanted.append(device.wanted(device=True))
+        device.record(False)
+    assert all(wanted) and device.active and device.layer_s == 0.0
+    device.record(True)  # a replay: the next step waits per layer, once
+    assert not device.wanted(device=True)
+    device.timed(False, 4.0)  # that step, timed
+    assert all(device.wanted(device=True) for _ in range(WINDOW))
+    for _ in range(MIN_WINDOW):  # weighed now: 1.0 + 1/5 * 4.0 < 4.0
+        device.record(False)
+    assert device.pays() and device.active
+    host = Speculation("auto")
+    host.timed(True, 1.0)
+    for _ in range(PROBE_AT):
+        assert host.wanted() and host.wanted(device=False)
+        host.record(False)
+    assert not host.wanted()  # the host copy's probe, replay or none
+
+
+def test_one_slow_step_decides_nothing_and_a_restart_measures_afresh():
+    """The first speculative step compiles the device's kernels (hundreds of milliseconds on
+    CUDA): one such step must not stop a speculation that pays, and a stop must not outlive
+    what caused it (on the H200 a moving average started by that step kept auto on the
+    per-layer path for hundreds of steps: 0.19 x resident)."""
+    first = Speculation("auto")
+    first.timed(True, 100.0)  # the compile
+    first.timed(False, 3.0)
+    for _ in range(WINDOW):
+        assert first.wanted()
+        first.timed(True, 1.0)
+        first.record(False)
+    assert first.active and first.stopped == 0 and first.spec_s == 1.0
+    # A stop by cost (the speculative steps were slow then) is weighed again on fresh times.
+    slow = Speculation("auto")
+    slow.timed(False, 3.0)
+    for _ in range(MIN_WINDOW):
+        slow.timed(True, 5.0)
+        slow.record(False)
+    assert not slow.active and slow.stopped_by_cost == 1
+    assert not any(slow.wanted() for _ in range(RETRY_AFTER - 1)) and slow.wanted()
+    assert slow.spec_s == 0.0  # the slow times are gone
+    for _ in range(WINDOW):
+        slow.timed(True, 1.0)
+        slow.record(False)
+    assert slow.active and slow.stopped == 1
+
+
+def _interval(drains: Drains) -> int:
+    """Steps from one drain to the next (the drained one included), as the loop sees them."""
+    n = 1
+    while not drains.due():
+        drains.pipelined += 1
+        n += 1
+    return n
+
+
+def test_drains_back_off_while_they_promote_nothing_and_return_when_one_does():
+    """A drain that promoted nothing (the pools hold what the steps use) doubles the interval
+    to the next, up to MAX_DRAIN_EVERY: each is an idle spell of the device. A drain that
+    promoted brings it back to DRAIN_EVERY."""
+    drains = Drains()
+    assert _interval(drains) == DRAIN_EVERY
+    seen = []
+    while not seen or seen[-1] < MAX_DRAIN_EVERY:
+        drains.drained(0)
+        seen.append(_interval(drains))
+    assert seen == [DRAIN_EVERY * 2**i for i in range(1, len(seen) + 1)]
+    drains.drained(0)
+    assert _interval(drains) == MAX_DRAIN_EVERY  # no further
+    drains.drained(3)
+    assert _interval(drains) == DRAIN_EVERY
