@@ -26,7 +26,8 @@ from mlx_lm.generate import BatchGenerator, BatchResponse, GenerationBatch
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from .decode import replayed
-from .step import Launched, StepGuard, trim
+from .kvcache import trim
+from .step import Launched, StepGuard
 
 
 @dataclass

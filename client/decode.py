@@ -20,7 +20,8 @@ import time
 
 import mlx.core as mx
 
-from .step import StepGuard, trim
+from .kvcache import trim
+from .step import StepGuard
 
 # What the pipelined loop does itself; the rest is mlx-lm's, where given (not None or empty).
 OWN = {"sampler", "max_kv_size", "prompt_cache", "prefill_step_size", "prompt_progress_callback"}

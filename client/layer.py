@@ -10,6 +10,8 @@ speculative step (step.py) a call waits for nothing: its ids are remapped on the
 checked at the step's end, and a decode's call of the whole MoE block is one compiled graph
 (``StreamedLayer.block_call``): on a GPU the host is a decode's bound, and a compiled call
 builds no Python operations.
+
+One job, over 400 lines: one streamed MoE layer's call, waiting or speculative.
 """
 
 import math

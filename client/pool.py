@@ -6,6 +6,8 @@ else the least used one (LFU with decay, within the layer), never a row the runn
 and never one a computation not yet evaluated may read (that computation is evaluated first).
 Rows guessed for the next call can be written ahead (:meth:`write_ahead`) and are taken into the
 table only once their copy is done and still validates (:meth:`commit_ahead`).
+
+One job, over 400 lines: one layer's pool and its table.
 """
 
 from dataclasses import dataclass

@@ -9,6 +9,8 @@ and SIGTERM closes the session (a goodbye to the daemon). mlx_lm.server's classe
 are in serve_http.py; this module is the process: binding, loading, signals and shutdown. The
 two are the only ones relying on mlx_lm.server's private surface; pyproject.toml pins mlx-lm to
 the range they were written against.
+
+One job, over 400 lines: the serving process's life.
 """
 
 import argparse

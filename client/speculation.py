@@ -10,9 +10,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from expertd.choices import SPECULATE_MODES
-
-from .predict import check_choice
+from expertd.choices import SPECULATE_MODES, check_choice
 
 WINDOW = 16  # speculative steps per verdict
 MAX_REPLAYS = 4  # replays in a window above which auto stops speculating (a replay costs a

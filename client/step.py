@@ -28,6 +28,9 @@ straight away.
 A decode step of several sequences (a batch: client/batch.py) is one step like a single
 sequence's: one wait, the union of the experts its sequences route to pulled once a layer
 (layer.stacked), and a replay trims every sequence's cache by the step's token.
+
+One job, over 400 lines: running each model call as a checked step, serially or pipelined
+(its check is step_check.py, its policies speculation.py).
 """
 
 import logging
@@ -38,7 +41,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from expertd.retry import RetryPolicy
+
 from .counters import REPLAY_CAUSES
+from .kvcache import replayable, stacks_fit, token_shape, trim
 from .layer import DECODE_IDS, StepMode
 from .pool import free_memory
 from .speculation import Drains, Speculation
@@ -46,49 +52,12 @@ from .step_check import Findings, StepCheck
 from .switch import fronted
 
 PROMPT_RETRY = 8  # prompts that wait per layer after one that could not speculate ran so
+# A step's speculative runs: a second after rows found absent (once the daemon has read them)
+# or a prompt's lost epoch; then it runs per layer, which cannot miss.
+SPECULATIVE_TRIES = RetryPolicy(attempts=2)
 
 log = logging.getLogger("expertd")
 BATCH_FIT_EVERY = 256  # steps after which a batch's stacks are weighed against free memory again
-
-
-def token_shape(inputs, kwargs: dict) -> tuple:
-    """The shape of a model call's tokens: its ids', or its input embeddings' less their last
-    axis where it passes those (mlx-lm's models then take ids of size 0)."""
-    embeddings = kwargs.get("input_embeddings")
-    return tuple(embeddings.shape[:-1] if embeddings is not None else inputs.shape)
-
-
-def stacks_fit(stack_bytes: int, free: int | None) -> bool:
-    """A prompt may speculate with ``stack_bytes`` of stacks (every layer's, a row per
-    expert): they fit in half of the ``free`` bytes (see pool.free_memory; None: unknown). The device
-    may allocate every layer's stack before the first is freed (its evaluation runs ahead of
-    the computation), where a prompt waiting per layer holds one at a time: on a model larger
-    than memory, that prompt waits per layer."""
-    return free is None or 2 * stack_bytes <= free
-
-
-def trim(cache, tokens: int) -> None:
-    """Take a step's ``tokens`` back out of every KV cache of ``cache`` (None: no cache)."""
-    for c in cache or []:
-        c.trim(tokens)
-
-
-def replayable(cache, tokens: int) -> bool:
-    """Can every cache of ``cache`` be trimmed back exactly by ``tokens`` after a step?"""
-    from mlx_lm.models import cache as caches
-
-    exact = (caches.KVCache, caches.QuantizedKVCache, caches.ConcatenateKVCache,
-             caches.BatchKVCache)
-    for c in cache:
-        if isinstance(c, caches.CacheList):
-            if not replayable(c.caches, tokens):
-                return False
-        elif isinstance(c, caches.RotatingKVCache):
-            if c.offset + tokens >= c.max_size:  # would wrap: the old entries are gone
-                return False
-        elif not isinstance(c, exact):
-            return False
-    return True
 
 
 @dataclass
@@ -229,7 +198,7 @@ class Steps:
         ``prompt`` a lost epoch too. A decode step's are timed and judged (:class:`Speculation`);
         it demands every layer's absent rows, a prompt only the first layer's that lacked any
         (it routed on exact inputs; the layers after it routed on rows it did not have)."""
-        for attempt in range(2):
+        for attempt in SPECULATIVE_TRIES.tries():
             started = time.perf_counter()
             logits, cause, found = self._speculative_step(forward, inputs, args, kwargs)
             # A pull that found its expert absent from the arena is a read from the disk the

@@ -1,5 +1,8 @@
 """Read-side access to a blob directory: validation, one-expert reads, checksums of expert rows
-and of the trunk, and the offline check of a whole directory."""
+and of the trunk, and the offline check of a whole directory.
+
+One job, over 400 lines: reading a blob directory.
+"""
 
 import errno
 import mmap

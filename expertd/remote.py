@@ -5,6 +5,8 @@ thread keeps its own keep-alive connection per host (``http.client``); a read is
 exponential backoff on a network error, a timeout, a 5xx / 429, an answer of the wrong size, or
 a body that arrives too slowly, and fails for good on any other status. Every error names the
 URL and the byte range.
+
+One job, over 400 lines: range reads of a remote checkpoint.
 """
 
 import http.client

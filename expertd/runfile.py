@@ -5,6 +5,8 @@ arena name is published. It sits in the 0700 runtime directory, so only the user
 The lock ``<ident>.lock`` is flock-ed by the daemon for its whole life: a lock dies with its
 process, so "the lock is free" means "no daemon", whatever pid files say and whoever reuses the
 pid. Whoever holds the lock may treat every other file of that ident as stale.
+
+One job, over 400 lines: the runtime directory's files.
 """
 
 import errno

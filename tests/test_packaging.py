@@ -138,6 +138,35 @@ def test_the_session_imports_nothing_above_it():
     assert found == []
 
 
+# What runs the step, and the front ends: above the step.
+ABOVE_THE_STEP = ("decode", "batch", "loader", "runtime", "pipeline", "adapters", "serve",
+                  "serve_http", "chat", "generate")
+
+
+def test_the_step_imports_nothing_that_runs_it():
+    """The step is a floor below the loops that run it and the loader that builds it (issue
+    43): step.py and every client module it reaches import none of them."""
+    graph = _import_graph()
+    above = {f"expertd.client.{name}" for name in ABOVE_THE_STEP}
+    assert above <= set(graph)
+    reached, todo, found = set(), ["expertd.client.step"], []
+    while todo:
+        module = todo.pop()
+        if module in reached:
+            continue
+        reached.add(module)
+        for target in graph[module]:
+            if not target.startswith("expertd.client."):
+                continue
+            if target in above:
+                found.append(f"{module} imports {target}")
+            else:
+                todo.append(target)
+    assert {f"expertd.client.{name}" for name in (
+        "layer", "step_check", "speculation", "kvcache")} <= reached  # the walk is read
+    assert found == []
+
+
 def test_no_product_module_changes_an_objects_class():
     """Streamed switches and the guarded model are new modules installed in place (issue 25):
     no product code assigns ``__class__`` to a live object."""

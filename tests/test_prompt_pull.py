@@ -21,10 +21,11 @@ from test_step import Lockstep, resident_model
 
 from expertd import native
 from expertd.client import load
+from expertd.client.kvcache import replayable, stacks_fit
 from expertd.client.layer import DECODE_IDS
 from expertd.client.pool import free_memory
 from expertd.client.pull import HostPuller
-from expertd.client.step import PROMPT_RETRY, replayable, stacks_fit
+from expertd.client.step import PROMPT_RETRY
 from expertd.manifest import Manifest
 from expertd.shm.layout import available_memory
 

@@ -26,9 +26,9 @@ from harness import Daemon, expertd_cli, wait_until
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from expertd.client import load
+from expertd.client.kvcache import replayable
 from expertd.client.pull import HostPuller
 from expertd.client.speculation import MIN_WINDOW
-from expertd.client.step import replayable
 
 _resident = {}
 

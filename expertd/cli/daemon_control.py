@@ -4,6 +4,8 @@ inference.py; the start flags: options.py).
 They behave like pg_ctl or systemctl: ``stop`` of a stopped daemon is not an error, ``status``
 exits 3 when nothing runs (and still answers in JSON with ``--json``), ``start`` and ``status``
 say where the log is.
+
+One job, over 400 lines: the daemon's control commands.
 """
 
 import argparse
@@ -176,7 +178,7 @@ def _log_file(args, config) -> Path:
 
 
 def _cmd_start(args) -> int:
-    from expertd.cli.lifecycle import run_foreground, start_detached
+    from expertd.cli.lifecycle import run_foreground
 
     config = config_from_args(args)
     state_file = Path(args.state_file).expanduser() if args.state_file else None
@@ -190,10 +192,7 @@ def _cmd_start(args) -> int:
         kept = ((["-v"] if args.verbose else []) + start_flags(args)
                 + (["--log-file", str(log_file)] if own_log else []))
         return run_foreground(config, state_file, log_file=log_file, flags=kept)
-    log_file = _log_file(args, config)
-    argv = [*(["-v"] if args.verbose else []), "start", "--blobs", str(config.blob_dir),
-            *start_flags(args)]
-    stats = start_detached(config.blob_dir, argv, log_file)
+    stats, log_file = start_detached_from(args, config)
     print(f"expertd serving {stats['blob_dir']} on {stats['endpoint']} (pid {stats['pid']}, "
           f"{stats['arena_rows']} rows, {size_text(stats['arena_bytes'])} arena)")
     if stats.get("cache_capped"):
@@ -203,6 +202,24 @@ def _cmd_start(args) -> int:
         _report_pins(config)
     print(f"  log: {log_file}")
     return 0
+
+
+def start_detached_from(args, config=None) -> tuple:
+    """Start the daemon of the ``start`` flags ``args`` detached, as ``expertd start`` does
+    (``config``: theirs, where already read).
+
+    Returns:
+        ``(stats, log_file)``: the daemon's stats once it answers, and its log's path.
+    Raises:
+        DaemonError: one already serves the directory, or the new one failed to come up.
+    """
+    from expertd.cli.lifecycle import start_detached
+
+    config = config or config_from_args(args)
+    log_file = _log_file(args, config)
+    argv = [*(["-v"] if args.verbose else []), "start", "--blobs", str(config.blob_dir),
+            *start_flags(args)]
+    return start_detached(config.blob_dir, argv, log_file), log_file
 
 
 def _report_pins(config) -> None:

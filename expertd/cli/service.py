@@ -3,6 +3,8 @@
 What goes into the agent or unit file and which commands activate it are pure functions of a
 :class:`ServicePlan`, so tests render both platforms' files on any machine. The manager is the
 only supervisor: the daemon runs ``start --foreground`` and exits on SIGTERM.
+
+One job, over 400 lines: the service's install, status and removal on both managers.
 """
 
 import os

@@ -8,6 +8,8 @@ The serving loop hands requests in through verbs (demands, pins, prefetches, rel
 answers out through ``send``; it never reaches the books themselves. The decisions are the slot
 table's, the policy's, the pin book's, the lease book's, the side-row book's and the epoch
 book's.
+
+One job, over 400 lines: the cache's decisions in order (its books are elsewhere).
 """
 
 import logging
