@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import daemon, ensure_model, report
+from common import daemon, ensure_model, run_and_report
 
 ISSUE_MODEL = dict(family="qwen3_moe", layers=4, experts=64, top_k=8, hidden=512, moe_inter=384,
                    bits=4, mode="affine", seed=5)
@@ -178,11 +178,7 @@ def main() -> None:
     p.add_argument("--gpu", action="store_true", help="the Qwen3-30B-A3B-shaped model, pools "
                    "25%%, expertd's batch also with no call compiled (a run on the lent GPU)")
     p.add_argument("--small", action="store_true", help="with --gpu: a tiny model (a smoke run)")
-    p.add_argument("--out", type=Path)
-    p.add_argument("--results", action="store_true", help="write bench/RESULTS.md's section")
-    args = p.parse_args()
-    r = run(args)
-    report(args, r, table(r), section(r))
+    run_and_report(p, run, table, section)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,18 @@ def report(args, r: dict, text: str, header: str) -> None:
         write_section(ROOT / "RESULTS.md", header, text)
 
 
+def run_and_report(parser, run, table, section) -> None:
+    """A benchmark's main: ``parser`` gets --out and --results, ``run(args)`` measures, and
+    :func:`report` writes ``table(r)`` under ``section(r)``."""
+    from pathlib import Path
+
+    parser.add_argument("--out", type=Path, help="the results as JSON")
+    parser.add_argument("--results", action="store_true", help="write bench/RESULTS.md's section")
+    args = parser.parse_args()
+    r = run(args)
+    report(args, r, table(r), section(r))
+
+
 def ensure_model(name: str, spec: dict) -> tuple:
     """(model_dir, blob_dir) of a synthetic model, built and converted once."""
     from expertd.tools.convert import convert

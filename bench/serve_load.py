@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bench_env, daemon, report, stats
+from common import bench_env, daemon, run_and_report, stats
 from gpu_pools import QWEN3_30B_SHAPES, TINY
 from overlap import arena_gb
 
@@ -284,12 +284,8 @@ def main() -> None:
     p.add_argument("--cases", default="pooled,capped")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", type=Path)
     p.add_argument("--logs", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "serve-logs")
-    p.add_argument("--results", action="store_true", help="write bench/RESULTS.md's section")
-    args = p.parse_args()
-    r = run(args)
-    report(args, r, table(r), section(r))
+    run_and_report(p, run, table, section)
 
 
 if __name__ == "__main__":

@@ -117,10 +117,18 @@ ABOVE_THE_SESSION = ("step", "switch", "predict", "layer", "decode", "batch", "l
 def test_the_session_imports_nothing_above_it():
     """The session is a floor below the step (issue 43): neither session.py nor any client
     module it reaches through its imports imports the step or what sits above it."""
+    reached, found = _below("expertd.client.session", ABOVE_THE_SESSION)
+    assert {"expertd.client.attach", "expertd.client.requester"} <= reached  # the walk is read
+    assert found == []
+
+
+def _below(start: str, above: tuple) -> tuple:
+    """``(reached, found)``: the client modules ``start`` reaches through its imports, never
+    walking through one of ``above`` (names in client/), and each import of one of those."""
     graph = _import_graph()
-    above = {f"expertd.client.{name}" for name in ABOVE_THE_SESSION}
+    above = {f"expertd.client.{name}" for name in above}
     assert above <= set(graph)  # the names are the modules'
-    reached, todo, found = set(), ["expertd.client.session"], []
+    reached, todo, found = set(), [start], []
     while todo:
         module = todo.pop()
         if module in reached:
@@ -134,8 +142,7 @@ def test_the_session_imports_nothing_above_it():
                 found.append(f"{module} imports {target}")
             else:
                 todo.append(target)
-    assert {"expertd.client.attach", "expertd.client.requester"} <= reached  # the walk is read
-    assert found == []
+    return reached, found
 
 
 # What runs the step, and the front ends: above the step.
@@ -146,22 +153,7 @@ ABOVE_THE_STEP = ("decode", "batch", "loader", "runtime", "pipeline", "adapters"
 def test_the_step_imports_nothing_that_runs_it():
     """The step is a floor below the loops that run it and the loader that builds it (issue
     43): step.py and every client module it reaches import none of them."""
-    graph = _import_graph()
-    above = {f"expertd.client.{name}" for name in ABOVE_THE_STEP}
-    assert above <= set(graph)
-    reached, todo, found = set(), ["expertd.client.step"], []
-    while todo:
-        module = todo.pop()
-        if module in reached:
-            continue
-        reached.add(module)
-        for target in graph[module]:
-            if not target.startswith("expertd.client."):
-                continue
-            if target in above:
-                found.append(f"{module} imports {target}")
-            else:
-                todo.append(target)
+    reached, found = _below("expertd.client.step", ABOVE_THE_STEP)
     assert {f"expertd.client.{name}" for name in (
         "layer", "step_check", "speculation", "kvcache")} <= reached  # the walk is read
     assert found == []
