@@ -8,8 +8,10 @@ a reply and returns to the prompt, as Ollama and mlx_lm.chat users expect; at th
 quits.
 """
 
+import os
 import signal
 import sys
+from contextlib import nullcontext
 from functools import partial
 from types import SimpleNamespace
 
@@ -108,7 +110,7 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
          pool_gb: float | None = None, speculate: str = "auto", pull: str = "auto",
          reconnect_timeout: float | None = None, adapter_path: str | None = None,
          trust_remote_code: bool = False, xtc_probability: float = 0.0,
-         xtc_threshold: float = CHAT_XTC_THRESHOLD) -> int:
+         xtc_threshold: float = CHAT_XTC_THRESHOLD, pipeline_group=None) -> int:
     """Chat with the model of ``blob_dir`` until q, Ctrl-C at the prompt or the end of the input.
 
     Ctrl-C during a reply stops it and forgets its turn: the KV cache is trimmed back to where
@@ -122,6 +124,11 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
         prefetch: the client's prefetch mode (see ``expertd.client.load``).
         pool_gb: the client's expert pools (see ``expertd.client.load``).
         speculate: one host wait per decode step (see ``expertd.client.load``).
+        pipeline_group: under mlx.launch, the ranks' group: this process runs its rank's
+            pipeline stage, as mlx_lm.chat --pipeline. Every rank reads the same input (mlx.launch
+            copies it to each) and computes the same tokens; rank 0 prints. SIGINT and SIGTERM
+            end a rank at once, as Ctrl-C ends mlx_lm.chat: a reply stopped on one rank
+            alone would leave the others waiting for its stage.
     Returns:
         0 (the session is closed with a goodbye to the daemon, whatever happens).
     Raises:
@@ -136,7 +143,11 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
     from expertd.client.generate import xtc_special_tokens
 
     mx.random.seed(seed)  # before the load, as mlx_lm.chat (building the model draws from it)
+    if pipeline_group is not None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     model, tokenizer = load(blob_dir, prefetch=prefetch, pool_gb=pool_gb,
+                            pipeline_group=pipeline_group,
                             speculate=speculate, pull=pull, adapter_path=adapter_path,
                             trust_remote_code=trust_remote_code,
                             **({} if reconnect_timeout is None
@@ -153,7 +164,11 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
                                    prompt_cache=prompt_cache,
                                    prefill_step_size=prefill_step_size)
 
-        with _ui(blob_dir, max_tokens, system_prompt, adapter_path) as ui:
+        if pipeline_group is not None and pipeline_group.rank() != 0:
+            ui = PlainUI(*[open(os.devnull, "w")] * 2)  # it reads its copy of the input
+        else:
+            ui = _ui(blob_dir, max_tokens, system_prompt, adapter_path)
+        with ui:
             prompt_cache = make_prompt_cache(model, max_kv_size)
             ended = None  # how the last turn ended, said at the prompt
             while True:
@@ -177,17 +192,35 @@ def chat(blob_dir, system_prompt: str | None = None, max_tokens: int = 256, temp
                     ui.say_bye()
                     break
                 ended, prompt_cache = _reply(ui, partial(replies, query), prompt_cache,
-                                             partial(make_prompt_cache, model, max_kv_size))
+                                             partial(make_prompt_cache, model, max_kv_size),
+                                             stoppable=pipeline_group is None)
+        if pipeline_group is not None:
+            _leave_pipeline(pipeline_group)
     finally:
         session.close()
     return 0
 
 
-def _reply(ui, replies, prompt_cache, new_cache) -> tuple:
+def _leave_pipeline(group) -> None:
+    """Wait for the last reply's sends between stages (mlx-lm evaluates a step ahead on its own
+    stream), then leave with the other ranks (see pipeline.leave_together)."""
+    import importlib
+
+    import mlx.core as mx
+
+    from expertd.client.pipeline import leave_together
+
+    mx.synchronize()
+    mx.synchronize(importlib.import_module("mlx_lm.generate").generation_stream)
+    leave_together(group)
+
+
+def _reply(ui, replies, prompt_cache, new_cache, stoppable: bool = True) -> tuple:
     """Stream one reply: ``replies(prompt_cache)`` gives mlx-lm's responses.
 
     A Ctrl-C stops the reply at the next token, never inside a forward pass, where it would cut
     the client's pool and request bookkeeping in two; a second one raises KeyboardInterrupt.
+    Unless ``stoppable``, SIGINT keeps its handler (a pipeline's: it ends the process).
 
     Returns:
         How the turn ended, to say at the next prompt, and the KV cache to go on with: after a
@@ -195,7 +228,8 @@ def _reply(ui, replies, prompt_cache, new_cache) -> tuple:
         cannot be.
     """
     before, last = _offsets(prompt_cache), None
-    with _StopAtNextToken() as stop:
+    with _StopAtNextToken() if stoppable else nullcontext(SimpleNamespace(requested=False)) \
+            as stop:
         responses = replies(prompt_cache)
         try:
             for response in responses:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from expertd.choices import (
     DEFAULT_DRAFT_TOKENS,
     DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_MIN_TOKENS_TO_KEEP,
     DEFAULT_PREFILL_STEP_SIZE,
     DEFAULT_QUANTIZED_KV_START,
 )
@@ -40,7 +41,8 @@ def xtc_special_tokens(tokenizer) -> list:
 def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
              seed: int | None = None,
              out=sys.stdout, prefetch: str = "auto", top_p: float = 0.0, min_p: float = 0.0,
-             top_k: int = 0, system_prompt: str | None = None,
+             top_k: int = 0, min_tokens_to_keep: int = DEFAULT_MIN_TOKENS_TO_KEEP,
+             system_prompt: str | None = None,
              chat_template: bool = True, pipeline_group=None, pool_gb: float | None = None,
              speculate: str = "auto", kv: KVOptions = KVOptions(),
              extra_eos_tokens=(), pull: str = "auto",
@@ -52,7 +54,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
              before_text: str = "") -> dict:
     """Stream a completion of ``prompt`` to ``out``; return a summary of the run.
 
-    Sampling (``temp``, ``top_p``, ``min_p``, ``top_k``, ``xtc_*``), the KV cache (``kv``),
+    Sampling (``temp``, ``top_p``, ``min_p``, ``min_tokens_to_keep``, ``top_k``, ``xtc_*``),
+    the KV cache (``kv``),
     the extra tokens that end the generation and the chat template (applied unless
     ``chat_template`` is False, with ``system_prompt`` first, ``template_kwargs`` passed to
     it, and ``prefill_response`` as the start of the reply) are mlx-lm's. With ``pipeline_group`` (under
@@ -71,8 +74,13 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
         the run.
     Raises:
         ValueError: an extra EOS token that the tokenizer does not have; a draft model that
-            is not found, or whose vocabulary differs from the model's.
+            is not found, or whose vocabulary differs from the model's; ``min_tokens_to_keep``
+            below 1.
     """
+    if isinstance(min_tokens_to_keep, bool) or not isinstance(min_tokens_to_keep, int) \
+            or min_tokens_to_keep < 1:  # mlx-lm would refuse it only at the first token
+        raise ValueError(f"min_tokens_to_keep must be an integer of at least 1, not "
+                         f"{min_tokens_to_keep!r}")
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
@@ -130,7 +138,8 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
         # checksum, the daemon gone) leaves no half-printed block above its message.
         pending = before_text
         started = time.perf_counter()
-        sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k,
+        sampler = make_sampler(temp, top_p=top_p, min_p=min_p,
+                               min_tokens_to_keep=min_tokens_to_keep, top_k=top_k,
                                xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
                                xtc_special_tokens=xtc_special_tokens(tokenizer))
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,

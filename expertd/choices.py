@@ -16,6 +16,7 @@ DEFAULT_PROMPT = "hello"  # mlx_lm.generate's --prompt
 DEFAULT_XTC_THRESHOLD = 0.0  # mlx_lm.generate's
 CHAT_XTC_THRESHOLD = 0.1  # mlx_lm.chat's
 DEFAULT_DRAFT_TOKENS = 3  # mlx_lm.generate's --num-draft-tokens
+DEFAULT_MIN_TOKENS_TO_KEEP = 1  # mlx_lm.generate's --min-tokens-to-keep
 KV_BITS = (1, 2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
 

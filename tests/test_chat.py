@@ -275,3 +275,39 @@ def test_a_daemon_notice_starts_its_own_line_on_a_terminal():
             "from expertd.client.session import notice\nnotice('expertd: the daemon died')\n")
     out = in_terminal([sys.executable, "-c", code], b"")
     assert b"half a reply\r\nexpertd: the daemon died\r\n" in out, out
+
+
+def test_chat_over_pipeline_ranks_replies_as_resident_mlx_lm(models, tmp_path, monkeypatch):
+    """chat --pipeline under mlx.launch (ring backend, two ranks, each with its own daemon and
+    its stage's blob directory): every rank reads its copy of the input, rank 0 alone prints,
+    and the replies are resident mlx-lm's, the KV cache kept across turns."""
+    import shlex
+    from contextlib import ExitStack
+
+    from test_pipeline import CACHE_GB, LAUNCH, free_port_pair, rank_envs, stage_dirs
+
+    model_dir = stage_dirs(models, tmp_path, family="qwen3_moe")
+    turns = ["def main():", "return x"]
+    expected = resident_replies(model_dir, turns)
+    envs = rank_envs(tmp_path)
+    command = (f"{shlex.quote(sys.executable)} -m expertd chat --pipeline --blobs "
+               f"{tmp_path}/stage$MLX_RANK --max-tokens {MAX_TOKENS}")
+    wrapped = (f"XDG_RUNTIME_DIR=$(cat {tmp_path}/rt$MLX_RANK) "
+               f"XDG_STATE_HOME={tmp_path}/state$MLX_RANK exec {command}")
+    try:
+        with ExitStack() as stack:
+            for rank, env in enumerate(envs):
+                for key, value in env.items():  # where the harness looks for the daemon
+                    monkeypatch.setenv(key, value)
+                stack.enter_context(Daemon(tmp_path / f"stage{rank}", env, "--cache-gb",
+                                           CACHE_GB))
+            done = subprocess.run([str(LAUNCH), "-n", "2", "--backend", "ring", "-p",
+                                   str(free_port_pair()), "--", "sh", "-c", wrapped],
+                                  input="\n".join(turns + ["q"]) + "\n", capture_output=True,
+                                  text=True, timeout=240)
+    finally:
+        for env in envs:
+            subprocess.run(["rm", "-rf", env["XDG_RUNTIME_DIR"]])
+    assert done.stdout == "".join(reply + "\n" for reply in expected), done.stderr
+    err = done.stderr.splitlines()
+    assert err.count("bye") == 1 and sum(" tok/s · prompt " in line for line in err) == 2, err

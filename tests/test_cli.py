@@ -579,8 +579,8 @@ def test_an_unknown_flag_gets_the_closest_and_an_mlx_lm_flag_says_so(capsys):
     assert "--draft-model is mlx-lm's, and expertd chat does not take it" in said
     # mlx_lm.chat's and mlx_lm.generate's flags that these commands lack: said so, not "no
     # flag" (or a near name that means something else).
-    for command, flag in (("serve", "--xtc-probability"), ("chat", "--pipeline"),
-                          ("generate", "--use-default-chat-template")):
+    for command, flag in (("serve", "--xtc-probability"), ("chat", "--min-tokens-to-keep"),
+                          ("chat", "--use-default-chat-template")):
         said = refusal(capsys, command, "--blobs", "B", flag)
         assert said.startswith(f"expertd {command}: error: {flag} is mlx-lm's, and "), said
 

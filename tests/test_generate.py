@@ -383,3 +383,31 @@ def test_the_summary_shows_the_pulls_their_rate_and_the_replays_by_cause(models,
             f"{s['pull_timed_bytes'] / s['pull_s'] / 1e9:.1f} GB/s") in line, line
     causes = replay_causes_shown(s)
     assert s["replays_absent"] > 0 and f"{s['replays']} replayed ({causes})" in line, line
+
+
+def test_min_tokens_to_keep_and_use_default_chat_template_print_what_mlx_lm_generate_prints(
+        models, isolated_env, tmp_path):
+    """stdout byte for byte as the `mlx_lm generate` command's with the same flags (--verbose
+    False: the text alone). --min-p 1 keeps the top token alone, so --min-tokens-to-keep 8 is
+    what samples; --use-default-chat-template changes nothing in mlx_lm.generate (mlx-lm 0.32),
+    here on a tokenizer with no chat template, where a default one would show."""
+    model_dir, blob_dir = models.model(), models.blobs()
+    sampled = ("--temp", "1", "--min-p", "1", "--seed", "5", "-m", "16", "--ignore-chat-template")
+    runs = {"keep": (*sampled, "--min-tokens-to-keep", "8"), "keep1": sampled,
+            "template": ("--use-default-chat-template", "-m", "16")}
+    env = {**os.environ, **isolated_env}
+
+    def text(*command):
+        done = subprocess.run([sys.executable, "-m", *command, "--prompt", PROMPT, "--verbose",
+                               "False"], env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    want = {name: text("mlx_lm", "generate", "--model", str(model_dir), *flags)
+            for name, flags in runs.items()}
+    assert want["keep"] != want["keep1"]  # the flag is what changed the sampled text
+    with Daemon(blob_dir, isolated_env, "--cache-gb", "0.01"):
+        got = {name: text("expertd", "generate", "--blobs", str(blob_dir), *flags)
+               for name, flags in runs.items()}
+    assert got == want

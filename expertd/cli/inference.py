@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from expertd.choices import DEFAULT_MIN_TOKENS_TO_KEEP
 from expertd.cli import argtypes
 from expertd.cli.argtypes import (
     DEFAULT_DRAFT_TOKENS,
@@ -45,11 +46,13 @@ def _cmd_generate(args) -> int:
         raise FlagError("--draft-model does not go with --pipeline: mlx-lm's speculative "
                         "decoding runs in one process")
     group, out = (_pipeline_group() if args.pipeline else None), sys.stdout
+    ensure_daemon(args)  # after the flags' own refusals
     if group is not None and group.rank() != 0:
         out = open(os.devnull, "w")  # rank 0 prints; every rank computes the same tokens
     summary = generate(Path(args.blobs), prompt, max_tokens=args.max_tokens, temp=args.temp,
                        seed=args.seed, prefetch=args.prefetch, top_p=args.top_p,
-                       min_p=args.min_p, top_k=args.top_k, system_prompt=args.system_prompt,
+                       min_p=args.min_p, min_tokens_to_keep=args.min_tokens_to_keep,
+                       top_k=args.top_k, system_prompt=args.system_prompt,
                        chat_template=not args.ignore_chat_template, out=out,
                        pipeline_group=group, pool_gb=args.pool_gb,
                        speculate=args.speculate, kv=kv, extra_eos_tokens=args.extra_eos_token,
@@ -92,6 +95,56 @@ def _cmd_generate(args) -> int:
     if args.json_summary:
         Path(args.json_summary).write_text(json.dumps(summary))
     return 0
+
+
+def ensure_daemon(args) -> None:
+    """Refuse in one line when no daemon serves ``--blobs``, saying how to start one; with
+    ``--start``, start one detached instead, as ``expertd start --blobs DIR`` does (its default
+    cache), and say so on stderr. That daemon outlives this command.
+
+    Raises:
+        DaemonNotRunning: no daemon serves the directory and ``--start`` was not given.
+        DaemonError: the daemon started for ``--start`` did not come up.
+    """
+    from expertd.cli.daemon_control import start_detached_from
+    from expertd.cli.main import build_parser
+    from expertd.client.attach import check_served
+    from expertd.errors import DaemonError, DaemonNotRunning
+    from expertd.paths import daemon_paths
+    from expertd.runfile import elsewhere
+
+    paths = daemon_paths(Path(args.blobs).expanduser())
+    try:
+        check_served(paths)
+        return
+    except DaemonNotRunning as exc:
+        if elsewhere(paths):  # served from another runtime directory: --start cannot help
+            raise
+        if not args.start:
+            raise DaemonNotRunning(f"{exc}, or give this command --start") from None
+    start = build_parser().parse_args([*(["-v"] if args.verbose else []), "start", "--blobs",
+                                       str(paths.blob_dir)])
+    try:
+        stats, log_file = start_detached_from(start)
+    except DaemonError:
+        check_served(paths)  # another command started one meanwhile: use it
+        return
+    print(f"{_prog(args)}: started expertd (pid {stats['pid']}) for {paths.blob_dir}, log "
+          f"{log_file}; it keeps running after this command (expertd stop --blobs "
+          f"{paths.blob_dir} stops it)", file=sys.stderr, flush=True)
+
+
+def _prog(args) -> str:
+    return f"expertd {args.command}"
+
+
+def add_start_flag(p) -> None:
+    """--start: a daemon for --blobs when none serves it."""
+    p.add_argument("--start", action="store_true",
+                   help="if no daemon serves BLOB_DIR, start one first, detached, as `expertd "
+                   "start --blobs BLOB_DIR` does (its default cache); it keeps running after "
+                   "this command: `expertd stop --blobs BLOB_DIR` stops it (default: off: "
+                   "with no daemon, an error says how to start one)")
 
 
 def _pipeline_group():
@@ -207,6 +260,7 @@ def add_client_subcommands(sub) -> None:
                        "daemon read for it). The flags that mlx_lm.generate also has mean what "
                        "they mean there.")
     add_model_flag(p)
+    add_start_flag(p)
     p.add_argument("--prompt", "-p", default=argtypes.DEFAULT_PROMPT,
                    type=argtypes.prompt_text,
                    help="the prompt text ('-' reads it from stdin; \\n and \\t typed in it "
@@ -221,11 +275,18 @@ def add_client_subcommands(sub) -> None:
     p.add_argument("--system-prompt", help="system prompt for the chat template")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="use the raw prompt, without the tokenizer's chat template")
+    p.add_argument("--use-default-chat-template", action="store_true",
+                   help="accepted as mlx_lm.generate accepts it, where it changes nothing "
+                   "(mlx-lm 0.32): the tokenizer's own chat template is used whenever it has "
+                   "one (default: off)")
     p.add_argument("--max-tokens", "-m", type=argtypes.positive_int, default=100,
                    help="tokens to generate")
     add_sampling_flags(p, top_p=1.0, seed=None)  # mlx_lm.generate's (0.32)
     p.add_argument("--min-p", type=argtypes.probability, default=0.0,
                    help="sampling min-p (0: off)")
+    p.add_argument("--min-tokens-to-keep", type=argtypes.positive_int,
+                   default=DEFAULT_MIN_TOKENS_TO_KEEP, metavar="N",
+                   help="fewest tokens min-p sampling keeps")
     p.add_argument("--top-k", type=argtypes.non_negative_int, default=0,
                    help="sampling top-k (0: off)")
     add_xtc_flags(p, argtypes.DEFAULT_XTC_THRESHOLD)  # mlx_lm.generate's
@@ -282,11 +343,13 @@ def _cmd_serve(args) -> int:
     from expertd.client.serve_auth import read_api_key
 
     api_key = read_api_key(args.api_key_file)
+    group = _pipeline_group() if args.pipeline else None
+    ensure_daemon(args)
     status = serve(Path(args.blobs), host=args.host, port=args.port, prefetch=args.prefetch,
                    options=serve_options(args), pool_gb=args.pool_gb, speculate=args.speculate,
                    pull=args.pull, reconnect_timeout=args.reconnect_timeout,
                    adapter_path=args.adapter_path, trust_remote_code=args.trust_remote_code,
-                   api_key=api_key, pipeline_group=_pipeline_group() if args.pipeline else None)
+                   api_key=api_key, pipeline_group=group)
     # Everything is closed (the daemon got its goodbye): skip the C++ static destructors. With
     # MLX 0.32 on Linux they abort ("terminate called without an active exception") once
     # mlx-lm has decoded requests in a batch; `mlx_lm.server` itself exits that way.
@@ -304,13 +367,16 @@ def serve_options(args) -> dict:
 def _cmd_chat(args) -> int:
     from expertd.client.chat import chat
 
+    group = _pipeline_group() if args.pipeline else None
+    ensure_daemon(args)
     return chat(Path(args.blobs), system_prompt=args.system_prompt, max_tokens=args.max_tokens,
                 temp=args.temp, top_p=args.top_p, seed=args.seed, max_kv_size=args.max_kv_size,
                 prefill_step_size=args.prefill_step_size, prefetch=args.prefetch,
                 pool_gb=args.pool_gb, speculate=args.speculate, pull=args.pull,
                 reconnect_timeout=args.reconnect_timeout, adapter_path=args.adapter_path,
                 trust_remote_code=args.trust_remote_code,
-                xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold)
+                xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+                pipeline_group=group)
 
 
 def add_serving_subcommands(sub) -> None:
@@ -326,6 +392,7 @@ def add_serving_subcommands(sub) -> None:
                        "and give it an API key (--api-key-file) where other users of this "
                        "machine or network could reach its port.")
     add_model_flag(p)
+    add_start_flag(p)
     p.add_argument("--host", type=argtypes.host, default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=argtypes.port, default=8080, help="port to listen on, 0 to 65535 "
                    "(0: any free port, printed at start)")
@@ -349,6 +416,7 @@ def add_serving_subcommands(sub) -> None:
                        "conversation's KV cache is kept across turns, as in mlx_lm.chat. "
                        "Ctrl-C stops a reply and forgets its turn; at the prompt it quits.")
     add_model_flag(p)
+    add_start_flag(p)
     p.add_argument("--system-prompt", help="system prompt for the chat template")
     p.add_argument("--max-tokens", "-m", type=argtypes.positive_int, default=256,
                    help="most tokens generated per reply")
@@ -356,4 +424,10 @@ def add_serving_subcommands(sub) -> None:
     add_xtc_flags(p, argtypes.CHAT_XTC_THRESHOLD)  # mlx_lm.chat's
     add_kv_flags(p)
     add_prefetch_flag(p, prefetch_help)
+    p.add_argument("--pipeline", action="store_true",
+                   help="run under mlx.launch, one pipeline stage per rank, each rank's BLOB_DIR "
+                   "holding its stage (expertd convert --layers), as mlx_lm.chat --pipeline "
+                   "does: every rank reads the same input (mlx.launch gives each its copy), "
+                   "rank 0 prints; Ctrl-C ends every rank, as it ends mlx_lm.chat (README: "
+                   "Several machines)")
     p.set_defaults(func=_cmd_chat)

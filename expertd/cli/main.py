@@ -144,13 +144,13 @@ MLX_LM_ONLY = {
     "--image": "expertd streams text models",
     "--draft-model": "only generate and serve take a draft model",
     "--num-draft-tokens": "only generate and serve take a draft model",
-    "--min-tokens-to-keep": "sampling takes --top-p, --min-p and --top-k",
+    "--min-tokens-to-keep": "only generate takes it (chat has no --min-p)",
     "--xtc-probability": "generate and chat take XTC sampling (serve: a request's "
                          "xtc_probability)",
     "--xtc-threshold": "generate and chat take XTC sampling (serve: a request's xtc_threshold)",
-    "--use-default-chat-template": "serve takes it; generate and chat use the tokenizer's own "
-                                   "template, or none with --ignore-chat-template",
-    "--pipeline": "generate and serve run pipeline stages (README: Several machines)",
+    "--use-default-chat-template": "serve and generate take it; chat uses the tokenizer's "
+                                   "own template",
+    "--pipeline": "generate, chat and serve run pipeline stages (README: Several machines)",
 }
 # A flag that means nothing without another: its dest (its add_argument has
 # action=argtypes.Given), its flag, the other's dest and flag.
