@@ -184,6 +184,8 @@ class ExpertdHandler(APIHandler):
             if isinstance(failure, DaemonNotRunning):
                 status_code = 503
                 self.server.counters.add(daemon_refusals=1)
+            elif isinstance(failure, ServerStopping):  # shut down while it was queued
+                status_code, code = 503, "server_shutting_down"
             elif isinstance(failure, ModelNotServed):
                 code, self._param = "model_not_found", "model"
         self._error = ((status_code, code, getattr(self, "_param", None))

@@ -559,3 +559,45 @@ def test_the_readmes_health_loop_ends_when_serve_fails_and_when_it_is_ready(
         assert " ready" not in done.stdout
         assert "expertd serve: error: " in done.stderr and "expertd start --blobs" in \
             done.stderr, done.stderr
+
+
+def _requests_gauges(server) -> tuple:
+    """(running, queued) of /metrics."""
+    values = parse_metrics(server.get("/metrics")[2])[0]
+    return (values["expertd_server_requests_running"],
+            values["expertd_server_requests_queued"])
+
+
+def test_a_request_still_queued_at_sigterm_is_answered_503_shutting_down(models, isolated_env,
+                                                                         tmp_path):
+    """SIGTERM while one request computes (its daemon stopped, so it cannot finish) and another
+    waits for the generation thread to take it: both are answered 503 server_shutting_down.
+    The queued one was answered 404 not_found (mlx-lm's answer to whatever its generate
+    raised)."""
+    blobs = models.blobs()
+    with (Daemon(blobs, isolated_env, "--cache-gb", TINY_CACHE_GB) as daemon,
+          Server(blobs, tmp_path) as server):
+        url = server.url + "/completions"
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            answers, waiters = {}, []
+            for name, prompt in (("running", "Zebra quantum xylophone banana"),
+                                 ("queued", "Other words here")):
+                body = json.dumps({"prompt": prompt, "max_tokens": 4}).encode()
+                waiters.append(threading.Thread(
+                    target=lambda n=name, b=body: answers.setdefault(n, _ask(url, None, b))))
+                waiters[-1].start()
+                wanted = (1, 0) if name == "running" else (1, 1)
+                wait_until(lambda w=wanted: _requests_gauges(server) == w, 120,
+                           f"a request {name}")
+            server.proc.send_signal(signal.SIGTERM)
+            for waiter in waiters:
+                waiter.join(120)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert server.proc.wait(STOP_TIMEOUT) == 0
+    for name in ("running", "queued"):
+        status, _, body = answers[name]
+        error = json.loads(body)["error"]
+        assert status == 503 and error["code"] == "server_shutting_down", (name, status, body)
+        assert error["type"] == "server_error"
