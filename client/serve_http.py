@@ -37,6 +37,8 @@ from expertd.errors import DaemonNotRunning
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 AWAIT_SLICE = 0.1  # how often a request waiting for its tokens checks that the daemon serves
 GENERATION_STOP_TIMEOUT = 3.0  # shutdown waits this long for the generation thread
+# mlx_lm.server's completion endpoints: a POST to another path is no completion request.
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 # mlx_lm.server's attribute names in its validation messages, by the request's key.
 MLX_PARAMS = {"requested_model": "model", "adapter": "adapters", "max_tokens": "max_tokens"}
 
@@ -295,16 +297,17 @@ class ExpertdHandler(APIHandler):
         super().send_response(code, message)
 
     def do_POST(self):
-        """mlx-lm's POST; a request refused before it reached the generator (a body that is
-        no JSON, a parameter refused, no key, the daemon gone) counts as a request and an
-        error (the generator counts the others)."""
+        """mlx-lm's POST; a completion request refused before it reached the generator (a
+        body that is no JSON, a parameter refused, no key, the daemon gone) counts as a
+        request and an error (the generator counts the others)."""
         self._status = None
         self.response_generator.begin()
         try:
             if authorized(self, self.server.api_key, self._set_cors_headers):
                 super().do_POST()
         finally:
-            if (self._status or 0) >= 400 and not self.response_generator.arrived():
+            if ((self._status or 0) >= 400 and not self.response_generator.arrived()
+                    and route(self) in COMPLETION_PATHS):
                 self.server.counters.add(requests=1, errors=1)
 
     def do_GET(self):

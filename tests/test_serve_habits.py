@@ -205,6 +205,12 @@ def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
         after = parse_metrics(server.get("/metrics")[2])[0]
         for name in ("expertd_server_requests_total", "expertd_server_request_errors_total"):
             assert after[name] - before[name] == len(refusals) + 3, (name, before, after)
+        # A POST to no completion endpoint is no completion request: not counted.
+        for path in ("/v1/embeddings", "/metrics"):
+            assert _ask(server.base + path, None, b"{}")[0] == 404
+        again = parse_metrics(server.get("/metrics")[2])[0]
+        for name in ("expertd_server_requests_total", "expertd_server_request_errors_total"):
+            assert again[name] == after[name], (name, after, again)
         # Routes: a query changes none; a path of no endpoint is a 404 of ours (mlx_lm.server's
         # GET listed a Hugging Face cache, or failed); HEAD /health is a probe's status.
         assert get(server.base + "/v1/models?limit=2") == get(server.base + "/v1/models")
