@@ -12,8 +12,9 @@ import sys
 import time
 
 import pytest
-from harness import TINY_CACHE_GB as CACHE_GB  # 10 rows of the tiny model
 from harness import (
+    SMALL_CACHE_GB,
+    RawClient,
     expertd_cli,
     kill_serving_daemon,
     query_stats,
@@ -21,6 +22,7 @@ from harness import (
     shm_exists,
     wait_until,
 )
+from harness import TINY_CACHE_GB as CACHE_GB  # 10 rows of the tiny model
 
 from expertd.cli.lifecycle import serving_pid
 from expertd.paths import daemon_paths
@@ -429,6 +431,46 @@ def test_a_pin_whose_blob_is_damaged_is_named_at_start_and_in_plain_status(model
         assert status.returncode == 0, status.stderr
         assert "1 fills failed; 1 expert cannot be served now:" in status.stdout, status.stdout
         assert "layer 1 expert 2: " in status.stdout and "expertd verify" in status.stdout
+        assert expertd_cli("stop", "--blobs", blobs).returncode == 0
+    finally:
+        kill_serving_daemon(blobs)
+
+
+@pytest.mark.timeout(180)
+def test_a_damaged_pin_is_named_beside_more_damaged_experts_than_status_lists(
+        models, isolated_env, tmp_path):
+    """The warm-up of a saved hot set reads 16 damaged experts of layer 0, and the pinned
+    layer 1 expert 2 is damaged too: start still names the pin (STATS lists 16 failed experts,
+    pinned ones first: it listed layer 0's alone), and status counts all 17, not the 16 it
+    names."""
+    from test_fill_verify import flip_byte
+
+    blobs = tmp_path / "blobs"
+    shutil.copytree(models.blobs(), blobs)  # its own copy: the shared one is read by others
+    state, pins = tmp_path / "state.json", tmp_path / "pins.json"
+    pins.write_text("[[1, 2]]")
+    hot = [(0, expert) for expert in range(16)]
+    try:
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", SMALL_CACHE_GB,
+                              "--state-file", state, timeout=60)
+        assert started.returncode == 0, started.stderr
+        with RawClient(blobs) as client:  # layer 0's experts, read whole: the hot set
+            for at in range(0, 16, 4):
+                client.fetch(0, range(at, at + 4))
+        assert expertd_cli("stop", "--blobs", blobs).returncode == 0
+        saved = {tuple(key) for key in json.loads(state.read_text())["hot"]}
+        assert saved >= set(hot), saved
+        for layer, expert in [*hot, (1, 2)]:
+            flip_byte(blobs, layer, expert)
+        started = expertd_cli("start", "--blobs", blobs, "--cache-gb", SMALL_CACHE_GB,
+                              "--state-file", state, "--pin-file", pins, timeout=60)
+        assert started.returncode == 0, started.stderr
+        assert "pin layer 1 expert 2 cannot be served" in started.stderr, started.stderr
+        status = expertd_cli("status", "--blobs", blobs, timeout=30)
+        assert "17 experts cannot be served now (the first 16, pinned ones first):" in \
+            status.stdout, status.stdout
+        listed = re.findall(r"^    layer (\d+) expert (\d+):", status.stdout, re.MULTILINE)
+        assert len(listed) == 16 and listed[0] == ("1", "2"), listed
         assert expertd_cli("stop", "--blobs", blobs).returncode == 0
     finally:
         kill_serving_daemon(blobs)

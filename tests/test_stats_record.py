@@ -16,7 +16,7 @@ EXPECTED = [
     "misses", "hit_rate", "prefetch", "side_rows", "side_rows_used", "prefetch_requested",
     "prefetch_ignored", "prefetch_merged", "prefetch_fills", "prefetch_dropped", "prefetch_shed",
     "prefetch_hits", "prefetch_wasted", "bytes_read", "fills", "fill_errors", "failed_experts",
-    "background_pending", "fill_seconds", "fill_gbps", "pinned", "clients", "client_pools",
+    "failed_count", "background_pending", "fill_seconds", "fill_gbps", "pinned", "clients", "client_pools",
     "leases", "leased_rows", "queued",
     "lease_expiries", "max_demand", "client_cap", "deferred_fills", "epochs_lost",
     "epoch_clients", "epoch_wait_max_s", "bad_requests", "internal_errors", "busy",

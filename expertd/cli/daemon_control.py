@@ -239,9 +239,14 @@ def _report_pins(config) -> None:
                 time.sleep(PIN_POLL)
     except (DaemonError, OSError):
         return  # it went away: status says why
-    bad = [(la, ex, why) for la, ex, why in stats.get("failed_experts", []) if (la, ex) in pins]
+    shown = stats.get("failed_experts", [])
+    bad = [(la, ex, why) for la, ex, why in shown if (la, ex) in pins]
     for layer, expert, why in bad:
         print(f"  pin layer {layer} expert {expert} cannot be served: {why}", file=sys.stderr)
+    unnamed = stats.get("failed_count", len(shown)) - len(shown)
+    if bad and len(bad) == len(shown) and unnamed > 0:  # (STATS names failed pins first)
+        print(f"  and {unnamed} more experts, pinned ones among them, cannot be served",
+              file=sys.stderr)
     if bad:
         print(f"  check the blobs: expertd verify --blobs {config.blob_dir}", file=sys.stderr)
 
@@ -460,11 +465,13 @@ def failed_lines(s: dict) -> list:
     """Status lines naming the experts whose latest read failed, and the remedy (none if
     every fill succeeded)."""
     failed = s.get("failed_experts") or []
+    count = s.get("failed_count", len(failed))
     if not s.get("fill_errors") and not failed:
         return []
     lines = [f"  failed       {s.get('fill_errors', 0)} fills failed; "
-             + (f"{len(failed)} expert{'s' * (len(failed) != 1)} cannot be served now:"
-                if failed else "each was read again since")]
+             + (f"{count} expert{'s' * (count != 1)} cannot be served now"
+                + (f" (the first {len(failed)}, pinned ones first):" if count > len(failed)
+                   else ":") if failed else "each was read again since")]
     lines += [f"    layer {layer} expert {expert}: {why}" for layer, expert, why in failed]
     if failed:
         lines.append(f"    check the blobs: expertd verify --blobs {s['blob_dir']} (a damaged "

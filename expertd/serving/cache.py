@@ -393,9 +393,14 @@ class ExpertCache:
             hits=hits, hit_rate=round(hits / max(1, looked_up), 4), fill_seconds=round(busy, 6),
             fill_gbps=round(c.bytes_read / busy / 1e9, 3) if busy else 0.0,
             pinned=self.pins.n_pinned_rows(self.side.cache_row_keys()), in_flight=self.in_flight,
-            failed_experts=[[la, ex, why] for (la, ex), why in
-                            sorted(self.failed.items())[:FAILED_SHOWN]],
+            failed_experts=self._failed_shown(), failed_count=len(self.failed),
             background_pending=self.background.pending())
+
+    def _failed_shown(self) -> list:
+        # Pinned experts first: start names the pins it cannot serve from these.
+        pinned = self.pins.pinned_keys
+        failed = sorted(self.failed.items(), key=lambda item: (item[0] not in pinned, item[0]))
+        return [[la, ex, why] for (la, ex), why in failed[:FAILED_SHOWN]]
 
     def stats_records(self) -> tuple:
         """The cache's STATS records: its counters, :meth:`stats`, the lease book's and the

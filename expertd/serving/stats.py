@@ -16,7 +16,8 @@ STATS_KEYS = (
     "rows_used", "hits", "demand_hits", "client_hits", "misses", "hit_rate", "prefetch",
     "side_rows", "side_rows_used", "prefetch_requested", "prefetch_ignored", "prefetch_merged",
     "prefetch_fills", "prefetch_dropped", "prefetch_shed", "prefetch_hits", "prefetch_wasted",
-    "bytes_read", "fills", "fill_errors", "failed_experts", "background_pending", "fill_seconds",
+    "bytes_read", "fills", "fill_errors", "failed_experts", "failed_count",
+    "background_pending", "fill_seconds",
     "fill_gbps", "pinned",
     # clients and their leases (ClientStats, LeaseStats)
     "clients", "client_pools", "leases", "leased_rows", "queued", "lease_expiries",
@@ -103,8 +104,9 @@ class CacheStats:
     pinned: int  # resident rows of pinned keys
     in_flight: int
     # [layer, expert, message] of experts whose latest fill failed (a damaged blob), at most
-    # FAILED_SHOWN; and warm-up and pin fills not done yet
+    # FAILED_SHOWN, pinned ones first, and how many there are; warm-up and pin fills not done yet
     failed_experts: list
+    failed_count: int
     background_pending: int
 
 
