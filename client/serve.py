@@ -356,7 +356,12 @@ def _serve_loaded(httpd, loading, listen, session, model, tokenizer, draft, cli_
         tokenizer.chat_template = cli_args.chat_template  # as mlx_lm.server's load does
         tokenizer.has_chat_template = True
     elif cli_args.use_default_chat_template and tokenizer.chat_template is None:
-        tokenizer.chat_template = tokenizer.default_chat_template
+        # (mlx_lm.server's own read raises: the tokenizers library gives no default now)
+        default = getattr(tokenizer, "default_chat_template", None)
+        if default is None:
+            raise FlagError("--use-default-chat-template: this model's tokenizer has no "
+                            "default chat template; give one with --chat-template TEMPLATE")
+        tokenizer.chat_template, tokenizer.has_chat_template = default, True
     from expertd.client import serve_http  # mlx_lm.server's classes, extended
 
     provider = serve_http.StreamedModelProvider(cli_args, model, tokenizer, names,

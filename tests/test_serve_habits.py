@@ -607,3 +607,18 @@ def test_a_request_still_queued_at_sigterm_is_answered_503_shutting_down(models,
         error = json.loads(body)["error"]
         assert status == 503 and error["code"] == "server_shutting_down", (name, status, body)
         assert error["type"] == "server_error"
+
+
+def test_use_default_chat_template_without_one_is_refused_in_one_line(models, isolated_env):
+    """--use-default-chat-template on a tokenizer that has no default template (the tokenizers
+    library no longer gives one): one line naming --chat-template, exit 2, not an
+    AttributeError's traceback once the model had loaded."""
+    from harness import expertd_cli
+
+    blobs = models.blobs()
+    with Daemon(blobs, isolated_env, "--cache-gb", SMALL_CACHE_GB):
+        done = expertd_cli("serve", "--blobs", blobs, "--port", "0", "--log-level", "WARNING",
+                           "--use-default-chat-template", timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "--chat-template TEMPLATE" in done.stderr, \
+        done.stderr
