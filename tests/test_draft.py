@@ -81,10 +81,11 @@ def test_generate_takes_a_draft_model_and_prints_resident_text(models, isolated_
 
 def test_generate_refuses_a_draft_whose_vocabulary_differs(models, isolated_env, tmp_path):
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
-    run = subprocess.run(
-        [sys.executable, "-m", "expertd", "generate", "--blobs", str(blob_dir), "--prompt", "x",
-         "--draft-model", str(tmp_path / "nothing-here")],
-        env=isolated_env, capture_output=True, text=True, timeout=120)
+    with Daemon(blob_dir, isolated_env):  # (without one, that is what generate says first)
+        run = subprocess.run(
+            [sys.executable, "-m", "expertd", "generate", "--blobs", str(blob_dir), "--prompt",
+             "x", "--draft-model", str(tmp_path / "nothing-here")],
+            env=isolated_env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert "draft" in run.stderr and "Traceback" not in run.stderr
 

@@ -107,7 +107,7 @@ def ensure_daemon(args) -> None:
         DaemonError: the daemon started for ``--start`` did not come up.
     """
     from expertd.cli.daemon_control import start_detached_from
-    from expertd.cli.main import build_parser
+    from expertd.cli.options import add_start_flags
     from expertd.client.attach import check_served
     from expertd.errors import DaemonError, DaemonNotRunning
     from expertd.paths import daemon_paths
@@ -122,8 +122,12 @@ def ensure_daemon(args) -> None:
             raise
         if not args.start:
             raise DaemonNotRunning(f"{exc}, or give this command --start") from None
-    start = build_parser().parse_args([*(["-v"] if args.verbose else []), "start", "--blobs",
-                                       str(paths.blob_dir)])
+    # `expertd start --blobs DIR`'s flags at their defaults, from the start command's own
+    # declaration (options.py), as its parser would read them
+    parser = argparse.ArgumentParser(add_help=False)
+    add_start_flags(parser)
+    start = parser.parse_args(["--blobs", str(paths.blob_dir)])
+    start.verbose = args.verbose
     try:
         stats, log_file = start_detached_from(start)
     except DaemonError:
