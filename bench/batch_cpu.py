@@ -123,7 +123,8 @@ def run(args) -> dict:
                 batch=args.batch, tokens=args.tokens, pool_rows=pools, rounds=rounds,
                 ratio=ratio, counters={k: counters[k] for k in (
                     "steps", "unchecked_steps", "speculative_steps", "replays", "host_waits",
-                    "decode_tokens", "batch_steps", "routed_pairs", "union_experts")})
+                    "decode_tokens", "batch_steps", "routed_pairs", "union_experts",
+                    "pulled_rows", "pulled_bytes")})
 
 
 def section(r: dict) -> str:
