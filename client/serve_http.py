@@ -190,6 +190,13 @@ class ExpertdHandler(APIHandler):
                 status_code, code = 503, "server_shutting_down"
             elif isinstance(failure, ModelNotServed):
                 code, self._param = "model_not_found", "model"
+            elif isinstance(failure, ValueError):  # the provider's: adapters, a draft model
+                status_code = 400
+                said = str(failure)
+                self._param = ("adapters" if said.startswith("adapters") else "draft_model"
+                               if said.startswith("draft model") else None)
+            elif failure is not None:  # the generation thread died, or a bug of ours: not
+                status_code = 500  # the caller's "not found"
         self._error = ((status_code, code, getattr(self, "_param", None))
                        if status_code >= 400 else None)
         super()._set_completion_headers(status_code)
@@ -247,6 +254,11 @@ class ExpertdHandler(APIHandler):
         refused = unsupported(body, self.path.endswith("/chat/completions"))
         if refused is not None:  # what it would otherwise ignore
             raise refused
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list)
+                                      and all(isinstance(t, dict) for t in tools)):
+            raise RequestRefused("tools", "tools must be a list of objects (OpenAI's tool "
+                                 "definitions)")
         tokenizer = self.response_generator.model_provider.streamed[1]
         if body.get("tools") and not getattr(tokenizer, "has_chat_template", False):
             # mlx-lm joins the messages as plain text for a model without a chat template,

@@ -177,6 +177,10 @@ def test_names_and_refusals_in_openai_shape(models, isolated_env, tmp_path):
                 {"type": "text", "text": "Hi"},
                 {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x"}}]}],
                 max_tokens=2),
+            "tools ": dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                           tools="x"),
+            # A provider's refusal (adapters not loaded here) is the caller's error: 400.
+            "adapters": dict(prompt="Once", max_tokens=2, adapters="/nowhere"),
             # The synthetic model has no chat template: its tools would vanish unsaid.
             "tools": dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=2, tools=[
                 {"type": "function", "function": {"name": "f", "parameters": {}}}]),
