@@ -26,7 +26,7 @@ from expertd.retry import RetryPolicy
 from expertd.runfile import elsewhere, serving_epoch
 
 from .arena_view import ArenaView
-from .counters import heartbeat_report
+from .counters import heartbeat_report, new_step_counters
 from .heartbeat import Heartbeat
 from .interrupts import HeldInterrupts
 from .links import Links, weak_method
@@ -87,6 +87,7 @@ class Attachment:
         self.reconnect_timeout = reconnect_timeout
         self.requested_group = max_group or max(64, 4 * self.manifest.top_k)
         self.counters = counters
+        self.step_counters = new_step_counters()  # the steps' (see report_steps)
         self.pool_bytes = 0  # the client's expert memory: its pools (see announce_pools)
         self.conn = self.view = self.requester = self._heartbeat = None
         self.epoch = None  # the attached daemon's (kept across a detach: see unanswered)
@@ -300,8 +301,13 @@ class Attachment:
         heartbeat = self._heartbeat
         return heartbeat.time_to_dead if heartbeat is not None and heartbeat.stuck else None
 
+    def report_steps(self, counters: dict) -> None:
+        """Carry the steps' ``counters`` (step.Steps owns them; see counters.STEP_COUNTERS) in
+        the heartbeats, for the daemon's status."""
+        self.step_counters = counters
+
     def _heartbeat_report(self) -> dict:
-        return heartbeat_report(self.counters, self.pulling.counters())
+        return heartbeat_report(self.step_counters, self.pulling.counters())
 
     # ---- requests --------------------------------------------------------------------------
 

@@ -12,13 +12,15 @@ REPLAY_COUNTERS = tuple(f"replays_{cause}" for cause in REPLAY_CAUSES if cause !
 # experts among them (see StepCheck.count_union).
 BATCH_COUNTERS = ("decode_tokens", "batch_steps", "routed_pairs", "union_experts")
 SESSION_COUNTERS = ("fast_hits", "demanded", "drained", "retries", "reconnects", "late_leases",
-                    "prefetch_asked", "misses", "prefetch_saved", "hits_reported", "steps",
-                    "host_waits", "speculative_steps", "unchecked_steps", "replays",
-                    "pulled_steps", *BATCH_COUNTERS, *REPLAY_COUNTERS)
+                    "prefetch_asked", "misses", "prefetch_saved", "hits_reported")
+# The steps' own (step.Steps owns them; its layers count their waits and batches into them).
+STEP_COUNTERS = ("steps", "host_waits", "speculative_steps", "unchecked_steps", "replays",
+                 "pulled_steps", *BATCH_COUNTERS, *REPLAY_COUNTERS)
 # Where the main thread's time goes per MoE layer call (see layer.py); the last three: a
 # speculative step's building, its one wait, its bookkeeping.
 TIMING = ("sync_s", "exposed_s", "copy_s", "fill_wait_s", "copier_wait_s", "prestage_s",
-          "layers", "step_build_s", "step_wait_s", "step_book_s")
+          "layers")
+STEP_TIMING = ("step_build_s", "step_wait_s", "step_book_s")
 
 
 def new_counters() -> dict:
@@ -31,9 +33,18 @@ def new_timing() -> dict:
     return {key: 0 if key == "layers" else 0.0 for key in TIMING}
 
 
+def new_step_counters() -> dict:
+    """A model's steps' counters, every one at 0."""
+    return dict.fromkeys(STEP_COUNTERS, 0)
+
+
+def new_step_timing() -> dict:
+    return dict.fromkeys(STEP_TIMING, 0.0)
+
+
 def heartbeat_report(counters: dict, pulled: dict) -> dict:
-    """What a heartbeat carries for the daemon's status: the session's ``counters`` of steps,
-    and ``pulled`` (the session's pull counters) in the wire's names."""
+    """What a heartbeat carries for the daemon's status: the steps' ``counters`` (see
+    STEP_COUNTERS), and ``pulled`` (the session's pull counters) in the wire's names."""
     return {"steps": counters["steps"], "host_waits": counters["host_waits"],
             "replays": counters["replays"], "pulled_rows": pulled["rows_pulled"],
             "pulled_bytes": pulled["bytes_pulled"],

@@ -121,11 +121,21 @@ class StepMode:
 
     speculative: bool = False
     records: list | None = None  # the step's StepRecords; None: the step checks nothing
+    counters: dict = field(default_factory=dict)  # the steps' counters (step.Steps sets it)
 
     def report(self, layer: "StreamedLayer", ids, status=None, arrays=None) -> None:
         """A layer's speculative call, for the step's check: the layers' one way to the step."""
         if self.records is not None:
             self.records.append(StepRecord(layer, ids, status, arrays))
+
+    def waited(self, pairs: int = 0, union: int = 0) -> None:
+        """A layer's call outside a speculative step waited for its router's ids; a batch's
+        decode (``pairs`` routed, ``union`` distinct experts among them) is counted too."""
+        counters = self.counters
+        if counters:
+            counters["host_waits"] += 1
+            counters["routed_pairs"] += pairs
+            counters["union_experts"] += union
 
 
 @dataclass
@@ -186,16 +196,15 @@ class StreamedLayer:
             mx.eval(indices, guess)
         idx = np.array(indices)  # the one host sync of this layer: the router's choice
         synced = time.perf_counter()
-        session.counters["host_waits"] += 1
         if self.previous is not None:
             # That sync evaluated the previous layer's output (the router's input depends on
             # it): its rows may be rewritten without waiting, and its memory can go.
             self.previous.pool.evaluated()
         pool.begin_call()
         unique = distinct(idx)
-        if idx.ndim >= 3 and idx.shape[-2] == 1 and idx.size > idx.shape[-1]:  # a batch's
-            session.counters["routed_pairs"] += idx.size  # decode (see StepCheck.count_union)
-            session.counters["union_experts"] += len(unique)
+        batch = idx.ndim >= 3 and idx.shape[-2] == 1 and idx.size > idx.shape[-1]
+        # (a batch's decode: see StepCheck.count_union)
+        self.mode.waited(idx.size if batch else 0, len(unique) if batch else 0)
         if pool.ahead is not None:
             waited = time.perf_counter()
             pool.commit_ahead(session.epoch)

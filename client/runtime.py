@@ -8,6 +8,8 @@ passes on the few things of the session a model's user reads (counters, stats, c
 rest is reached as ``session`` (no attribute is forwarded by name).
 """
 
+from collections import ChainMap
+
 from .pool import POOL_COUNTERS
 
 
@@ -30,13 +32,14 @@ class Runtime:
     # What a user of the model reads of its daemon session; the rest is ``session``'s own.
 
     @property
-    def counters(self) -> dict:
-        """The session's counters (see counters.py), the steps' among them."""
-        return self.session.counters
+    def counters(self):
+        """The steps' counters and the session's, as one live mapping (see counters.py)."""
+        return ChainMap(self.steps.counters, self.session.counters)
 
     @property
-    def timing(self) -> dict:
-        return self.session.timing
+    def timing(self):
+        """Where the time goes: the steps' and the session's layer calls', as one mapping."""
+        return ChainMap(self.steps.timing, self.session.timing)
 
     @property
     def manifest(self):
@@ -85,7 +88,7 @@ class Runtime:
         pools = self.pool_counters()
         pulled = self.session.pull_counters()
         # A prompt's rows staged outside the pool were copied from the arena as moved ones are.
-        return {**self.session.counters, "pool_hits": pools["hits"],
+        return {**self.session.counters, **self.steps.counters, "pool_hits": pools["hits"],
                 "pool_moved": pools["moved"] + pools["staged"],
                 "pulled_rows": pulled["rows_pulled"], "pulled_bytes": pulled["bytes_pulled"],
                 "pull_s": pulled["pull_s"], "pull_timed_bytes": pulled["timed_bytes"],

@@ -43,7 +43,7 @@ import numpy as np
 
 from expertd.retry import RetryPolicy
 
-from .counters import REPLAY_CAUSES
+from .counters import REPLAY_CAUSES, new_step_counters, new_step_timing
 from .kvcache import replayable, stacks_fit, token_shape, trim
 from .layer import DECODE_IDS, StepMode
 from .pool import free_memory
@@ -96,8 +96,8 @@ class Steps:
     """The steps of one streamed model.
 
     Args:
-        session: the client session (its counters get ``steps``, ``host_waits``,
-            ``speculative_steps``, ``unchecked_steps`` and ``replays``).
+        session: the client session (its puller, epoch record and requests; it carries
+            this object's :attr:`counters` in its heartbeats).
         layers: the model's :class:`~expertd.client.layer.StreamedLayer` s, in order.
         mode: the :class:`~expertd.client.layer.StepMode` the layers ask (this sets it).
         speculate: "auto" (default: speculate while replays are rare), "on" or "off".
@@ -107,11 +107,16 @@ class Steps:
     def __init__(self, session, layers: list, mode: StepMode, speculate: str = "auto",
                  pipeline: bool = False):
         self.session, self.layers, self.mode = session, layers, mode
+        # The steps' statistics are their own (counters.STEP_COUNTERS, STEP_TIMING): the
+        # layers count into them through the mode, and the session reports them.
+        self.counters, self.timing = new_step_counters(), new_step_timing()
+        mode.counters = self.counters
+        session.report_steps(self.counters)
         self.speculation = Speculation(speculate)
         self.pipeline = pipeline
         self._settled = None  # when the last pipelined step was checked, another in flight
         self._planned = None  # plan()'s decision for the next launch
-        self.checks = StepCheck(session)
+        self.checks = StepCheck(session, self.counters)
         self._top_k = session.manifest.top_k
         self.drains = Drains()
         # Prompts speculate: None where the puller pulls on the device (the host copy waits
@@ -166,7 +171,7 @@ class Steps:
         # it, the session attaches again here (or raises DaemonNotRunning), before any layer.
         self.session.check_alive()
         self.checks.flush()  # the pools may change during this step: count what waited first
-        counters = self.session.counters
+        counters = self.counters
         counters["steps"] += 1
         if self._unchecked():
             # Every pool holds every expert at its index and nothing moves during the step:
@@ -271,7 +276,7 @@ class Steps:
         loop's held step (see :meth:`hold`) is settled first."""
         self.settle_held()
         self.session.check_alive()
-        counters = self.session.counters
+        counters = self.counters
         counters["steps"] += 1
         sequences = self._count_decode(token_shape(inputs, kwargs))
         if self._unchecked():
@@ -339,8 +344,8 @@ class Steps:
         self._settled = checked if more else None
         cause, found = self._book(step.records, step.flat, lost, step.launched is not None,
                                   promote=not more)
-        session.timing["step_wait_s"] += checked - waited
-        session.timing["step_book_s"] += time.perf_counter() - checked
+        self.timing["step_wait_s"] += checked - waited
+        self.timing["step_book_s"] += time.perf_counter() - checked
         if cause != "absent":
             self.speculation.record(cause is not None)
         if cause is not None:
@@ -410,7 +415,7 @@ class Steps:
         waited = time.perf_counter()
         cause, found = self._book(records, flat, lost,
                                   any(r.status is not None for r in records))
-        timing = session.timing
+        timing = self.timing
         timing["step_build_s"] += built - started
         timing["step_wait_s"] += waited - built
         timing["step_book_s"] += time.perf_counter() - waited
@@ -422,7 +427,7 @@ class Steps:
         its epoch was revoked): ``(cause, found)``. A good step that ``pulled`` moves
         :attr:`drains` on: checked with another step in flight (not ``promote``), a
         pipelined one; with nothing in flight, a drain."""
-        counters = self.session.counters
+        counters = self.counters
         counters["host_waits"] += 1
         counters["speculative_steps"] += 1
         counters["pulled_steps"] += pulled
@@ -459,7 +464,7 @@ class Steps:
         return [mx.concatenate(part) for part in (ids, statuses) if part]
 
     def _count_replay(self, cause: str) -> None:
-        counters = self.session.counters
+        counters = self.counters
         counters["replays"] += 1
         log.debug("step %d replayed: %s", counters["steps"], REPLAY_CAUSES[cause])
         if cause != "pool":
@@ -471,14 +476,14 @@ class Steps:
         if not shape or shape[-1] != 1:
             return 0
         sequences = math.prod(shape)
-        counters = self.session.counters
+        counters = self.counters
         counters["decode_tokens"] += sequences
         counters["batch_steps"] += sequences > 1
         return sequences
 
     def _uncount(self, step: Launched) -> None:
         """A launched step that runs again (replayed, or launched anew) is counted then."""
-        counters = self.session.counters
+        counters = self.counters
         counters["steps"] -= 1
         counters["decode_tokens"] -= step.sequences
         counters["batch_steps"] -= step.sequences > 1
@@ -500,7 +505,7 @@ class Steps:
         routed expert, at most ``pairs``, every layer's: they may all be allocated before the
         first is freed) fit, as a prompt's must (:func:`stacks_fit`). Asked of the free memory
         once per batch size, and again every BATCH_FIT_EVERY steps."""
-        steps = self.session.counters["steps"]
+        steps = self.counters["steps"]
         if steps - self._fits_at >= BATCH_FIT_EVERY:
             self._fits, self._fits_at = {}, steps
         fits = self._fits.get(pairs)

@@ -59,12 +59,12 @@ class StepCheck:
     """The check of one streamed model's steps, and the pulled steps' counting it defers.
 
     Args:
-        session: the client session (its puller, and the counters ``routed_pairs`` and
-            ``union_experts``).
+        session: the client session (its puller).
+        counters: the steps' counters (``routed_pairs`` and ``union_experts`` count here).
     """
 
-    def __init__(self, session):
-        self.session = session
+    def __init__(self, session, counters: dict):
+        self.session, self.counters = session, counters
         # layer index -> (layer, [(rows, experts)] of its pulled steps not yet counted)
         self.deferred: dict = {}
 
@@ -141,7 +141,7 @@ class StepCheck:
         """A checked step of several sequences: the pairs its layers routed, and the distinct
         experts among them (``experts``: each layer's, in ``parts``' order), whose ratio says
         how much a batch's pulls are shared."""
-        counters = self.session.counters
+        counters = self.counters
         for (_, part), used in zip(parts, experts):
             counters["routed_pairs"] += part.stop - part.start
             counters["union_experts"] += len(np.unique(used[used >= 0]))

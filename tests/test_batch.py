@@ -129,7 +129,7 @@ def test_a_device_puller_s_batch_steps_are_one_compiled_graph_a_layer(models, is
                 assert all(layer.traces > b for layer, b in zip(layers, before))
                 assert all(("block", "stacked") in layer._graphs for layer in layers)
             assert sum(layer.pool.counters["promoted"] for layer in layers) > 0
-            assert session.counters["union_experts"] < session.counters["routed_pairs"]
+            assert steps.counters["union_experts"] < steps.counters["routed_pairs"]
         finally:
             session.puller = None
             runtime.close()

@@ -228,7 +228,7 @@ def test_pulled_calls_compile_with_the_puller_they_were_made_with(models, isolat
         first = session.puller = GatherPuller(session.puller, stacks)
         try:
             run = Lockstep(resident, model)
-            before = counters(session)
+            before = counters(runtime)
             for step in range(18):
                 if step == 7:
                     session.puller = GatherPuller(first, stacks)
@@ -238,7 +238,7 @@ def test_pulled_calls_compile_with_the_puller_they_were_made_with(models, isolat
                 if step == 7:
                     assert not any(entry[0] is first for layer in layers
                                    for entry in layer._graphs.values())
-            d = delta(counters(session), before)
+            d = delta(counters(runtime), before)
             # (a pull that found its expert absent from the arena runs the step again, without
             # waits, once the daemon has read it: a second speculative attempt)
             assert d["steps"] == 18 and d["speculative_steps"] >= 18 and d["replays"] <= 6, d
@@ -268,10 +268,10 @@ def test_auto_probes_the_per_layer_cost_only_with_the_host_copy(models, isolated
             session.puller = GatherPuller(session.puller, expert_stacks(resident, session.manifest))
         try:
             run = Lockstep(resident, model)
-            before = counters(session)
+            before = counters(runtime)
             for _ in range(2 * MIN_WINDOW):
                 run.step()
-            d = delta(counters(session), before)
+            d = delta(counters(runtime), before)
             if device:  # nothing is ever absent: the stand-in pulls the checkpoint's bytes
                 assert d["replays"] == 0 and d["host_waits"] == d["speculative_steps"] \
                     == 2 * MIN_WINDOW, d
