@@ -121,7 +121,9 @@ def test_serve_with_adapters_answers_mlx_lms_text_with_them(qwen, isolated_env, 
                 server.client.completions.create(model="default_model", prompt=prompt,
                                                  max_tokens=n,
                                                  extra_body={"adapters": "elsewhere"})
-            assert refused.value.status_code == 404, refused.value  # as a model not served
+            # The caller's error, naming the parameter (mlx_lm.server answers 404 not found)
+            assert refused.value.status_code == 400, refused.value
+            assert refused.value.response.json()["error"]["param"] == "adapters"
             assert "--adapter-path" in str(refused.value)
 
 
