@@ -55,11 +55,13 @@ def stacked(shape) -> bool:
 
 
 class StackedRows(list):
-    """A stacked call's arrays (see :meth:`StreamedLayer._stacked_call`): expert e's bytes
-    are in row e, or, where the stack is ``compact`` (fewer rows than experts), in the row of
-    e's rank among the call's routed experts."""
+    """A stacked call's arrays (see :func:`stacked_compute`) for a layer of ``experts``:
+    expert e's bytes are in row e, or, where the stack is ``compact`` (fewer rows than
+    experts), in the row of e's rank among the call's routed experts."""
 
-    compact = False
+    def __init__(self, arrays, experts: int):
+        super().__init__(arrays)
+        self.compact = arrays[0].shape[0] < experts
 
 
 def stacked_compute(module, segments: list, x, indices, n: int, assemble) -> tuple:
@@ -88,8 +90,7 @@ def stacked_compute(module, segments: list, x, indices, n: int, assemble) -> tup
         rank = mx.cumsum(routed.astype(mx.int32)) - 1
         ids = rank[indices].astype(indices.dtype)
     arrays, rows = assemble(want)  # the host copy waits for want
-    stack = StackedRows(arrays)
-    stack.compact = rank is not None
+    stack = StackedRows(arrays, n)
     status = rows[flat] if rank is None else rows[rank[flat]]
     return compute(module, segments, arrays, x, ids), status, stack
 
@@ -422,8 +423,7 @@ class StreamedLayer:
         else:
             arrays = rest[1:]
             if kind == "stacked":
-                arrays = StackedRows(arrays)
-                arrays.compact = math.prod(indices.shape) < self.num_experts
+                arrays = StackedRows(arrays, self.num_experts)
             self.mode.report(self, indices, rest[0], arrays)
         return y
 
