@@ -5,7 +5,8 @@
 # Installs MLX's CUDA backend and the project (skipped on a warm machine with INSTALLED=1), then
 # TESTS=1: the batch exactness tests on the device (its own pull too); CASES (serve_load.py's,
 # default "pooled"; "none": the tests alone), CLIENTS (default 1,4,8,16), ROUNDS (3), TOKENS
-# (64); PULL=1 also runs gpu_pull.py's pooled-own case (expertd's loop, which chat decodes on);
+# (64); PULL=CASES also runs gpu_pull.py's cases (PULL=1: pooled-own, expertd's loop, which
+# chat decodes on; e.g. PULL=pooled-own,warm for the single-sequence bars), after the serve runs;
 # BATCH=N first runs batch_cpu.py --gpu with N sequences (one process, side by side, compiled and
 # plain).
 set -u
@@ -30,8 +31,9 @@ if [ "${CASES:-pooled}" != none ]; then
     --out "$OUT/serve.json" --logs "$OUT/logs" > "$OUT/serve.log" 2>&1
   echo "serve_load rc=$? at ${SECONDS}s"; grep "^| \|clients\|Error\|error" "$OUT/serve.log" | tail -20
 fi
-if [ "${PULL:-0}" = 1 ]; then
-  timeout $(( 585 - SECONDS )) python3 gpu_pull.py --cases pooled-own --rounds "${ROUNDS:-3}" \
+if [ "${PULL:-0}" != 0 ]; then
+  [ "$PULL" = 1 ] && PULL=pooled-own
+  timeout $(( 585 - SECONDS )) python3 gpu_pull.py --cases "$PULL" --rounds "${ROUNDS:-3}" \
     --tokens 32 --out "$OUT/pull.json" > "$OUT/pull.log" 2>&1
   echo "gpu_pull rc=$? at ${SECONDS}s"; grep "^| \|Error\|error" "$OUT/pull.log" | tail -6
 fi
