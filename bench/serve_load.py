@@ -43,6 +43,7 @@ SECTION = "## GPU: serving under load (issue 42)"
 CPU_SECTION = "## CPU: serving under load, a small model (issue 42; its bars are the GPU's)"
 CAPPED = 0.25  # of the experts: the capped arena (the pools: gpu_pull.pull_model's, the same)
 BARS = dict(pooled=0.8, target=0.9, bytes=0.85, disk=0.8)
+STEP_KEYS = ("steps", "replays", "replays_absent", "host_waits", "batch_steps")
 START_TIMEOUT = 600.0
 
 
@@ -191,10 +192,17 @@ def capped_case(blob_dir, capped_gb, pool_gb, args, env) -> dict:
                         m0["expertd_client_routed_pairs_total"]
                     union = m1["expertd_client_union_experts_total"] - \
                         m0["expertd_client_union_experts_total"]
+                    # Where a step's time goes: its replays (rows absent from the arena)
+                    # and host waits, per decode step.
+                    moved = {key: m1[f"expertd_client_{key}_total"]
+                             - m0[f"expertd_client_{key}_total"] for key in STEP_KEYS}
+                    steps = max(1, moved["steps"])
                     rounds.append(dict(tps=r["tps"], bytes_per_token=read / r["tokens"],
-                                       union_ratio=union / pairs if pairs else 1.0))
-                out[clients] = {k: statistics.median(x[k] for x in rounds)
-                                for k in ("tps", "bytes_per_token", "union_ratio")}
+                                       union_ratio=union / pairs if pairs else 1.0,
+                                       read_gbps=read / r["seconds"] / 1e9,
+                                       **{f"{key}_per_step": moved[key] / steps
+                                          for key in STEP_KEYS if key != "steps"}))
+                out[clients] = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
                 print(f"capped {clients} clients: {out[clients]}", flush=True)
         finally:
             ours.close()
@@ -274,6 +282,12 @@ def table(r: dict) -> str:
                   f"{c['disk_gbps']:.2f} GB/s ÷ bytes/token = {disk:.0f} tok/s) | | "
                   f"{eight['tps'] / bound:.2f} | | ≥ {BARS['disk']} | "
                   f"{'pass' if eight['tps'] / bound >= BARS['disk'] else 'FAIL'} |"]
+        if "read_gbps" in eight:
+            lines.append("| read GB/s; replays (absent) and host waits a step | "
+                         + " | ".join(f"{x['read_gbps']:.2f}; {x['replays_per_step']:.2f} "
+                                      f"({x['replays_absent_per_step']:.2f}), "
+                                      f"{x['host_waits_per_step']:.2f}" for x in (one, eight))
+                         + " | | | |")
     return "\n".join(lines) + "\n"
 
 

@@ -72,25 +72,8 @@ class Requester:
                 return self.ask(op, body, held, timeout)
         with self.lock:
             rid = self.conn.next_rid()
-            if op is Op.DEMAND:
-                self.demands.add(rid)  # before the send: its reply is never unaccounted for
-            try:
-                self.conn.send_frames(request(rid, op, body))
-                if held.pending:
-                    held.deliver()  # KeyboardInterrupt: the demand, if any, stays recorded
-                return self.conn.wait(rid, timeout, lambda: self._idle(held),
-                                      lambda got, reply: self._read_reply(got, reply, rid))
-            except DaemonUnreachable as exc:
-                raise self._died(exc) from None
-            except NoReply:
-                raise DaemonError(f"{self._daemon} serving {self.blob_dir} holds its lock but "
-                                  f"has not answered for {timeout:g} s (stopped, or stuck?); "
-                                  f"restart it with: expertd restart --blobs {self.blob_dir}"
-                                  ) from None
-            except BaseException:
-                if self.demands:
-                    self.reap_soon.set()  # to release the late lease as soon as it comes
-                raise
+            return self._exchange({rid: (op, body)}, held, timeout,
+                                  lambda got, reply: self._read_reply(got, reply, rid))[rid]
 
     def demand(self, layer: int, experts: np.ndarray, held: HeldInterrupts) -> tuple:
         """One round trip for a group: the daemon leases what is resident (so filling the rest
@@ -101,11 +84,64 @@ class Requester:
             ``(slots, versions)`` of the leased rows, one per expert.
         """
         reply = self.ask(Op.DEMAND, {"layer": layer, "experts": experts.tolist()}, held)
-        self.counters["demanded"] += len(experts)
-        self.counters["misses"] += reply.get("misses", 0)
-        self.counters["prefetch_saved"] += reply.get("saved", 0)
+        self._count_demand(len(experts), reply)
         return (np.asarray(reply["rows"], dtype=np.int32),
                 np.asarray(reply["versions"], dtype=np.uint64))
+
+    def demand_all(self, groups: list, held: HeldInterrupts) -> None:
+        """Have the daemon read the rows of ``groups`` (``(layer, experts)`` each, every one
+        within the daemon's demand limit) into its arena: the demands go out together and
+        their replies are read as they come, so the daemon's pread pool reads every group's
+        rows at once, not one layer's few rows a round trip. Each lease is released as its
+        reply is read: none is kept, so a small arena never waits on leases of our own
+        (what was read is found through the slot table, under a step's epoch)."""
+        with self.lock:
+            asked = {self.conn.next_rid(): (Op.DEMAND, {"layer": layer,
+                                                        "experts": experts.tolist()})
+                     for layer, experts in groups}
+            sizes = {rid: len(body["experts"]) for rid, (_, body) in asked.items()}
+
+            def book(got: bytes, reply: dict) -> None:
+                if got not in sizes:
+                    self._read_reply(got, reply, None)
+                    return
+                self.demands.discard(got)
+                if reply.get("ok"):
+                    self._count_demand(sizes[got], reply)
+                    if "lease" in reply:
+                        self.send_quietly(Op.RELEASE, {"lease": reply["lease"]})
+
+            self._exchange(asked, held, REQUEST_TIMEOUT, book)
+
+    def _count_demand(self, experts: int, reply: dict) -> None:
+        self.counters["demanded"] += experts
+        self.counters["misses"] += reply.get("misses", 0)
+        self.counters["prefetch_saved"] += reply.get("saved", 0)
+
+    def _exchange(self, asked: dict, held: HeldInterrupts, timeout: float, on_reply) -> dict:
+        """Send ``asked`` (``{request id: (op, body)}``) and wait for every reply (the lock
+        held): their bodies by request id; ``on_reply`` books each reply read. A demand is
+        recorded before it is sent, so its reply is never unaccounted for; one whose wait ends
+        early (an interrupt, an error) is released when its late reply comes."""
+        try:
+            for rid, (op, body) in asked.items():
+                if op is Op.DEMAND:
+                    self.demands.add(rid)  # before the send: its reply is never unaccounted for
+                self.conn.send_frames(request(rid, op, body))
+            if held.pending:
+                held.deliver()  # KeyboardInterrupt: the demands, if any, stay recorded
+            return self.conn.wait_all(asked, timeout, lambda: self._idle(held), on_reply)
+        except DaemonUnreachable as exc:
+            raise self._died(exc) from None
+        except NoReply:
+            raise DaemonError(f"{self._daemon} serving {self.blob_dir} holds its lock but "
+                              f"has not answered for {timeout:g} s (stopped, or stuck?); "
+                              f"restart it with: expertd restart --blobs {self.blob_dir}"
+                              ) from None
+        except BaseException:
+            if self.demands:
+                self.reap_soon.set()  # to release the late lease as soon as it comes
+            raise
 
     def prefetch(self, layer: int, experts: np.ndarray, core: int, claim: np.ndarray) -> None:
         """Ask the daemon to read ``experts`` (best first; the first ``core`` are the next

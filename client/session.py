@@ -29,6 +29,9 @@ DRAIN_TIMEOUT = 0.05
 # A leased row's copy that changed under it (the lease lapsed, held past the daemon's bound)
 # is leased again, until one holds.
 LEASE_AGAIN = RetryPolicy()
+# Demands sent together (demand_absent_all): the daemon queues up to 32 of a client's demands
+# (serving/server.py MAX_QUEUED_PER_CLIENT) and refuses more as busy.
+DEMANDS_AT_ONCE = 16
 
 __all__ = ["DaemonDied", "Session", "check_served", "notice"]
 
@@ -169,16 +172,27 @@ class Session(Attachment):
     def demand_absent(self, layer: int, experts: np.ndarray) -> None:
         """Have the daemon read ``experts`` of ``layer`` into its arena (a step found them
         absent), waiting for the reads; nothing stays leased."""
+        self.demand_absent_all([(layer, experts)])
+
+    def demand_absent_all(self, groups: list) -> None:
+        """:meth:`demand_absent` of every ``(layer, experts)`` of ``groups`` at once (what a
+        step found absent in all its layers): the daemon reads them all in parallel, and this
+        waits once for the lot."""
         self.check_alive()
-        log.debug("layer %d: %d experts absent from the arena, demanded", layer, len(experts))
+        limit = self.demand_limit
+        chunks = [(layer, experts[start:start + limit]) for layer, experts in groups
+                  for start in range(0, len(experts), limit)]
+        log.debug("%d experts absent from the arena in %d layers, demanded",
+                  sum(len(experts) for _, experts in chunks), len(groups))
 
         def demand() -> None:
             requester = self.requester
             with requester.lock, HeldInterrupts() as held:
                 try:
-                    for start in range(0, len(experts), self.demand_limit):
-                        requester.demand(layer, experts[start:start + self.demand_limit], held)
-                        requester.release_all()
+                    # At most DEMANDS_AT_ONCE wait in the daemon at a time (it queues a
+                    # client's demands up to a bound, then refuses them busy).
+                    for start in range(0, len(chunks), DEMANDS_AT_ONCE):
+                        requester.demand_all(chunks[start:start + DEMANDS_AT_ONCE], held)
                 finally:
                     requester.release_all()
 

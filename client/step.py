@@ -224,8 +224,8 @@ class Steps:
             # A client the daemon forgot (stopped past its client timeout) holds no epoch
             # record: attach again first, or the replay would be lost the same way.
             self.session.check_alive()
-            for layer, experts in found.absent[:1] if prompt else found.absent:
-                self.session.demand_absent(layer.index, experts)
+            self.session.demand_absent_all([(layer.index, experts) for layer, experts
+                                            in (found.absent[:1] if prompt else found.absent)])
         return None
 
     def _prompt(self, forward, inputs, args: tuple, kwargs: dict, cache, tokens: int):
@@ -356,8 +356,8 @@ class Steps:
                 session.drop_puller(found.drifted)  # once nothing in flight reads it
             self._uncount(step)  # the replay through the model counts it (as run() does)
             self._count_replay(cause)
-            for layer, experts in found.absent:
-                session.demand_absent(layer.index, experts)
+            session.demand_absent_all([(layer.index, experts)
+                                       for layer, experts in found.absent])
         return cause
 
     def abandon(self, step: Launched) -> None:

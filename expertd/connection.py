@@ -119,6 +119,15 @@ class Connection:
             DaemonError: any other error reply (``code`` set).
             NoReply: no reply within ``timeout`` s.
         """
+        return self.wait_all((rid,), timeout, on_idle, on_reply)[rid]
+
+    def wait_all(self, rids, timeout: float, on_idle=None, on_reply=None) -> dict:
+        """Wait for the replies to every one of ``rids`` (requests sent together, answered in
+        any order) and return their bodies by request id, as :meth:`wait` does for one. The
+        first error reply among them raises at once; the replies still to come are read later
+        as any late reply is (``on_reply`` sees each). ``timeout`` bounds the whole wait."""
+        waiting = set(rids)
+        bodies = {}
         deadline = time.monotonic() + timeout
         while True:
             left = max(0.0, deadline - time.monotonic())
@@ -127,9 +136,13 @@ class Connection:
                     got, op, body = self.recv()
                     if on_reply is not None:
                         on_reply(got, body)
-                    if got == rid:
-                        return self._checked(op, body)
-                    self.stray_errors += not body.get("ok", False)
+                    if got in waiting:
+                        bodies[got] = self._checked(op, body)
+                        waiting.discard(got)
+                        if not waiting:
+                            return bodies
+                    else:
+                        self.stray_errors += not body.get("ok", False)
                 continue
             if on_idle is not None:
                 on_idle()

@@ -140,6 +140,71 @@ def test_sigint_anywhere_in_fetch_leaks_no_lease(models, isolated_env):
     assert "Traceback" not in err, err
 
 
+
+# ---- a step's absent rows, every layer's demanded at once ---------------------------------------
+
+def _no_leases_left(blobs) -> None:
+    wait_until(lambda: query_stats(blobs)["leases"] == 0, REAP_BOUND,
+               "every lease of the demands to be released")
+
+
+@pytest.mark.timeout(60)
+def test_absent_rows_of_every_layer_are_demanded_at_once_and_none_stays_leased(blobs,
+                                                                              isolated_env):
+    """demand_absent_all sends one demand a layer (chunked by the daemon's demand limit)
+    before it reads any reply, and returns once every one was answered: each row is then in
+    the arena, each demand was one the daemon saw, and no lease is kept, in an arena that
+    holds every expert and in one that holds far fewer rows than were demanded (the client
+    releases each lease as its reply comes: demands queued behind its own leases finish)."""
+    from expertd.client.session import Session
+
+    groups = [(layer, np.arange(layer, 16, 2, dtype=np.int32)) for layer in range(3)]
+    for cache in ((), tiny_cache(blobs)):
+        with Daemon(blobs, isolated_env, *cache, *PATIENT):
+            session = Session(blobs, reconnect_timeout=5.0)
+            try:
+                before = query_stats(blobs)
+                session.demand_absent_all(groups)
+                after = query_stats(blobs)
+                chunks = sum(-(-len(e) // session.demand_limit) for _, e in groups)
+                assert after["demands"] - before["demands"] == chunks
+                assert chunks > len(groups) or not cache  # the small arena's limit chunks them
+                assert session.counters["demanded"] == sum(len(e) for _, e in groups)
+                assert session.counters["late_leases"] == 0
+                assert not session.requester.leases and not session.requester.demands
+                if not cache:  # every row demanded is there to be read
+                    for layer, experts in groups:
+                        assert (session.lookup(layer, experts).slots >= 0).all()
+                    assert after["misses"] - before["misses"] == sum(len(e) for _, e in groups)
+                _no_leases_left(blobs)
+            finally:
+                session.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_demand_among_several_raises_and_leaks_no_lease(blobs, isolated_env):
+    """One group of a step's demands is refused (an expert out of range): the call raises the
+    daemon's error naming it, the other groups' late replies are released when they come, and
+    the session demands again as before."""
+    from expertd.client.session import Session
+    from expertd.errors import DaemonError
+
+    with Daemon(blobs, isolated_env, *PATIENT):
+        session = Session(blobs, reconnect_timeout=5.0)
+        try:
+            good = np.arange(4, dtype=np.int32)
+            with pytest.raises(DaemonError, match="expert 99 out of range for layer 1"):
+                session.demand_absent_all([(0, good), (1, np.array([3, 99], np.int32)),
+                                           (2, good)])
+            _no_leases_left(blobs)
+            wait_until(lambda: not session.requester.demands, REAP_BOUND,
+                       "the late replies to be read")
+            session.demand_absent_all([(2, good + 4)])
+            assert (session.lookup(2, good + 4).slots >= 0).all()
+            _no_leases_left(blobs)
+        finally:
+            session.close()
+
 # ---- a daemon that is gone or stuck ----------------------------------------------------------
 
 @pytest.mark.timeout(60)  # well inside the 300 s request bound
