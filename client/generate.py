@@ -192,10 +192,13 @@ TEMPLATE_OWN = {"conversation", "messages", "tokenize", "add_generation_prompt",
 
 def _speculation(runtime) -> dict:
     """How the one-wait-a-step mode went: its mode, whether it speculates at the end, how
-    often auto paused it and how often for cost (waiting per layer measured cheaper)."""
+    often auto paused it and how often for cost (waiting per layer measured cheaper), and
+    whether it waits, with the host copy, for steps that would not miss their pools."""
     s = runtime.steps.speculation
+    puller = runtime.puller
     return dict(mode=s.mode, active=s.active, paused=s.stopped,
-                paused_for_cost=s.stopped_by_cost)
+                paused_for_cost=s.stopped_by_cost,
+                waiting=s.waiting(device=puller is not None and puller.traceable))
 
 
 def load_prompt_cache(path: str, model, kv) -> list:
@@ -296,6 +299,9 @@ def summary_line(s: dict) -> str:
                    f"{cost} for cost, {spec['paused'] - cost} for replays")
             line += (f" (speculation paused {spec['paused']} time"
                      f"{'s' * (spec['paused'] != 1)}: {why}; paused steps wait per layer)")
+        elif spec.get("waiting"):
+            line += (" (speculation waiting: the last steps missed their pools, where a "
+                     "speculative step would be computed twice; they wait per MoE layer)")
         line += replay_causes(s)
     if s.get("pulled_rows"):
         rate = pull_rate(s.get("pull_timed_bytes", 0), s.get("pull_s", 0.0))

@@ -21,6 +21,8 @@ MIN_WINDOW = 4  # speculative steps a window needs before its replay rate is jud
 PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to measure that cost
 # (with the host copy; a device puller's waits per layer once a step was replayed)
 TIMED_STEPS = 5  # the latest step times of each kind whose median the verdict weighs
+SHADOW_STEPS = 4  # steps waiting per layer in a row that found every expert in its pool before
+# auto speculates with the host copy (a speculative step there is replayed unless they all are)
 DRAIN_EVERY = 8  # one step in this many is drained (pipelined loop), while drains promote
 MAX_DRAIN_EVERY = 64  # the most, reached by doubling after each drain that promoted nothing
 
@@ -49,6 +51,9 @@ class Speculation:
     retry_after: int = RETRY_AFTER
     stopped: int = 0  # times auto stopped speculating
     stopped_by_cost: int = 0  # of ``stopped``, times the measured costs decided
+    # Steps waiting per layer in a row whose every expert was in its pool before the step (a
+    # speculative step with the host copy would not have been replayed): see :meth:`shadow`.
+    shadow_hits: int = 0
     _spec: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
     _layer: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
 
@@ -89,13 +94,28 @@ class Speculation:
         step."""
         if self._probe_due(device):
             return False  # one step waiting per layer: what speculating is weighed against
-        if self.mode != "auto" or self.active:
+        if self.mode != "auto":
             return self.active
-        self.idle_steps += 1
-        if self.idle_steps >= self.retry_after:
-            self.active, self.idle_steps = True, 0
-            self._spec.clear()  # measured afresh: what stopped it may have passed
-        return self.active
+        if not self.active:
+            self.idle_steps += 1
+            if self.idle_steps >= self.retry_after:
+                self.active, self.idle_steps = True, 0
+                self._spec.clear()  # measured afresh: what stopped it may have passed
+        # With the host copy a speculative step that misses a pool is computed twice, a whole
+        # step on a CPU: auto speculates only once the steps waiting per layer show it would
+        # have hit (SHADOW_STEPS in a row); until then they wait per layer, as they would.
+        return self.active and (device or self.shadow_hits >= SHADOW_STEPS)
+
+    def waiting(self, device: bool = False) -> bool:
+        """auto with the host copy (``device`` False) waits per layer until the shadow shows
+        its steps would hit (:meth:`wanted`): for the summary."""
+        return (self.mode == "auto" and self.active and not device
+                and self.shadow_hits < SHADOW_STEPS)
+
+    def shadow(self, hit: bool) -> None:
+        """A step waiting per layer found every expert it routed to in its pool already
+        (``hit``: a speculative step would not have been replayed), or not."""
+        self.shadow_hits = self.shadow_hits + 1 if hit else 0
 
     def _probe_due(self, device: bool) -> bool:
         if self.mode != "auto" or not self.active or not self.spec_s or self.layer_s:
@@ -103,6 +123,8 @@ class Speculation:
         return self.window_replays > 0 if device else self.window_steps == PROBE_AT
 
     def record(self, replayed: bool) -> None:
+        if replayed:
+            self.shadow_hits = 0  # the host copy's next speculation waits for the shadow again
         self.window_steps += 1
         self.window_replays += replayed
         # Weighed on a replay, and at a window's end. A speculative step that costs as much as

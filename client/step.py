@@ -384,12 +384,21 @@ class Steps:
 
     def _per_layer(self, forward, inputs, args: tuple, kwargs: dict):
         """A decode step waiting in every MoE layer, timed for the speculation's verdict (its
-        logits evaluated, as a speculative step's are)."""
+        logits evaluated, as a speculative step's are), and told it whether the step found
+        every expert in its pool (with the host copy, a speculative step would have hit)."""
+        moved = self._moved()
         started = time.perf_counter()
         logits = forward(inputs, *args, **kwargs)
         mx.eval(logits)
         self.speculation.timed(False, time.perf_counter() - started)
+        self.speculation.shadow(self._moved() == moved)
         return logits
+
+    def _moved(self) -> int:
+        """Rows the layers' pools have moved in, or used written ahead, so far: a step that
+        changes neither found every expert in its pool before it ran."""
+        return sum(layer.pool.counters["moved"] + layer.pool.counters["ahead_used"]
+                   for layer in self.layers if layer.pool is not None)
 
     def _speculative_step(self, forward, inputs, args: tuple, kwargs: dict) -> tuple:
         """One step without waits: ``(logits, cause, found)``; ``cause`` is None, or why the

@@ -286,8 +286,10 @@ def test_verbose_logs_debug_lines_in_the_daemon_and_the_client(models, isolated_
         assert started.returncode == 0, started.stderr
         log = Path(started.stdout.split("log: ", 1)[1].split()[0])
         try:
+            # on: auto with the host copy (this CPU) waits per layer where pools miss, so it
+            # never replays here (test_step.py tests that).
             done = expertd_cli(*flags, "generate", "--blobs", blob_dir, "--prompt", PROMPT,
-                               "-m", "4", timeout=120)
+                               "-m", "4", "--speculate", "on", timeout=120)
             assert done.returncode == 0, done.stderr
         finally:
             assert expertd_cli("stop", "--blobs", blob_dir, timeout=60).returncode == 0
@@ -312,6 +314,10 @@ def test_the_summary_says_when_speculation_paused_and_why(models, isolated_env, 
     spec = auto["speculation"]
     assert spec["mode"] == "auto" and spec["paused"] >= spec["paused_for_cost"] >= 0
     assert ("(speculation paused" in auto_line) == (spec["paused"] > 0), auto_line
+    # This CPU copies on the host: auto speculates only after steps that found their pools
+    # whole, and says so while it waits for them.
+    assert ("(speculation waiting: the last steps missed their pools" in auto_line) == \
+        (spec["waiting"] and not spec["paused"]), auto_line
     assert off["speculation"]["mode"] == "off" and "(--speculate off: a wait per MoE layer)" \
         in off_line
 

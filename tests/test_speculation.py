@@ -11,23 +11,36 @@ from expertd.client.speculation import (
     MIN_WINDOW,
     PROBE_AT,
     RETRY_AFTER,
+    SHADOW_STEPS,
     WINDOW,
     Drains,
     Speculation,
 )
 
 
+def hitting(speculation: Speculation) -> Speculation:
+    """``speculation`` after SHADOW_STEPS steps waiting per layer that found every expert in
+    its pool: the host copy may speculate."""
+    for _ in range(SHADOW_STEPS):
+        speculation.shadow(True)
+    return speculation
+
+
 def test_auto_stops_speculating_when_replays_are_frequent_and_tries_again():
     auto = Speculation("auto")
+
+    def wanted():  # a device puller's: no shadow to wait for after a replay
+        return auto.wanted(device=True)
+
     for _ in range(MAX_REPLAYS + 1):
-        assert auto.wanted()
+        assert wanted()
         auto.record(True)
     assert not auto.active and auto.stopped == 1
-    assert not any(auto.wanted() for _ in range(RETRY_AFTER - 1))
-    assert auto.wanted()  # tries again
+    assert not any(wanted() for _ in range(RETRY_AFTER - 1))
+    assert wanted()  # tries again
     for _ in range(MAX_REPLAYS + 1):  # and fails again: it waits twice as long
         auto.record(True)
-    assert not any(auto.wanted() for _ in range(2 * RETRY_AFTER - 1)) and auto.wanted()
+    assert not any(wanted() for _ in range(2 * RETRY_AFTER - 1)) and wanted()
     for _ in range(WINDOW):  # a window that pays resets the wait
         auto.record(False)
     assert auto.retry_after == RETRY_AFTER
@@ -37,6 +50,35 @@ def test_auto_stops_speculating_when_replays_are_frequent_and_tries_again():
     assert on.wanted() and not off.wanted()
     with pytest.raises(ValueError, match="speculate must be one of"):
         Speculation("sometimes")
+
+
+def test_the_host_copy_speculates_only_once_steps_waiting_per_layer_would_have_hit():
+    """With the host copy a speculative step that misses a pool is replayed: a whole step
+    computed twice (2 s a token on this CPU at 1 MB experts). auto waits per layer until
+    SHADOW_STEPS such steps in a row found every expert in its pool, and again after any
+    replay; a step that moved a row starts the count over. A device puller pulls its misses
+    (no replay), and ``on`` speculates as told."""
+    auto = Speculation("auto")
+    for _ in range(3 * SHADOW_STEPS):  # pools too small for the routing: never speculates
+        assert not auto.wanted()
+        auto.shadow(False)
+    for _ in range(SHADOW_STEPS - 1):
+        auto.shadow(True)
+    assert not auto.wanted()
+    auto.shadow(False)  # one step that moved a row: the count starts over
+    for _ in range(SHADOW_STEPS - 1):
+        auto.shadow(True)
+    assert not auto.wanted()
+    auto.shadow(True)
+    assert auto.wanted() and auto.wanted(device=False)
+    auto.record(False)
+    assert auto.wanted()  # a speculative step that hit keeps it
+    auto.record(True)  # a replay: back to waiting per layer until the shadow hits again
+    assert not auto.wanted() and auto.active and auto.stopped == 0
+    assert hitting(auto).wanted()
+    assert Speculation("auto").wanted(device=True)  # a device puller: no shadow needed
+    assert Speculation("on").wanted()
+    assert not hitting(Speculation("off")).wanted()
 
 
 def test_auto_weighs_replays_against_the_waits_they_save():
@@ -62,7 +104,7 @@ def test_auto_weighs_replays_against_the_waits_they_save():
     # Never replayed, but a speculative step costs what a per-layer one does: it stops as
     # soon as MIN_WINDOW steps are measured, not at the window's end. The per-layer cost is
     # measured by one probe step early in the window.
-    level = Speculation("auto")
+    level = hitting(Speculation("auto"))
     level.timed(True, 1.0)
     wanted = []
     while level.active and len(wanted) < WINDOW:
@@ -102,7 +144,7 @@ def test_a_device_puller_waits_per_layer_only_once_a_step_was_replayed():
     for _ in range(MIN_WINDOW):  # weighed now: 1.0 + 1/5 * 4.0 < 4.0
         device.record(False)
     assert device.pays() and device.active
-    host = Speculation("auto")
+    host = hitting(Speculation("auto"))
     host.timed(True, 1.0)
     for _ in range(PROBE_AT):
         assert host.wanted() and host.wanted(device=False)
@@ -115,7 +157,7 @@ def test_one_slow_step_decides_nothing_and_a_restart_measures_afresh():
     CUDA): one such step must not stop a speculation that pays, and a stop must not outlive
     what caused it (on the H200 a moving average started by that step kept auto on the
     per-layer path for hundreds of steps: 0.19 x resident)."""
-    first = Speculation("auto")
+    first = hitting(Speculation("auto"))
     first.timed(True, 100.0)  # the compile
     first.timed(False, 3.0)
     for _ in range(WINDOW):
@@ -124,7 +166,7 @@ def test_one_slow_step_decides_nothing_and_a_restart_measures_afresh():
         first.record(False)
     assert first.active and first.stopped == 0 and first.spec_s == 1.0
     # A stop by cost (the speculative steps were slow then) is weighed again on fresh times.
-    slow = Speculation("auto")
+    slow = hitting(Speculation("auto"))
     slow.timed(False, 3.0)
     for _ in range(MIN_WINDOW):
         slow.timed(True, 5.0)

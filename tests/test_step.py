@@ -23,12 +23,18 @@ from client_helpers import (
 )
 from conftest import FAMILY_MODES
 from harness import Daemon, expertd_cli, wait_until
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
 from expertd.client import load
 from expertd.client.kvcache import replayable
 from expertd.client.pull import HostPuller
-from expertd.client.speculation import MIN_WINDOW
+from expertd.client.speculation import MIN_WINDOW, SHADOW_STEPS
 
 _resident = {}
 
@@ -50,6 +56,7 @@ class Lockstep:
         self.step()
 
     def step(self) -> None:
+        self.last = self.x
         ref, got = (m(self.x, cache=c)[:, -1, :] for m, c in zip(self.models, self.caches))
         mx.eval(ref, got)
         assert ref.dtype == got.dtype and mx.array_equal(ref, got).item(), (
@@ -58,6 +65,14 @@ class Lockstep:
             f"same greedy token: {mx.array_equal(ref.argmax(-1), got.argmax(-1)).item()}")
         self.steps += 1
         self.x = mx.argmax(ref, axis=-1)[:, None]
+
+    def again(self) -> None:
+        """The last step once more: both caches trimmed back by its token, the same input."""
+        for cache in self.caches:
+            trim_prompt_cache(cache, 1)
+        self.steps -= 1
+        self.x = self.last
+        self.step()
 
 
 def counters(session) -> dict:
@@ -378,22 +393,42 @@ def test_caches_that_cannot_be_trimmed_back_never_replay():
     assert replayable([], 1)
 
 
-def test_a_session_that_misses_often_stops_speculating(models, isolated_env, tmp_path):
+def test_the_host_copy_speculates_only_where_steps_waiting_per_layer_would_have_hit(
+        models, isolated_env, tmp_path):
+    """auto with the host copy, where a speculative step that misses a pool is computed twice:
+    steps that miss wait per layer and never pay a replay; a step that found every expert in
+    its pool (the same step again) counts toward speculating; after SHADOW_STEPS of them a
+    step speculates, exactly; a miss then is replayed once, and the steps after it wait per
+    layer again. Logits equal resident's throughout."""
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
         model, _ = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off")
         session = model.expertd_session
+        speculation = session.steps.speculation
         try:
             run = Lockstep(resident_model(model_dir), model)
-            steps = 0
-            while session.steps.speculation.stopped == 0 and steps < 200:
-                for pool in session.pools:
-                    pool.forget()  # every step misses
-                run.step()
-                steps += 1
-            assert session.steps.speculation.stopped == 1
-            before = counters(session)
-            run.step()
-            assert delta(counters(session), before)["speculative_steps"] == 0
+
+            def step(miss: bool, again: bool = False) -> dict:
+                before = counters(session)
+                if miss:
+                    for pool in session.pools:
+                        pool.forget()
+                run.again() if again else run.step()
+                return delta(counters(session), before)
+
+            for _ in range(2 * SHADOW_STEPS):
+                d = step(miss=True)
+                assert d["speculative_steps"] == d["replays"] == 0 and d["host_waits"] > 1
+            assert speculation.shadow_hits == 0
+            for hits in range(1, SHADOW_STEPS + 1):
+                step(miss=False, again=True)  # the same routing: every expert in its pool
+                assert speculation.shadow_hits == hits
+            d = step(miss=False, again=True)
+            assert d["speculative_steps"] == 1 and d["replays"] == 0 and d["host_waits"] == 1
+            d = step(miss=True)
+            assert d["replays"] == 1 and speculation.shadow_hits == 0
+            d = step(miss=True)
+            assert d["speculative_steps"] == d["replays"] == 0
+            assert speculation.stopped == 0  # waiting for the shadow, not stopped
         finally:
             session.close()
