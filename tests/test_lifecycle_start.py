@@ -474,3 +474,35 @@ def test_a_damaged_pin_is_named_beside_more_damaged_experts_than_status_lists(
         assert expertd_cli("stop", "--blobs", blobs).returncode == 0
     finally:
         kill_serving_daemon(blobs)
+
+
+def test_every_damaged_expert_is_counted_past_a_few_hundred(models, isolated_env, tmp_path):
+    """A whole damaged blob of a model with more experts than status could list: every one
+    of its experts read fails, and STATS counts each (it counted at most 256), status says how
+    many, and a repaired expert read again leaves the count."""
+    from harness import Daemon, RawClient
+    from test_fill_verify import flip_byte
+
+    from expertd.errors import DaemonError
+
+    source = models.blobs(layers=2, experts=160)
+    blobs = tmp_path / "blobs"
+    shutil.copytree(source, blobs)
+    layers, experts = 2, 160  # 320 experts, every one damaged
+    for layer in range(layers):
+        for expert in range(experts):
+            flip_byte(blobs, layer, expert)
+    with Daemon(blobs, isolated_env):
+        with RawClient(blobs) as client:
+            limit = client.hello["max_demand"]
+            for layer in range(layers):
+                for at in range(0, experts, limit):
+                    with pytest.raises(DaemonError, match="checksum"):
+                        client.demand(layer, range(at, min(at + limit, experts)))
+            flip_byte(blobs, 1, 0)  # repaired: the byte flipped back
+            client.fetch(1, [0])
+        stats = query_stats(blobs)
+        damaged = layers * experts - 1
+        assert stats["failed_count"] == damaged and len(stats["failed_experts"]) == 16
+        status = expertd_cli("status", "--blobs", blobs, timeout=30)
+        assert f"{damaged} experts cannot be served now" in status.stdout, status.stdout

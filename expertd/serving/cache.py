@@ -29,8 +29,9 @@ from expertd.serving.stats import CacheCounters, CacheStats
 from expertd.shm.layout import SlotState
 
 log = logging.getLogger("expertd")
-FAILED_KEPT = 256  # experts whose failed fill the cache remembers (until one of theirs succeeds)
-FAILED_SHOWN = 16  # of those, how many STATS names
+# Experts whose latest fill failed are remembered until one of theirs succeeds (at most every
+# expert of the model: a whole corrupt blob is counted whole); STATS names this many of them.
+FAILED_SHOWN = 16
 
 
 class ExpertCache:
@@ -340,8 +341,7 @@ class ExpertCache:
             else:
                 log.error("fill failed: %s", error[1])
                 self.counters.fill_errors += 1
-                if len(self.failed) < FAILED_KEPT or (layer, expert) in self.failed:
-                    self.failed[(layer, expert)] = error[1]
+                self.failed[(layer, expert)] = error[1]
                 self.side.emptied(row)  # maybe an empty cache row again; nothing to waste
                 if row in self._saved_unread:
                     self.counters.prefetch_hits -= 1  # nothing was read: nothing saved
