@@ -1,5 +1,6 @@
 """Shared pieces of the benchmarks: cached synthetic models, a real daemon, side-by-side timing."""
 
+import argparse
 import os
 import shutil
 import signal
@@ -166,3 +167,10 @@ def rss_breakdown(pid: int) -> dict:
         if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
             fields[key] = int(value.split()[0]) * 1024
     return fields
+
+
+def no_arguments(doc: str) -> None:
+    """A bench script that takes no arguments: ``--help`` prints its docstring and exits,
+    and anything else is refused in one line (it never starts a long run by mistake)."""
+    argparse.ArgumentParser(description=doc,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()

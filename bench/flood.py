@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "harness"))
 
-from common import OUT, daemon, ensure_model, write_section
+from common import OUT, daemon, ensure_model, no_arguments, write_section
 from zmtp import ZmtpPeer, frame, header
 
 ROOT = Path(__file__).resolve().parent
@@ -234,6 +234,7 @@ def section(result: dict) -> str:
 
 
 if __name__ == "__main__":
+    no_arguments(__doc__)
     if not sys.platform.startswith("linux"):
         sys.exit("bench/flood.py reads the daemon's memory from /proc (Linux only)")
     result = run()

@@ -13,6 +13,7 @@ ten-line shim routes ``cblas_sgemm`` to the OpenBLAS that numpy already bundles 
 Without a C compiler the training falls back to the plain wheel and does fewer steps.
 """
 
+import argparse
 import json
 import os
 import shutil
@@ -264,10 +265,15 @@ def ensure_learned_model(retrain: bool = False) -> tuple:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--train-into":
-        train_into(Path(sys.argv[2]))
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--retrain", action="store_true", help="train the model again")
+    parser.add_argument("--train-into", type=Path, help=argparse.SUPPRESS)  # the child's
+    args = parser.parse_args()
+    if args.train_into is not None:
+        train_into(args.train_into)
     else:
         import routing_stats
 
-        model_dir, blob_dir = ensure_learned_model(retrain="--retrain" in sys.argv)
+        model_dir, blob_dir = ensure_learned_model(retrain=args.retrain)
         routing_stats.main(model_dir, blob_dir)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx
 import numpy as np
-from common import build_seconds, daemon, ensure_model
+from common import build_seconds, daemon, ensure_model, no_arguments
 from gpu_pools import QWEN3_30B_SHAPES
 from gpu_pull import _median_eval
 
@@ -136,4 +136,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    no_arguments(__doc__)
     main()

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx
+from common import no_arguments
 from mlx_lm.models import deepseek_v3
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import quantize_model
@@ -46,6 +47,7 @@ def model_twice(q_lora_rank: int, shared: int) -> str:
 
 
 if __name__ == "__main__":
+    no_arguments(__doc__)
     print(f"mlx {mx.__version__} on {mx.default_device()}", flush=True)
     for k in (64, 128, 256):
         for m in (1, 8, 17, 64):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import daemon, ensure_model
+from common import daemon, ensure_model, no_arguments
 
 # The test's model: 6 layers of 256 experts, so 500 one-expert leases fit one client's cap.
 MANY_EXPERTS = dict(family="qwen3_moe", layers=6, experts=256, top_k=4, hidden=128,
@@ -65,6 +65,7 @@ def row(r: dict) -> str:
 
 
 if __name__ == "__main__":
+    no_arguments(__doc__)
     result = run()
     print(json.dumps(result, indent=1))
     print(row(result))

@@ -2,9 +2,11 @@
 part of the output goes (test_generate.py checks that it goes there), and the README says what
 `make demo` shows before the first run, and which servers a lazy convert can read."""
 
+import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness import expertd_cli, stop_process
@@ -20,6 +22,34 @@ def test_generate_help_says_the_summary_goes_to_stdout():
             "generation, the peak memory), then one line of expertd's on stderr (this client's "
             "hit rate, the bytes the daemon read for it)") in text, text
     assert "summary on stderr" not in text
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def test_every_bench_script_answers_help_without_running():
+    """A benchmark runs for minutes and writes RESULTS.md: ``--help`` prints its usage and
+    exits 0, and an argument it does not take is refused (exit 2), for every script in bench/
+    that runs as a program."""
+    scripts = sorted(path for path in BENCH.glob("*.py")
+                     if '__name__ == "__main__"' in path.read_text())
+    assert len(scripts) > 20, scripts
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}  # as a user runs it
+
+    def ask(path: Path, flag: str) -> tuple:
+        done = subprocess.run([sys.executable, str(path), flag], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=BENCH.parent)
+        return path.name, flag, done.returncode, done.stdout, done.stderr
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda job: ask(*job),
+                                [(path, flag) for path in scripts
+                                 for flag in ("--help", "--no-such-flag")]))
+    for name, flag, code, out, err in answers:
+        if flag == "--help":
+            assert code == 0 and out.startswith("usage:"), (name, code, out[:200], err[-500:])
+        else:
+            assert code == 2 and "unrecognized arguments" in err, (name, code, err[-500:])
 
 
 # ---- the README ---------------------------------------------------------------------------------
