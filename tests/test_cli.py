@@ -506,6 +506,29 @@ def test_a_log_file_and_a_pin_file_are_checked_before_the_daemon_starts(capsys, 
     assert build_parser().parse_args([*start, "--log-file", str(log)]).log_file == str(log)
 
 
+def test_a_pin_file_the_model_cannot_hold_is_refused_before_the_daemon_starts(
+        blobs, isolated_env, tmp_path):
+    """Pins of an expert the model lacks, or more pins than the cache may hold, are bad input:
+    start refuses them in one line with exit 2, as a malformed pin file, and starts nothing
+    (the detached daemon refused them with exit 1)."""
+    from harness import try_stats
+
+    m = Manifest.load(blobs)
+    cases = {"lacking": ([[0, m.layers[0].num_experts]],
+                         f"no expert {m.layers[0].num_experts} in layer 0"),
+             "layer": ([[len(m.layers), 0]], f"no expert 0 in layer {len(m.layers)}"),
+             "too many": ([[la, ex] for la in range(len(m.layers))
+                           for ex in range(m.layers[la].num_experts)], "can pin at most")}
+    for name, (pins, said) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(pins))
+        got = expertd_cli("start", "--blobs", blobs, "--pin-file", path, timeout=60)
+        assert got.returncode == 2, (name, got.returncode, got.stderr)
+        assert got.stderr.startswith(f"expertd start: error: --pin-file {path}: ") and \
+            said in got.stderr and len(got.stderr.strip().splitlines()) == 1, got.stderr
+        assert try_stats(blobs) is None  # nothing started
+
+
 SYNTH = ("synth", "--out", "M")
 
 

@@ -28,7 +28,7 @@ from expertd.cli.options import (
     start_flags,
 )
 from expertd.errors import DaemonError, DaemonNotRunning, FlagError
-from expertd.serving.hotset import read_pin_file
+from expertd.serving.hotset import read_pin_file, read_pins
 from expertd.units import batch_sharing, pull_rate, replay_causes, size_text
 
 MAX_SIDE_ROWS = 64  # x top_k: prefetch rows per generation, at most
@@ -154,16 +154,18 @@ def config_from_args(args):
         from expertd.serving.config import arena_geometry, cache_limits
 
         rows = arena_geometry(store.manifest, budget, args.side_rows).cache_rows
-        if not 0 <= args.auto_pin <= cache_limits(rows)[0]:
-            raise FlagError(f"--auto-pin must be between 0 and {cache_limits(rows)[0]} (a "
+        max_pins = cache_limits(rows)[0]
+        if not 0 <= args.auto_pin <= max_pins:
+            raise FlagError(f"--auto-pin must be between 0 and {max_pins} (a "
                             f"quarter of this cache's {rows} rows), not {args.auto_pin}")
+        n_experts = [layer.num_experts for layer in store.manifest.layers]
     finally:
         store.close()
     check_bounds(args)
     settings = config_settings(args)
     if settings["pin_file"]:  # here too, so a bad pin file is named before anything starts
         try:
-            read_pin_file(settings["pin_file"])
+            read_pins(settings["pin_file"], n_experts, max_pins, rows)
         except ValueError as exc:
             raise FlagError(f"--pin-file {exc}") from None
     return ServerConfig(blob_dir=blob_dir, cache_bytes=budget, **settings)

@@ -63,17 +63,11 @@ class HotSet:
         self.path = path
         self.n_experts = n_experts
         self.limit = limit
-        self.pins = read_pin_file(pin_file) if pin_file is not None else []
-        if len(set(self.pins)) > max_pins:
-            raise ValueError(f"{pin_file}: {len(set(self.pins))} experts to pin, but a cache of "
-                             f"{limit} rows can pin at most {max_pins}")
-        for layer, expert in self.pins:
-            if not self.valid(layer, expert):
-                raise ValueError(f"{pin_file}: no expert {expert} in layer {layer}")
+        self.pins = (read_pins(pin_file, n_experts, max_pins, limit) if pin_file is not None
+                     else [])
 
     def valid(self, layer, expert) -> bool:
-        return (type(layer) is int and type(expert) is int and 0 <= layer < len(self.n_experts)
-                and 0 <= expert < self.n_experts[layer])
+        return valid_key(self.n_experts, layer, expert)
 
     def save(self, blob_dir: Path, state: dict) -> None:
         """Save ``state`` (the cache's ``policy_state(limit)``). Raises OSError as
@@ -97,6 +91,31 @@ def parse_json(text: str):
         return json.loads(text)
     except RecursionError:
         raise ValueError("nested too deeply") from None
+
+
+def valid_key(n_experts: list, layer, expert) -> bool:
+    """Whether ``(layer, expert)`` names an expert of a model of ``n_experts`` a layer."""
+    return (type(layer) is int and type(expert) is int and 0 <= layer < len(n_experts)
+            and 0 <= expert < n_experts[layer])
+
+
+def read_pins(path: Path, n_experts: list, max_pins: int, rows: int) -> list:
+    """:func:`read_pin_file`, its keys checked against the model (``n_experts`` a layer) and
+    a cache of ``rows`` rows, which pins at most ``max_pins``: the start command checks a pin
+    file with this before it starts the daemon, and the daemon again.
+
+    Raises:
+        ValueError: naming the file, as :func:`read_pin_file`, or the first expert the model
+            does not have, or how many pins it holds past ``max_pins``.
+    """
+    pins = read_pin_file(path)
+    if len(set(pins)) > max_pins:
+        raise ValueError(f"{path}: {len(set(pins))} experts to pin, but a cache of {rows} rows "
+                         f"can pin at most {max_pins}")
+    for layer, expert in pins:
+        if not valid_key(n_experts, layer, expert):
+            raise ValueError(f"{path}: no expert {expert} in layer {layer}")
+    return pins
 
 
 def read_pin_file(path: Path) -> list:
