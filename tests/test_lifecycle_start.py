@@ -143,15 +143,37 @@ if "--foreground" in sys.argv:
 """
 
 
+# The pin file edited while the daemon starts: `start` and the daemon's flags checked it (it
+# was empty), the server reads it again and finds more pins than the cache may hold.
+EDIT_PINS_AT_START = """
+import sys
+if "--foreground" in sys.argv:
+    import expertd.serving.server as server
+    init = server.ExpertServer.__init__
+
+    def edited(self, *args, **kwargs):
+        open({pins!r}, "w").write({text!r})
+        init(self, *args, **kwargs)
+
+    server.ExpertServer.__init__ = edited
+"""
+
+
 @pytest.mark.timeout(120)
 def test_a_failed_start_shows_only_its_own_error_and_leaves_nothing(models, isolated_env,
-                                                                     tmp_path):
+                                                                     tmp_path, monkeypatch):
     blobs = models.blobs()
     paths = daemon_paths(blobs)
     pins = tmp_path / "pins.json"
-    pins.write_text(json.dumps([[0, e] for e in range(9)]))  # more than the cache may pin
-    first = expertd_cli("start", "--blobs", blobs, "--cache-gb", CACHE_GB,
-                        "--pin-file", pins, timeout=30)
+    pins.write_text("[]")
+    editor = tmp_path / "editor"
+    editor.mkdir()
+    (editor / "sitecustomize.py").write_text(EDIT_PINS_AT_START.format(
+        pins=str(pins), text=json.dumps([[0, e] for e in range(9)])))  # more than it may pin
+    with monkeypatch.context() as mp:
+        mp.setenv("PYTHONPATH", str(editor))
+        first = expertd_cli("start", "--blobs", blobs, "--cache-gb", CACHE_GB,
+                            "--pin-file", pins, timeout=30)
     assert first.returncode == 1
     assert "9 experts to pin" in first.stderr and "exited with status 1" in first.stderr
     assert f"log: {paths.log}" in first.stderr and "Traceback" not in first.stderr
