@@ -156,6 +156,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
         mine = session.usage()
         counters = session.all_counters()
         after = session.stats()
+        speculation = _speculation(session)  # before close: the puller goes with it
     finally:
         session.close()
     return dict(
@@ -180,7 +181,7 @@ def generate(blob_dir, prompt: str, max_tokens: int = 100, temp: float = 0.0,
                                     "replays", *REPLAY_COUNTERS, "pulled_rows",
                                     "pulled_bytes", "pull_s", "pull_timed_bytes")},
         pool_bytes=session.pool_bytes, timing=dict(session.timing),
-        speculation=_speculation(session),
+        speculation=speculation,
         prediction=session.prediction(),
     )
 
@@ -195,10 +196,9 @@ def _speculation(runtime) -> dict:
     often auto paused it and how often for cost (waiting per layer measured cheaper), and
     whether it waits, with the host copy, for steps that would not miss their pools."""
     s = runtime.steps.speculation
-    puller = runtime.puller
     return dict(mode=s.mode, active=s.active, paused=s.stopped,
                 paused_for_cost=s.stopped_by_cost,
-                waiting=s.waiting(device=puller is not None and puller.traceable))
+                waiting=s.waiting(replays_misses=runtime.puller is None))
 
 
 def load_prompt_cache(path: str, model, kv) -> list:

@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from expertd.errors import DaemonDied
+from expertd.errors import DaemonDied, DaemonError
+from expertd.protocol import ErrorCode
 from expertd.retry import RetryPolicy
 
 from .attach import Attachment, check_served, notice
@@ -177,22 +178,29 @@ class Session(Attachment):
     def demand_absent_all(self, groups: list) -> None:
         """:meth:`demand_absent` of every ``(layer, experts)`` of ``groups`` at once (what a
         step found absent in all its layers): the daemon reads them all in parallel, and this
-        waits once for the lot."""
+        waits for the lot. Each group is split by the daemon's demand limit, and at most
+        DEMANDS_AT_ONCE demands wait at a time; a daemon whose queues are full (BUSY, many
+        clients replaying at once) gets the rest one demand at a time, as before."""
         self.check_alive()
-        limit = self.demand_limit
-        chunks = [(layer, experts[start:start + limit]) for layer, experts in groups
-                  for start in range(0, len(experts), limit)]
         log.debug("%d experts absent from the arena in %d layers, demanded",
-                  sum(len(experts) for _, experts in chunks), len(groups))
+                  sum(len(experts) for _, experts in groups), len(groups))
 
         def demand() -> None:
-            requester = self.requester
+            requester, limit = self.requester, self.demand_limit  # this attach's limit
+            chunks = [(layer, experts[start:start + limit]) for layer, experts in groups
+                      for start in range(0, len(experts), limit)]
             with requester.lock, HeldInterrupts() as held:
                 try:
-                    # At most DEMANDS_AT_ONCE wait in the daemon at a time (it queues a
-                    # client's demands up to a bound, then refuses them busy).
-                    for start in range(0, len(chunks), DEMANDS_AT_ONCE):
-                        requester.demand_all(chunks[start:start + DEMANDS_AT_ONCE], held)
+                    try:
+                        for start in range(0, len(chunks), DEMANDS_AT_ONCE):
+                            requester.demand_all(chunks[start:start + DEMANDS_AT_ONCE], held)
+                    except DaemonError as exc:
+                        if exc.code != ErrorCode.BUSY:
+                            raise
+                        self.counters["retries"] += 1
+                        for chunk in chunks:  # what was read already is found at once
+                            requester.demand(*chunk, held)
+                            requester.release_all()
                 finally:
                     requester.release_all()
 

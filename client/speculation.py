@@ -22,7 +22,10 @@ PROBE_AT = MIN_WINDOW // 2  # the window's step that waits per layer, once, to m
 # (with the host copy; a device puller's waits per layer once a step was replayed)
 TIMED_STEPS = 5  # the latest step times of each kind whose median the verdict weighs
 SHADOW_STEPS = 4  # steps waiting per layer in a row that found every expert in its pool before
-# auto speculates with the host copy (a speculative step there is replayed unless they all are)
+# auto speculates where nothing pulls a pool's misses (a speculative step is replayed unless they
+# all are), until speculating was measured to save at least SHADOW_SAVES of a step waiting per
+# layer (a GPU's waits: there a replay costs about a step and speculation pays despite some)
+SHADOW_SAVES = 0.5
 DRAIN_EVERY = 8  # one step in this many is drained (pipelined loop), while drains promote
 MAX_DRAIN_EVERY = 64  # the most, reached by doubling after each drain that promoted nothing
 
@@ -54,6 +57,7 @@ class Speculation:
     # Steps waiting per layer in a row whose every expert was in its pool before the step (a
     # speculative step with the host copy would not have been replayed): see :meth:`shadow`.
     shadow_hits: int = 0
+    shadowed: bool = False  # a step waiting per layer has told the shadow anything
     _spec: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
     _layer: deque = field(default_factory=lambda: deque(maxlen=TIMED_STEPS))
 
@@ -83,7 +87,7 @@ class Speculation:
     def __post_init__(self):
         self.active = check_speculate(self.mode) != "off"
 
-    def wanted(self, device: bool = False) -> bool:
+    def wanted(self, device: bool = False, replays_misses: bool | None = None) -> bool:
         """Whether the next decode step speculates. With the host copy (``device`` False) one
         step of a window waits per layer, once, to time what speculating is weighed against:
         a speculative step may cost what such a step does (both copy and compute on the
@@ -101,20 +105,30 @@ class Speculation:
             if self.idle_steps >= self.retry_after:
                 self.active, self.idle_steps = True, 0
                 self._spec.clear()  # measured afresh: what stopped it may have passed
-        # With the host copy a speculative step that misses a pool is computed twice, a whole
-        # step on a CPU: auto speculates only once the steps waiting per layer show it would
-        # have hit (SHADOW_STEPS in a row); until then they wait per layer, as they would.
-        return self.active and (device or self.shadow_hits >= SHADOW_STEPS)
+        return self.active and not self._gated(not device if replays_misses is None
+                                               else replays_misses)
 
-    def waiting(self, device: bool = False) -> bool:
-        """auto with the host copy (``device`` False) waits per layer until the shadow shows
-        its steps would hit (:meth:`wanted`): for the summary."""
-        return (self.mode == "auto" and self.active and not device
-                and self.shadow_hits < SHADOW_STEPS)
+    def _gated(self, replays_misses: bool) -> bool:
+        """Where nothing pulls a pool's misses (``replays_misses``) a speculative step that
+        misses is computed twice, a whole step on a CPU: auto speculates only once
+        SHADOW_STEPS steps waiting per layer in a row found every expert in their pools,
+        unless speculating was measured to save at least SHADOW_SAVES of a step (a GPU's
+        waits), where replays pay."""
+        if self.mode != "auto" or not self.active or not replays_misses:
+            return False
+        if self.spec_s and self.layer_s and self.spec_s <= (1 - SHADOW_SAVES) * self.layer_s:
+            return False
+        return self.shadow_hits < SHADOW_STEPS
+
+    def waiting(self, replays_misses: bool) -> bool:
+        """For the summary: auto waits per layer for the shadow now (:meth:`_gated`), and a
+        step waiting per layer told it so (not a session whose pools hold every expert)."""
+        return self.shadowed and self._gated(replays_misses)
 
     def shadow(self, hit: bool) -> None:
         """A step waiting per layer found every expert it routed to in its pool already
         (``hit``: a speculative step would not have been replayed), or not."""
+        self.shadowed = True
         self.shadow_hits = self.shadow_hits + 1 if hit else 0
 
     def _probe_due(self, device: bool) -> bool:

@@ -356,8 +356,9 @@ class Steps:
                 session.drop_puller(found.drifted)  # once nothing in flight reads it
             self._uncount(step)  # the replay through the model counts it (as run() does)
             self._count_replay(cause)
-            session.demand_absent_all([(layer.index, experts)
-                                       for layer, experts in found.absent])
+            if found.absent:
+                session.demand_absent_all([(layer.index, experts)
+                                           for layer, experts in found.absent])
         return cause
 
     def abandon(self, step: Launched) -> None:
@@ -395,10 +396,11 @@ class Steps:
         return logits
 
     def _moved(self) -> int:
-        """Rows the layers' pools have moved in, or used written ahead, so far: a step that
-        changes neither found every expert in its pool before it ran."""
-        return sum(layer.pool.counters["moved"] + layer.pool.counters["ahead_used"]
-                   for layer in self.layers if layer.pool is not None)
+        """Rows the layers' pools have moved in, staged beside them, pulled for them or used
+        written ahead, so far: a step that changes none of these found every expert in its
+        pool before it ran."""
+        return sum(layer.pool.counters[key] for layer in self.layers
+                   for key in ("moved", "staged", "pulled", "ahead_used"))
 
     def _speculative_step(self, forward, inputs, args: tuple, kwargs: dict) -> tuple:
         """One step without waits: ``(logits, cause, found)``; ``cause`` is None, or why the
@@ -502,7 +504,7 @@ class Steps:
         pulled, where its stacks fit: :meth:`_batch_fits`)."""
         puller = self.session.puller
         if self.pipeline or not self.layers or not self.speculation.wanted(
-                device=puller is not None and puller.traceable):
+                device=puller is not None and puller.traceable, replays_misses=puller is None):
             return False
         if puller is not None and len(shape) > 1 and math.prod(shape[:-1]) > 1 \
                 and not self._batch_fits(math.prod(shape) * self._top_k):

@@ -77,8 +77,22 @@ def test_the_host_copy_speculates_only_once_steps_waiting_per_layer_would_have_h
     assert not auto.wanted() and auto.active and auto.stopped == 0
     assert hitting(auto).wanted()
     assert Speculation("auto").wanted(device=True)  # a device puller: no shadow needed
+    assert Speculation("auto").wanted(replays_misses=False)  # any puller pulls the misses
     assert Speculation("on").wanted()
     assert not hitting(Speculation("off")).wanted()
+    # Where speculating was measured to save half a step or more (a GPU without a puller,
+    # whose steps waiting per layer wait for the device 12 times), replays pay: no shadow.
+    gpu = Speculation("auto")
+    gpu.timed(False, 4.0)
+    gpu.timed(True, 1.0)
+    gpu.shadow(False)
+    assert gpu.wanted() and not gpu.waiting(replays_misses=True)
+    cpu = Speculation("auto")
+    cpu.timed(False, 1.0)
+    cpu.timed(True, 0.9)
+    assert not cpu.waiting(replays_misses=True)  # no step waiting per layer told it yet
+    cpu.shadow(False)
+    assert not cpu.wanted() and cpu.waiting(replays_misses=True)
 
 
 def test_auto_weighs_replays_against_the_waits_they_save():
