@@ -421,7 +421,7 @@ def test_pin_file_with_more_pins_than_the_cache_allows_is_refused(blobs, isolate
     pin_file.write_text(json.dumps([[0, e] for e in range(9)]))  # the whole 9-row cache
     refused = expertd_cli("start", "--blobs", blobs, "--cache-gb", TINY_CACHE_GB, "--foreground",
                           "--pin-file", pin_file, timeout=30)
-    assert refused.returncode == 1
+    assert refused.returncode == 2  # bad input, refused before anything is created
     assert "9 experts to pin" in refused.stderr and "at most 2" in refused.stderr
     assert not _segments_created_by(refused.pid)
 
