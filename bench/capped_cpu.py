@@ -1,6 +1,6 @@
 """A client under a hard memory cap on this CPU (issue 27): TTFT and decode next to resident.
 
-    sudo python bench/capped_cpu.py [--large] [--tokens 32] [--prompt 205] [--speculate auto off]
+    sudo python bench/capped_cpu.py [--large] [--tokens 32] [--prompt 205] [--rounds 3] [--speculate auto off]
 
 --large: issue 44's model (16 layers of 256 experts, top-8, hidden 768: 3.8 GiB of experts, about
 1 MB an expert; a 16-token prompt by default, as MLX's CPU takes about 2 s a token on it here).
@@ -8,8 +8,11 @@
 The client runs in a cgroup (v1 memory controller, as root) whose limit is a quarter of the
 experts' bytes plus what the same client needs when loaded and run once uncapped (its RSS
 peak), so the experts are several times the room it has; resident mlx-lm runs outside the cap,
-in this process. The daemon's arena holds every expert (the bar: each expert read from the disk
-at most once per prompt). Tokens and the prompt's first token must be equal to resident's.
+in this process, before and after each capped run: each capped run is weighed against the two
+resident runs around it, and the median over --rounds decides (this machine's speed drifts by tens
+of percent between minutes, so a best resident run against one capped run measured the drift).
+The daemon's arena holds every expert (the bar: each expert read from the disk at most once per
+prompt). Tokens and the prompt's first token must be equal to resident's.
 """
 
 import argparse
@@ -60,6 +63,17 @@ def measure(model, ids, tokens: int) -> dict:
         times.append(time.perf_counter() - start - sum(times))
     return dict(ttft_s=ttft, tps=tokens / (time.perf_counter() - start), tokens=out,
                 token_s=times)
+
+
+def paired(capped: dict, around: list) -> dict:
+    """One capped run against the mean of the resident runs around it: TTFT, tok/s and the
+    per-token median as ratios (above 1: faster than resident for decode, slower for TTFT)."""
+    mean = statistics.fmean
+    return dict(capped=capped,
+                ttft_ratio=capped["ttft_s"] / mean(r["ttft_s"] for r in around),
+                decode_ratio=capped["tps"] / mean(r["tps"] for r in around),
+                median_ratio=mean(statistics.median(r["token_s"]) for r in around)
+                / statistics.median(capped["token_s"]))
 
 
 def child(args) -> None:
@@ -126,6 +140,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, help="prompt tokens (default: 205, --large 16)")
     parser.add_argument("--large", action="store_true", help="issue 44's 3.8 GiB model")
     parser.add_argument("--speculate", nargs="+", default=["auto", "off"])
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="capped runs a mode, each weighed against the resident runs just "
+                             "before and after it; the medians decide (default 3)")
     parser.add_argument("--results", action="store_true")
     args = parser.parse_args()
     if args.child:
@@ -154,37 +171,51 @@ def main() -> None:
             # The cap: its needs (the uncapped peak, less its own expert pools) and a quarter
             # of the experts.
             limit = free["peak_rss"] - free["pool_bytes"] + experts // 4
-            capped = spawn(args, speculate, limit)
-            refs.append(measure(resident, ids, args.tokens))  # between runs: the machine's
-            if capped["tokens"] != refs[0]["tokens"]:  # load hits both alike
-                raise AssertionError("streamed tokens differ from resident ones")
-            rows.append(dict(speculate=speculate, limit=limit, free=free, capped=capped))
-    # The best resident run: on a shared machine the others' load only ever adds time.
-    ref = dict(ttft_s=min(r["ttft_s"] for r in refs), tps=max(r["tps"] for r in refs),
-               token_s=min(statistics.median(r["token_s"]) for r in refs))
-    for r in rows:
-        r.update(ttft_ratio=r["capped"]["ttft_s"] / ref["ttft_s"],
-                 decode_ratio=r["capped"]["tps"] / ref["tps"],
-                 median_ratio=ref["token_s"] / statistics.median(r["capped"]["token_s"]))
+            rounds = []
+            for _ in range(args.rounds):
+                capped = spawn(args, speculate, limit)
+                if capped["tokens"] != refs[0]["tokens"]:
+                    raise AssertionError("streamed tokens differ from resident ones")
+                # Each capped run is weighed against the resident runs just before and just
+                # after it: this machine's speed drifts by tens of percent between minutes,
+                # and the pair saw the same drift.
+                refs.append(measure(resident, ids, args.tokens))
+                rounds.append(paired(capped, refs[-2:]))
+            rows.append(dict(speculate=speculate, limit=limit, free=free, rounds=rounds,
+                             **{key: statistics.median(r[key] for r in rounds)
+                                for key in ("ttft_ratio", "decode_ratio", "median_ratio")}))
+    ref = dict(ttft_s=statistics.median(r["ttft_s"] for r in refs),
+               tps=statistics.median(r["tps"] for r in refs),
+               token_s=statistics.median(statistics.median(r["token_s"]) for r in refs))
     section = LARGE_SECTION if args.large else SECTION
     text = [f"{section}\n",
             f"`sudo python bench/capped_cpu.py{' --large' if args.large else ''}`: "
             f"{spec['layers']} layers, {spec['experts']} experts, top-{spec['top_k']}, hidden "
             f"{spec['hidden']}, {experts / 2**20:.0f} MiB of experts, a "
             f"{args.prompt}-token prompt and {args.tokens} greedy tokens; resident mlx-lm "
-            f"outside the cap (best of {len(refs)} runs around the streamed ones: TTFT "
-            f"{ref['ttft_s']:.2f} s, {ref['tps']:.1f} tok/s); the arena holds every expert and "
-            "starts cold for each mode; tokens equal.\n",
-            "| speculate | cap (MiB) | peak RSS capped (MiB) | TTFT ÷ resident | decode ÷ "
-            "resident (tok/s; per-token median) | replays (speculative steps) | MiB read, "
-            "first prompt of a cold arena | target | verdict |",
+            f"outside the cap, run between the capped runs ({len(refs)} runs, median TTFT "
+            f"{ref['ttft_s']:.2f} s, {ref['tps']:.1f} tok/s); each mode's {args.rounds} capped "
+            "runs weighed against the two resident runs around each, the medians of the "
+            "rounds deciding; the arena holds every expert and starts cold for each mode; "
+            "tokens equal.\n",
+            "| speculate | cap (MiB) | peak RSS capped (MiB) | TTFT ÷ resident (rounds) | "
+            "decode ÷ resident, tok/s (rounds); per-token median | replays (speculative "
+            "steps), all rounds | MiB read, first prompt of a cold arena | target | verdict |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ok = r["ttft_ratio"] <= BARS["ttft"] and r["decode_ratio"] >= BARS["decode"]
+        runs = [x["capped"] for x in r["rounds"]]
+
+        def listed(key):
+            return ", ".join(f"{x[key]:.2f}" for x in r["rounds"])
+
         text.append(f"| {r['speculate']} | {r['limit'] / 2**20:.0f} | "
-                    f"{r['capped']['peak_rss'] / 2**20:.0f} | {r['ttft_ratio']:.2f} | "
-                    f"{r['decode_ratio']:.2f}; {r['median_ratio']:.2f} | "
-                    f"{r['capped']['replays']} ({r['capped'].get('speculative_steps', '?')}) | "
+                    f"{max(x['peak_rss'] for x in runs) / 2**20:.0f} | "
+                    f"{r['ttft_ratio']:.2f} ({listed('ttft_ratio')}) | "
+                    f"{r['decode_ratio']:.2f} ({listed('decode_ratio')}); "
+                    f"{r['median_ratio']:.2f} | "
+                    f"{sum(x['replays'] for x in runs)} "
+                    f"({sum(x.get('speculative_steps', 0) for x in runs)}) | "
                     f"{r['free']['bytes_read'] / 2**20:.1f} "
                     f"(experts {experts / 2**20:.0f}) | "
                     f"TTFT ≤ {BARS['ttft']}, decode ≥ {BARS['decode']} | "
