@@ -3,8 +3,9 @@
 #   run  carry [".gpu/a"]  command: bash .gpu/a/stash.sh
 #   run  carry [".gpu/b"]  command: bash bench/device_serve.sh
 # Installs MLX's CUDA backend and the project (skipped on a warm machine with INSTALLED=1), then
-# TESTS=1: the batch exactness tests on the device (its own pull too); CASES (serve_load.py's,
-# default "pooled"; "none": the tests alone), CLIENTS (default 1,4,8,16), ROUNDS (3), TOKENS
+# TESTS=1: the batch exactness tests on the device (its own pull too; TEST_ARGS: other pytest
+# arguments in their place, e.g. "tests/test_batch.py -k sampled -s"; TEST_TIMEOUT, default
+# 240 s); CASES (serve_load.py's, default "pooled"; "none": the tests alone), CLIENTS (default 1,4,8,16), ROUNDS (3), TOKENS
 # (64); PULL=CASES also runs gpu_pull.py's cases (PULL=1: pooled-own, expertd's loop, which
 # chat decodes on; e.g. PULL=pooled-own,warm for the single-sequence bars), after the serve runs;
 # BATCH=N first runs batch_cpu.py --gpu with N sequences (one process, side by side, compiled and
@@ -16,8 +17,12 @@ if [ "${INSTALLED:-0}" != 1 ]; then
 fi
 export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 if [ "${TESTS:-0}" = 1 ]; then
-  timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_batch.py > "$OUT/tests.log" 2>&1
-  echo "tests rc=$? at ${SECONDS}s"; tail -3 "$OUT/tests.log"
+  # shellcheck disable=SC2086  # TEST_ARGS is several words on purpose
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \
+    ${TEST_ARGS:--x tests/test_batch.py} \
+    > "$OUT/tests.log" 2>&1
+  echo "tests rc=$? at ${SECONDS}s"; grep -E "^(PROBE|FAILED|ERROR)" "$OUT/tests.log"
+  tail -2 "$OUT/tests.log"
 fi
 cd bench
 if [ "${BATCH:-0}" != 0 ]; then

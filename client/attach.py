@@ -29,7 +29,7 @@ from .arena_view import ArenaView
 from .counters import heartbeat_report, new_step_counters
 from .heartbeat import Heartbeat
 from .interrupts import HeldInterrupts
-from .links import Links, weak_method
+from .links import GOODBYE_LINGER, Links, weak_method
 from .pulling import Pulling
 from .requester import Requester
 
@@ -141,6 +141,9 @@ class Attachment:
                                   weak_method(self, "_daemon_alive", False),
                                   weak_method(self, "_heartbeat_report", {}),
                                   requester.reap, requester.reap_soon)
+            # The puller before anything of the attachment changes: one that cannot be made
+            # (``pull="device"`` where the device cannot read the arena) leaves nothing set.
+            self.pulling.attach(view, hello.get("epoch_slot", -1))
             with HeldInterrupts():  # attached all at once: a SIGINT comes after
                 self._links.conn, self._links.heartbeat = conn, heartbeat
                 self.conn, self.view, self.hello = conn, view, hello
@@ -153,15 +156,18 @@ class Attachment:
                     self.max_group = min(hello["max_demand"], self.requested_group,
                                          self.manifest.max_experts)
                 self.demand_limit = hello["max_demand"]
-                self.pulling.attach(view, hello.get("epoch_slot", -1))
                 attached = True
         except BaseException:
             if not attached:
+                self.pulling.close()
                 if heartbeat is not None:
                     heartbeat.stop()
                 if view is not None:
                     view.close()
-                conn.close()
+                # A daemon that answered the hello holds an epoch slot for us: a goodbye
+                # gives it back now rather than at our timeout (bounded: it may be gone).
+                queued = requester.pid is not None and conn.send_quietly(Op.GOODBYE, {})
+                conn.close(GOODBYE_LINGER if queued else 0.0)
             raise
 
     def drop_puller(self, layer: int) -> None:

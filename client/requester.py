@@ -46,6 +46,10 @@ class Requester:
         self.lock = threading.RLock()
         self.demands: set = set()  # ids of demands sent whose reply has not been read
         self.leases: set = set()  # leases granted and not yet released
+        self.most_at_once = 0  # the most demands sent and awaiting their replies together
+        # Demands of demand_all still unanswered: their experts, by request id. Their leases
+        # are released as their replies are read, whenever that is.
+        self._waves: dict = {}
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -99,19 +103,17 @@ class Requester:
             asked = {self.conn.next_rid(): (Op.DEMAND, {"layer": layer,
                                                         "experts": experts.tolist()})
                      for layer, experts in groups}
-            sizes = {rid: len(body["experts"]) for rid, (_, body) in asked.items()}
-
-            def book(got: bytes, reply: dict) -> None:
-                if got not in sizes:
-                    self._read_reply(got, reply, None)
-                    return
-                self.demands.discard(got)
-                if reply.get("ok"):
-                    self._count_demand(sizes[got], reply)
-                    if "lease" in reply:
-                        self.send_quietly(Op.RELEASE, {"lease": reply["lease"]})
-
-            self._exchange(asked, held, REQUEST_TIMEOUT, book)
+            # Read now or late (after another's error ended the wait), each reply is booked
+            # as a demand and its lease released.
+            self._waves.update({rid: len(body["experts"]) for rid, (_, body) in
+                                asked.items()})
+            try:
+                self._exchange(asked, held, REQUEST_TIMEOUT,
+                               lambda got, reply: self._read_reply(got, reply, None))
+            finally:
+                for rid in asked:  # a demand never sent has no reply to book
+                    if rid not in self.demands:
+                        self._waves.pop(rid, None)
 
     def _count_demand(self, experts: int, reply: dict) -> None:
         self.counters["demanded"] += experts
@@ -128,6 +130,7 @@ class Requester:
                 if op is Op.DEMAND:
                     self.demands.add(rid)  # before the send: its reply is never unaccounted for
                 self.conn.send_frames(request(rid, op, body))
+            self.most_at_once = max(self.most_at_once, len(self.demands))
             if held.pending:
                 held.deliver()  # KeyboardInterrupt: the demands, if any, stay recorded
             return self.conn.wait_all(asked, timeout, lambda: self._idle(held), on_reply)
@@ -208,18 +211,26 @@ class Requester:
         """Leases and demands belong to the daemon they were made with."""
         self.demands.clear()
         self.leases.clear()
+        self._waves.clear()
 
     # ---- internals -----------------------------------------------------------------------
 
     def _read_reply(self, got: bytes, body: dict, rid: bytes | None) -> None:
         """Book a reply read (``got``'s ``body``) while waiting for ``rid``: the lease of a
         demand's reply is recorded when it answers ``rid``, else (a late reply to an
-        interrupted demand) released. Call with the lock held and, in the main thread, SIGINT
-        held back.
+        interrupted demand) released; a reply to :meth:`demand_all`, now or late, is counted as
+        a demand and its lease released. Call with the lock held and, in the main thread,
+        SIGINT held back.
         """
         if got in self.demands:
             self.demands.discard(got)
-            if body.get("ok") and "lease" in body:
+            experts = self._waves.pop(got, None)
+            if experts is not None:
+                if body.get("ok"):
+                    self._count_demand(experts, body)
+                    if "lease" in body:
+                        self.send_quietly(Op.RELEASE, {"lease": body["lease"]})
+            elif body.get("ok") and "lease" in body:
                 if got == rid:
                     self.leases.add(body["lease"])
                 else:

@@ -9,13 +9,11 @@ steps; the counters the step writes are named in counters.py. The layers' expert
 together by runtime.py, not by the session.
 """
 
-import logging
 import time
 
 import numpy as np
 
-from expertd.errors import DaemonDied, DaemonError
-from expertd.protocol import ErrorCode
+from expertd.errors import DaemonDied
 from expertd.retry import RetryPolicy
 
 from .attach import Attachment, check_served, notice
@@ -31,12 +29,12 @@ DRAIN_TIMEOUT = 0.05
 # is leased again, until one holds.
 LEASE_AGAIN = RetryPolicy()
 # Demands sent together (demand_absent_all): the daemon queues up to 32 of a client's demands
-# (serving/server.py MAX_QUEUED_PER_CLIENT) and refuses more as busy.
+# (serving/server.py MAX_QUEUED_PER_CLIENT) and refuses more as busy; half of that leaves room
+# for the late ones of a wave that ended on an error.
 DEMANDS_AT_ONCE = 16
 
 __all__ = ["DaemonDied", "Session", "check_served", "notice"]
 
-log = logging.getLogger("expertd")
 
 
 class Session(Attachment):
@@ -179,11 +177,10 @@ class Session(Attachment):
         """:meth:`demand_absent` of every ``(layer, experts)`` of ``groups`` at once (what a
         step found absent in all its layers): the daemon reads them all in parallel, and this
         waits for the lot. Each group is split by the daemon's demand limit, and at most
-        DEMANDS_AT_ONCE demands wait at a time; a daemon whose queues are full (BUSY, many
-        clients replaying at once) gets the rest one demand at a time, as before."""
+        DEMANDS_AT_ONCE demands wait at a time, so the daemon never refuses them as busy: it
+        queues 32 of a client's demands, and a wave that ended on an error leaves at most 15
+        of its own queued."""
         self.check_alive()
-        log.debug("%d experts absent from the arena in %d layers, demanded",
-                  sum(len(experts) for _, experts in groups), len(groups))
 
         def demand() -> None:
             requester, limit = self.requester, self.demand_limit  # this attach's limit
@@ -191,16 +188,8 @@ class Session(Attachment):
                       for start in range(0, len(experts), limit)]
             with requester.lock, HeldInterrupts() as held:
                 try:
-                    try:
-                        for start in range(0, len(chunks), DEMANDS_AT_ONCE):
-                            requester.demand_all(chunks[start:start + DEMANDS_AT_ONCE], held)
-                    except DaemonError as exc:
-                        if exc.code != ErrorCode.BUSY:
-                            raise
-                        self.counters["retries"] += 1
-                        for chunk in chunks:  # what was read already is found at once
-                            requester.demand(*chunk, held)
-                            requester.release_all()
+                    for start in range(0, len(chunks), DEMANDS_AT_ONCE):
+                        requester.demand_all(chunks[start:start + DEMANDS_AT_ONCE], held)
                 finally:
                     requester.release_all()
 

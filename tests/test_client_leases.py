@@ -156,7 +156,7 @@ def test_absent_rows_of_every_layer_are_demanded_at_once_and_none_stays_leased(b
     the arena, each demand was one the daemon saw, and no lease is kept, in an arena that
     holds every expert and in one that holds far fewer rows than were demanded (the client
     releases each lease as its reply comes: demands queued behind its own leases finish)."""
-    from expertd.client.session import Session
+    from expertd.client.session import DEMANDS_AT_ONCE, Session
 
     groups = [(layer, np.arange(layer, 16, 2, dtype=np.int32)) for layer in range(3)]
     for cache in ((), tiny_cache(blobs)):
@@ -169,6 +169,8 @@ def test_absent_rows_of_every_layer_are_demanded_at_once_and_none_stays_leased(b
                 chunks = sum(-(-len(e) // session.demand_limit) for _, e in groups)
                 assert after["demands"] - before["demands"] == chunks
                 assert chunks > len(groups) or not cache  # the small arena's limit chunks them
+                # sent together, before any reply was read (up to a wave's 16)
+                assert session.requester.most_at_once == min(chunks, DEMANDS_AT_ONCE)
                 assert session.counters["demanded"] == sum(len(e) for _, e in groups)
                 assert session.counters["late_leases"] == 0
                 assert not session.requester.leases and not session.requester.demands
@@ -199,6 +201,10 @@ def test_a_refused_demand_among_several_raises_and_leaks_no_lease(blobs, isolate
             _no_leases_left(blobs)
             wait_until(lambda: not session.requester.demands, REAP_BOUND,
                        "the late replies to be read")
+            # The good groups' replies, read then or late, are counted as demands, not as
+            # leases of interrupted ones.
+            assert session.counters["demanded"] == 2 * len(good)
+            assert session.counters["late_leases"] == 0
             session.demand_absent_all([(2, good + 4)])
             assert (session.lookup(2, good + 4).slots >= 0).all()
             _no_leases_left(blobs)

@@ -5,6 +5,7 @@ arrays, the same step check and replay. Each step's logits are compared with res
 bit for bit, while pools hold a few rows and the daemon's arena all or few experts.
 """
 
+import gc
 import os
 
 import mlx.core as mx
@@ -24,7 +25,7 @@ from client_helpers import (
     routed_model,
 )
 from conftest import FAMILY_MODES
-from harness import Daemon, expertd_cli, wait_until
+from harness import Daemon, expertd_cli, query_stats, wait_until
 from test_step import Lockstep, resident_model
 
 from expertd import native
@@ -392,6 +393,27 @@ def test_metal_adopts_the_arena_in_windows_within_its_largest_buffer():
     with pytest.raises(RuntimeError, match="need 4 Metal buffers .* binds 2 beside"):
         metal_windows(g, g.stride * 300, max_windows(12))
     assert metal_windows(g, g.stride * -(-g.total_rows // 8), 8)[1] == 8
+
+
+@pytest.mark.skipif(device_pulls(), reason="the device pulls here")
+def test_a_device_pull_refused_leaves_nothing_attached(models, isolated_env, tmp_path):
+    """``pull="device"`` where the device cannot read the arena (MLX on the CPU) is refused
+    in one line, and the failed attach leaves nothing behind: the daemon forgets the client at
+    once (its goodbye), and no finalizer later uses the closed socket (an unraisable error
+    at collection, which pytest turns into this test's failure)."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+        with pytest.raises(RuntimeError, match="the device cannot pull from the arena: MLX "
+                                               "runs on the CPU"):
+            Session(blob_dir, pull="device")
+        gc.collect()  # the failed session's finalizer runs here
+        wait_until(lambda: query_stats(blob_dir)["clients"] == 0, 10,
+                   "the daemon to forget the refused client")
+        session = Session(blob_dir, pull="host")  # and the next attaches as before
+        try:
+            assert session.puller is not None and query_stats(blob_dir)["clients"] == 1
+        finally:
+            session.close()
 
 
 def test_kernel_params_follow_the_arena(models, isolated_env, tmp_path):
