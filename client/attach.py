@@ -29,7 +29,7 @@ from .arena_view import ArenaView
 from .counters import heartbeat_report, new_step_counters
 from .heartbeat import Heartbeat
 from .interrupts import HeldInterrupts
-from .links import GOODBYE_LINGER, Links, weak_method
+from .links import Links, weak_method
 from .pulling import Pulling
 from .requester import Requester
 
@@ -130,6 +130,12 @@ class Attachment:
             view = ArenaView(hello["arena"], self._segment_tables)
             if view.epoch != hello["epoch"]:
                 raise DaemonError("the daemon's arena changed during attach; try again")
+            # The puller before anything of the attachment changes, and before the heartbeat
+            # thread starts (registering a large arena with CUDA may take longer than a
+            # heartbeat interval, and the heartbeat takes an attachment not yet set for a
+            # daemon lost): one that cannot be made (``pull="device"`` where the device
+            # cannot read the arena) leaves nothing set.
+            self.pulling.attach(view, hello.get("epoch_slot", -1))
             interval = hello["heartbeat_interval"]
             # The daemon forgets a client silent for client_timeout; the client gives the daemon
             # as long (and at least three heartbeats) before calling it stuck. The thread holds
@@ -141,9 +147,6 @@ class Attachment:
                                   weak_method(self, "_daemon_alive", False),
                                   weak_method(self, "_heartbeat_report", {}),
                                   requester.reap, requester.reap_soon)
-            # The puller before anything of the attachment changes: one that cannot be made
-            # (``pull="device"`` where the device cannot read the arena) leaves nothing set.
-            self.pulling.attach(view, hello.get("epoch_slot", -1))
             with HeldInterrupts():  # attached all at once: a SIGINT comes after
                 self._links.conn, self._links.heartbeat = conn, heartbeat
                 self.conn, self.view, self.hello = conn, view, hello
@@ -164,10 +167,7 @@ class Attachment:
                     heartbeat.stop()
                 if view is not None:
                     view.close()
-                # A daemon that answered the hello holds an epoch slot for us: a goodbye
-                # gives it back now rather than at our timeout (bounded: it may be gone).
-                queued = requester.pid is not None and conn.send_quietly(Op.GOODBYE, {})
-                conn.close(GOODBYE_LINGER if queued else 0.0)
+                conn.close()  # the daemon forgets a client whose connection closed
             raise
 
     def drop_puller(self, layer: int) -> None:

@@ -43,7 +43,11 @@ class Pulling:
         if puller is None:
             return
         g = view.arena.geometry
-        self.step_epoch = StepEpoch(view.raw, g.epochs_offset + slot * EPOCH_DTYPE.itemsize)
+        try:
+            self.step_epoch = StepEpoch(view.raw, g.epochs_offset + slot * EPOCH_DTYPE.itemsize)
+        except BaseException:
+            puller.close()
+            raise
         self.puller = puller
 
     def close(self) -> None:

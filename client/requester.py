@@ -223,14 +223,16 @@ class Requester:
         SIGINT held back.
         """
         if got in self.demands:
-            self.demands.discard(got)
             experts = self._waves.pop(got, None)
             if experts is not None:
                 if body.get("ok"):
                     self._count_demand(experts, body)
                     if "lease" in body:
                         self.send_quietly(Op.RELEASE, {"lease": body["lease"]})
-            elif body.get("ok") and "lease" in body:
+                self.demands.discard(got)  # after the counts: none pending means all counted
+                return
+            self.demands.discard(got)
+            if body.get("ok") and "lease" in body:
                 if got == rid:
                     self.leases.add(body["lease"])
                 else:

@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 
-from expertd.errors import DaemonDied
+from expertd.errors import DaemonDied, DaemonError
+from expertd.protocol import ErrorCode
 from expertd.retry import RetryPolicy
 
 from .attach import Attachment, check_served, notice
@@ -21,6 +22,7 @@ from .backing import Stage, buffer_bytes, segment_bases
 from .copier import Copier
 from .counters import new_counters, new_timing
 from .interrupts import HeldInterrupts
+from .requester import REQUEST_TIMEOUT
 
 # How long a read waits for rows someone else is filling before it demands them itself. The
 # demand merges onto the same fill, and moves a prefetch's low-priority read to the front.
@@ -32,6 +34,8 @@ LEASE_AGAIN = RetryPolicy()
 # (serving/server.py MAX_QUEUED_PER_CLIENT) and refuses more as busy; half of that leaves room
 # for the late ones of a wave that ended on an error.
 DEMANDS_AT_ONCE = 16
+BUSY_PAUSE = 0.05  # between a demand the daemon refused as busy and the same sent again
+BUSY_RETRY = RetryPolicy(pause=BUSY_PAUSE)
 
 __all__ = ["DaemonDied", "Session", "check_served", "notice"]
 
@@ -177,9 +181,12 @@ class Session(Attachment):
         """:meth:`demand_absent` of every ``(layer, experts)`` of ``groups`` at once (what a
         step found absent in all its layers): the daemon reads them all in parallel, and this
         waits for the lot. Each group is split by the daemon's demand limit, and at most
-        DEMANDS_AT_ONCE demands wait at a time, so the daemon never refuses them as busy: it
-        queues 32 of a client's demands, and a wave that ended on an error leaves at most 15
-        of its own queued."""
+        DEMANDS_AT_ONCE demands wait at a time (half the daemon's queue for one client).
+
+        A daemon whose queues are full answers BUSY: its queue for all clients together
+        (256 demands) fills when many clients wait for rows at once. The rest then go one
+        demand at a time, each sent again BUSY_PAUSE s after a BUSY, until the daemon has room
+        or REQUEST_TIMEOUT s have passed (then the BUSY error is raised)."""
         self.check_alive()
 
         def demand() -> None:
@@ -188,12 +195,36 @@ class Session(Attachment):
                       for start in range(0, len(experts), limit)]
             with requester.lock, HeldInterrupts() as held:
                 try:
-                    for start in range(0, len(chunks), DEMANDS_AT_ONCE):
-                        requester.demand_all(chunks[start:start + DEMANDS_AT_ONCE], held)
+                    try:
+                        for start in range(0, len(chunks), DEMANDS_AT_ONCE):
+                            requester.demand_all(chunks[start:start + DEMANDS_AT_ONCE], held)
+                    except DaemonError as exc:
+                        if exc.code != ErrorCode.BUSY:
+                            raise
+                        for chunk in chunks:  # what was read already is found at once
+                            self._demand_when_room(chunk, held)
                 finally:
                     requester.release_all()
 
         self._across_restarts(demand)
+
+    def _demand_when_room(self, chunk: tuple, held: HeldInterrupts) -> None:
+        """One demand of ``chunk`` (``(layer, experts)``), sent again while the daemon answers
+        BUSY (see :meth:`demand_absent_all`); its lease released. A SIGINT is delivered
+        between tries."""
+        requester = self.requester
+        deadline = time.monotonic() + REQUEST_TIMEOUT
+        for _ in BUSY_RETRY.tries():
+            try:
+                requester.demand(*chunk, held)
+                requester.release_all()
+                return
+            except DaemonError as exc:
+                if exc.code != ErrorCode.BUSY or time.monotonic() > deadline:
+                    raise
+                self.counters["retries"] += 1
+                if held.pending:
+                    held.deliver()
 
     def fetch(self, layer: int, experts, dest: np.ndarray | None = None) -> np.ndarray:
         """Read ``experts`` of ``layer`` into ``dest`` (a buffer of :meth:`staging_bytes`,

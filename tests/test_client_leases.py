@@ -211,6 +211,56 @@ def test_a_refused_demand_among_several_raises_and_leaks_no_lease(blobs, isolate
         finally:
             session.close()
 
+@pytest.mark.timeout(60)
+def test_demands_refused_as_busy_are_sent_again_until_the_daemon_has_room(blobs, isolated_env):
+    """Every row of the arena is leased by hoarders and the daemon's queue for all clients
+    together is full (the real daemon's queue shortened to two, so that a hoarder fills it,
+    as many clients waiting at once would fill its 256): a step's demands are refused as
+    BUSY, sent again one at a time while they are, and all read once the hoarders say
+    goodbye."""
+    from expertd.client.session import Session
+    from expertd.protocol import Op
+
+    with InProcessDaemon(blobs, *tiny_cache(blobs), "--client-timeout", "60") as d, \
+            RawClient(blobs) as a, RawClient(blobs) as b, RawClient(blobs) as c:
+        d.server.cache.book.max_queued_total = 2
+        keys = iter([(layer, e) for layer in range(3) for e in range(16)])
+        for hoarder in (a, b, c):  # each to its cap: more rows than the arena has
+            for _ in range(hoarder.hello["client_cap"]):
+                layer, e = next(keys)
+                hoarder.conn.send(Op.DEMAND, {"layer": layer, "experts": [e]})
+        # Demands within their clients' caps queue only when rows are short: every row leased.
+        wait_until(lambda: d.stats()["queued"] == 2, 10, "the daemon's queue to fill")
+        session = Session(blobs, reconnect_timeout=5.0)
+        groups = [(2, np.arange(12, 16, dtype=np.int32))]  # not asked for by the hoarders
+        failed = []
+
+        def demand():
+            try:
+                session.demand_absent_all(groups)
+            except BaseException as exc:
+                failed.append(exc)
+
+        worker = threading.Thread(target=demand)
+        try:
+            worker.start()
+            wait_until(lambda: session.counters["retries"] >= 2 or failed, 10,
+                       "the step's demands to be refused as busy and sent again")
+            assert not failed and worker.is_alive()  # still trying: nothing was read
+            assert d.stats()["busy"] >= 2
+            for hoarder in (a, b, c):  # their leases and queued demands go
+                hoarder.conn.send(Op.GOODBYE, {})
+            worker.join(30)
+            assert not worker.is_alive() and not failed
+            for layer, experts in groups:
+                assert (session.lookup(layer, experts).slots >= 0).all()
+            assert session.counters["demanded"] >= sum(len(e) for _, e in groups)
+            assert not session.requester.leases
+        finally:
+            worker.join(30)
+            session.close()
+
+
 # ---- a daemon that is gone or stuck ----------------------------------------------------------
 
 @pytest.mark.timeout(60)  # well inside the 300 s request bound

@@ -7,6 +7,7 @@ bit for bit, while pools hold a few rows and the daemon's arena all or few exper
 
 import gc
 import os
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -398,11 +399,13 @@ def test_metal_adopts_the_arena_in_windows_within_its_largest_buffer():
 @pytest.mark.skipif(device_pulls(), reason="the device pulls here")
 def test_a_device_pull_refused_leaves_nothing_attached(models, isolated_env, tmp_path):
     """``pull="device"`` where the device cannot read the arena (MLX on the CPU) is refused
-    in one line, and the failed attach leaves nothing behind: the daemon forgets the client at
-    once (its goodbye), and no finalizer later uses the closed socket (an unraisable error
-    at collection, which pytest turns into this test's failure)."""
+    in one line, and the failed attach leaves nothing behind: its connection is closed (the
+    daemon forgets the client well before its time-out), and no finalizer later uses the
+    closed socket (an unraisable error at collection, which pytest turns into this test's
+    failure)."""
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
-    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json")):
+    flags = client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json", client_timeout=60)
+    with Daemon(blob_dir, isolated_env, *flags):  # no time-out forgets the client in the test
         with pytest.raises(RuntimeError, match="the device cannot pull from the arena: MLX "
                                                "runs on the CPU"):
             Session(blob_dir, pull="device")
@@ -412,6 +415,31 @@ def test_a_device_pull_refused_leaves_nothing_attached(models, isolated_env, tmp
         session = Session(blob_dir, pull="host")  # and the next attaches as before
         try:
             assert session.puller is not None and query_stats(blob_dir)["clients"] == 1
+        finally:
+            session.close()
+
+
+def test_a_puller_slower_to_make_than_a_heartbeat_keeps_the_attach(models, isolated_env,
+                                                                    tmp_path, monkeypatch):
+    """Making the puller may take longer than a heartbeat interval (CUDA registering a large
+    arena): the heartbeat thread starts only after it, so the first beat does not find the
+    attachment half set, call the daemon lost, and have every later step attach again."""
+    import expertd.client.pulling as pulling
+
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    made = pulling.make_puller
+
+    def slow(*args):  # a registration that takes three heartbeat intervals
+        time.sleep(1.5)
+        return made(*args)
+
+    monkeypatch.setattr(pulling, "make_puller", slow)
+    flags = client_flags(blob_dir, ROWS_ALL, tmp_path / "s.json", heartbeat=0.5)
+    with Daemon(blob_dir, isolated_env, *flags):
+        session = Session(blob_dir, pull="host")
+        try:
+            session.check_alive()
+            assert session.counters["reconnects"] == 0 and session.puller is not None
         finally:
             session.close()
 

@@ -302,6 +302,10 @@ class ExpertServer:
         demand = Demand(identity, rid, req.layer, req.experts)
         if not self.cache.start(demand) and not self.cache.enqueue(demand):
             self.counters.busy += 1
+            book = self.cache.book
+            if book.queued() >= book.max_queued_total:
+                raise ProtocolError(f"{book.max_queued_total} demands of all clients wait for "
+                                    "rows already; try again shortly", ErrorCode.BUSY)
             raise ProtocolError(f"{MAX_QUEUED_PER_CLIENT} demands of this client wait already; "
                                 "release leases first", ErrorCode.BUSY)
 
