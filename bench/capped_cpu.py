@@ -1,6 +1,7 @@
 """A client under a hard memory cap on this CPU (issue 27): TTFT and decode next to resident.
 
-    sudo python bench/capped_cpu.py [--large] [--tokens 32] [--prompt 205] [--rounds 3] [--speculate auto off]
+    sudo python bench/capped_cpu.py [--large] [--tokens 32] [--prompt 205] [--rounds 2]
+                                    [--speculate auto off]
 
 --large: issue 44's model (16 layers of 256 experts, top-8, hidden 768: 3.8 GiB of experts, about
 1 MB an expert; a 16-token prompt by default, as MLX's CPU takes about 2 s a token on it here).
@@ -8,11 +9,12 @@
 The client runs in a cgroup (v1 memory controller, as root) whose limit is a quarter of the
 experts' bytes plus what the same client needs when loaded and run once uncapped (its RSS
 peak), so the experts are several times the room it has; resident mlx-lm runs outside the cap,
-in this process, before and after each capped run: each capped run is weighed against the two
-resident runs around it, and the median over --rounds decides (this machine's speed drifts by tens
-of percent between minutes, so a best resident run against one capped run measured the drift).
-The daemon's arena holds every expert (the bar: each expert read from the disk at most once per
-prompt). Tokens and the prompt's first token must be equal to resident's.
+in this process, in lockstep with the capped client: the capped prompt between two resident
+ones, then one decode token of each in turn. This machine's speed drifts by tens of percent
+within a minute (a token takes 150 ms in one spell, 230 in the next), so runs measured minutes
+apart compared the drift, not the two clients. The daemon's arena holds every expert (the bar:
+each expert read from the disk at most once per prompt). Tokens and the prompt's first token must
+be equal to resident's.
 """
 
 import argparse
@@ -41,43 +43,51 @@ def prompt_ids(n: int, vocab: int) -> list:
     return [(37 * i + 11) % (vocab - 16) + 8 for i in range(n)]
 
 
+class Decoder:
+    """One greedy sequence of ``model`` on ``ids``, a step at a time: :meth:`prompt` (a fresh
+    cache, one forward of the prompt, its first token) and then :meth:`token`, each returning
+    its seconds; ``tokens`` holds the ids so far."""
+
+    def __init__(self, model, ids):
+        self.model, self.ids = model, ids
+        self.tokens, self.y, self.cache = [], None, None
+
+    def prompt(self) -> float:
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.cache = make_prompt_cache(self.model)
+        start = time.perf_counter()
+        self.y = mx.argmax(self.model(mx.array([self.ids]), cache=self.cache)[:, -1, :], axis=-1)
+        mx.eval(self.y)
+        seconds = time.perf_counter() - start
+        self.tokens = [int(self.y.item())]
+        return seconds
+
+    def token(self) -> float:
+        import mlx.core as mx
+
+        start = time.perf_counter()
+        self.y = mx.argmax(self.model(self.y[:, None], cache=self.cache)[:, -1, :], axis=-1)
+        mx.eval(self.y)
+        seconds = time.perf_counter() - start
+        self.tokens.append(int(self.y.item()))
+        return seconds
+
+
 def measure(model, ids, tokens: int) -> dict:
     """The first token's seconds (one forward of the prompt), greedy decode tok/s and each
     decode token's seconds."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    start = time.perf_counter()
-    logits = model(mx.array([ids]), cache=cache)[:, -1, :]
-    y = mx.argmax(logits, axis=-1)
-    mx.eval(y)
-    ttft = time.perf_counter() - start
-    out = [int(y.item())]
-    times = []
-    start = time.perf_counter()
-    for _ in range(tokens):
-        y = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
-        mx.eval(y)
-        out.append(int(y.item()))
-        times.append(time.perf_counter() - start - sum(times))
-    return dict(ttft_s=ttft, tps=tokens / (time.perf_counter() - start), tokens=out,
-                token_s=times)
-
-
-def paired(capped: dict, around: list) -> dict:
-    """One capped run against the mean of the resident runs around it: TTFT, tok/s and the
-    per-token median as ratios (above 1: faster than resident for decode, slower for TTFT)."""
-    mean = statistics.fmean
-    return dict(capped=capped,
-                ttft_ratio=capped["ttft_s"] / mean(r["ttft_s"] for r in around),
-                decode_ratio=capped["tps"] / mean(r["tps"] for r in around),
-                median_ratio=mean(statistics.median(r["token_s"]) for r in around)
-                / statistics.median(capped["token_s"]))
+    d = Decoder(model, ids)
+    ttft = d.prompt()
+    times = [d.token() for _ in range(tokens)]
+    return dict(ttft_s=ttft, tps=tokens / sum(times), tokens=d.tokens, token_s=times)
 
 
 def child(args) -> None:
-    """The streamed client: load, a warm-up run, then the measured run; JSON on stdout."""
+    """The streamed client: load and a warm-up run (the prompt's experts read from the disk),
+    then steps as the bench asks on stdin, one JSON line each on stdout: "prompt" and
+    "token" (their seconds), "end" (the tokens, the counters and the peak RSS)."""
     from expertd.client import load
 
     model, _ = load(args.blobs, speculate=args.speculate)
@@ -85,51 +95,120 @@ def child(args) -> None:
     try:
         ids = prompt_ids(args.prompt, model.args.vocab_size)
         before = session.stats()["bytes_read"]
-        warm = measure(model, ids, 2)  # the prompt's experts are read from the disk here
+        measure(model, ids, 2)
         read = session.stats()["bytes_read"] - before
-        run = measure(model, ids, args.tokens)
+        decoder = Decoder(model, ids)
+        print(json.dumps(dict(ready=True)), flush=True)
+        for line in sys.stdin:
+            if line.strip() == "end":
+                break
+            seconds = decoder.prompt() if line.strip() == "prompt" else decoder.token()
+            print(json.dumps(dict(s=seconds)), flush=True)
         c = session.counters
         peak = int(next(line.split()[1] for line in open("/proc/self/status")
                         if line.startswith("VmHWM"))) * 1024
-        print(json.dumps(dict(run, warm_ttft_s=warm["ttft_s"], bytes_read=read,
-                              peak_rss=peak, host_waits=c["host_waits"], steps=c["steps"],
-                              replays=c["replays"],
-                              speculative_steps=c["speculative_steps"],
-                              pool_bytes=session.pool_bytes)))
+        print(json.dumps(dict(tokens=decoder.tokens, bytes_read=read, peak_rss=peak,
+                              host_waits=c["host_waits"], steps=c["steps"],
+                              replays=c["replays"], speculative_steps=c["speculative_steps"],
+                              pool_bytes=session.pool_bytes)), flush=True)
     finally:
         session.close()
 
 
-def spawn(args, speculate: str, limit: int | None) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--blobs", str(args.blobs), "--speculate",
-           speculate, "--tokens", str(args.tokens), "--prompt", str(args.prompt)]
-    env = dict(os.environ, PYTHONSAFEPATH="1")
+class Streamed:
+    """A streamed client process (:func:`child`), in the bench's cgroup with ``limit`` bytes
+    (None: uncapped), driven a step at a time."""
 
-    def enter():
+    def __init__(self, args, speculate: str, limit: int | None):
+        cmd = [sys.executable, __file__, "--child", "--blobs", str(args.blobs), "--speculate",
+               speculate, "--prompt", str(args.prompt)]
+        self.limit = limit
         if limit is not None:
-            (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
+            if CGROUP.exists():  # a fresh group: limits are refused out of order otherwise
+                CGROUP.rmdir()
+            CGROUP.mkdir()
+            (CGROUP / "memory.limit_in_bytes").write_text(str(limit))
+            try:
+                (CGROUP / "memory.memsw.limit_in_bytes").write_text(str(limit))
+            except OSError:
+                pass  # no swap accounting: the limit alone holds
 
-    if limit is not None:
-        if CGROUP.exists():  # a fresh group: limits are refused out of order otherwise
-            CGROUP.rmdir()
-        CGROUP.mkdir()
-        (CGROUP / "memory.limit_in_bytes").write_text(str(limit))
-        try:
-            (CGROUP / "memory.memsw.limit_in_bytes").write_text(str(limit))
-        except OSError:
-            pass  # no swap accounting: the limit alone holds
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, preexec_fn=enter)
-    finally:
-        if limit is not None and CGROUP.exists():
+        def enter():
+            if limit is not None:
+                (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
+
+        self.proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONSAFEPATH="1"),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, preexec_fn=enter)
+        self._read()  # ready
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            raise RuntimeError(f"the streamed client failed ({self.proc.returncode}): "
+                               f"{self.proc.stderr.read()[-2000:]}")
+        return json.loads(line)
+
+    def ask(self, what: str) -> dict:
+        self.proc.stdin.write(what + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        if self.limit is not None and CGROUP.exists():
             try:
                 CGROUP.rmdir()  # nothing of the bench stays behind
             except OSError:
                 pass
-    if done.returncode:
-        raise RuntimeError(f"the streamed client failed ({done.returncode}): "
-                           f"{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def alone(args, speculate: str) -> dict:
+    """An uncapped streamed client's prompt and tokens (its peak RSS sizes the cap)."""
+    streamed = Streamed(args, speculate, None)
+    try:
+        streamed.ask("prompt")
+        for _ in range(args.tokens):
+            streamed.ask("token")
+        return streamed.ask("end")
+    finally:
+        streamed.close()
+
+
+def lockstep(args, resident, ids, speculate: str, limit: int | None) -> dict:
+    """One streamed client next to resident mlx-lm a step at a time: the streamed prompt
+    between two resident ones, then each decode token of the two in turn (which goes first
+    alternating), so that both see the same moment of this machine, whose speed drifts by
+    tens of percent within a minute. Ratios: TTFT (streamed ÷ resident), decode (resident ÷
+    streamed: summed seconds, and per-token medians)."""
+    streamed = Streamed(args, speculate, limit)
+    try:
+        ours, theirs = [], []
+        before = Decoder(resident, ids).prompt()
+        ttft = streamed.ask("prompt")["s"]
+        reference = Decoder(resident, ids)
+        after = reference.prompt()
+        for i in range(args.tokens):
+            if i % 2:
+                ours.append(streamed.ask("token")["s"])
+                theirs.append(reference.token())
+            else:
+                theirs.append(reference.token())
+                ours.append(streamed.ask("token")["s"])
+        end = streamed.ask("end")
+    finally:
+        streamed.close()
+    if end["tokens"] != reference.tokens:
+        raise AssertionError("streamed tokens differ from resident ones")
+    return dict(end, ttft_s=ttft, token_s=ours, resident_token_s=theirs,
+                resident_ttft_s=[before, after], tps=len(ours) / sum(ours),
+                resident_tps=len(theirs) / sum(theirs),
+                ttft_ratio=ttft / statistics.fmean([before, after]),
+                decode_ratio=sum(theirs) / sum(ours),
+                median_ratio=statistics.median(theirs) / statistics.median(ours))
 
 
 def main() -> None:
@@ -140,9 +219,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, help="prompt tokens (default: 205, --large 16)")
     parser.add_argument("--large", action="store_true", help="issue 44's 3.8 GiB model")
     parser.add_argument("--speculate", nargs="+", default=["auto", "off"])
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="capped runs a mode, each weighed against the resident runs just "
-                             "before and after it; the medians decide (default 3)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="capped clients a mode, each in lockstep with resident mlx-lm; "
+                             "the medians of their ratios decide (default 2)")
     parser.add_argument("--results", action="store_true")
     args = parser.parse_args()
     if args.child:
@@ -162,60 +241,51 @@ def main() -> None:
     experts = sum(la.num_experts * la.expert_bytes for la in m.layers)
     resident = mlx_lm.load(str(model_dir))[0]
     ids = prompt_ids(args.prompt, resident.args.vocab_size)
-    measure(resident, ids, 2)
-    refs = [measure(resident, ids, args.tokens)]
+    measure(resident, ids, 2)  # warm
     rows = []
     for speculate in args.speculate:
         with daemon(args.blobs, m.total_expert_bytes * 1.3 / 2**30 + 0.01):  # cold each time
-            free = spawn(args, speculate, None)
+            free = alone(args, speculate)
             # The cap: its needs (the uncapped peak, less its own expert pools) and a quarter
             # of the experts.
             limit = free["peak_rss"] - free["pool_bytes"] + experts // 4
-            rounds = []
-            for _ in range(args.rounds):
-                capped = spawn(args, speculate, limit)
-                if capped["tokens"] != refs[0]["tokens"]:
-                    raise AssertionError("streamed tokens differ from resident ones")
-                # Each capped run is weighed against the resident runs just before and just
-                # after it: this machine's speed drifts by tens of percent between minutes,
-                # and the pair saw the same drift.
-                refs.append(measure(resident, ids, args.tokens))
-                rounds.append(paired(capped, refs[-2:]))
+            rounds = [lockstep(args, resident, ids, speculate, limit)
+                      for _ in range(args.rounds)]
             rows.append(dict(speculate=speculate, limit=limit, free=free, rounds=rounds,
                              **{key: statistics.median(r[key] for r in rounds)
                                 for key in ("ttft_ratio", "decode_ratio", "median_ratio")}))
-    ref = dict(ttft_s=statistics.median(r["ttft_s"] for r in refs),
-               tps=statistics.median(r["tps"] for r in refs),
-               token_s=statistics.median(statistics.median(r["token_s"]) for r in refs))
+    runs = [x for r in rows for x in r["rounds"]]
+    ref = dict(ttft_s=statistics.median(t for x in runs for t in x["resident_ttft_s"]),
+               tps=statistics.median(x["resident_tps"] for x in runs))
     section = LARGE_SECTION if args.large else SECTION
     text = [f"{section}\n",
             f"`sudo python bench/capped_cpu.py{' --large' if args.large else ''}`: "
             f"{spec['layers']} layers, {spec['experts']} experts, top-{spec['top_k']}, hidden "
             f"{spec['hidden']}, {experts / 2**20:.0f} MiB of experts, a "
             f"{args.prompt}-token prompt and {args.tokens} greedy tokens; resident mlx-lm "
-            f"outside the cap, run between the capped runs ({len(refs)} runs, median TTFT "
-            f"{ref['ttft_s']:.2f} s, {ref['tps']:.1f} tok/s); each mode's {args.rounds} capped "
-            "runs weighed against the two resident runs around each, the medians of the "
-            "rounds deciding; the arena holds every expert and starts cold for each mode; "
-            "tokens equal.\n",
+            "outside the cap, in lockstep with the capped client: the capped prompt between "
+            "two resident ones, then each decode token of the two in turn (median resident: "
+            f"TTFT {ref['ttft_s']:.2f} s, {ref['tps']:.1f} tok/s); {args.rounds} capped "
+            "clients a mode, the medians of their ratios deciding; the arena holds every "
+            "expert and starts cold for each mode; tokens equal.\n",
             "| speculate | cap (MiB) | peak RSS capped (MiB) | TTFT ÷ resident (rounds) | "
-            "decode ÷ resident, tok/s (rounds); per-token median | replays (speculative "
-            "steps), all rounds | MiB read, first prompt of a cold arena | target | verdict |",
+            "decode ÷ resident, summed seconds (rounds); per-token median | replays "
+            "(speculative steps), all rounds | MiB read, first prompt of a cold arena | "
+            "target | verdict |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         ok = r["ttft_ratio"] <= BARS["ttft"] and r["decode_ratio"] >= BARS["decode"]
-        runs = [x["capped"] for x in r["rounds"]]
 
         def listed(key):
             return ", ".join(f"{x[key]:.2f}" for x in r["rounds"])
 
         text.append(f"| {r['speculate']} | {r['limit'] / 2**20:.0f} | "
-                    f"{max(x['peak_rss'] for x in runs) / 2**20:.0f} | "
+                    f"{max(x['peak_rss'] for x in r['rounds']) / 2**20:.0f} | "
                     f"{r['ttft_ratio']:.2f} ({listed('ttft_ratio')}) | "
                     f"{r['decode_ratio']:.2f} ({listed('decode_ratio')}); "
-                    f"{r['median_ratio']:.2f} | "
-                    f"{sum(x['replays'] for x in runs)} "
-                    f"({sum(x.get('speculative_steps', 0) for x in runs)}) | "
+                    f"{r['median_ratio']:.2f} ({listed('median_ratio')}) | "
+                    f"{sum(x['replays'] for x in r['rounds'])} "
+                    f"({sum(x['speculative_steps'] for x in r['rounds'])}) | "
                     f"{r['free']['bytes_read'] / 2**20:.1f} "
                     f"(experts {experts / 2**20:.0f}) | "
                     f"TTFT ≤ {BARS['ttft']}, decode ≥ {BARS['decode']} | "
@@ -223,7 +293,7 @@ def main() -> None:
     out = "\n".join(text) + "\n"
     print(out)
     (ROOT / f"capped_cpu{'_large' if args.large else ''}.json").write_text(
-        json.dumps(dict(ref=ref, refs=refs, rows=rows, spec=spec, prompt=args.prompt), indent=1))
+        json.dumps(dict(ref=ref, rows=rows, spec=spec, prompt=args.prompt), indent=1))
     if args.results:
         write_section(ROOT / "RESULTS.md", section, out)
 
