@@ -266,7 +266,8 @@ def main() -> None:
             "outside the cap, in lockstep with the capped client: the capped prompt between "
             "two resident ones, then each decode token of the two in turn (median resident: "
             f"TTFT {ref['ttft_s']:.2f} s, {ref['tps']:.1f} tok/s); {args.rounds} capped "
-            "clients a mode, the medians of their ratios deciding; the arena holds every "
+            f"client{'s' if args.rounds > 1 else ''} a mode, the medians of their ratios "
+            "deciding; the arena holds every "
             "expert and starts cold for each mode; tokens equal.\n",
             "| speculate | cap (MiB) | peak RSS capped (MiB) | TTFT ÷ resident (rounds) | "
             "decode ÷ resident, summed seconds (rounds); per-token median | replays "
