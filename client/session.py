@@ -40,7 +40,6 @@ BUSY_RETRY = RetryPolicy(pause=BUSY_PAUSE)
 __all__ = ["DaemonDied", "Session", "check_served", "notice"]
 
 
-
 class Session(Attachment):
     """One client's connection to the expertd serving ``blob_dir``.
 
