@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -137,17 +138,20 @@ class Streamed:
             if limit is not None:
                 (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
 
+        # Its stderr to a file: a pipe nobody reads until the end would stall a chatty child.
+        self.errors = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONSAFEPATH="1"),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, preexec_fn=enter)
+                                     stderr=self.errors, text=True, preexec_fn=enter)
         self._read()  # ready
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait()
+            self.errors.seek(0)
             raise RuntimeError(f"the streamed client failed ({self.proc.returncode}): "
-                               f"{self.proc.stderr.read()[-2000:]}")
+                               f"{self.errors.read()[-2000:]}")
         return json.loads(line)
 
     def ask(self, what: str) -> dict:
@@ -159,6 +163,7 @@ class Streamed:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        self.errors.close()
         if self.limit is not None and CGROUP.exists():
             try:
                 CGROUP.rmdir()  # nothing of the bench stays behind

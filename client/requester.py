@@ -44,12 +44,11 @@ class Requester:
         # waits on it, so that a late lease goes back as soon as it comes.
         self.reap_soon = threading.Event()
         self.lock = threading.RLock()
-        self.demands: set = set()  # ids of demands sent whose reply has not been read
+        # Ids of demands sent whose reply has not been read: None for :meth:`ask`'s, the
+        # experts asked for :meth:`demand_all`'s (counted and released whenever read).
+        self.demands: dict = {}
         self.leases: set = set()  # leases granted and not yet released
         self.most_at_once = 0  # the most demands sent and awaiting their replies together
-        # Demands of demand_all still unanswered: their experts, by request id. Their leases
-        # are released as their replies are read, whenever that is.
-        self._waves: dict = {}
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -105,30 +104,26 @@ class Requester:
                      for layer, experts in groups}
             # Read now or late (after another's error ended the wait), each reply is booked
             # as a demand and its lease released.
-            self._waves.update({rid: len(body["experts"]) for rid, (_, body) in
-                                asked.items()})
-            try:
-                self._exchange(asked, held, REQUEST_TIMEOUT,
-                               lambda got, reply: self._read_reply(got, reply, None))
-            finally:
-                for rid in asked:  # a demand never sent has no reply to book
-                    if rid not in self.demands:
-                        self._waves.pop(rid, None)
+            self._exchange(asked, held, REQUEST_TIMEOUT,
+                           lambda got, reply: self._read_reply(got, reply, None), wave=True)
 
     def _count_demand(self, experts: int, reply: dict) -> None:
         self.counters["demanded"] += experts
         self.counters["misses"] += reply.get("misses", 0)
         self.counters["prefetch_saved"] += reply.get("saved", 0)
 
-    def _exchange(self, asked: dict, held: HeldInterrupts, timeout: float, on_reply) -> dict:
+    def _exchange(self, asked: dict, held: HeldInterrupts, timeout: float, on_reply,
+                  wave: bool = False) -> dict:
         """Send ``asked`` (``{request id: (op, body)}``) and wait for every reply (the lock
         held): their bodies by request id; ``on_reply`` books each reply read. A demand is
         recorded before it is sent, so its reply is never unaccounted for; one whose wait ends
-        early (an interrupt, an error) is released when its late reply comes."""
+        early (an interrupt, an error) is released when its late reply comes; with ``wave``
+        (:meth:`demand_all`) every demand's reply is counted and released whenever read."""
         try:
             for rid, (op, body) in asked.items():
                 if op is Op.DEMAND:
-                    self.demands.add(rid)  # before the send: its reply is never unaccounted for
+                    # Before the send: its reply is never unaccounted for.
+                    self.demands[rid] = len(body["experts"]) if wave else None
                 self.conn.send_frames(request(rid, op, body))
             self.most_at_once = max(self.most_at_once, len(self.demands))
             if held.pending:
@@ -211,7 +206,6 @@ class Requester:
         """Leases and demands belong to the daemon they were made with."""
         self.demands.clear()
         self.leases.clear()
-        self._waves.clear()
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -223,15 +217,15 @@ class Requester:
         SIGINT held back.
         """
         if got in self.demands:
-            experts = self._waves.pop(got, None)
+            experts = self.demands[got]
             if experts is not None:
                 if body.get("ok"):
                     self._count_demand(experts, body)
                     if "lease" in body:
                         self.send_quietly(Op.RELEASE, {"lease": body["lease"]})
-                self.demands.discard(got)  # after the counts: none pending means all counted
+                del self.demands[got]  # after the counts: none pending means all counted
                 return
-            self.demands.discard(got)
+            del self.demands[got]
             if body.get("ok") and "lease" in body:
                 if got == rid:
                     self.leases.add(body["lease"])
