@@ -23,9 +23,10 @@ import numpy as np
 
 from expertd.protocol import GUESS_WIDTH
 
+from .backing import buffer_bytes, segment_bases
 from .pool import PROMOTE_AFTER
 from .prompt_pull import assemble
-from .switch import compute, grouped
+from .switch import compute
 
 DECODE_IDS = 64  # a call routing at most this many (token, slot) pairs is decoding
 REPORT_EVERY = 16  # calls between reports of a layer's pooled experts to the daemon's LFU
@@ -243,29 +244,29 @@ class StreamedLayer:
         return out
 
     def _host_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray) -> tuple:
-        """The call with its rows moved by the host: ``(out, when its rows were in place)``,
-        the time None for a call in groups (each group's rows move as it computes)."""
+        """The call with its rows moved by the host: ``(out, when its rows were in place)``."""
         pool = self.pool
-        if len(unique) > pool.rows and pool.backing.whole_array_writes is False:
-            # Unified memory, a call routing to more experts than the pool holds (a prompt):
-            # its rows are staged outside the pool, at their experts' own indices, and the
-            # call runs as resident's does, in one piece (not in groups of half the pool).
-            out = self._staged_call(module, x, indices, unique)
+        if len(unique) > pool.rows:
+            # A call routing to more experts than the pool holds (a prompt, a batch): it runs
+            # as resident's does, in one piece, on rows outside the pool. Unified memory: a
+            # stage at the experts' own indices. Device memory: a stack laid out as a pulled
+            # call's. Never in groups of the pool's size: on CUDA a pair's result depends
+            # on the call it shares (gather_qmm picks its kernel from the call's shape).
+            if pool.backing.whole_array_writes is False:
+                out = self._staged_call(module, x, indices, unique)
+            else:
+                out = self._stacked_host_call(module, x, indices, idx, unique)
             return out, time.perf_counter()
-        if len(unique) <= pool.rows:
-            rows = pool.place(unique)
-            fetched = time.perf_counter()
-            # A pool with a row for every expert holds each at its index: the router's ids
-            # are the rows, already on the device.
-            out = compute(module, self.segments, pool.arrays, x, indices if pool.identity
-                          else mx.array(pool.row_of[idx].astype(idx.dtype)))
-            pool.computing(rows, out)
-            if self.start_early:
-                mx.async_eval(out)
-            return out, fetched
-        return grouped(module, self.segments, pool.arrays, x, idx, unique,
-                       max(1, pool.rows // 2), self.num_experts, pool.place,
-                       pool.computing), None
+        rows = pool.place(unique)
+        fetched = time.perf_counter()
+        # A pool with a row for every expert holds each at its index: the router's ids are
+        # the rows, already on the device.
+        out = compute(module, self.segments, pool.arrays, x, indices if pool.identity
+                      else mx.array(pool.row_of[idx].astype(idx.dtype)))
+        pool.computing(rows, out)
+        if self.start_early:
+            mx.async_eval(out)
+        return out, fetched
 
     def _speculative(self, module, x, indices):
         """No host wait. With a puller, its one primitive assembles the pairs' rows (pool hits
@@ -507,6 +508,61 @@ class StreamedLayer:
             pool.counters["staged"] += len(misses)
         out = compute(module, self.segments, stage.arrays, x, indices)
         stage.reading(out)
+        return out
+
+    def _stacked_host_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):
+        """A call routing to more experts than a device pool holds, on a stack laid out as a
+        pulled call's (:func:`stacked_compute`): a row per expert and the router's own ids
+        where the pairs are at least the experts, else the routed experts in order and the
+        ids mapped to their ranks. Pool hits are taken on the device; the misses are read
+        through the session (found in the arena, or demanded and leased) into the pool's
+        staging buffer, a transfer of at most the backing's batch at a time. The misses that
+        recur are then promoted into the pool from the stack, as a pulled call's are."""
+        pool, n = self.pool, self.num_experts
+        backing = pool.backing
+        present = pool.row_of[unique] >= 0
+        hits, misses = unique[present], unique[~present]
+        span = min(n, idx.size)
+        # Where each stack row's bytes come from: the i-th hit is i, the i-th miss follows the
+        # hits; rows nobody reads take the first.
+        source = np.zeros(n, np.int32)
+        source[hits] = np.arange(len(hits), dtype=np.int32)
+        source[misses] = len(hits) + np.arange(len(misses), dtype=np.int32)
+        if span == n:
+            order, ids = np.arange(n), indices
+        else:
+            order = np.concatenate([unique, np.full(span - len(unique), unique[-1])])
+            rank = np.zeros(n, np.int64)
+            rank[unique] = np.arange(len(unique))
+            ids = mx.array(rank[idx].astype(idx.dtype))
+        moved = [[] for _ in backing.segments]
+        for start in range(0, len(misses), backing.batch):
+            part = misses[start:start + backing.batch]
+            bases = segment_bases(len(part), backing.nbytes)
+            host = backing.staging.get(buffer_bytes(len(part), backing.nbytes))
+            self.session.read_rows(self.index, part, host, bases,
+                                   np.arange(len(part), dtype=np.int32))
+            batch = mx.array(host[:buffer_bytes(len(part), backing.nbytes)])  # a copy
+            for s, ((dtype, shape, nb), base) in enumerate(zip(backing.segments,
+                                                                 bases.tolist())):
+                moved[s].append(batch[base:base + len(part) * nb].view(dtype)
+                                .reshape((len(part), *shape)))
+        taken = mx.array(pool.row_of[hits].astype(np.int32))
+        at = mx.array(source[order])
+        stack = [mx.concatenate([array[taken], *rows])[at] for array, rows in zip(pool.arrays,
+                                                                                 moved)]
+        mx.eval(stack)  # the pool is free again: nothing lazy reads it
+        pool.touch(pool.row_of[hits])
+        pool.counters["hits"] += len(hits)
+        pool.counters["staged"] += len(misses)
+        out = compute(module, self.segments, stack, x, ids)
+        if len(misses):
+            counts = np.bincount(idx.reshape(-1), minlength=n)
+            positions = misses if span == n else np.searchsorted(unique, misses)
+            # A prompt's counts would outweigh every decode use for long: a prompt's expert
+            # counts as recurring, no more.
+            pool.promote(misses, stack, positions,
+                         weights=np.minimum(counts[misses], PROMOTE_AFTER))
         return out
 
     def _pulled_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):

@@ -12,9 +12,7 @@ resident and guesses ahead is in layer.py.
 
 import inspect
 
-import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from .dtypes import MLX_DTYPES
 
@@ -111,58 +109,6 @@ def compute(module, segments: list, arrays: list, x, rows):
         # The graph keeps what it needs; the module holds no expert arrays between calls.
         for child, attr in segments:
             del child[attr]
-
-
-def grouped(module, segments: list, arrays: list, x, idx: np.ndarray, unique: np.ndarray,
-            size: int, num_experts: int, place, done):
-    """A call routing to more distinct experts than the pool holds, in groups of ``size``.
-
-    Each group computes only the (token, slot) pairs routed into it, and the pairs' results are
-    put back in place, so the layer costs what resident mlx-lm's does. ``place(group)`` makes a
-    group's experts resident and returns their pool rows; ``done(rows, y)`` records the lazy
-    output reading them (the next group's rows never overwrite rows it may still read).
-
-    Exactness rests on each pair's result not depending on which other pairs share the call:
-    mlx-lm's switch layers compute every pair as its own one-row product (tokens become rows of
-    shape (1, D) before ``gather_qmm`` / ``gather_mm``), and the activation between projections
-    is elementwise. tests/test_prefill_groups.py checks this on the backend it runs on. On
-    Metal, ``gather_qmm`` also picks its kernel from the call's shape (a batched kernel when
-    indices are sorted and there are at least 4 pairs per row of the stack); a group is padded
-    up to that size when the resident call would take the batched kernel, so the group takes it
-    too. Each group starts computing (``mx.async_eval``) while the next group's rows move.
-    """
-    k = idx.shape[-1]
-    flat = idx.reshape(-1)
-    order = np.argsort(flat, kind="stable")  # pairs sorted by expert: a group is one run
-    ids = flat[order]
-    starts = range(0, len(unique), size)
-    cuts = np.searchsorted(ids, unique[list(starts)]).tolist() + [len(ids)]
-    dim = x.shape[-1]
-    tokens = mx.broadcast_to(x, (*idx.shape[:-1], dim)).reshape(-1, dim)
-    stack = arrays[0].shape[0]
-    # mlx-lm sorts a call's pairs when there are 64 or more; Metal's gather_qmm then uses its
-    # batched kernel when the pairs number at least 4 per expert in the stack.
-    batched = flat.size >= 64 and flat.size // num_experts >= 4
-    parts = []
-    for g, start in enumerate(starts):
-        group = unique[start:start + size]
-        lo, hi = cuts[g], cuts[g + 1]
-        rows = place(group)
-        pairs, local = order[lo:hi], rows[np.searchsorted(group, ids[lo:hi])]
-        want = max(64, 4 * stack) if batched else 0
-        if hi - lo < want:  # repeat the last pair; its copies are dropped below
-            pairs = np.concatenate([pairs, np.full(want - (hi - lo), pairs[-1])])
-            local = np.concatenate([local, np.full(want - (hi - lo), local[-1])])
-        y = compute(module, segments, arrays, tokens[mx.array(pairs // k)],
-                    mx.array(local.astype(idx.dtype)[:, None]))
-        mx.async_eval(y)
-        done(rows, y)
-        parts.append(y[:hi - lo, 0])
-    # Back from expert order to (token, slot) order: a pure permutation of the rows.
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(len(order))
-    out = mx.concatenate(parts)[mx.array(inverse)]
-    return out.reshape(*idx.shape, out.shape[-1])
 
 
 def expert_segments(module, layer) -> list:
