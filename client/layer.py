@@ -439,7 +439,8 @@ class StreamedLayer:
             self._rows_cache[key] = rows
         return rows
 
-    def after_pull(self, rows: np.ndarray, experts: np.ndarray, arrays: list) -> int:
+    def after_pull(self, rows: np.ndarray, experts: np.ndarray, arrays: list,
+                   prompt: bool = False) -> int:
         """The bookkeeping of a step's pulled call, from its decoded statuses (``rows``,
         ``experts``: see pull.decode_status): pool hits counted, pulled experts that keep
         coming back promoted into the pool (a device copy), use reported. Returns how many
@@ -448,7 +449,8 @@ class StreamedLayer:
         PROMOTE_AFTER, as a prompt waiting per layer counts them)."""
         pool = self.pool
         hit = np.unique(rows[rows >= 0])
-        pool.touch(hit)
+        if not prompt:  # a pool's uses are its decode's (see ExpertPool.promote)
+            pool.touch(hit)
         pulled, first, counts = np.unique(experts[experts >= 0], return_index=True,
                                           return_counts=True)
         stack = isinstance(arrays, StackedRows)
@@ -461,7 +463,8 @@ class StreamedLayer:
                 positions, weights = where, np.minimum(counts, PROMOTE_AFTER)
             else:
                 positions, weights = np.flatnonzero(experts >= 0)[first], None
-            promoted = pool.promote(pulled.astype(np.int32), arrays, positions, weights)
+            promoted = pool.promote(pulled.astype(np.int32), arrays, positions, weights,
+                                    prompt=prompt)
         self._report(used)
         return promoted
 
@@ -501,7 +504,8 @@ class StreamedLayer:
         hits, misses = unique[present], unique[~present]
         if len(hits):
             stage.copy_from(pool.backing, pool.row_of[hits], hits)
-            pool.touch(pool.row_of[hits])
+            if decoding(indices.shape):  # a pool's uses are its decode's (ExpertPool.promote)
+                pool.touch(pool.row_of[hits])
             pool.counters["hits"] += len(hits)
         if len(misses):
             self.session.read_rows(self.index, misses, stage.host, stage.bases, misses)
@@ -552,7 +556,8 @@ class StreamedLayer:
         stack = [mx.concatenate([array[taken], *rows])[at] for array, rows in zip(pool.arrays,
                                                                                  moved)]
         mx.eval(stack)  # the pool is free again: nothing lazy reads it
-        pool.touch(pool.row_of[hits])
+        if decoding(indices.shape):  # a pool's uses are its decode's (ExpertPool.promote)
+            pool.touch(pool.row_of[hits])
         pool.counters["hits"] += len(hits)
         pool.counters["staged"] += len(misses)
         out = compute(module, self.segments, stack, x, ids)
@@ -562,7 +567,8 @@ class StreamedLayer:
             # A prompt's counts would outweigh every decode use for long: a prompt's expert
             # counts as recurring, no more.
             pool.promote(misses, stack, positions,
-                         weights=np.minimum(counts[misses], PROMOTE_AFTER))
+                         weights=np.minimum(counts[misses], PROMOTE_AFTER),
+                         prompt=not decoding(indices.shape))
         return out
 
     def _pulled_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):
@@ -578,7 +584,8 @@ class StreamedLayer:
         stack = assemble(session, self.index, unique, pool)
         if stack is None:
             return None
-        pool.touch(pool.row_of[unique[present]])
+        if decoding(indices.shape):  # a pool's uses are its decode's (ExpertPool.promote)
+            pool.touch(pool.row_of[unique[present]])
         pool.counters["hits"] += int(present.sum())
         pool.counters["pulled"] += int((~present).sum())
         out = compute(module, self.segments, stack, x, indices)
@@ -588,7 +595,8 @@ class StreamedLayer:
             # A prompt's counts would outweigh every decode use for long: a prompt's expert
             # counts as recurring, no more.
             pool.promote(missing, stack, missing,
-                         weights=np.minimum(counts[missing], PROMOTE_AFTER))
+                         weights=np.minimum(counts[missing], PROMOTE_AFTER),
+                         prompt=not decoding(indices.shape))
         return out
 
     def after_speculation(self, ids: np.ndarray) -> None:

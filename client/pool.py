@@ -109,17 +109,24 @@ class ExpertPool:
         self.pulls[experts] += 1 if weights is None else weights
 
     def promote(self, experts: np.ndarray, arrays: list, positions: np.ndarray,
-                weights: np.ndarray | None = None) -> int:
+                weights: np.ndarray | None = None, prompt: bool = False) -> int:
         """Take pulled ``experts`` (distinct, missing from the pool) into pool rows, their
         bytes at ``positions`` of the evaluated ``arrays``: those pulled at least
         PROMOTE_AFTER times (decayed) whose count beats the coldest row they would replace.
-        ``weights``: uses to count for each (default one).
+        ``weights``: uses to count for each (default one). A ``prompt``'s experts take only
+        rows free or unused since their uses last decayed, and a prompt's hits are no uses
+        (the layers touch no row for them): a prompt routes to most experts of a layer once,
+        and its experts would push out the ones the decode that follows keeps using. A pool
+        hit saves a decode a row's pull every token; a prompt pulls a stack of its experts
+        whatever the pool holds.
         Returns how many moved (a device copy each, no host copy)."""
         self.note_pulls(experts, weights)
         order = np.argsort(-self.pulls[experts], kind="stable")
         take, victims = [], []
         # The coldest rows first; a row taken is out of the running.
         score = None if self.identity else np.where(self.expert_of < 0, -1, self.uses)
+        if prompt and score is not None:
+            score = np.where(score > 0, np.iinfo(np.int64).max, score)
         for i in order.tolist():
             e = int(experts[i])
             if self.pulls[e] < PROMOTE_AFTER:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .layer import StackedRows
+from .layer import StackedRows, decoding
 from .pull import ABSENT, PULLED, decode_status
 
 
@@ -110,7 +110,8 @@ class StepCheck:
         for record, part in pulled:
             layer, arrays = record.layer, record.arrays
             if promote:
-                found.promoted += layer.after_pull(rows[part], experts[part], arrays)
+                found.promoted += layer.after_pull(rows[part], experts[part], arrays,
+                                                   prompt=not decoding(record.ids.shape))
             else:  # a stack pulled each expert once: its other pairs count as none
                 self.deferred.setdefault(layer.index, (layer, []))[1].append(
                     (rows[part], _first_only(experts[part]) if isinstance(arrays, StackedRows)

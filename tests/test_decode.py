@@ -314,8 +314,8 @@ def test_a_replay_that_promoted_brings_the_drains_back_to_the_shortest_interval(
             for layer in steps.layers:
                 real = layer.after_pull
 
-                def after_pull(rows, experts, arrays, real=real):
-                    promoted.append(real(rows, experts, arrays))
+                def after_pull(rows, experts, arrays, prompt=False, real=real):
+                    promoted.append(real(rows, experts, arrays, prompt))
                     return 1  # as if the policy had promoted one of them
 
                 layer.after_pull = after_pull

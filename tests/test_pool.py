@@ -181,6 +181,33 @@ def test_a_promotion_moves_only_its_rows_whatever_the_pool_size(backing):
     assert max(grown.values()) <= 2 * 8 * 4096 + 4096, grown
 
 
+def test_a_prompt_promotes_only_into_rows_its_decode_does_not_use():
+    """A prompt's experts take free rows and rows unused since their uses last decayed, never
+    a row the decode uses (on the CPU study of bench/pool_policy.py a long prompt between two
+    decodes pushed out the decode's experts: 10.5 rows pulled a decode token, 7.0 without);
+    a decode's pulled experts still replace the least used rows. A prompt's hits are no
+    uses: the layers touch no row for them."""
+    pool = new_pool("device", rows=4)
+    pool.place(np.array([0, 1, 2], np.int32))  # a decode's experts; row 3 free
+    for _ in range(16):  # 0 and 1 keep being used; the uses decay once: 2's to none
+        pool.touch(pool.row_of[np.array([0, 1])])
+    assert pool.uses[pool.row_of[2]] == 0 and (pool.uses[pool.row_of[[0, 1]]] > 0).all()
+    experts = np.array([10, 11, 12], np.int32)
+    arrays = [mx.array(np.stack([pattern(e * 10 + s, nb).view(np.uint8) for e in experts])
+                       .view(np.uint8)).view(dtype).reshape(len(experts), *shape)
+              for s, (dtype, shape, nb) in enumerate(SEGMENTS)]
+    heavy = np.full(3, 100)
+    assert pool.promote(experts, arrays, np.arange(3), weights=heavy, prompt=True) == 2
+    # The free row and expert 2's (no use since placed), the most pulled first.
+    assert sorted(pool.expert_of.tolist()) == [0, 1, 10, 11]
+    check_rows(pool)
+    # The same pulls from a decode push out the least used rows, used or not.
+    assert pool.promote(np.array([12], np.int32), [a[2:] for a in arrays], np.arange(1),
+                        weights=heavy[:1]) == 1
+    assert 12 in pool.expert_of.tolist() and len(set(pool.expert_of.tolist()) & {0, 1}) == 1
+    check_rows(pool)
+
+
 def test_plan_rows_splits_the_budget_and_refuses_below_the_smallest():
     layers = [SimpleNamespace(index=i, num_experts=16, expert_bytes=1 << 20, segments=[0] * 3)
               for i in range(4)]

@@ -44,7 +44,7 @@ def test_a_prompt_on_device_pools_runs_in_one_call_a_layer(models, isolated_env,
     for fewer pairs than experts), and every position's logits are resident's. It used to run
     in groups of half the pool, which is exact on the CPU and was not on an H100 (a pair's
     result there depends on the call it shares). The experts a prompt keeps routing to are
-    promoted into the pools from the stack."""
+    promoted into the pools' free rows from the stack."""
     model_dir, blob_dir = routed_model(models, *family_mode)
     manifest = Manifest.load(blob_dir)
     resident = mlx_lm.load(str(model_dir))[0]
@@ -80,7 +80,8 @@ def test_a_prompt_on_device_pools_runs_in_one_call_a_layer(models, isolated_env,
                 assert after["staged"] > before["staged"]  # misses read into the stacks
                 if length == 300:
                     assert after["hits"] > before["hits"]  # hits taken from the pools
-                    assert after["promoted"] > before["promoted"]
+            # Into the pools' free rows (a prompt takes no row its decode uses: test_pool.py).
+            assert session.pool_counters()["promoted"] > 0
         finally:
             session.close()
 
