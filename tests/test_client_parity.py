@@ -95,7 +95,7 @@ def test_streamed_logits_equal_resident(models, isolated_env, tmp_path, family_m
     else:
         assert session.counters["prefetch_asked"] == stats["prefetch_requested"] == 0
     if rows == ROWS_TINY:
-        # The grouped path really ran, and rows were evicted and refilled.
+        # Calls routed to more experts than the pools hold, and rows were evicted and refilled.
         assert max(p.rows for p in session.pools) < min(l.num_experts for l in manifest.layers)
         assert stats["fills"] > stats["arena_rows"]
     else:
