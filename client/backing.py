@@ -193,13 +193,33 @@ class DeviceRows:
             sub[sub_bases[s]:sub_bases[s] + len(keep) * nb] = src[keep].ravel()
         return sub_bases, sub
 
+    def read(self, experts: np.ndarray, read) -> list:
+        """The rows of ``experts`` as arrays of their own, outside the pool: per segment, a
+        list of ``(n, *shape)`` arrays, a batch each, moved as :meth:`write` moves them
+        (``read`` as its)."""
+        parts = [[] for _ in self.segments]
+        for start in range(0, len(experts), self.batch):
+            part = experts[start:start + self.batch]
+            bases = segment_bases(len(part), self.nbytes)
+            host = self.staging.get(buffer_bytes(len(part), self.nbytes))
+            read(part, host, bases, np.arange(len(part), dtype=np.int32))
+            for s, array in enumerate(self._moved(host, bases, len(part))):
+                parts[s].append(array)
+        return parts
+
+    def _moved(self, host: np.ndarray, bases: np.ndarray, n: int) -> list:
+        """``n`` rows staged in ``host`` (segments at ``bases``) on the device: one
+        host-to-device transfer (a copy: ``host`` may be written again), an array a
+        segment."""
+        moved = mx.array(host[:int(bases[-1] + n * self.nbytes[-1])])
+        return [moved[base:base + n * nb].view(dtype).reshape((n, *shape))
+                for (dtype, shape, nb), base in zip(self.segments, bases.tolist())]
+
     def _scatter(self, rows: np.ndarray, bases: np.ndarray, host: np.ndarray) -> None:
         n = len(rows)
         if not n:
             return
-        used = int(bases[-1] + n * self.nbytes[-1])
-        moved = mx.array(host[:used])  # the batch's one host-to-device transfer
         at = mx.array(rows.astype(np.int32))
-        for array, (dtype, shape, nb), base in zip(self.arrays, self.segments, bases.tolist()):
+        for array, new in zip(self.arrays, self._moved(host, bases, n)):
             # In place: the Python object keeps its identity, its buffer is reused by MLX.
-            array[at] = moved[base:base + n * nb].view(dtype).reshape((n, *shape))
+            array[at] = new

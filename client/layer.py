@@ -23,7 +23,6 @@ import numpy as np
 
 from expertd.protocol import GUESS_WIDTH
 
-from .backing import buffer_bytes, segment_bases
 from .pool import PROMOTE_AFTER
 from .prompt_pull import assemble
 from .switch import compute
@@ -504,9 +503,7 @@ class StreamedLayer:
         hits, misses = unique[present], unique[~present]
         if len(hits):
             stage.copy_from(pool.backing, pool.row_of[hits], hits)
-            if decoding(indices.shape):  # a pool's uses are its decode's (ExpertPool.promote)
-                pool.touch(pool.row_of[hits])
-            pool.counters["hits"] += len(hits)
+            pool.hit(pool.row_of[hits], prompt=not decoding(indices.shape))
         if len(misses):
             self.session.read_rows(self.index, misses, stage.host, stage.bases, misses)
             pool.counters["staged"] += len(misses)
@@ -523,7 +520,7 @@ class StreamedLayer:
         staging buffer, a transfer of at most the backing's batch at a time. The misses that
         recur are then promoted into the pool from the stack, as a pulled call's are."""
         pool, n = self.pool, self.num_experts
-        backing = pool.backing
+        prompt = not decoding(indices.shape)
         present = pool.row_of[unique] >= 0
         hits, misses = unique[present], unique[~present]
         span = min(n, idx.size)
@@ -539,26 +536,13 @@ class StreamedLayer:
             rank = np.zeros(n, np.int64)
             rank[unique] = np.arange(len(unique))
             ids = mx.array(rank[idx].astype(idx.dtype))
-        moved = [[] for _ in backing.segments]
-        for start in range(0, len(misses), backing.batch):
-            part = misses[start:start + backing.batch]
-            bases = segment_bases(len(part), backing.nbytes)
-            host = backing.staging.get(buffer_bytes(len(part), backing.nbytes))
-            self.session.read_rows(self.index, part, host, bases,
-                                   np.arange(len(part), dtype=np.int32))
-            batch = mx.array(host[:buffer_bytes(len(part), backing.nbytes)])  # a copy
-            for s, ((dtype, shape, nb), base) in enumerate(zip(backing.segments,
-                                                                 bases.tolist())):
-                moved[s].append(batch[base:base + len(part) * nb].view(dtype)
-                                .reshape((len(part), *shape)))
+        moved = pool.fetch(misses)
         taken = mx.array(pool.row_of[hits].astype(np.int32))
         at = mx.array(source[order])
         stack = [mx.concatenate([array[taken], *rows])[at] for array, rows in zip(pool.arrays,
                                                                                  moved)]
         mx.eval(stack)  # the pool is free again: nothing lazy reads it
-        if decoding(indices.shape):  # a pool's uses are its decode's (ExpertPool.promote)
-            pool.touch(pool.row_of[hits])
-        pool.counters["hits"] += len(hits)
+        pool.hit(pool.row_of[hits], prompt)
         pool.counters["staged"] += len(misses)
         out = compute(module, self.segments, stack, x, ids)
         if len(misses):
@@ -567,8 +551,7 @@ class StreamedLayer:
             # A prompt's counts would outweigh every decode use for long: a prompt's expert
             # counts as recurring, no more.
             pool.promote(misses, stack, positions,
-                         weights=np.minimum(counts[misses], PROMOTE_AFTER),
-                         prompt=not decoding(indices.shape))
+                         weights=np.minimum(counts[misses], PROMOTE_AFTER), prompt=prompt)
         return out
 
     def _pulled_call(self, module, x, indices, idx: np.ndarray, unique: np.ndarray):
@@ -584,9 +567,8 @@ class StreamedLayer:
         stack = assemble(session, self.index, unique, pool)
         if stack is None:
             return None
-        if decoding(indices.shape):  # a pool's uses are its decode's (ExpertPool.promote)
-            pool.touch(pool.row_of[unique[present]])
-        pool.counters["hits"] += int(present.sum())
+        prompt = not decoding(indices.shape)
+        pool.hit(pool.row_of[unique[present]], prompt)
         pool.counters["pulled"] += int((~present).sum())
         out = compute(module, self.segments, stack, x, indices)
         if (~present).any():
@@ -595,8 +577,7 @@ class StreamedLayer:
             # A prompt's counts would outweigh every decode use for long: a prompt's expert
             # counts as recurring, no more.
             pool.promote(missing, stack, missing,
-                         weights=np.minimum(counts[missing], PROMOTE_AFTER),
-                         prompt=not decoding(indices.shape))
+                         weights=np.minimum(counts[missing], PROMOTE_AFTER), prompt=prompt)
         return out
 
     def after_speculation(self, ids: np.ndarray) -> None:

@@ -174,6 +174,13 @@ class ExpertPool:
         self.touch(rows)
         return rows
 
+    def hit(self, rows: np.ndarray, prompt: bool = False) -> None:
+        """A call found its experts in ``rows``: counted as hits, and as uses unless the call
+        is a ``prompt``'s (a pool's uses are its decode's: see :meth:`promote`)."""
+        self.counters["hits"] += len(rows)
+        if not prompt:
+            self.touch(rows)
+
     def touch(self, rows: np.ndarray) -> None:
         """Count a use of each row (LFU), and a written-ahead row's first use."""
         self._use(rows, 1)
@@ -313,6 +320,11 @@ class ExpertPool:
         self._table = self._complete = self._pull_table = None
 
     # ---- internals -------------------------------------------------------------------------
+
+    def fetch(self, experts: np.ndarray) -> list:
+        """The rows of ``experts`` read from the source into arrays of their own, outside the
+        pool (device backing: see DeviceRows.read)."""
+        return self.backing.read(experts, self._read)
 
     def _read(self, experts, dest, bases, positions) -> None:
         self.source.read_rows(self.layer, experts, dest, bases, positions)
