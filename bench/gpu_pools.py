@@ -52,11 +52,12 @@ SECTION = "## GPU: expert pools"
 
 def snapshot(session) -> dict:
     """What ``session`` has done so far: its timing, model calls (steps), host waits and
-    replays, bytes moved into its pools (when routed, and written ahead then used), the daemon's
-    bytes read, and a clock."""
+    replays, rows and bytes pulled from the arena, bytes moved into its pools (when routed, and
+    written ahead then used), the daemon's bytes read, and a clock."""
     eb = [layer.expert_bytes for layer in session.manifest.layers]
-    t, c = session.timing, session.counters
+    t, c, p = session.timing, session.counters, session.pull_counters()
     return dict(t=time.perf_counter(), sync_s=t["sync_s"], exposed_s=t["exposed_s"],
+                rows_pulled=p["rows_pulled"], bytes_pulled=p["bytes_pulled"],
                 steps=c["steps"], host_waits=c["host_waits"], replays=c["replays"],
                 speculative_steps=c["speculative_steps"],
                 moved_bytes=sum(p.counters["moved"] * eb[p.layer] for p in session.pools),
@@ -153,7 +154,7 @@ def summarize(runs: dict, moe_layers: int) -> dict:
     bound = gbps * 1e9 / must if gbps and must else None
     per_token = {f"{k}_per_token": w[k] / steps
                  for k in ("host_waits", "replays", "moved_bytes", "ahead_bytes", "bytes_read",
-                           "speculative_steps")}
+                           "speculative_steps", "rows_pulled", "bytes_pulled")}
     # A speculative step counts its one wait and itself when checked; a step waiting per layer
     # counts a wait per MoE layer and no speculative step. So the waits beyond the speculative
     # steps are the per-layer steps'.

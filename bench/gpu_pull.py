@@ -130,6 +130,10 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
                 prompt_replays={k: session_counts[k] for k in ("replays_absent", "replays_epoch")},
                 per_step={k: v / steps for k, v in counts.items() if k != "steps"},
                 decode_host_waits=decode_waits, decode_waits_split=decode_waits_split,
+                # Rows pulled a decode token (the windows: first token to last), apart from
+                # per_step's, which counts the prompts' pulls too, over every model call.
+                decode_rows_pulled=window["rows_pulled_per_token"],
+                decode_bytes_pulled=window["bytes_pulled_per_token"],
                 split=split, **counts)
 
 
@@ -352,8 +356,9 @@ def table(r: dict) -> str:
              "resident mlx-lm alternating in the same process; tokens equal in every round.\n",
              "| case | puller | decode ÷ resident | TTFT ÷ resident | host waits / model call "
              "(all; decode steps only) | "
-             "replays / step | rows pulled / token | MB pulled / token | target | verdict |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "replays / step | rows (MB) pulled a decode token; a model call, prompts too | "
+             "target | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     disk = r.get("disk_gbps")
     for c in r["cases"]:
         p = c["per_step"]
@@ -380,7 +385,9 @@ def table(r: dict) -> str:
             f"| {c['case']} | {c['puller']} | {ratio:.2f} ({', '.join(f'{x:.2f}' for x in c['ratios'])}) "
             f"| {c['ttft_ratio']:.2f}{plain} | {p['host_waits']:.2f}; "
             f"{c.get('decode_host_waits', float('nan')):.2f} | {p['replays']:.3f} | "
-            f"{p['rows_pulled']:.1f} | {p['bytes_pulled'] / 1e6:.1f} | {target} | {verdict} |")
+            f"{c.get('decode_rows_pulled', float('nan')):.1f} "
+            f"({c.get('decode_bytes_pulled', float('nan')) / 1e6:.1f}); "
+            f"{p['rows_pulled']:.1f} ({p['bytes_pulled'] / 1e6:.1f}) | {target} | {verdict} |")
     split = r.get("resident_split")
     if split:
         lines.append(f"\nResident mlx-lm's decode step built then evaluated apart: build "

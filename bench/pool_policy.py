@@ -58,7 +58,8 @@ def main() -> None:
             decode(streamed, tokenizer, args.tokens, 0.0)
             for r in range(args.rounds):
                 before, pools = mark(session), session.pool_counters()
-                got = decode(streamed, tokenizer, args.tokens, 0.0, session, True)["tokens"]
+                run = decode(streamed, tokenizer, args.tokens, 0.0, session, True)
+                got, own = run["tokens"], run["window"]
                 if got != want:
                     raise AssertionError("streamed tokens differ from resident ones")
                 window, after = window_counts(session, before), session.pool_counters()
@@ -66,7 +67,8 @@ def main() -> None:
                 waiting_first_token(streamed, ids)
                 prompts = session.pool_counters()
                 print(f"round {r}: rows pulled a decode token "
-                      f"{window['rows_pulled'] / args.tokens:.2f}; promoted by the decode "
+                      f"{own['rows_pulled'] / own['tokens']:.2f} (with its prompt's "
+                      f"{window['rows_pulled'] / args.tokens:.2f}); promoted by the decode "
                       f"{after['promoted'] - pools['promoted']}, by the two prompts "
                       f"{prompts['promoted'] - after['promoted']}", flush=True)
         finally:

@@ -38,12 +38,36 @@ def distinct(idx: np.ndarray) -> np.ndarray:
     return np.unique(idx).astype(np.int32)
 
 
-def _distinct_per_row(values: np.ndarray) -> np.ndarray:
-    """Each row's distinct non-negative values, every row's together (one sort for all)."""
-    v = np.sort(values, axis=1)
+def _distinct_counts(values: np.ndarray, base: int) -> tuple:
+    """``(codes, counts)``: ``layer * base + value`` of each value >= 0 of ``values``
+    (``(steps, layers, pairs)``), and in how many steps each occurs (a step's repeats once)."""
+    v = np.sort(values, axis=2)
     first = np.ones(v.shape, dtype=bool)
-    first[:, 1:] = v[:, 1:] != v[:, :-1]
-    return v[first & (v >= 0)]
+    first[..., 1:] = v[..., 1:] != v[..., :-1]
+    codes = np.arange(v.shape[1], dtype=np.int64)[None, :, None] * base + v
+    return np.unique(codes[first & (v >= 0)], return_counts=True)
+
+
+def count_pulled_steps(layers: list, rows: np.ndarray, experts: np.ndarray) -> None:
+    """Several pulled steps of ``layers`` counted at once, nothing promoted (a pipelined
+    loop's deferred counting, client/step_check.py): ``rows``, ``experts`` ``(steps, layers,
+    pairs)`` of their decoded statuses (pull.decode_status; -1 pads a step of fewer pairs).
+    Each step's distinct hits and pulls are counted once (ExpertPool.count_steps), and each
+    layer's used experts reported to the daemon at the rate step-by-step counting reports them
+    (one report per REPORT_EVERY steps, each of the experts those steps used). One sort for
+    every layer: a drain's host time is a decode step's the device waits for."""
+    n = len(layers)
+    row_base = max(layer.pool.rows for layer in layers)
+    expert_base = max(layer.num_experts for layer in layers)
+    hit, times = _distinct_counts(rows, row_base)
+    pulled, counts = _distinct_counts(experts, expert_base)
+    hit_at = np.searchsorted(hit, np.arange(n + 1) * row_base)
+    pulled_at = np.searchsorted(pulled, np.arange(n + 1) * expert_base)
+    for i, layer in enumerate(layers):
+        h, p = slice(hit_at[i], hit_at[i + 1]), slice(pulled_at[i], pulled_at[i + 1])
+        layer._counted_steps((hit[h] - i * row_base).astype(np.int64), times[h],
+                             (pulled[p] - i * expert_base).astype(np.int64), counts[p],
+                             rows[:, i], experts[:, i])
 
 
 def stacked(shape) -> bool:
@@ -450,8 +474,7 @@ class StreamedLayer:
         hit = np.unique(rows[rows >= 0])
         if not prompt:  # a pool's uses are its decode's (see ExpertPool.promote)
             pool.touch(hit)
-        pulled, first, counts = np.unique(experts[experts >= 0], return_index=True,
-                                          return_counts=True)
+        pulled, counts = np.unique(experts[experts >= 0], return_counts=True)
         stack = isinstance(arrays, StackedRows)
         self._count(len(hit), pulled if stack else experts)
         used = np.union1d(pool.expert_of[hit], pulled).astype(np.int32)  # in the stack's order
@@ -459,25 +482,42 @@ class StreamedLayer:
         if len(pulled):
             if stack:  # a compact stack holds the routed experts in order
                 where = np.searchsorted(used, pulled) if arrays.compact else pulled
-                positions, weights = where, np.minimum(counts, PROMOTE_AFTER)
+                promoted = pool.promote(pulled.astype(np.int32), arrays, where,
+                                        np.minimum(counts, PROMOTE_AFTER), prompt=prompt)
             else:
-                positions, weights = np.flatnonzero(experts >= 0)[first], None
-            promoted = pool.promote(pulled.astype(np.int32), arrays, positions, weights,
-                                    prompt=prompt)
+                promoted = self.promote_pulled(experts, arrays, counted=False)
         self._report(used)
         return promoted
+
+    def promote_pulled(self, experts: np.ndarray, arrays: list, counted: bool = True) -> int:
+        """Promote what a decode's pulled call (a row per pair, ``experts`` its pairs' pulled
+        expert or -1) brought and keeps coming back (ExpertPool.promote); ``counted``: its
+        pulls are counted already (a drain's, counted with the deferred steps)."""
+        pulled, first = np.unique(experts[experts >= 0], return_index=True)
+        if not len(pulled):
+            return 0
+        return self.pool.promote(pulled.astype(np.int32), arrays,
+                                 np.flatnonzero(experts >= 0)[first],
+                                 np.zeros(len(pulled), np.int64) if counted else None)
 
     def after_pulled_steps(self, rows: np.ndarray, experts: np.ndarray) -> None:
         """The counting of several steps' pulled calls at once (``(steps, pairs)`` each, as
         :meth:`after_pull` takes one step's; -1 pads a step of fewer pairs), nothing promoted:
-        each step's distinct hits and pulls counted once (ExpertPool.count_steps), and the
-        experts used reported to the daemon at the rate step-by-step counting reports them
-        (one report per REPORT_EVERY steps, each of the experts those steps used)."""
+        see :func:`count_pulled_steps`, which counts several layers' so."""
+        count_pulled_steps([self], rows[:, None], experts[:, None])
+
+    def _counted_steps(self, hit, times, pulled, counts, rows: np.ndarray,
+                       experts: np.ndarray) -> None:
+        """:func:`count_pulled_steps`' part for this layer: ``hit`` rows each hit in ``times``
+        of the steps, ``pulled`` experts each pulled in ``counts`` of them, of the steps'
+        ``rows`` and ``experts`` (``(steps, pairs)``)."""
         pool = self.pool
-        hit, times = np.unique(_distinct_per_row(rows), return_counts=True)
-        pulled, counts = np.unique(_distinct_per_row(experts), return_counts=True)
         pool.count_steps(hit, times, pulled, counts)
         self._count(int(times.sum()), experts)
+        if rows.shape[0] <= REPORT_EVERY:
+            self._report(np.union1d(pool.expert_of[hit], pulled).astype(np.int32),
+                         rows.shape[0])
+            return
         for start in range(0, rows.shape[0], REPORT_EVERY):
             r, e = rows[start:start + REPORT_EVERY], experts[start:start + REPORT_EVERY]
             used = np.union1d(pool.expert_of[r[r >= 0]], e[e >= 0]).astype(np.int32)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .layer import StackedRows, decoding
+from .layer import StackedRows, count_pulled_steps, decoding
 from .pull import ABSENT, PULLED, decode_status
 
 
@@ -65,8 +65,8 @@ class StepCheck:
 
     def __init__(self, session, counters: dict):
         self.session, self.counters = session, counters
-        # layer index -> (layer, [(rows, experts)] of its pulled steps not yet counted)
-        self.deferred: dict = {}
+        # [(layout, layers, rows, experts)] of pulled steps not yet counted (see _defer)
+        self.deferred: list = []
 
     def check(self, records: list, found: Findings, *flat: np.ndarray,
               promote: bool = True) -> str | None:
@@ -105,18 +105,39 @@ class StepCheck:
                 for r, part in pulled])
         for record, part in plain:
             record.layer.after_speculation(ids[part])
-        if pulled and promote:
-            self.flush()
-        for record, part in pulled:
-            layer, arrays = record.layer, record.arrays
-            if promote:
-                found.promoted += layer.after_pull(rows[part], experts[part], arrays,
-                                                   prompt=not decoding(record.ids.shape))
-            else:  # a stack pulled each expert once: its other pairs count as none
-                self.deferred.setdefault(layer.index, (layer, []))[1].append(
-                    (rows[part], _first_only(experts[part]) if isinstance(arrays, StackedRows)
-                     else experts[part]))
+        if not pulled:
+            return None
+        # A decode's pulled calls (a row per pair) are counted with the deferred steps, all at
+        # once (flush); a drain then promotes what it pulled. A prompt's or a batch's stack
+        # pulled each expert once and promotes by its pairs (after_pull).
+        plain_pulls = [(r, part) for r, part in pulled
+                       if decoding(r.ids.shape) and not isinstance(r.arrays, StackedRows)]
+        stacks = [(r, part) for r, part in pulled
+                  if not decoding(r.ids.shape) or isinstance(r.arrays, StackedRows)]
+        if plain_pulls:
+            self._defer(plain_pulls, rows, experts)
+        if not promote:
+            if stacks:  # a stack pulled each expert once: its other pairs count as none
+                firsts = experts.copy()
+                for _, part in stacks:
+                    firsts[part] = _first_only(experts[part])
+                self._defer(stacks, rows, firsts)
+            return None
+        self.flush()
+        for record, part in plain_pulls:
+            if (experts[part] >= 0).any():
+                found.promoted += record.layer.promote_pulled(experts[part], record.arrays)
+        for record, part in stacks:
+            found.promoted += record.layer.after_pull(rows[part], experts[part], record.arrays,
+                                                      prompt=not decoding(record.ids.shape))
         return None
+
+    def _defer(self, parts: list, rows: np.ndarray, experts: np.ndarray) -> None:
+        """Keep a checked step's pulled ``parts`` (``(record, slice)`` of ``rows`` and
+        ``experts``, the step's decoded statuses) to count at the next :meth:`flush`."""
+        key = tuple((r.layer.index, part.start, part.stop) for r, part in parts)
+        lo, hi = parts[0][1].start, parts[-1][1].stop
+        self.deferred.append((key, [r.layer for r, _ in parts], rows[lo:hi], experts[lo:hi]))
 
     def drifted(self, pulled: list, kinds: np.ndarray) -> int | None:
         """The layer whose pull differed from the host copy, of those whose pulls are still
@@ -133,10 +154,30 @@ class StepCheck:
         return None
 
     def flush(self) -> None:
-        """Count the pulled steps whose bookkeeping waited (see :meth:`check`)."""
-        deferred, self.deferred = self.deferred, {}
-        for layer, steps in deferred.values():
-            layer.after_pulled_steps(_rows([r for r, _ in steps]), _rows([e for _, e in steps]))
+        """Count the pulled steps whose bookkeeping waited (see :meth:`check`): steps of one
+        layout (a decode's, every step alike) as one table a layer, cut from their rows
+        stacked; else each layer's steps padded to the longest."""
+        deferred, self.deferred = self.deferred, []
+        if not deferred:
+            return
+        key, layers = deferred[0][0], deferred[0][1]
+        widths = {stop - start for _, start, stop in key}
+        lo, hi = key[0][1], key[-1][2]
+        if (all(d[0] == key for d in deferred) and len(widths) == 1
+                and hi - lo == len(key) * widths.pop()):  # each layer's pairs, back to back
+            shape = (len(deferred), len(key), -1)
+            count_pulled_steps(layers, np.stack([d[2] for d in deferred]).reshape(shape),
+                               np.stack([d[3] for d in deferred]).reshape(shape))
+            return
+        by_layer: dict = {}
+        for key, layers, rows, experts in deferred:
+            lo = key[0][1]
+            for layer, (_, start, stop) in zip(layers, key):
+                steps = by_layer.setdefault(layer.index, (layer, [], []))
+                steps[1].append(rows[start - lo:stop - lo])
+                steps[2].append(experts[start - lo:stop - lo])
+        for layer, rows, experts in by_layer.values():
+            layer.after_pulled_steps(_rows(rows), _rows(experts))
 
     def count_union(self, parts: list, experts: list) -> None:
         """A checked step of several sequences: the pairs its layers routed, and the distinct

@@ -311,14 +311,14 @@ def test_a_replay_that_promoted_brings_the_drains_back_to_the_shortest_interval(
             cache = mlx_cache(model)
             model(ids[:-1][None], cache=cache)  # the prompt, on the checked path
             promoted = []
-            for layer in steps.layers:
-                real = layer.after_pull
+            for layer in steps.layers:  # a decode's drain promotes what it pulled
+                real = layer.promote_pulled
 
-                def after_pull(rows, experts, arrays, prompt=False, real=real):
-                    promoted.append(real(rows, experts, arrays, prompt))
+                def promote_pulled(experts, arrays, counted=True, real=real):
+                    promoted.append(real(experts, arrays, counted))
                     return 1  # as if the policy had promoted one of them
 
-                layer.after_pull = after_pull
+                layer.promote_pulled = promote_pulled
             steps.drains = Drains(every=MAX_DRAIN_EVERY, pipelined=5)
             pulled = session.counters["pulled_steps"]
             mx.eval(model(ids[-1:][None], cache=cache))  # a decode step through Steps.run

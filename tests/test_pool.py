@@ -291,6 +291,34 @@ def test_counting_pipelined_steps_together_counts_what_each_alone_would(steps):
     assert a._used == b._used and a._calls == b._calls and alone.reported == together.reported
 
 
+@given(st.integers(1, 40), st.integers(0, 2**32 - 1))
+@settings(max_examples=30, deadline=None)
+def test_counting_several_layers_at_once_counts_what_each_layer_alone_would(steps, seed):
+    """A drain counts every layer's deferred steps with one sort (layer.count_pulled_steps):
+    each layer's uses, pulls, counters and reports equal those of counting that layer alone,
+    over fewer steps than a report's and over several reports' worth."""
+    from expertd.client.layer import StepMode, StreamedLayer, count_pulled_steps
+
+    def layers():
+        out = []
+        for _ in range(3):
+            pool = new_pool("host", rows=8)
+            pool.place(np.arange(8, dtype=np.int32))
+            out.append(StreamedLayer(Reports(), StepMode(), 0, pool, [], 32))
+        return out
+
+    table = np.random.default_rng(seed).integers(-1, 16, size=(steps, 3, 8))
+    rows, experts = np.where(table < 8, table, -1), np.where(table >= 8, table, -1)
+    alone, together = layers(), layers()
+    for i, layer in enumerate(alone):
+        layer.after_pulled_steps(rows[:, i], experts[:, i])
+    count_pulled_steps(together, rows, experts)
+    for a, b in zip(alone, together):
+        assert (a.pool.uses == b.pool.uses).all() and (a.pool.pulls == b.pool.pulls).all()
+        assert a.pool.counters == b.pool.counters and a._used == b._used
+        assert a.session.pulled == b.session.pulled and a.session.reported == b.session.reported
+
+
 def _steps_table(steps: int, rows: int = 8) -> tuple:
     """``(rows, experts)`` of ``steps`` pipelined steps of 8 pairs on a pool of ``rows`` rows:
     row 0 hit in the even steps, expert 20 pulled in the odd ones, the other pairs hits on
