@@ -119,8 +119,9 @@ class StepCheck:
         if not promote:
             if stacks:  # a stack pulled each expert once: its other pairs count as none
                 firsts = experts.copy()
-                for _, part in stacks:
-                    firsts[part] = _first_only(experts[part])
+                for record, part in stacks:
+                    if isinstance(record.arrays, StackedRows):
+                        firsts[part] = _first_only(experts[part])
                 self._defer(stacks, rows, firsts)
             return None
         self.flush()
