@@ -1,6 +1,6 @@
 """What a decode step costs the host on a GPU, resident and streamed, and the CUDA graphs it makes.
 
-    PYTHONSAFEPATH=1 python bench/graph_probe.py [--small] [--steps 32] --out probe.json
+    PYTHONSAFEPATH=1 python bench/graph_probe.py [--small] [--steps 32] [--out probe.json]
 
 On the bench's model (gpu_pull.py's: pools 25%, the arena holding every expert, expertd's
 speculative step as its pipelined loop makes it): per decode step, the Python build, MLX's encode
@@ -114,7 +114,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent
+                        / "graph_probe.json")
     args = parser.parse_args()
 
     import mlx.core as mx
