@@ -299,23 +299,29 @@ def test_counting_several_layers_at_once_counts_what_each_layer_alone_would(step
     over fewer steps than a report's and over several reports' worth."""
     from expertd.client.layer import StepMode, StreamedLayer, count_pulled_steps
 
-    def layers():
+    def layers():  # layers of different pool rows and experts: one sort keeps them apart
         out = []
-        for _ in range(3):
-            pool = new_pool("host", rows=8)
-            pool.place(np.arange(8, dtype=np.int32))
-            out.append(StreamedLayer(Reports(), StepMode(), 0, pool, [], 32))
+        for rows, experts in ((8, 32), (12, 40), (10, 24)):
+            pool = new_pool("host", rows=rows, experts=experts)
+            pool.place(np.arange(rows, dtype=np.int32))
+            out.append(StreamedLayer(Reports(), StepMode(), 0, pool, [], experts))
         return out
 
-    table = np.random.default_rng(seed).integers(-1, 16, size=(steps, 3, 8))
-    rows, experts = np.where(table < 8, table, -1), np.where(table >= 8, table, -1)
+    rng = np.random.default_rng(seed)
     alone, together = layers(), layers()
+    rows, experts = np.full((steps, 3, 8), -1), np.full((steps, 3, 8), -1)
+    for i, layer in enumerate(alone):  # a pair hits a row (any of the pool's) or pulls an
+        kind = rng.random((steps, 8))  # expert the pool lacks, or is padding (-1 in both)
+        rows[:, i] = np.where(kind < 0.45, rng.integers(0, layer.pool.rows, (steps, 8)), -1)
+        experts[:, i] = np.where(kind > 0.55, rng.integers(layer.pool.rows, layer.num_experts,
+                                                           (steps, 8)), -1)
     for i, layer in enumerate(alone):
         layer.after_pulled_steps(rows[:, i], experts[:, i])
     count_pulled_steps(together, rows, experts)
     for a, b in zip(alone, together):
         assert (a.pool.uses == b.pool.uses).all() and (a.pool.pulls == b.pool.pulls).all()
         assert a.pool.counters == b.pool.counters and a._used == b._used
+        assert a._calls == b._calls
         assert a.session.pulled == b.session.pulled and a.session.reported == b.session.reported
 
 
