@@ -110,10 +110,10 @@ class StepCheck:
         # A decode's pulled calls (a row per pair) are counted with the deferred steps, all at
         # once (flush); a drain then promotes what it pulled. A prompt's or a batch's stack
         # pulled each expert once and promotes by its pairs (after_pull).
-        plain_pulls = [(r, part) for r, part in pulled
-                       if decoding(r.ids.shape) and not isinstance(r.arrays, StackedRows)]
-        stacks = [(r, part) for r, part in pulled
-                  if not decoding(r.ids.shape) or isinstance(r.arrays, StackedRows)]
+        plain_pulls, stacks = [], []
+        for r, part in pulled:
+            stacked = isinstance(r.arrays, StackedRows) or not decoding(r.ids.shape)
+            (stacks if stacked else plain_pulls).append((r, part))
         if plain_pulls:
             self._defer(plain_pulls, rows, experts)
         if not promote:
