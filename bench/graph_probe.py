@@ -9,7 +9,9 @@ step evaluated before the next (gpu_pull.py's split, without the profiler). On M
 the encode is where a host-bound step goes (bench/RESULTS.md); with MLX_SAVE_CUDA_GRAPHS_DOT_FILE
 set (MLX writes one file per committed CUDA graph), each phase's graphs and kernel nodes are
 counted too. Run it under MLX's CUDA environment switches (MLX_USE_CUDA_GRAPHS,
-MLX_MAX_OPS_PER_BUFFER, MLX_CUDA_GRAPH_CACHE_SIZE) to see what each does to both.
+MLX_MAX_OPS_PER_BUFFER, MLX_CUDA_GRAPH_CACHE_SIZE) to see what each does to both. With the CUDA
+puller, the streamed steps run once more with the step's statuses joined by mx.concatenate (a
+copy node a layer) instead of CudaPuller.join's one kernel.
 """
 
 import argparse
@@ -122,6 +124,7 @@ def main() -> None:
     import mlx_lm
 
     from expertd.client import load
+    from expertd.client.pull import Puller
 
     model_dir, blob_dir, m, all_gb, pool_gb = pull_model(args.small)
     resident, tokenizer = mlx_lm.load(str(model_dir))
@@ -136,6 +139,13 @@ def main() -> None:
             result["puller"] = session.puller.name if session.puller is not None else "none"
             result["streamed"] = streamed_steps(streamed, tokenizer, args.steps)
             result["streamed_again"] = streamed_steps(streamed, tokenizer, args.steps)
+            puller = session.puller
+            if puller is not None and type(puller).join is not Puller.join:
+                # The statuses joined as before CudaPuller.join: mx.concatenate, a copy node
+                # a layer in the step's CUDA graph.
+                puller.join = lambda parts: Puller.join(puller, parts)
+                result["streamed_concatenate"] = streamed_steps(streamed, tokenizer, args.steps)
+                del puller.join
         finally:
             session.close()
     result["resident_again"] = resident_steps(resident, tokenizer, args.steps)

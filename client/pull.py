@@ -40,6 +40,8 @@ from expertd.choices import PULL_MODES  # noqa: F401 (its users' name)
 from .backing import buffer_bytes, segment_bases
 from .pull_kernels import (
     input_names,
+    join_names,
+    join_source,
     kernel_params,
     kernel_source,
     max_windows,
@@ -137,6 +139,11 @@ class Puller:
     def rate_known(self) -> bool:
         """A pass was timed (see :meth:`timed`): the pull rate is known."""
         return self.counters["timed_bytes"] > 0
+
+    def join(self, parts: list):
+        """A step's statuses (1-D int32 arrays, lazy) as one array, for its check to read in
+        one transfer."""
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     def count(self, layer: int, rows: int) -> int:
         """``rows`` of ``layer`` pulled: counted; their bytes."""
@@ -287,6 +294,29 @@ class CudaPuller(_KernelPuller):
             raise RuntimeError(f"cudaHostGetDevicePointer failed: {err}")
         self.base = int(device)
         super().__init__(view, layers)
+        self._joins: dict = {}  # parts -> the join kernel
+        self._ends: dict = {}  # the parts' sizes -> their running ends on the device
+
+    def join(self, parts: list):
+        """:meth:`Puller.join` in one kernel (pull_kernels.join_source): a node of the step's
+        CUDA graph where ``mx.concatenate`` encodes a copy a part."""
+        if len(parts) == 1 or any(p.dtype != mx.int32 or p.ndim != 1 for p in parts):
+            return super().join(parts)
+        sizes = tuple(p.size for p in parts)
+        ends = self._ends.get(sizes)
+        if ends is None:
+            if len(self._ends) >= 64:  # a batch's sizes change as sequences come and go
+                self._ends.clear()
+            ends = self._ends[sizes] = mx.array(np.cumsum(sizes, dtype=np.int32))
+        kernel = self._joins.get(len(parts))
+        if kernel is None:
+            kernel = self._joins[len(parts)] = mx.fast.cuda_kernel(
+                name=f"expertd_join_{len(parts)}", input_names=join_names(len(parts)),
+                output_names=["out"], source=join_source(len(parts)))
+        total = sum(sizes)
+        return kernel(inputs=[ends, *parts], output_shapes=[(total,)],
+                      output_dtypes=[mx.int32], grid=(total, 1, 1),
+                      threadgroup=(min(total, 256), 1, 1))[0]
 
     def close(self) -> None:
         if self._host:

@@ -227,3 +227,21 @@ def window_starts(geometry, count: int, per: int) -> list:
 
 def output_names(n_segments: int) -> list:
     return [f"out{s}" for s in range(n_segments)] + ["status"]
+
+
+def join_source(parts: int) -> str:
+    """The body of the CUDA kernel that joins a step's ``parts`` statuses (int32 inputs
+    ``part0``.., ``ends`` their running ends) into ``out``, a thread an element. What
+    ``mx.concatenate`` does with a copy a part, each a node of the step's CUDA graph that MLX
+    encodes on the host (a decode step's host time is the bound on a GPU: bench/RESULTS.md),
+    in one node."""
+    lines = ["  const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);",  # past the end: none
+             "  if (i < ends[0]) out[i] = part0[i];"]
+    lines += [f"  else if (i < ends[{j}]) out[i] = part{j}[i - ends[{j - 1}]];"
+              for j in range(1, parts)]
+    return "\n".join(lines) + "\n"
+
+
+def join_names(parts: int) -> list:
+    """The join kernel's inputs (see :func:`join_source`)."""
+    return ["ends"] + [f"part{j}" for j in range(parts)]

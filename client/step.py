@@ -466,13 +466,18 @@ class Steps:
         return (self.speculation.mode != "off" and bool(self.layers)
                 and all(layer.pool.complete for layer in self.layers))
 
-    @staticmethod
-    def _flat(records: list) -> list:
+    def _flat(self, records: list) -> list:
         """What a step's check reads, lazy: the plain layers' ids, then the pulled ones'
-        statuses, each concatenated (see StepCheck.check)."""
+        statuses (joined by the puller: CudaPuller.join), each concatenated (see
+        StepCheck.check)."""
         ids = [r.ids.reshape(-1) for r in records if r.status is None]
         statuses = [r.status for r in records if r.status is not None]
-        return [mx.concatenate(part) for part in (ids, statuses) if part]
+        flat = [mx.concatenate(ids)] if ids else []
+        if statuses:
+            puller = self.session.puller
+            flat.append(puller.join(statuses) if puller is not None
+                        else mx.concatenate(statuses))
+        return flat
 
     def _count_replay(self, cause: str) -> None:
         counters = self.counters

@@ -26,6 +26,8 @@ from expertd.client.pull_kernels import (
     P_BASE,
     cuda_source,
     input_names,
+    join_names,
+    join_source,
     kernel_params,
     metal_source,
     metal_windows,
@@ -290,3 +292,52 @@ def based(params: np.ndarray, arena: np.ndarray, language: str) -> np.ndarray:
     params = params.copy()
     params[P_BASE] = arena.ctypes.data if language == "cuda" else 0
     return params
+
+
+JOIN = """
+static void body(const int32_t* ends, {parts}, int32_t* out) {{
+{source}
+}}
+
+void run(const int32_t* ends, const int32_t** parts, int32_t* out, int blocks, int threads) {{
+  for (int b = 0; b < blocks; b++) {{
+    blockIdx.x = b;
+    blockDim.x = threads;
+    for (int t = 0; t < threads; t++) {{
+      threadIdx.x = t;
+      body(ends, {part_args}, out);
+    }}
+  }}
+}}
+"""
+
+
+@pytest.mark.parametrize("sizes", [(8,) * 12, (3, 1, 7), (24, 8, 1, 16), (5,)])
+def test_the_join_kernel_concatenates_a_steps_statuses(tmp_path, sizes):
+    """CudaPuller.join's kernel (one node of a step's CUDA graph where mx.concatenate encodes a
+    copy a part) gives np.concatenate's array, run with more threads than elements (the
+    grid is rounded up to whole blocks) and touching nothing past the end."""
+    n = len(sizes)
+    assert join_names(n) == ["ends"] + [f"part{j}" for j in range(n)]
+    text = PRELUDE + JOIN.format(parts=", ".join(f"const int32_t* part{j}" for j in range(n)),
+                                 part_args=", ".join(f"parts[{j}]" for j in range(n)),
+                                 source=join_source(n))
+    (tmp_path / "join.c").write_text(text)
+    done = subprocess.run([compiler(), "-std=gnu11", "-O1", "-shared", "-fPIC", "-w", "-o",
+                           str(tmp_path / "join.so"), str(tmp_path / "join.c")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    run = ctypes.CDLL(str(tmp_path / "join.so")).run
+    run.restype = None
+    rng = np.random.default_rng(len(sizes))
+    parts = [rng.integers(-300, 300, size, dtype=np.int32) for size in sizes]
+    ends = np.cumsum(sizes, dtype=np.int32)
+    total = int(ends[-1])
+    out = np.full(total + 5, 99999, np.int32)  # five past the end: never written
+    threads = 4
+    ptr = ctypes.c_void_p
+    part_ptrs = (ptr * n)(*[p.ctypes.data for p in parts])
+    run(ptr(ends.ctypes.data), part_ptrs, ptr(out.ctypes.data),
+        ctypes.c_int(-(-total // threads) + 1), ctypes.c_int(threads))
+    assert (out[:total] == np.concatenate(parts)).all()
+    assert (out[total:] == 99999).all()
