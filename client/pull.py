@@ -300,9 +300,10 @@ class CudaPuller(_KernelPuller):
     def join(self, parts: list):
         """:meth:`Puller.join` in one kernel (pull_kernels.join_source): a node of the step's
         CUDA graph where ``mx.concatenate`` encodes a copy a part."""
-        if len(parts) == 1 or any(p.dtype != mx.int32 or p.ndim != 1 for p in parts):
-            return super().join(parts)
         sizes = tuple(p.size for p in parts)
+        if len(parts) == 1 or not sum(sizes) or any(p.dtype != mx.int32 or p.ndim != 1
+                                                    for p in parts):
+            return super().join(parts)
         ends = self._ends.get(sizes)
         if ends is None:
             if len(self._ends) >= 64:  # a batch's sizes change as sequences come and go

@@ -312,7 +312,7 @@ void run(const int32_t* ends, const int32_t** parts, int32_t* out, int blocks, i
 """
 
 
-@pytest.mark.parametrize("sizes", [(8,) * 12, (3, 1, 7), (24, 8, 1, 16), (5,)])
+@pytest.mark.parametrize("sizes", [(8,) * 12, (3, 1, 7), (24, 8, 1, 16), (3, 0, 5), (5,)])
 def test_the_join_kernel_concatenates_a_steps_statuses(tmp_path, sizes):
     """CudaPuller.join's kernel (one node of a step's CUDA graph where mx.concatenate encodes a
     copy a part) gives np.concatenate's array, run with more threads than elements (the
