@@ -11,7 +11,7 @@ set (MLX writes one file per committed CUDA graph), each phase's graphs and kern
 counted too. Run it under MLX's CUDA environment switches (MLX_USE_CUDA_GRAPHS,
 MLX_MAX_OPS_PER_BUFFER, MLX_CUDA_GRAPH_CACHE_SIZE) to see what each does to both. With the CUDA
 puller, the streamed steps run once more with the step's statuses joined by mx.concatenate (a
-copy node a layer) instead of CudaPuller.join's one kernel.
+copy node a layer) instead of CudaPuller.join's one kernel, between the first pass and the last.
 """
 
 import argparse
@@ -138,14 +138,20 @@ def main() -> None:
             read_every_expert(session)
             result["puller"] = session.puller.name if session.puller is not None else "none"
             result["streamed"] = streamed_steps(streamed, tokenizer, args.steps)
-            result["streamed_again"] = streamed_steps(streamed, tokenizer, args.steps)
             puller = session.puller
             if puller is not None and type(puller).join is not Puller.join:
                 # The statuses joined as before CudaPuller.join: mx.concatenate, a copy node
-                # a layer in the step's CUDA graph.
+                # a layer in the step's CUDA graph. Between two passes with the join, so
+                # that the pools' drift between passes is on both sides of it.
                 puller.join = lambda parts: Puller.join(puller, parts)
-                result["streamed_concatenate"] = streamed_steps(streamed, tokenizer, args.steps)
-                del puller.join
+                try:
+                    result["streamed_concatenate"] = streamed_steps(streamed, tokenizer,
+                                                                    args.steps)
+                finally:
+                    del puller.join
+                if session.puller is not puller:
+                    result["streamed_concatenate"]["puller_replaced"] = True
+            result["streamed_again"] = streamed_steps(streamed, tokenizer, args.steps)
         finally:
             session.close()
     result["resident_again"] = resident_steps(resident, tokenizer, args.steps)

@@ -294,30 +294,35 @@ class CudaPuller(_KernelPuller):
             raise RuntimeError(f"cudaHostGetDevicePointer failed: {err}")
         self.base = int(device)
         super().__init__(view, layers)
-        self._joins: dict = {}  # parts -> the join kernel
+        # One join kernel for any step of this model (NVRTC compiles it once): as wide as
+        # its MoE layers; a step of fewer pulled layers passes pads, parts that end where
+        # the last real one does, so that no thread reads them.
+        self._join = None
+        self._width = len(layers)
         self._ends: dict = {}  # the parts' sizes -> their running ends on the device
 
     def join(self, parts: list):
         """:meth:`Puller.join` in one kernel (pull_kernels.join_source): a node of the step's
         CUDA graph where ``mx.concatenate`` encodes a copy a part."""
         sizes = tuple(p.size for p in parts)
-        if len(parts) == 1 or not sum(sizes) or any(p.dtype != mx.int32 or p.ndim != 1
-                                                    for p in parts):
+        if len(parts) == 1 or len(parts) > self._width or not sum(sizes) or any(
+                p.dtype != mx.int32 or p.ndim != 1 for p in parts):
             return super().join(parts)
         ends = self._ends.get(sizes)
         if ends is None:
             if len(self._ends) >= 64:  # a batch's sizes change as sequences come and go
                 self._ends.clear()
-            ends = self._ends[sizes] = mx.array(np.cumsum(sizes, dtype=np.int32))
-        kernel = self._joins.get(len(parts))
-        if kernel is None:
-            kernel = self._joins[len(parts)] = mx.fast.cuda_kernel(
-                name=f"expertd_join_{len(parts)}", input_names=join_names(len(parts)),
-                output_names=["out"], source=join_source(len(parts)))
+            padded = sizes + (0,) * (self._width - len(parts))  # the pads end where all do
+            ends = self._ends[sizes] = mx.array(np.cumsum(padded, dtype=np.int32))
+        if self._join is None:
+            self._join = mx.fast.cuda_kernel(
+                name=f"expertd_join_{self._width}", input_names=join_names(self._width),
+                output_names=["out"], source=join_source(self._width))
         total = sum(sizes)
-        return kernel(inputs=[ends, *parts], output_shapes=[(total,)],
-                      output_dtypes=[mx.int32], grid=(total, 1, 1),
-                      threadgroup=(min(total, 256), 1, 1))[0]
+        pads = [parts[0]] * (self._width - len(parts))  # read by no thread (see ends)
+        return self._join(inputs=[ends, *parts, *pads], output_shapes=[(total,)],
+                          output_dtypes=[mx.int32], grid=(total, 1, 1),
+                          threadgroup=(min(total, 256), 1, 1))[0]
 
     def close(self) -> None:
         if self._host:

@@ -312,7 +312,11 @@ void run(const int32_t* ends, const int32_t** parts, int32_t* out, int blocks, i
 """
 
 
-@pytest.mark.parametrize("sizes", [(8,) * 12, (3, 1, 7), (24, 8, 1, 16), (3, 0, 5), (5,)])
+# A decode's twelve layers; a batch's uneven parts; a part of none between others; a step of
+# fewer pulled layers than the kernel's width, padded (CudaPuller.join: the pads end where the
+# last part does).
+@pytest.mark.parametrize("sizes", [(8,) * 12, (3, 1, 7), (24, 8, 1, 16), (3, 0, 5), (6, 2, 0, 0),
+                                   (5,)])
 def test_the_join_kernel_concatenates_a_steps_statuses(tmp_path, sizes):
     """CudaPuller.join's kernel (one node of a step's CUDA graph where mx.concatenate encodes a
     copy a part) gives np.concatenate's array, run with more threads than elements (the
