@@ -12,11 +12,7 @@
 #      passed there in 275 s on 2026-12-07).
 # Each part's output is under $OUT.
 set -u
-if [ "${INSTALLED:-0}" != 1 ]; then
-  bash /root/keep/a/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
-  tail -1 "$OUT/install.log"; echo "installed at ${SECONDS}s"
-fi
-export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_install.sh"
 mkdir -p "$OUT/dots"
 (cd bench && MLX_SAVE_CUDA_GRAPHS_DOT_FILE="$OUT/dots/g" timeout 150 python3 graph_probe.py \
   --steps 24 --out "$OUT/gp.json" > "$OUT/gp.log" 2>&1)

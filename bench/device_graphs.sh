@@ -6,11 +6,7 @@
 # under each of VARIANTS (space-separated; "default" or NAME=VALUE of MLX's environment), and
 # once with MLX_SAVE_CUDA_GRAPHS_DOT_FILE for the CUDA graphs' counts (DOTS=0 skips it).
 set -u
-if [ "${INSTALLED:-0}" != 1 ]; then
-  bash /root/keep/a/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
-  tail -1 "$OUT/install.log"; echo "installed at ${SECONDS}s"
-fi
-export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_install.sh"
 cd bench
 summary() {  # one line a phase: build / encode / wait / check ms, graphs and nodes a step
   python3 -c "

@@ -10,11 +10,7 @@
 # CUDA kernels for about 200 s; CASES=none then skips gpu_pull.py); a warm machine skips the
 # install when INSTALLED=1.
 set -u
-if [ "${INSTALLED:-0}" != 1 ]; then
-  bash /root/keep/a/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
-  tail -1 "$OUT/install.log"; echo "installed at ${SECONDS}s"
-fi
-export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_install.sh"
 if [ -n "${PROBE:-}" ]; then  # resident mlx-lm twice on a family's tiny model, e.g. PROBE=deepseek_v3
   timeout 330 python3 bench/resident_probe.py --family "$PROBE" > "$OUT/probe.log" 2>&1
   echo "probe rc=$? at ${SECONDS}s"; grep -v INFO "$OUT/probe.log" | cut -c1-300 | tail -12

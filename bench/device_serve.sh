@@ -11,11 +11,7 @@
 # BATCH=N first runs batch_cpu.py --gpu with N sequences (one process, side by side, compiled and
 # plain).
 set -u
-if [ "${INSTALLED:-0}" != 1 ]; then
-  bash /root/keep/a/install.sh > "$OUT/install.log" 2>&1 || { tail -5 "$OUT/install.log"; exit 1; }
-  tail -1 "$OUT/install.log"; echo "installed at ${SECONDS}s"
-fi
-export PYTHONPATH=/tmp/site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_install.sh"
 if [ "${TESTS:-0}" = 1 ]; then
   # shellcheck disable=SC2086  # TEST_ARGS is several words on purpose
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider \

@@ -305,7 +305,8 @@ class CudaPuller(_KernelPuller):
         """:meth:`Puller.join` in one kernel (pull_kernels.join_source): a node of the step's
         CUDA graph where ``mx.concatenate`` encodes a copy a part."""
         sizes = tuple(p.size for p in parts)
-        if len(parts) == 1 or len(parts) > self._width or not sum(sizes) or any(
+        total = sum(sizes)
+        if len(parts) == 1 or len(parts) > self._width or not total or any(
                 p.dtype != mx.int32 or p.ndim != 1 for p in parts):
             return super().join(parts)
         ends = self._ends.get(sizes)
@@ -318,7 +319,6 @@ class CudaPuller(_KernelPuller):
             self._join = mx.fast.cuda_kernel(
                 name=f"expertd_join_{self._width}", input_names=join_names(self._width),
                 output_names=["out"], source=join_source(self._width))
-        total = sum(sizes)
         pads = [parts[0]] * (self._width - len(parts))  # read by no thread (see ends)
         return self._join(inputs=[ends, *parts, *pads], output_shapes=[(total,)],
                           output_dtypes=[mx.int32], grid=(total, 1, 1),

@@ -107,7 +107,11 @@ def build(tmp_path, language: str, n_segments: int, vector: bool, windows: tuple
         pool_args=", ".join(f"(const uchar*)pools[{s}]" for s in segments),
         arena_args="".join(f"(const uchar*)arena[{i}], " for i in range(len(arena))),
         out_args=", ".join(f"(uchar*)outs[{s}]" for s in segments), source=source)
-    name = f"{language}_{n_segments}_{int(vector)}_{count}"
+    return compiled(tmp_path, f"{language}_{n_segments}_{int(vector)}_{count}", text)
+
+
+def compiled(tmp_path, name: str, text: str):
+    """The ``run`` entry of the C ``text``, compiled as a shared library under ``tmp_path``."""
     (tmp_path / f"{name}.c").write_text(text)
     done = subprocess.run([compiler(), "-std=gnu11", "-O1", "-shared", "-fPIC", "-w", "-o",
                            str(tmp_path / f"{name}.so"), str(tmp_path / f"{name}.c")],
@@ -326,13 +330,7 @@ def test_the_join_kernel_concatenates_a_steps_statuses(tmp_path, sizes):
     text = PRELUDE + JOIN.format(parts=", ".join(f"const int32_t* part{j}" for j in range(n)),
                                  part_args=", ".join(f"parts[{j}]" for j in range(n)),
                                  source=join_source(n))
-    (tmp_path / "join.c").write_text(text)
-    done = subprocess.run([compiler(), "-std=gnu11", "-O1", "-shared", "-fPIC", "-w", "-o",
-                           str(tmp_path / "join.so"), str(tmp_path / "join.c")],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    run = ctypes.CDLL(str(tmp_path / "join.so")).run
-    run.restype = None
+    run = compiled(tmp_path, "join", text)
     rng = np.random.default_rng(len(sizes))
     parts = [rng.integers(-300, 300, size, dtype=np.int32) for size in sizes]
     ends = np.cumsum(sizes, dtype=np.int32)
