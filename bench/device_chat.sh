@@ -6,8 +6,9 @@
 #   1. graph_probe.py: a decode step's host time (build, encode, check) resident and streamed,
 #      and streamed with the statuses joined by mx.concatenate instead of CudaPuller.join
 #      (MLX_SAVE_CUDA_GRAPHS_DOT_FILE set: the graph nodes a step encodes);
-#   2. the chat bar: gpu_pull.py's pooled-own (expertd's loop at pools 25%), ROUNDS rounds
-#      (default 5: its rounds ranged 0.70-0.92 on one code);
+#   2. the chat bar: gpu_pull.py's pooled-own (expertd's loop at pools 25%), ROUNDS rounds of
+#      TOKENS tokens (default 7 of 128: rounds of 32 tokens, about 0.1 s each, ranged 0.70-0.92
+#      on one code);
 #   3. with TESTS=1 and the time left, tests/test_prefill_whole.py on CUDA (6 of its 16 cases
 #      passed there in 275 s on 2026-12-07).
 # Each part's output is under $OUT.
@@ -25,8 +26,8 @@ for k, v in json.load(open(sys.argv[1])).items():
         print(k, {a: round(b, 3) for a, b in v.items()})
 PY
 left=$((560 - SECONDS))
-(cd bench && timeout "$left" python3 gpu_pull.py --cases pooled-own --rounds "${ROUNDS:-5}" \
-  --tokens 32 --out "$OUT/pull.json" > "$OUT/pull.log" 2>&1)
+(cd bench && timeout "$left" python3 gpu_pull.py --cases pooled-own --rounds "${ROUNDS:-7}" \
+  --tokens "${TOKENS:-128}" --out "$OUT/pull.json" > "$OUT/pull.log" 2>&1)
 echo "gpu_pull rc=$? at ${SECONDS}s"; grep "^| \|^- \|Error" "$OUT/pull.log" | tail -9
 left=$((580 - SECONDS))
 if [ "${TESTS:-0}" = 1 ] && [ "$left" -gt 40 ]; then
