@@ -9,7 +9,11 @@
 #   2. the chat bar: gpu_pull.py's pooled-own (expertd's loop at pools 25%), ROUNDS rounds of
 #      TOKENS tokens (default 7 of 128: rounds of 32 tokens, about 0.1 s each, ranged 0.70-0.92
 #      on one code);
-#   3. with TESTS=1 and the time left, tests/test_prefill_whole.py on CUDA (6 of its 16 cases
+#   3. unless GRAPHS_OFF=0, the chat bar again (3 rounds) with MLX_USE_CUDA_GRAPHS=0 for both
+#      models: graph_probe's encode fell from 4.93 to 3.28 ms a resident step without CUDA
+#      graphs on 2026-12-07, but that run wrote the graphs' DOT files, which the run without
+#      graphs did not;
+#   4. with TESTS=1 and the time left, tests/test_prefill_whole.py on CUDA (6 of its 16 cases
 #      passed there in 275 s on 2026-12-07).
 # Each part's output is under $OUT.
 set -u
@@ -25,10 +29,18 @@ for k, v in json.load(open(sys.argv[1])).items():
     if isinstance(v, dict) and "build_ms" in v:
         print(k, {a: round(b, 3) for a, b in v.items()})
 PY
-left=$((560 - SECONDS))
+left=$((420 - SECONDS))
 (cd bench && timeout "$left" python3 gpu_pull.py --cases pooled-own --rounds "${ROUNDS:-7}" \
   --tokens "${TOKENS:-128}" --out "$OUT/pull.json" > "$OUT/pull.log" 2>&1)
 echo "gpu_pull rc=$? at ${SECONDS}s"; grep "^| \|^- \|Error" "$OUT/pull.log" | tail -9
+left=$((560 - SECONDS))
+if [ "${GRAPHS_OFF:-1}" = 1 ] && [ "$left" -gt 120 ]; then
+  (cd bench && MLX_USE_CUDA_GRAPHS=0 timeout "$left" python3 gpu_pull.py --cases pooled-own \
+    --rounds 3 --tokens "${TOKENS:-128}" --out "$OUT/pull_nographs.json" \
+    > "$OUT/pull_nographs.log" 2>&1)
+  echo "gpu_pull without CUDA graphs rc=$? at ${SECONDS}s"
+  grep "^| \|^- \|Error" "$OUT/pull_nographs.log" | tail -9
+fi
 left=$((580 - SECONDS))
 if [ "${TESTS:-0}" = 1 ] && [ "$left" -gt 40 ]; then
   timeout "$left" python3 -m pytest -q -x -p no:cacheprovider tests/test_prefill_whole.py \
