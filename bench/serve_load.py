@@ -15,7 +15,10 @@ completion tokens per second are compared. Both servers batch (``--decode-concur
   expertd serve alone, 1 client and 8: aggregate at 8 ÷ at 1, the bytes the daemon read from
   the disk per generated token at 8 ÷ at 1 (bar ≤ 0.85: each read row serves several
   sequences), the union of experts a batch step routes to ÷ its pairs, and the aggregate ÷ the
-  disk bound (the blob files' O_DIRECT rate ÷ those bytes per token; bar ≥ 0.8).
+  disk bound (the blob files' O_DIRECT rate ÷ those bytes per token; bar ≥ 0.8). Case
+  ``capped-off`` runs it again with ``--speculate off``: each MoE layer waits for its rows,
+  and the next layer's guessed experts are read ahead meanwhile (client/predict.py), which a
+  speculative step cannot do.
 
 Each reply's text is compared with the other server's for the same request and round: the
 count of equal ones is reported (bit-exactness at equal batches is the suite's, on the CPU).
@@ -126,10 +129,11 @@ def prompts_for(clients: int, round_: int) -> list:
             f"the experts, {i} times over" for i in range(clients)]
 
 
-def serve_cmd(blob_dir, port: int, pool_gb: float, concurrency: int) -> list:
+def serve_cmd(blob_dir, port: int, pool_gb: float, concurrency: int,
+              speculate: str = "auto") -> list:
     return [sys.executable, "-m", "expertd", "serve", "--blobs", str(blob_dir), "--port",
             str(port), "--pool-gb", f"{pool_gb:.6f}", "--decode-concurrency", str(concurrency),
-            "--log-level", "WARNING"]
+            "--speculate", speculate, "--log-level", "WARNING"]
 
 
 def pooled_case(model_dir, blob_dir, all_gb, pool_gb, args, env) -> dict:
@@ -172,13 +176,15 @@ def pooled_case(model_dir, blob_dir, all_gb, pool_gb, args, env) -> dict:
     return out
 
 
-def capped_case(blob_dir, capped_gb, pool_gb, args, env) -> dict:
-    """arena 25%: expertd serve alone at 1 client and 8, bytes read per token."""
+def capped_case(blob_dir, capped_gb, pool_gb, args, env, speculate: str = "auto") -> dict:
+    """arena 25%: expertd serve alone at 1 client and 8, bytes read per token. ``speculate``
+    "off": every decode step waits in each MoE layer, where the next layer's guessed experts
+    are read ahead (client/predict.py) while this one's are read and computed."""
     out = {}
     with daemon(blob_dir, capped_gb):
         port = free_port()
-        ours = HttpServer(serve_cmd(blob_dir, port, pool_gb, 8), port,
-                          args.logs / "expertd-serve-capped.log", env)
+        ours = HttpServer(serve_cmd(blob_dir, port, pool_gb, 8, speculate), port,
+                          args.logs / f"expertd-serve-capped-{speculate}.log", env)
         try:
             for clients in (1, 8):
                 burst(ours, prompts_for(clients, -1), 8)
@@ -203,7 +209,8 @@ def capped_case(blob_dir, capped_gb, pool_gb, args, env) -> dict:
                                        **{f"{key}_per_step": moved[key] / steps
                                           for key in STEP_KEYS if key != "steps"}))
                 out[clients] = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
-                print(f"capped {clients} clients: {out[clients]}", flush=True)
+                print(f"capped (speculate {speculate}) {clients} clients: {out[clients]}",
+                      flush=True)
         finally:
             ours.close()
     from gpu_pull import disk_bound_gbps
@@ -223,10 +230,13 @@ def run(args) -> dict:
     args.logs.mkdir(parents=True, exist_ok=True)
     out = dict(model=spec, device=str(mx.default_device()), mlx=mx.__version__,
                tokens=args.tokens, rounds=args.rounds)
-    if "pooled" in args.cases:
+    cases = args.cases.split(",")
+    if "pooled" in cases:
         out["pooled"] = pooled_case(model_dir, blob_dir, all_gb, pool_gb, args, env)
-    if "capped" in args.cases:
+    if "capped" in cases:
         out["capped"] = capped_case(blob_dir, capped_gb, pool_gb, args, env)
+    if "capped-off" in cases:
+        out["capped_off"] = capped_case(blob_dir, capped_gb, pool_gb, args, env, "off")
     return out
 
 
@@ -257,38 +267,47 @@ def table(r: dict) -> str:
                      f"{statistics.median(x['mlx_tps'] for x in level['rounds']):.0f} tok/s) | "
                      f"{equal}/{total} | ≥ {BARS['pooled']} (target {BARS['target']}) | "
                      f"{'pass' if ratio >= BARS['pooled'] else 'FAIL'} |")
-    c = r.get("capped")
-    if c:
-        one, eight = c["1"] if "1" in c else c[1], c["8"] if "8" in c else c[8]
-        per = eight["bytes_per_token"] / one["bytes_per_token"] if one["bytes_per_token"] else 0
-        disk = c["disk_gbps"] * 1e9 / eight["bytes_per_token"] if eight["bytes_per_token"] \
-            else float("inf")
-        # The bound: the disk's, or resident mlx_lm.server's at 8 clients where that is lower
-        # (the pooled case's, when it ran).
-        levels = r.get("pooled", {}).get("levels", {})
-        level = levels.get("8", levels.get(8))
-        resident = (statistics.median(x["mlx_tps"] for x in level["rounds"]) if level
-                    else float("inf"))
-        bound = min(disk, resident)
-        lines += ["", "| arena 25% | 1 client | 8 clients | 8 ÷ 1 | target | verdict |",
-                  "| --- | --- | --- | --- | --- | --- |",
-                  f"| aggregate tok/s | {one['tps']:.1f} | {eight['tps']:.1f} | "
-                  f"{eight['tps'] / one['tps']:.2f} | | |",
-                  f"| disk bytes / token | {one['bytes_per_token'] / 2**20:.2f} MiB | "
-                  f"{eight['bytes_per_token'] / 2**20:.2f} MiB | {per:.2f} | ≤ {BARS['bytes']} | "
-                  f"{'pass' if per <= BARS['bytes'] else 'FAIL'} |",
-                  f"| union ÷ pairs of a batch step | | {eight['union_ratio']:.2f} | | | |",
-                  f"| aggregate ÷ min(resident at 8 clients {resident:.0f} tok/s, disk bound "
-                  f"{c['disk_gbps']:.2f} GB/s ÷ bytes/token = {disk:.0f} tok/s) | | "
-                  f"{eight['tps'] / bound:.2f} | | ≥ {BARS['disk']} | "
-                  f"{'pass' if eight['tps'] / bound >= BARS['disk'] else 'FAIL'} |"]
-        if "read_gbps" in eight:
-            lines.append("| read GB/s; replays (absent) and host waits a step | "
-                         + " | ".join(f"{x['read_gbps']:.2f}; {x['replays_per_step']:.2f} "
-                                      f"({x['replays_absent_per_step']:.2f}), "
-                                      f"{x['host_waits_per_step']:.2f}" for x in (one, eight))
-                         + " | | | |")
+    for key, name in (("capped", "arena 25%"),
+                      ("capped_off", "arena 25%, speculate off (waits per layer, reads ahead)")):
+        c = r.get(key)
+        if c:
+            lines += capped_table(r, c, name)
     return "\n".join(lines) + "\n"
+
+
+def capped_table(r: dict, c: dict, name: str) -> list:
+    """The rows of one arena-25% case (serve_load's capped_case)."""
+    lines = []
+    one, eight = c["1"] if "1" in c else c[1], c["8"] if "8" in c else c[8]
+    per = eight["bytes_per_token"] / one["bytes_per_token"] if one["bytes_per_token"] else 0
+    disk = c["disk_gbps"] * 1e9 / eight["bytes_per_token"] if eight["bytes_per_token"] \
+        else float("inf")
+    # The bound: the disk's, or resident mlx_lm.server's at 8 clients where that is lower
+    # (the pooled case's, when it ran).
+    levels = r.get("pooled", {}).get("levels", {})
+    level = levels.get("8", levels.get(8))
+    resident = (statistics.median(x["mlx_tps"] for x in level["rounds"]) if level
+                else float("inf"))
+    bound = min(disk, resident)
+    lines += ["", f"| {name} | 1 client | 8 clients | 8 ÷ 1 | target | verdict |",
+              "| --- | --- | --- | --- | --- | --- |",
+              f"| aggregate tok/s | {one['tps']:.1f} | {eight['tps']:.1f} | "
+              f"{eight['tps'] / one['tps']:.2f} | | |",
+              f"| disk bytes / token | {one['bytes_per_token'] / 2**20:.2f} MiB | "
+              f"{eight['bytes_per_token'] / 2**20:.2f} MiB | {per:.2f} | ≤ {BARS['bytes']} | "
+              f"{'pass' if per <= BARS['bytes'] else 'FAIL'} |",
+              f"| union ÷ pairs of a batch step | | {eight['union_ratio']:.2f} | | | |",
+              f"| aggregate ÷ min(resident at 8 clients {resident:.0f} tok/s, disk bound "
+              f"{c['disk_gbps']:.2f} GB/s ÷ bytes/token = {disk:.0f} tok/s) | | "
+              f"{eight['tps'] / bound:.2f} | | ≥ {BARS['disk']} | "
+              f"{'pass' if eight['tps'] / bound >= BARS['disk'] else 'FAIL'} |"]
+    if "read_gbps" in eight:
+        lines.append("| read GB/s; replays (absent) and host waits a step | "
+                     + " | ".join(f"{x['read_gbps']:.2f}; {x['replays_per_step']:.2f} "
+                                  f"({x['replays_absent_per_step']:.2f}), "
+                                  f"{x['host_waits_per_step']:.2f}" for x in (one, eight))
+                     + " | | | |")
+    return lines
 
 
 def main() -> None:
