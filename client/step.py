@@ -200,19 +200,20 @@ class Steps:
         """At most two speculative steps of ``tokens`` a sequence: their logits, or None once
         the step was replayed and must run per layer (its caches trimmed back). A second
         speculative step follows rows found absent from the arena, once demanded, and for a
-        ``prompt`` a lost epoch too. A decode step's are timed and judged (:class:`Speculation`);
-        it demands every layer's absent rows, a prompt only the first layer's that lacked any
-        (it routed on exact inputs; the layers after it routed on rows it did not have)."""
+        ``prompt`` a lost epoch too. A decode step's are timed and judged (:class:`Speculation`).
+        What is demanded is what the replay will route to (step_check.needed_absent): each
+        sequence's absent rows up to its first layer that lacked any (it routed on exact
+        inputs; the layers after it routed on rows it did not have)."""
         for attempt in SPECULATIVE_TRIES.tries():
             started = time.perf_counter()
             logits, cause, found = self._speculative_step(forward, inputs, args, kwargs)
-            # A pull that found its expert absent from the arena is a read from the disk the
-            # step had to wait for anyway, not a wrong guess: it does not count against
-            # speculating, and the step runs again without waits once the daemon has read it.
+            # A replay on rows absent from the arena counts against speculating as any other
+            # does: where the arena is too small for what the steps route to, each computes a
+            # step for nothing, and a step waiting per layer reads only what it routes to
+            # (run 28 on the H100, bench/RESULTS.md: 1.4 times the tokens at 8 clients).
             if not prompt:
                 self.speculation.timed(True, time.perf_counter() - started)
-                if cause != "absent":
-                    self.speculation.record(cause is not None)
+                self.speculation.record(cause is not None)
             if cause is None:
                 return logits
             self._count_replay(cause)
@@ -224,14 +225,14 @@ class Steps:
             # A client the daemon forgot (stopped past its client timeout) holds no epoch
             # record: attach again first, or the replay would be lost the same way.
             self.session.check_alive()
-            self.session.demand_absent_all([(layer.index, experts) for layer, experts
-                                            in (found.absent[:1] if prompt else found.absent)])
+            self.session.demand_absent_all([(layer.index, experts)
+                                            for layer, experts in found.absent])
         return None
 
     def _prompt(self, forward, inputs, args: tuple, kwargs: dict, cache, tokens: int):
         """A prompt's model call (``tokens`` a sequence): speculative where
         :meth:`_speculate_prompt` allows (one wait; replayed once so after a lost epoch, or
-        once the rows its first layer lacking any found absent from the arena were demanded;
+        once the rows each sequence's first layer lacking any found absent were demanded;
         a second replay runs it per layer), else waiting per layer, its logits lazy. A
         prompt that ran per layer so has the next PROMPT_RETRY prompts wait per layer."""
         if self._speculate_prompt(tokens, cache):
@@ -343,11 +344,10 @@ class Steps:
             self.speculation.timed(True, checked - self._settled)
         self._settled = checked if more else None
         cause, found = self._book(step.records, step.flat, lost, step.launched is not None,
-                                  promote=not more)
+                                  promote=not more, sequences=max(1, step.sequences))
         self.timing["step_wait_s"] += checked - waited
         self.timing["step_book_s"] += time.perf_counter() - checked
-        if cause != "absent":
-            self.speculation.record(cause is not None)
+        self.speculation.record(cause is not None)  # absent rows too (see _attempts)
         if cause is not None:
             self._settled = None
             if after is not None:
@@ -424,8 +424,9 @@ class Steps:
             if epoch is not None:
                 lost = epoch.end()  # every read of the step is done
         waited = time.perf_counter()
-        cause, found = self._book(records, flat, lost,
-                                  any(r.status is not None for r in records))
+        shape = token_shape(inputs, kwargs)  # the batch's rows: needed_absent's sequences
+        cause, found = self._book(records, flat, lost, any(r.status is not None for r in records),
+                                  sequences=math.prod(shape[:-1]) if len(shape) > 1 else 1)
         timing = self.timing
         timing["step_build_s"] += built - started
         timing["step_wait_s"] += waited - built
@@ -433,7 +434,7 @@ class Steps:
         return logits, cause, found
 
     def _book(self, records: list, flat: list, lost: bool, pulled: bool,
-              promote: bool = True) -> tuple:
+              promote: bool = True, sequences: int = 1) -> tuple:
         """A waited-for speculative step counted and checked (see StepCheck.check; ``lost``:
         its epoch was revoked): ``(cause, found)``. A good step that ``pulled`` moves
         :attr:`drains` on: checked with another step in flight (not ``promote``), a
@@ -443,8 +444,8 @@ class Steps:
         counters["speculative_steps"] += 1
         counters["pulled_steps"] += pulled
         found = Findings()
-        cause = "epoch" if lost else self.checks.check(records, found, *(np.array(f) for f in flat),
-                                                 promote=promote)
+        cause = "epoch" if lost else self.checks.check(
+            records, found, *(np.array(f) for f in flat), promote=promote, sequences=sequences)
         if cause is None and pulled:
             if promote:
                 self.drains.drained(found.promoted)

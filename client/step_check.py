@@ -43,12 +43,39 @@ def _rows(arrays: list) -> np.ndarray:
     return out
 
 
+def needed_absent(pulled: list, kinds: np.ndarray, experts: np.ndarray,
+                  sequences: int = 1) -> list:
+    """``[(layer, experts)]`` the arena lacked that a step's replay will route to, from the
+    step's decoded statuses (``pulled``: ``(record, slice)`` in layer order). Per sequence
+    (of ``sequences``, the batch's rows, each layer's pairs in row order), only those of its
+    layers up to the first where it met an absent row: from there on its rows held garbage,
+    and the layers after routed on it. Reading what they routed to would evict rows the
+    replay needs from an arena too small for them all (run 28 on the H100, bench/RESULTS.md:
+    twenty times the bytes a token of a step waiting per layer). A layer part that does not
+    split into the sequences counts as one sequence for all (its layers' after the first
+    absent one are then not demanded)."""
+    n = sequences if sequences > 1 and all(
+        (part.stop - part.start) % sequences == 0 for _, part in pulled) else 1
+    tainted = np.zeros(n, bool)  # the sequences that met an absent row in a layer before
+    out = []
+    for record, part in pulled:
+        absent = (kinds[part] == ABSENT).reshape(n, -1)
+        if not absent.any():
+            continue
+        lacked = experts[part].reshape(n, -1)[absent & ~tainted[:, None]]
+        if lacked.size:
+            out.append((record.layer, np.unique(lacked).astype(np.int32)))
+        tainted |= absent.any(axis=1)
+    return out
+
+
 @dataclass
 class Findings:
     """What a step's check found beside its cause: what a replay acts on (the (layer,
-    experts) the arena lacked, demanded once nothing in flight holds rows; the layer whose
-    pull differed from the host copy, whose puller is dropped), and what it promoted (a
-    drain's promotions set the next drain's interval)."""
+    experts) the arena lacked that the replay will route to (:func:`needed_absent`), demanded
+    once nothing in flight holds rows; the layer whose pull differed from the host copy,
+    whose puller is dropped), and what it promoted (a drain's promotions set the next
+    drain's interval)."""
 
     absent: list = field(default_factory=list)
     drifted: int | None = None
@@ -69,7 +96,7 @@ class StepCheck:
         self.deferred: list = []
 
     def check(self, records: list, found: Findings, *flat: np.ndarray,
-              promote: bool = True) -> str | None:
+              promote: bool = True, sequences: int = 1) -> str | None:
         """Why the speculative step must be replayed ("pool": an id missed its pool without a
         puller; "absent": a pulled expert had no ready row in the arena; "device": a pull
         differed from the host copy), what the replay acts on in ``found``, or None after the
@@ -77,7 +104,8 @@ class StepCheck:
         Without ``promote`` (a pipelined step, another in flight) the pulled layers' counting
         waits in ``deferred`` for the next step that promotes (:meth:`flush`): the pools do not
         change in between, so counting then decides what counting now would, but for the
-        order of the uses' decays against the counts (ExpertPool.count_steps)."""
+        order of the uses' decays against the counts (ExpertPool.count_steps). ``sequences``:
+        the step's batch rows, whose absent rows :func:`needed_absent` sorts out."""
         # Each layer's part of the concatenated ids / statuses (see _flat), in record order.
         plain = _parts([r for r in records if r.status is None])
         pulled = _parts([r for r in records if r.status is not None])
@@ -89,10 +117,7 @@ class StepCheck:
         if pulled:
             rows, experts, kinds = decode_status(flat.pop(0))  # every pulled layer at once
             if (kinds == ABSENT).any():
-                for record, part in pulled:
-                    lacked = experts[part][kinds[part] == ABSENT]
-                    if lacked.size:
-                        found.absent.append((record.layer, np.unique(lacked).astype(np.int32)))
+                found.absent = needed_absent(pulled, kinds, experts, sequences)
                 return "absent"
             found.drifted = self.drifted(pulled, kinds)
             if found.drifted is not None:

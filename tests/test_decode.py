@@ -332,3 +332,36 @@ def mlx_cache(model):
     from mlx_lm.models.cache import make_prompt_cache
 
     return make_prompt_cache(model)
+
+
+@pytest.mark.parametrize("loop", ["pipelined", "mlx-lm"])
+def test_replays_on_rows_absent_from_the_arena_count_against_speculating(
+        models, isolated_env, tmp_path, loop):
+    """A step replayed because rows were absent from the arena is told to Speculation as any
+    replay is (Steps.settle in expertd's loop, Steps.run in mlx-lm's and in a replay): where
+    the arena is too small for what the steps route to, auto's window then stops it, and
+    steps wait per layer, reading only the experts they route to. Speculating "on" here, so
+    that every step speculates; the tokens stay resident's."""
+    model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
+    ids = prompt(resident_model(model_dir).args.vocab_size)
+    want = reference(model_dir, ids)
+    with Daemon(blob_dir, isolated_env, *client_flags(blob_dir, ROWS_TINY, tmp_path / "s.json")):
+        model = load(blob_dir, pool_gb=pool_gb(blob_dir, 4), prefetch="off",
+                     pool_backing="device", pull="host", speculate="on")[0]
+        session = model.expertd_session
+        speculation = model.__dict__["_expertd_steps"].speculation
+        held, record = [], speculation.record
+
+        def recording(replayed: bool) -> None:  # what auto's window is told, passed on
+            held.append(replayed)
+            record(replayed)
+
+        speculation.record = recording
+        try:
+            run = pipelined_step if loop == "pipelined" else generate_step
+            assert_same(list(run(ids, model, max_tokens=TOKENS)), want)
+            c = session.counters
+            assert c["replays_absent"] > 0  # the case this test is about
+            assert sum(held) == c["replays"], (held, dict(c))
+        finally:
+            session.close()
