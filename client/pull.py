@@ -5,7 +5,7 @@ A *puller* gives a streamed layer the rows its router chose, in one primitive:
 and returns fresh arrays of one row per (token, slot) pair, hits copied from the pool and misses
 read from the daemon's arena, plus a status per pair (``>= 0``: the pool row it came from;
 ``-1 - 2e``: expert ``e`` read from the arena (PULLED); ``-2 - 2e``: the arena had no ready row
-for it (ABSENT), the pair's bytes are garbage and its step runs again). mlx-lm's ``gather_qmm``
+for it (ABSENT), the pair's bytes are zeros and its step runs again). mlx-lm's ``gather_qmm``
 / ``gather_mm`` then run on those arrays with ids ``0..n-1``, so the layer costs one primitive
 more than resident mlx-lm, whether or not it missed. A prompt's layer assembles a stack with a
 row for every expert the same way (Session.assemble_rows: ids in place, -1 for a row nobody

@@ -52,6 +52,7 @@ def _lookup_source(kind: str) -> str:
     if (row >= 0) {{
       {kind}[0] = 0;
     }} else if (e >= 0 && e < nexp) {{
+      {kind}[0] = 3;  // absent, unless a ready row is found below
       I64 layer = params[{P_LAYER}];
       int slot = ((ARENA int*)(arena + params[{P_SLOT_OF}]))[layer * nexp + e];
       if (slot >= 0 && slot < params[{P_N_ROWS}]) {{  // out of range: a client's scribble
@@ -70,6 +71,22 @@ def _lookup_source(kind: str) -> str:
       int code = (e >= 0 && e < nexp) ? (int)e : 0;
       status[p] = {kind}[0] == 0 ? row : ({kind}[0] == 1 ? -1 - 2 * code : -2 - 2 * code);
     }}"""
+
+
+def _zero_source(n_segments: int) -> str:
+    """Zero each segment of an absent pair's output row (grid-strided over the row's blocks):
+    the step computes on zeros, as on the host copy's, not on what the output's memory held.
+    A layer's output for that pair then lacks one expert's share, so the layers after it route
+    close to what the replay will route to (what the step's check demands, step_check.py),
+    where uninitialised bytes (NaN, huge values) would send them anywhere."""
+    return "".join(f"""
+    {{
+      I64 nb = params[{N_FIXED} + 2 * {s} + 1];
+      DST unsigned char* dst = ((DST unsigned char*)out{s}) + (I64)p * nb;
+      for (I64 i = first; i < nb; i += step) {{
+        dst[i] = 0;
+      }}
+    }}""" for s in range(n_segments))
 
 
 def _copy_source(n_segments: int, vector: bool, unit: str, row: str) -> str:
@@ -155,11 +172,15 @@ def kernel_source(language: str, n_segments: int, vector: bool,
 {_lookup_source("kind")}
   }}
   {t["barrier"]};
-  if (found[0] == 2) return;
-  const bool from_pool = found[0] == 0;
-  const I64 where = found[1];
+  if (found[0] == 2) return;  // an id out of range (a stack's row nobody reads): left alone
   const I64 first = (I64)chunk * {t["width"]} + {t["thread"]};
   const I64 step = (I64){t["groups"]} * {t["width"]};
+  if (found[0] == 3) {{  // absent from the arena: zeros
+{_zero_source(n_segments)}
+    return;
+  }}
+  const bool from_pool = found[0] == 0;
+  const I64 where = found[1];
 {_copy_source(n_segments, vector, "uint4" if vector else t["bytes"],
               _row_source(language, windows))}
 """

@@ -50,6 +50,10 @@ class Speculation:
     active: bool = True
     window_steps: int = 0
     window_replays: int = 0
+    # Replays on rows absent from the arena: reads the step would have waited for anyway, so
+    # they weigh in the cost (:meth:`pays`) but not in MAX_REPLAYS. Where the arena is too
+    # small for what the steps route to, they come at most steps, and the cost then decides.
+    window_absent: int = 0
     idle_steps: int = 0
     retry_after: int = RETRY_AFTER
     stopped: int = 0  # times auto stopped speculating
@@ -81,7 +85,7 @@ class Speculation:
         while either cost is unmeasured)."""
         if not (self.spec_s and self.layer_s) or self.window_steps < MIN_WINDOW:
             return True
-        rate = self.window_replays / self.window_steps
+        rate = (self.window_replays + self.window_absent) / self.window_steps
         return self.spec_s + rate * self.layer_s < self.layer_s
 
     def __post_init__(self):
@@ -134,13 +138,17 @@ class Speculation:
     def _probe_due(self, device: bool) -> bool:
         if self.mode != "auto" or not self.active or not self.spec_s or self.layer_s:
             return False
-        return self.window_replays > 0 if device else self.window_steps == PROBE_AT
+        return (self.window_replays + self.window_absent > 0 if device
+                else self.window_steps == PROBE_AT)
 
-    def record(self, replayed: bool) -> None:
+    def record(self, replayed: bool, absent: bool = False) -> None:
+        """A speculative decode step checked: ``replayed`` or not, and whether for rows absent
+        from the arena (``absent``: weighed in the cost alone, see :attr:`window_absent`)."""
         if replayed:
             self.shadow_hits = 0  # the host copy's next speculation waits for the shadow again
         self.window_steps += 1
-        self.window_replays += replayed
+        self.window_replays += replayed and not absent
+        self.window_absent += replayed and absent
         # Weighed on a replay, and at a window's end. A speculative step that costs as much as
         # waiting per layer (a CPU, where both cost compute) does not pay even without
         # replays: that is known once MIN_WINDOW steps are measured, and stops it then.
@@ -155,7 +163,7 @@ class Speculation:
         elif self.window_steps >= WINDOW:
             self.retry_after = RETRY_AFTER  # a window that paid: a later stop waits little
         if self.window_steps >= WINDOW or not self.active:
-            self.window_steps = self.window_replays = 0
+            self.window_steps = self.window_replays = self.window_absent = 0
 
 
 @dataclass

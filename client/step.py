@@ -207,13 +207,13 @@ class Steps:
         for attempt in SPECULATIVE_TRIES.tries():
             started = time.perf_counter()
             logits, cause, found = self._speculative_step(forward, inputs, args, kwargs)
-            # A replay on rows absent from the arena counts against speculating as any other
-            # does: where the arena is too small for what the steps route to, each computes a
-            # step for nothing, and a step waiting per layer reads only what it routes to
-            # (run 28 on the H100, bench/RESULTS.md: 1.4 times the tokens at 8 clients).
+            # A replay on rows absent from the arena is weighed in speculation's cost (not in
+            # its count of replays: the reads were the step's anyway): where the arena is too
+            # small for what the steps route to, each such step computes for nothing, and
+            # steps waiting per layer may cost less (run 28 on the H100, bench/RESULTS.md).
             if not prompt:
                 self.speculation.timed(True, time.perf_counter() - started)
-                self.speculation.record(cause is not None)
+                self.speculation.record(cause is not None, cause == "absent")
             if cause is None:
                 return logits
             self._count_replay(cause)
@@ -347,7 +347,7 @@ class Steps:
                                   promote=not more, sequences=max(1, step.sequences))
         self.timing["step_wait_s"] += checked - waited
         self.timing["step_book_s"] += time.perf_counter() - checked
-        self.speculation.record(cause is not None)  # absent rows too (see _attempts)
+        self.speculation.record(cause is not None, cause == "absent")  # see _attempts
         if cause is not None:
             self._settled = None
             if after is not None:

@@ -48,12 +48,15 @@ def needed_absent(pulled: list, kinds: np.ndarray, experts: np.ndarray,
     """``[(layer, experts)]`` the arena lacked that a step's replay will route to, from the
     step's decoded statuses (``pulled``: ``(record, slice)`` in layer order). Per sequence
     (of ``sequences``, the batch's rows, each layer's pairs in row order), only those of its
-    layers up to the first where it met an absent row: from there on its rows held garbage,
-    and the layers after routed on it. Reading what they routed to would evict rows the
-    replay needs from an arena too small for them all (run 28 on the H100, bench/RESULTS.md:
-    twenty times the bytes a token of a step waiting per layer). A layer part that does not
-    split into the sequences counts as one sequence for all (its layers' after the first
-    absent one are then not demanded)."""
+    layers up to the first where it met an absent row: from there on it computed without
+    that expert's share (its rows zeros), and the layers after routed on that. What they routed
+    to is a guess at the replay's, and reading a wrong guess evicts rows the replay needs from
+    an arena too small for them all: on this CPU, a batch of 8 read 1.6 times the bytes a
+    token demanding every layer's (bench/absent_reads.py); on the H100, where the device's
+    pull left such rows uninitialised, 8 clients read twenty times the bytes of steps waiting
+    per layer (run 28, bench/RESULTS.md). A layer part that does not split into the sequences
+    counts as one sequence for all (its layers' after the first absent one are then not
+    demanded)."""
     n = sequences if sequences > 1 and all(
         (part.stop - part.start) % sequences == 0 for _, part in pulled) else 1
     tainted = np.zeros(n, bool)  # the sequences that met an absent row in a layer before

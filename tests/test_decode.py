@@ -335,13 +335,13 @@ def mlx_cache(model):
 
 
 @pytest.mark.parametrize("loop", ["pipelined", "mlx-lm"])
-def test_replays_on_rows_absent_from_the_arena_count_against_speculating(
+def test_replays_on_rows_absent_from_the_arena_are_told_to_speculation(
         models, isolated_env, tmp_path, loop):
-    """A step replayed because rows were absent from the arena is told to Speculation as any
-    replay is (Steps.settle in expertd's loop, Steps.run in mlx-lm's and in a replay): where
-    the arena is too small for what the steps route to, auto's window then stops it, and
-    steps wait per layer, reading only the experts they route to. Speculating "on" here, so
-    that every step speculates; the tokens stay resident's."""
+    """Every replay of a decode step is told to Speculation, one on rows absent from the arena
+    as such (Steps.settle in expertd's loop, Steps.run in mlx-lm's and in a replay): auto
+    weighs those in its cost, so that where the arena is too small for what the steps route
+    to it may stop for steps that wait per layer. Speculating "on" here, so that every step
+    speculates; the tokens stay resident's."""
     model_dir, blob_dir = routed_model(models, "qwen3_moe", "affine", 4)
     ids = prompt(resident_model(model_dir).args.vocab_size)
     want = reference(model_dir, ids)
@@ -350,11 +350,11 @@ def test_replays_on_rows_absent_from_the_arena_count_against_speculating(
                      pool_backing="device", pull="host", speculate="on")[0]
         session = model.expertd_session
         speculation = model.__dict__["_expertd_steps"].speculation
-        held, record = [], speculation.record
+        told, record = [], speculation.record
 
-        def recording(replayed: bool) -> None:  # what auto's window is told, passed on
-            held.append(replayed)
-            record(replayed)
+        def recording(replayed: bool, absent: bool = False) -> None:  # passed on as it came
+            told.append((replayed, absent))
+            record(replayed, absent)
 
         speculation.record = recording
         try:
@@ -362,6 +362,7 @@ def test_replays_on_rows_absent_from_the_arena_count_against_speculating(
             assert_same(list(run(ids, model, max_tokens=TOKENS)), want)
             c = session.counters
             assert c["replays_absent"] > 0  # the case this test is about
-            assert sum(held) == c["replays"], (held, dict(c))
+            assert sum(r for r, _ in told) == c["replays"], (told, dict(c))
+            assert sum(r and a for r, a in told) == c["replays_absent"], (told, dict(c))
         finally:
             session.close()

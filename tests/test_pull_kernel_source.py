@@ -81,6 +81,7 @@ void run(const int32_t* ids, const int32_t* table, const int64_t* params, void**
 
 THREADS = 8  # a few threads a block (the device's 512 only make the loop longer)
 LAYER = 1
+JUNK = 0xCD  # what a fresh output buffer holds, in these tests
 
 
 def compiler() -> str:
@@ -123,10 +124,11 @@ def compiled(tmp_path, name: str, text: str):
 
 
 def launch(run, ids, table, params, pools, nbytes, arena: list):
-    """One pull: outputs (zeroed first, so rows a kernel leaves alone show) and statuses.
-    ``arena``: the addresses of Metal's arena inputs (none for CUDA)."""
+    """One pull: outputs (filled with JUNK first, as a fresh buffer may hold anything: rows a
+    kernel leaves alone show) and statuses. ``arena``: the addresses of Metal's arena inputs
+    (none for CUDA)."""
     n = len(ids)
-    outs = [np.zeros((n, nb), np.uint8) for nb in nbytes]
+    outs = [np.full((n, nb), JUNK, np.uint8) for nb in nbytes]
     status = np.full(n, 12345, np.int32)
     ptr = ctypes.c_void_p
     pool_ptrs = (ptr * len(pools))(*[p.ctypes.data for p in pools])
@@ -260,9 +262,12 @@ def test_the_pull_kernels_take_ready_rows_and_refuse_every_other(live_arena, tmp
         if 0 <= e < a["n_experts"] and table[e] >= 0:  # a hit: the pool's row, its number
             assert rows[i] == table[e]
             assert all((g == p[table[e]]).all() for g, p in zip(got, pools)), e
-        elif e in spoilt or not 0 <= e < a["n_experts"]:  # absent: flagged, left alone
-            assert status[i] == -2 - 2 * (e if 0 <= e < a["n_experts"] else 0), (e, spoilt.get(e))
-            assert not any(g.any() for g in got), (e, spoilt.get(e))
+        elif e in spoilt:  # absent: flagged, its rows zeros (the layers after route on them)
+            assert status[i] == -2 - 2 * e, (e, spoilt[e])
+            assert not any(g.any() for g in got), (e, spoilt[e])
+        elif not 0 <= e < a["n_experts"]:  # a row nobody reads: flagged, left alone
+            assert status[i] == -2, e
+            assert all((g == JUNK).all() for g in got), e
         else:  # pulled: the arena's row, as the host copy read it
             assert status[i] == -1 - 2 * e and experts[i] == e
             assert all((g == h).all() for g, h in zip(got, a["host_rows"][e])), e

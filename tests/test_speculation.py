@@ -139,6 +139,48 @@ def test_auto_weighs_replays_against_the_waits_they_save():
     assert fast.active and fast.stopped == 0
 
 
+def test_replays_on_absent_rows_weigh_in_the_cost_but_not_the_count():
+    """A replay on rows absent from the arena: the reads were the step's anyway, so it does not
+    count towards MAX_REPLAYS, but the step computed for nothing, so it weighs in the cost.
+    Where the arena is too small for what the steps route to (most steps replayed), auto stops
+    once waiting per layer was measured to cost less; where waiting per layer costs far more,
+    it speculates on however often rows are absent."""
+    def run(layer_s: float) -> Speculation:
+        auto = Speculation("auto")
+        auto.timed(True, 1.0)
+        wanted = auto.wanted(device=True)
+        assert wanted
+        auto.record(True, absent=True)  # rows absent: the next step waits per layer, once
+        assert not auto.wanted(device=True) and auto.window_replays == 0
+        auto.timed(False, layer_s)
+        for _ in range(MAX_REPLAYS + 3):  # every step replayed on absent rows
+            if not (auto.active and auto.wanted(device=True)):
+                break
+            auto.record(True, absent=True)
+        return auto
+
+    slow = run(layer_s=1.5)  # 1.0 + 1.0 * 1.5 > 1.5: speculating costs more
+    assert not slow.active and slow.stopped_by_cost == 1
+    fast = run(layer_s=30.0)  # 1.0 + 1.0 * 30 > 30 as well: every step replayed never pays
+    assert not fast.active
+    some = Speculation("auto")  # a third of the steps replayed on absent rows, waits costly
+    some.timed(True, 1.0)
+    some.timed(False, 4.0)  # 1.0 + 0.33 * 4.0 < 4.0
+    replayed = [step % 3 == 0 for step in range(WINDOW)]
+    assert sum(replayed) > MAX_REPLAYS  # a window's worth that the count would stop at
+    for _ in range(3):
+        for r in replayed:
+            assert some.wanted(device=True)
+            some.record(r, absent=True)
+    assert some.active and some.stopped == 0
+    counted = Speculation("auto")  # the same replays of another cause: the count stops it
+    counted.timed(True, 1.0)
+    counted.timed(False, 4.0)
+    for r in replayed:
+        counted.record(r)
+    assert not counted.active and counted.stopped_by_cost == 0
+
+
 def test_a_device_puller_waits_per_layer_only_once_a_step_was_replayed():
     """The per-layer probe costs a wait per MoE layer (12 on the bench's model: 0.11 of a wait
     per token over 96 tokens, measured on an H100). A device puller's speculative step never
