@@ -289,6 +289,7 @@ class ExpertdHandler(APIHandler):
             self.response_generator.settle()
 
     def _fail_midway(self, status: int, message: str, code: str | None = None) -> None:
+        self.response_generator.settle()  # ended: counted before the client hears of it
         if self.stream:  # the 200 is sent: end the stream with an error event
             body = json.dumps(error_object(status, message, code))
             self.wfile.write(f"data: {body}\n\n".encode())
@@ -305,22 +306,22 @@ class ExpertdHandler(APIHandler):
             self._send(503, "application/json", json.dumps(body).encode())
 
     def send_response(self, code, message=None):
+        """The status line, queued. A completion request refused before it reached the
+        generator (a body that is no JSON, a parameter refused, no key, the daemon gone)
+        counts as a request and an error here, before its reply can reach the client, so
+        that a /metrics read after the reply counts it (the generator counts the others)."""
+        if (code >= 400 and self.command == "POST" and getattr(self, "_status", None) is None
+                and route(self) in COMPLETION_PATHS and not self.response_generator.arrived()):
+            self.server.counters.add(requests=1, errors=1)
         self._status = code
         super().send_response(code, message)
 
     def do_POST(self):
-        """mlx-lm's POST; a completion request refused before it reached the generator (a
-        body that is no JSON, a parameter refused, no key, the daemon gone) counts as a
-        request and an error (the generator counts the others)."""
+        """mlx-lm's POST (refusals counted as :meth:`send_response` says)."""
         self._status = None
         self.response_generator.begin()
-        try:
-            if authorized(self, self.server.api_key, self._set_cors_headers):
-                super().do_POST()
-        finally:
-            if ((self._status or 0) >= 400 and not self.response_generator.arrived()
-                    and route(self) in COMPLETION_PATHS):
-                self.server.counters.add(requests=1, errors=1)
+        if authorized(self, self.server.api_key, self._set_cors_headers):
+            super().do_POST()
 
     def do_GET(self):
         if not authorized(self, self.server.api_key, self._set_cors_headers):
