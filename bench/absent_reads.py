@@ -4,10 +4,11 @@
                                                   [--results]
 
 An arena of a quarter of the experts (a model larger than its cache) and pools of a quarter:
-a speculative step that met a row absent from the arena ran the layers after it on garbage,
-and what they routed to is not what its replay needs. Each way below gets a fresh daemon and
-the same requests, decoded by mlx-lm's ``batch_generate`` on the streamed model (what serve's
-``BatchGenerator`` runs), ``--batch`` sequences at a time:
+a speculative step that met a row absent from the arena ran the layers after it without that
+expert's share (zeros), and what they routed to is only a guess at what its replay needs.
+Each way below gets a fresh daemon and the same requests, decoded by mlx-lm's
+``batch_generate`` on the streamed model (what serve's ``BatchGenerator`` runs), ``--batch``
+sequences at a time:
 
 - **speculative, demanding what the replay routes to** (``step_check.needed_absent``: each
   sequence's absent rows up to its first layer that lacked any; since 2026-12-08);

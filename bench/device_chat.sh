@@ -29,17 +29,14 @@ for k, v in json.load(open(sys.argv[1])).items():
     if isinstance(v, dict) and "build_ms" in v:
         print(k, {a: round(b, 3) for a, b in v.items()})
 PY
-left=$((420 - SECONDS))
-(cd bench && timeout "$left" python3 gpu_pull.py --cases pooled-own --rounds "${ROUNDS:-7}" \
-  --tokens "${TOKENS:-128}" --out "$OUT/pull.json" > "$OUT/pull.log" 2>&1)
-echo "gpu_pull rc=$? at ${SECONDS}s"; grep "^| \|^- \|Error" "$OUT/pull.log" | tail -9
-left=$((560 - SECONDS))
-if [ "${GRAPHS_OFF:-1}" = 1 ] && [ "$left" -gt 120 ]; then
-  (cd bench && MLX_USE_CUDA_GRAPHS=0 timeout "$left" python3 gpu_pull.py --cases pooled-own \
-    --rounds 3 --tokens "${TOKENS:-128}" --out "$OUT/pull_nographs.json" \
-    > "$OUT/pull_nographs.log" 2>&1)
-  echo "gpu_pull without CUDA graphs rc=$? at ${SECONDS}s"
-  grep "^| \|^- \|Error" "$OUT/pull_nographs.log" | tail -9
+chat_bar() {  # NAME ROUNDS UNTIL (seconds into the script), in the environment given
+  (cd bench && timeout $(($3 - SECONDS)) python3 gpu_pull.py --cases pooled-own --rounds "$2" \
+    --tokens "${TOKENS:-128}" --out "$OUT/$1.json" > "$OUT/$1.log" 2>&1)
+  echo "$1 rc=$? at ${SECONDS}s"; grep "^| \|^- \|Error" "$OUT/$1.log" | tail -9
+}
+chat_bar pull "${ROUNDS:-7}" 420
+if [ "${GRAPHS_OFF:-1}" = 1 ] && [ $((560 - SECONDS)) -gt 120 ]; then
+  MLX_USE_CUDA_GRAPHS=0 chat_bar pull_nographs 3 560
 fi
 left=$((580 - SECONDS))
 if [ "${TESTS:-0}" = 1 ] && [ "$left" -gt 40 ]; then

@@ -116,13 +116,13 @@ def one_case(name, blob_dir, resident, tokenizer, ids, cache_gb, pool_gb, pull, 
         mx.clear_cache()
     steps = max(1, counts["steps"])
     res, st = statistics.median(runs["res_tps"]), statistics.median(runs["st_tps"])
+    ratios = [s / r for s, r in zip(runs["st_tps"], runs["res_tps"])]
     return dict(case=name, pull=pull, puller=puller, cache_gb=cache_gb, pool_gb=pool_gb,
                 resident_tps=res, streamed_tps=st, ratio=st / res,
-                ratios=[s / r for s, r in zip(runs["st_tps"], runs["res_tps"])],
+                ratios=ratios,
                 # The median of the rounds' own ratios: each round's two decodes ran back to
                 # back, so a slow moment of the machine touches both sides of one ratio.
-                paired_ratio=statistics.median(s / r for s, r in zip(runs["st_tps"],
-                                                                      runs["res_tps"])),
+                paired_ratio=statistics.median(ratios),
                 ttft_ratio=statistics.median(s / r for s, r in zip(runs["st_ttft"],
                                                                    runs["res_ttft"])),
                 resident_ttft_s=statistics.median(runs["res_ttft"]),

@@ -2,12 +2,20 @@
 whether a replay can trim its caches back exactly, the trim itself, and whether a speculative
 call's stacks fit in memory (step.py, batch.py and decode.py use them)."""
 
+import math
+
 
 def token_shape(inputs, kwargs: dict) -> tuple:
     """The shape of a model call's tokens: its ids', or its input embeddings' less their last
     axis where it passes those (mlx-lm's models then take ids of size 0)."""
     embeddings = kwargs.get("input_embeddings")
     return tuple(embeddings.shape[:-1] if embeddings is not None else inputs.shape)
+
+
+def sequences_of(shape: tuple) -> int:
+    """The sequences (batch rows) of a model call's tokens of ``shape`` (:func:`token_shape`):
+    one for a call of one sequence's tokens alone."""
+    return math.prod(shape[:-1]) if len(shape) > 1 else 1
 
 
 def stacks_fit(stack_bytes: int, free: int | None) -> bool:

@@ -76,9 +76,10 @@ def _lookup_source(kind: str) -> str:
 def _zero_source(n_segments: int) -> str:
     """Zero each segment of an absent pair's output row (grid-strided over the row's blocks):
     the step computes on zeros, as on the host copy's, not on what the output's memory held.
-    A layer's output for that pair then lacks one expert's share, so the layers after it route
-    close to what the replay will route to (what the step's check demands, step_check.py),
-    where uninitialised bytes (NaN, huge values) would send them anywhere."""
+    A layer's output for that pair then lacks one expert's share and stays finite, and the
+    layers after it route near where the replay will (fewer distinct experts pulled), where
+    uninitialised bytes (NaN, huge values) would send them anywhere. The step is replayed
+    either way; its check demands none of those later layers' experts (step_check.py)."""
     return "".join(f"""
     {{
       I64 nb = params[{N_FIXED} + 2 * {s} + 1];

@@ -177,10 +177,11 @@ class Session(Attachment):
         self.demand_absent_all([(layer, experts)])
 
     def demand_absent_all(self, groups: list) -> None:
-        """:meth:`demand_absent` of every ``(layer, experts)`` of ``groups`` at once (what a
-        step found absent in all its layers): the daemon reads them all in parallel, and this
-        waits for the lot. Each group is split by the daemon's demand limit, and at most
-        DEMANDS_AT_ONCE demands wait at a time (half the daemon's queue for one client).
+        """:meth:`demand_absent` of every ``(layer, experts)`` of ``groups`` at once (of what a
+        step found absent, what its replay will route to: step_check.needed_absent): the
+        daemon reads them all in parallel, and this waits for the lot. Each group is split by
+        the daemon's demand limit, and at most DEMANDS_AT_ONCE demands wait at a time (half
+        the daemon's queue for one client).
 
         A daemon whose queues are full answers BUSY: its queue for all clients together
         (256 demands) fills when many clients wait for rows at once. The rest then go one

@@ -44,7 +44,7 @@ import numpy as np
 from expertd.retry import RetryPolicy
 
 from .counters import REPLAY_CAUSES, new_step_counters, new_step_timing
-from .kvcache import replayable, stacks_fit, token_shape, trim
+from .kvcache import replayable, sequences_of, stacks_fit, token_shape, trim
 from .layer import DECODE_IDS, StepMode
 from .pool import free_memory
 from .speculation import Drains, Speculation
@@ -320,13 +320,13 @@ class Steps:
     def settle(self, step: Launched, after: Launched | None = None) -> str | None:
         """Check a launched step (the wait for its ids or statuses): None when its logits are
         exact, its bookkeeping done; else why it must be replayed, with ``after`` (the step
-        launched on its token) abandoned and then the experts the arena lacked demanded (the
-        daemon may have to evict for them, and ``after``'s epoch would hold those rows). With
-        ``after`` pulling, the epoch record advances by two and stays odd, and pulled experts
-        are counted but not promoted (a promotion rewrites a pool the step in flight reads).
-        A pulled step that was not replayed moves :attr:`drains` on: settled with ``after``
-        pulling, a pipelined one; without, a drain (what it promoted sets the next
-        interval)."""
+        launched on its token) abandoned and then the experts the arena lacked that the replay
+        will route to demanded (step_check.needed_absent; the daemon may have to evict for
+        them, and ``after``'s epoch would hold those rows). With ``after`` pulling, the epoch
+        record advances by two and stays odd, and pulled experts are counted but not promoted
+        (a promotion rewrites a pool the step in flight reads). A pulled step that was not
+        replayed moves :attr:`drains` on: settled with ``after`` pulling, a pipelined one;
+        without, a drain (what it promoted sets the next interval)."""
         if step.records is None:
             return None
         more = after is not None and after.launched is not None
@@ -424,9 +424,8 @@ class Steps:
             if epoch is not None:
                 lost = epoch.end()  # every read of the step is done
         waited = time.perf_counter()
-        shape = token_shape(inputs, kwargs)  # the batch's rows: needed_absent's sequences
         cause, found = self._book(records, flat, lost, any(r.status is not None for r in records),
-                                  sequences=math.prod(shape[:-1]) if len(shape) > 1 else 1)
+                                  sequences=sequences_of(token_shape(inputs, kwargs)))
         timing = self.timing
         timing["step_build_s"] += built - started
         timing["step_wait_s"] += waited - built
@@ -492,7 +491,7 @@ class Steps:
         returned (0 for a call that is no decode step)."""
         if not shape or shape[-1] != 1:
             return 0
-        sequences = math.prod(shape)
+        sequences = sequences_of(shape)
         counters = self.counters
         counters["decode_tokens"] += sequences
         counters["batch_steps"] += sequences > 1
@@ -512,7 +511,7 @@ class Steps:
         if self.pipeline or not self.layers or not self.speculation.wanted(
                 device=puller is not None and puller.traceable, replays_misses=puller is None):
             return False
-        if puller is not None and len(shape) > 1 and math.prod(shape[:-1]) > 1 \
+        if puller is not None and sequences_of(shape) > 1 \
                 and not self._batch_fits(math.prod(shape) * self._top_k):
             return False
         return cache is None or replayable(cache, depth * shape[-1])

@@ -144,7 +144,7 @@ def test_replays_on_absent_rows_weigh_in_the_cost_but_not_the_count():
     count towards MAX_REPLAYS, but the step computed for nothing, so it weighs in the cost.
     Where the arena is too small for what the steps route to (most steps replayed), auto stops
     once waiting per layer was measured to cost less; where waiting per layer costs far more,
-    it speculates on however often rows are absent."""
+    it speculates on while rows are absent at a rate that still pays, even past MAX_REPLAYS."""
     def run(layer_s: float) -> Speculation:
         auto = Speculation("auto")
         auto.timed(True, 1.0)

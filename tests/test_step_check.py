@@ -1,9 +1,10 @@
 """What a replay demands (client/step_check.needed_absent): only the experts it will route to.
 
 A step's statuses say, per layer and pair, which experts the arena lacked. A sequence that met
-an absent row computed on garbage from that layer on, and its later layers routed on it: their
-absent experts are not the replay's, and reading them would evict rows the replay needs from an
-arena too small for them all. Pure logic over the decoded statuses.
+an absent row computed without that expert's share from that layer on, and its later layers
+routed on that: their absent experts are a guess at the replay's, and reading a wrong guess
+evicts rows the replay needs from an arena too small for them all. Pure logic over the decoded
+statuses.
 """
 
 import numpy as np
@@ -32,7 +33,7 @@ def demanded(layers: list, sequences: int) -> dict:
 
 def test_a_sequence_demands_up_to_its_first_layer_that_lacked_a_row():
     # Two sequences, two pairs each a layer. Sequence 0 lacks expert 5 in layer 0, then routes
-    # on garbage: its absent 7 (layer 1) and 9 (layer 2) are not demanded. Sequence 1 is exact
+    # without it: its absent 7 (layer 1) and 9 (layer 2) are not demanded. Sequence 1 is exact
     # until layer 1, where it lacks 3 and 4 (and pulls 6): demanded; its 8 in layer 2 is not.
     layers = [
         [(5, ABSENT), (1, HIT), (2, HIT), (6, PULLED)],
